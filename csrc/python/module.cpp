@@ -1,0 +1,82 @@
+// verispec._C: the private native module. The public API is python/verispec.
+#include <dlpack/dlpack.h>
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+#include "bindings.h"
+#include "verispec/errors.h"
+#ifdef VERISPEC_WITH_CUDA
+#include "verispec/device.h"
+#endif
+
+#ifndef VERISPEC_VERSION
+#define VERISPEC_VERSION "0.0.0+unknown"
+#endif
+#ifndef VERISPEC_CUDA_ARCHITECTURES
+#define VERISPEC_CUDA_ARCHITECTURES ""
+#endif
+
+namespace py = pybind11;
+
+namespace verispec {
+
+void register_errors(py::module_& m) {
+  static py::exception<CacheFullError> cache_full(m, "CacheFullError", PyExc_RuntimeError);
+  cache_full.doc() =
+      "The KV block pool has too few free blocks for the request; nothing was changed.";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const CacheFullError& e) {
+      py::set_error(cache_full, e.what());
+    } catch (const UnknownSequenceError& e) {
+      py::set_error(PyExc_KeyError, e.what());
+    } catch (const InvalidArgumentError& e) {
+      py::set_error(PyExc_ValueError, e.what());
+    }
+  });
+}
+
+namespace {
+
+py::dict build_info() {
+  py::dict info;
+  info["version"] = VERISPEC_VERSION;
+  info["dlpack_version"] = std::to_string(DLPACK_MAJOR_VERSION) + "." +
+                           std::to_string(DLPACK_MINOR_VERSION);
+#if defined(__clang__)
+  info["compiler"] = std::string("clang ") + __clang_version__;
+#elif defined(__GNUC__)
+  info["compiler"] = std::string("gcc ") + __VERSION__;
+#else
+  info["compiler"] = "unknown";
+#endif
+#ifdef VERISPEC_WITH_CUDA
+  info["cuda_compiled"] = true;
+  info["cuda_architectures"] = std::string(VERISPEC_CUDA_ARCHITECTURES);
+  info["cuda_runtime_version"] = cuda_runtime_version();
+  const int n = cuda_device_count();
+  info["num_gpus"] = n;
+  info["gpu_available"] = n > 0;
+#else
+  info["cuda_compiled"] = false;
+  info["cuda_architectures"] = "";
+  info["cuda_runtime_version"] = py::none();
+  info["num_gpus"] = 0;
+  info["gpu_available"] = false;
+#endif
+  return info;
+}
+
+}  // namespace
+}  // namespace verispec
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "verispec native core: paged KV block allocator and sampling kernels";
+  verispec::register_errors(m);
+  verispec::register_cache(m);
+  m.def("build_info", &verispec::build_info,
+        "Version, whether CUDA was compiled in (and for which architectures), and "
+        "whether a GPU is usable now.");
+}
