@@ -218,3 +218,17 @@ def test_slot_mapping_kernel_errors():
         verispec.slot_mapping(tables, rows, torch.tensor([0, 4]), 4)
     with pytest.raises(ValueError, match="block_size must be > 0, got 0"):
         verispec.slot_mapping(tables, rows, rows.clone(), 0)
+
+
+@pytest.mark.cuda
+def test_slot_mapping_cuda_matches_cpu():
+    assert verispec.build_info()["cuda_compiled"], "a CUDA GPU is present but verispec was built without CUDA"
+    g = torch.Generator().manual_seed(0)
+    tables = torch.randint(0, 1000, (99, 7), generator=g, dtype=torch.int32)
+    tables[5, 3:] = -1
+    rows = torch.randint(-1, 99, (989,), generator=g, dtype=torch.int32)
+    pos = torch.randint(-1, 7 * 16, (989,), generator=g, dtype=torch.int32)
+    pos[rows == 5] = torch.clamp(pos[rows == 5], max=3 * 16 - 1)
+    want = verispec.slot_mapping(tables, rows, pos, 16)
+    got = verispec.slot_mapping(tables.cuda(), rows.cuda(), pos.cuda(), 16)
+    assert torch.equal(got.cpu(), want)
