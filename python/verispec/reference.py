@@ -1,0 +1,313 @@
+"""Speculative sampling in plain PyTorch: the test oracle and the benchmark baseline.
+
+Notation, at one accepted prefix: ``p`` is the target's next-token distribution after
+the sampling policy, ``q`` the distribution the drafter drew its proposal ``y`` from.
+
+    accept y with probability min(1, p(y) / q(y))       (test: u * q(y) < p(y))
+    on the first rejection, emit a correction ~ norm(max(p - q, 0)) and stop
+    after all proposals are accepted, emit a bonus token ~ p at the next position
+
+Every emitted token is then distributed exactly as a token sampled from ``p``, for any
+``q`` (Leviathan et al. 2023; Chen et al. 2023). The native ops in ``verispec.ops``
+have the same signatures and semantics. They draw from a Philox stream, so they
+agree with this module in distribution, not token for token.
+
+Nothing here imports ``verispec._C``.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["RESIDUAL_EPS", "apply_policy", "sample", "verify"]
+
+# A rejection whose residual mass sum(max(p - q, 0)) is below this is roundoff (p and q
+# equal up to float error, or q not quite normalised): the correction is drawn from p.
+RESIDUAL_EPS = 1e-6
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MASK64 = (1 << 64) - 1
+
+
+# --- the sampling policy ------------------------------------------------------------
+
+
+def apply_policy(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """Target distribution after the sampling policy, in float32.
+
+    logits: [N, V] float32/bfloat16/float16. Each parameter is a Python scalar or a
+    1-D tensor of N per-row values. Ties at a threshold are always kept.
+      temperature  0 => greedy row: one-hot at argmax(logits), lowest index on ties;
+                   else probs = softmax(logits / temperature)
+      top_k > 0    keep prob >= the k-th largest prob (k >= V keeps everything)
+      top_p < 1    on the survivors, keep prob >= t for the largest t whose kept mass
+                   is >= top_p * surviving mass
+      min_p > 0    keep prob >= min_p * max prob
+    Returns probs [N, V] float32, renormalised over the kept tokens.
+    """
+    x = _check_logits("apply_policy", "logits", logits, 2).float()
+    n, v = x.shape
+    temperature, top_k, top_p, min_p = _policy_params(
+        "apply_policy", n, x.device, temperature, top_k, top_p, min_p
+    )
+    greedy = (temperature == 0)[:, None]
+    probs = torch.softmax(x / torch.where(greedy, 1.0, temperature[:, None]), dim=-1)
+
+    # top-k: the threshold is the k-th largest probability.
+    desc = probs.sort(dim=-1, descending=True).values
+    kth = desc.gather(-1, (top_k.clamp(1, v) - 1)[:, None])
+    probs = torch.where((top_k[:, None] == 0) | (probs >= kth), probs, 0.0)
+
+    # top-p: the smallest descending prefix holding top_p of the surviving mass ends at
+    # the threshold t; every token tied with t is kept too.
+    desc = probs.sort(dim=-1, descending=True).values
+    mass = desc.cumsum(dim=-1)
+    cut = (mass < top_p[:, None] * mass[:, -1:]).sum(dim=-1, keepdim=True).clamp(max=v - 1)
+    keep = (top_p[:, None] >= 1) | (probs >= desc.gather(-1, cut))
+    probs = torch.where(keep, probs, 0.0)
+
+    # min-p: relative to the most likely token (which top-k and top-p always keep).
+    probs = torch.where(probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True), probs, 0.0)
+
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    one_hot = F.one_hot(x.argmax(dim=-1), v).float()  # argmax returns the first maximum
+    return torch.where(greedy, one_hot, probs)
+
+
+def sample(probs, seed=0, offset=0):
+    """One token per row of probs [N, V] (need not be normalised): int32 [N].
+
+    Inverse CDF with uniforms from a torch.Generator seeded by (seed, offset); the same
+    (seed, offset) gives the same tokens on the same device.
+    """
+    probs = _check_probs("sample", "probs", probs)
+    u = torch.rand(probs.shape[0], generator=_generator("sample", seed, offset, probs.device),
+                   device=probs.device, dtype=torch.float64)
+    return _inverse_cdf(probs, u).int()
+
+
+# --- the verify step ----------------------------------------------------------------
+
+
+def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
+           temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, greedy=False, seed=0, offset=0):
+    """Accept or reject a batch of drafts against the target; emit 1..K+1 tokens per row.
+
+    target_logits: [B, K+1, V]  target logits at prefix, prefix+d1, ..., prefix+d1..dK
+    draft_tokens:  [B, K]       proposals d1..dK (positions >= num_draft are ignored)
+    draft_probs:   [B, K, V]    q each proposal was drawn from; None = deterministic
+                                proposals, q = one-hot(d)
+    num_draft:     [B] ints     proposals per row (ragged), each <= K; None = K
+    policy:        scalars or [B] tensors, as in apply_policy, per row
+    greedy:        bool or [B] bools; also implied by temperature 0. Greedy rows accept
+                   while d == argmax p and emit argmax p: the greedy output token for token.
+
+    Returns (tokens [B, K+1] int32, -1 after the emitted ones; num_emitted [B] int32 =
+    num_accepted + 1; num_accepted [B] int32).
+    """
+    b, k, v, num_draft, greedy = _check_verify_args(
+        target_logits, draft_tokens, draft_probs, num_draft, greedy)
+    device = target_logits.device
+    temperature, top_k, top_p, min_p = _policy_params(
+        "verify", b, device, temperature, top_k, top_p, min_p)
+    greedy = greedy | (temperature == 0)
+    gen = _generator("verify", seed, offset, device)
+
+    # p at every position [B, K+1, V]; greedy rows get the one-hot at the argmax.
+    def per_position(row_values):
+        return row_values.repeat_interleave(k + 1)
+
+    p = apply_policy(target_logits.reshape(b * (k + 1), v),
+                     per_position(torch.where(greedy, 0.0, temperature)),
+                     per_position(top_k), per_position(top_p), per_position(min_p),
+                     ).view(b, k + 1, v)
+
+    positions = torch.arange(k, device=device)
+    proposed = positions < num_draft[:, None]                              # [B, K]
+    y = torch.where(proposed, draft_tokens.long(), 0)  # padding -> any valid index
+    # q, plus an unused zero row at position K so the emitted position always indexes it.
+    q = F.one_hot(y, v).float() if draft_probs is None else draft_probs.float()
+    q = torch.cat([q, q.new_zeros(b, 1, v)], dim=1)                       # [B, K+1, V]
+    p_y = p[:, :k].gather(-1, y[..., None]).squeeze(-1)                  # [B, K]
+    q_y = q[:, :k].gather(-1, y[..., None]).squeeze(-1)
+
+    u = torch.rand((b, k), generator=gen, device=device)
+    accept = torch.where(greedy[:, None], y == p[:, :k].argmax(dim=-1), _accept(u, p_y, q_y))
+    num_accepted = (accept & proposed).long().cumprod(dim=-1).sum(dim=-1)  # accepted prefix
+
+    # The emitted position j = num_accepted: a correction after a rejection (j < num_draft),
+    # a bonus from p after all proposals passed. Greedy rows emit argmax p either way.
+    rows = torch.arange(b, device=device)
+    p_j, q_j = p[rows, num_accepted], q[rows, num_accepted]
+    rejected = (num_accepted < num_draft) & ~greedy
+    dist = torch.where(rejected[:, None], _correction_distribution(p_j, q_j), p_j)
+    last = _inverse_cdf(dist, torch.rand(b, generator=gen, device=device, dtype=torch.float64))
+
+    tokens = torch.full((b, k + 1), -1, dtype=torch.long, device=device)
+    tokens[:, :k] = torch.where(positions < num_accepted[:, None], y, -1)
+    tokens.scatter_(1, num_accepted[:, None], last[:, None])
+    return tokens.int(), (num_accepted + 1).int(), num_accepted.int()
+
+
+def _accept(u, p_y, q_y):
+    """The acceptance test: u < p(y)/q(y), without the division (q(y) = 0 accepts)."""
+    return u * q_y < p_y
+
+
+def _correction_distribution(p, q):
+    """After a rejection: r = norm(max(p - q, 0)) over rows [R, V]; p when r's mass is roundoff."""
+    r = (p - q).clamp(min=0.0)
+    mass = r.sum(dim=-1, keepdim=True)
+    return torch.where(mass < RESIDUAL_EPS, p, r / mass.clamp(min=RESIDUAL_EPS))
+
+
+def _inverse_cdf(probs, u):
+    """Token i with cdf[i-1] <= u * total < cdf[i]; zero-probability tokens are never hit."""
+    cdf = probs.double().cumsum(dim=-1)
+    x = (u * cdf[:, -1])[:, None].contiguous()
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+def _generator(op, seed, offset, device):
+    """A torch.Generator for the stream (seed, offset), both non-negative 64-bit ints."""
+    for name, value in (("seed", seed), ("offset", offset)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MASK64:
+            raise ValueError(f"{op}: {name} must be an int in [0, 2**64), got {value!r}")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(_splitmix64(_splitmix64(seed) ^ offset))
+    return gen
+
+
+def _splitmix64(z):
+    # Mixes nearby integers into unrelated 64-bit seeds.
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+# --- argument checks ----------------------------------------------------------------
+
+
+def _describe(t):
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+
+
+def _check_logits(op, name, logits, ndim):
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dim() != ndim or logits.dtype not in _FLOAT_DTYPES:
+        dims = "[N, V]" if ndim == 2 else "[B, K+1, V]"
+        raise ValueError(f"{op}: {name} must be float32/bfloat16/float16 {dims}, "
+                         f"got {_describe(logits)}")
+    if logits.shape[-1] == 0:
+        raise ValueError(f"{op}: {name} must have a vocabulary V >= 1, got {_describe(logits)}")
+    x = logits.float()
+    if torch.isnan(x).any() or (x == float("inf")).any():
+        raise ValueError(f"{op}: {name} must be finite or -inf, got NaN or +inf")
+    if logits.numel() and not torch.isfinite(x).any(dim=-1).all():
+        raise ValueError(f"{op}: {name} has a row where every logit is -inf")
+    return logits
+
+
+def _check_probs(op, name, probs):
+    if not isinstance(probs, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(probs).__name__}")
+    if probs.dim() != 2 or probs.dtype not in _FLOAT_DTYPES or probs.shape[-1] == 0:
+        raise ValueError(f"{op}: {name} must be float [N, V] with V >= 1, got {_describe(probs)}")
+    x = probs.float()
+    if not torch.isfinite(x).all() or (x < 0).any():
+        raise ValueError(f"{op}: {name} must be finite and non-negative")
+    if probs.numel() and not (x.sum(dim=-1) > 0).all():
+        raise ValueError(f"{op}: {name} has a row with zero total probability")
+    return x
+
+
+def _row_values(op, name, value, n, device, integer):
+    """A scalar or a per-row 1-D tensor of length n, as a 1-D tensor of length n."""
+    dtype = torch.long if integer else torch.float32
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            value = value.reshape(1).expand(n)
+        if value.shape != (n,):
+            raise ValueError(f"{op}: {name} must be a scalar or a 1-D tensor of length "
+                             f"{n}, got shape {list(value.shape)}")
+        if integer and (value.is_floating_point() or value.is_complex()):
+            raise ValueError(f"{op}: {name} must be an integer tensor, got {value.dtype}")
+        return value.to(device=device, dtype=dtype)
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        expected = "an int" if integer else "a float"
+        raise TypeError(f"{op}: {name} must be {expected} or a 1-D tensor, got {value!r}")
+    return torch.full((n,), int(value) if integer else float(value), dtype=dtype, device=device)
+
+
+def _policy_params(op, n, device, temperature, top_k, top_p, min_p):
+    temperature = _row_values(op, "temperature", temperature, n, device, integer=False)
+    top_k = _row_values(op, "top_k", top_k, n, device, integer=True)
+    top_p = _row_values(op, "top_p", top_p, n, device, integer=False)
+    min_p = _row_values(op, "min_p", min_p, n, device, integer=False)
+    checks = (
+        ("temperature", temperature, torch.isfinite(temperature) & (temperature >= 0), ">= 0"),
+        ("top_k", top_k, top_k >= 0, ">= 0 (0 disables)"),
+        ("top_p", top_p, (top_p > 0) & (top_p <= 1), "in (0, 1] (1 disables)"),
+        ("min_p", min_p, (min_p >= 0) & (min_p <= 1), "in [0, 1] (0 disables)"),
+    )
+    for name, values, ok, expected in checks:
+        if not ok.all():
+            bad = values[~ok][0].item()
+            raise ValueError(f"{op}: {name} must be {expected}, got {bad}")
+    return temperature, top_k, top_p, min_p
+
+
+def _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft, greedy):
+    _check_logits("verify", "target_logits", target_logits, 3)
+    b, k1, v = target_logits.shape
+    k = k1 - 1
+    if k < 0:
+        raise ValueError(f"verify: target_logits must be [B, K+1, V] with K+1 >= 1, "
+                         f"got {_describe(target_logits)}")
+    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.is_floating_point() \
+            or draft_tokens.dtype == torch.bool or tuple(draft_tokens.shape) != (b, k):
+        got = _describe(draft_tokens) if isinstance(draft_tokens, torch.Tensor) \
+            else type(draft_tokens).__name__
+        raise ValueError(f"verify: draft_tokens must be an integer tensor [B, K] = "
+                         f"[{b}, {k}], got {got}")
+    if draft_probs is not None and (
+            not isinstance(draft_probs, torch.Tensor) or draft_probs.dtype not in _FLOAT_DTYPES
+            or tuple(draft_probs.shape) != (b, k, v)):
+        got = _describe(draft_probs) if isinstance(draft_probs, torch.Tensor) \
+            else type(draft_probs).__name__
+        raise ValueError(f"verify: draft_probs must be float [B, K, V] = [{b}, {k}, {v}] "
+                         f"or None, got {got}")
+    device = target_logits.device
+    if num_draft is None:
+        num_draft = torch.full((b,), k, dtype=torch.long, device=device)
+    else:
+        num_draft = torch.as_tensor(num_draft, device=device)
+        if (num_draft.shape != (b,) or num_draft.is_floating_point()
+                or num_draft.dtype == torch.bool):
+            raise ValueError(f"verify: num_draft must be {b} ints ([B]), got "
+                             f"{_describe(num_draft)}")
+        num_draft = num_draft.long()
+        if ((num_draft < 0) | (num_draft > k)).any():
+            bad = num_draft[(num_draft < 0) | (num_draft > k)][0].item()
+            raise ValueError(f"verify: num_draft must be in [0, K] = [0, {k}], got {bad}")
+    proposed = torch.arange(k, device=device) < num_draft[:, None]
+    tokens = draft_tokens.long()
+    if (proposed & ((tokens < 0) | (tokens >= v))).any():
+        bad = tokens[proposed & ((tokens < 0) | (tokens >= v))][0].item()
+        raise ValueError(f"verify: draft_tokens must be in [0, V) = [0, {v}), got {bad}")
+    if isinstance(greedy, torch.Tensor):
+        if greedy.shape != (b,) or greedy.dtype != torch.bool:
+            raise ValueError(f"verify: greedy must be a bool or a bool tensor [B] = [{b}], "
+                             f"got {_describe(greedy)}")
+        greedy = greedy.to(device)
+    elif isinstance(greedy, bool):
+        greedy = torch.full((b,), greedy, dtype=torch.bool, device=device)
+    else:
+        raise TypeError(f"verify: greedy must be a bool or a bool tensor [B], got {greedy!r}")
+    return b, k, v, num_draft, greedy
