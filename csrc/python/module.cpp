@@ -76,6 +76,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "verispec native core: paged KV block allocator and sampling kernels";
   verispec::register_errors(m);
   verispec::register_cache(m);
+  verispec::register_decoder(m);
   m.def("build_info", &verispec::build_info,
         "Version, whether CUDA was compiled in (and for which architectures), and "
         "whether a GPU is usable now.");

@@ -1,0 +1,389 @@
+#include "verispec/spec_decoder.h"
+
+#include <algorithm>
+#include <string>
+
+#include "verispec/errors.h"
+
+namespace verispec {
+
+struct SpecDecoder::Sequence {
+  int64_t id = 0;
+  std::vector<int32_t> tokens;  // committed: prompt + generated
+  int64_t prompt_len = 0;
+  SamplingParams sampling;
+  StopParams stop;
+  int64_t target_seq = -1;      // allocator sequence ids (-1 once freed)
+  int64_t draft_seq = -1;
+  FinishReason finish = FinishReason::kNone;
+  SequenceStats stats;
+
+  int64_t committed() const { return static_cast<int64_t>(tokens.size()); }
+  int64_t num_generated() const { return committed() - prompt_len; }
+};
+
+namespace {
+
+// Everything a step must restore when it fails halfway.
+struct CacheMark {
+  int64_t target_len;
+  int64_t draft_len;
+};
+
+float row_temperature(const SamplingParams& p) { return p.greedy ? 0.0f : p.temperature; }
+
+void push_policy(RowPolicy* policy, const SamplingParams& p) {
+  policy->temperature.push_back(row_temperature(p));
+  policy->top_k.push_back(p.top_k);
+  policy->top_p.push_back(p.top_p);
+  policy->min_p.push_back(p.min_p);
+}
+
+}  // namespace
+
+SpecDecoder::SpecDecoder(const DecoderConfig& config)
+    : config_(config), target_alloc_(config.target_num_blocks, config.block_size) {
+  if (config.num_spec < 0) {
+    throw InvalidArgumentError("SpecDecoder: k must be >= 0, got " +
+                               std::to_string(config.num_spec));
+  }
+  if (config.max_context <= 0) {
+    throw InvalidArgumentError("SpecDecoder: max_context must be > 0, got " +
+                               std::to_string(config.max_context));
+  }
+  if (config.has_draft_model) {
+    draft_alloc_ = std::make_unique<BlockAllocator>(config.draft_num_blocks, config.block_size);
+  } else if (config.num_spec > 0) {
+    throw InvalidArgumentError("SpecDecoder: k = " + std::to_string(config.num_spec) +
+                               " needs a draft; without one k must be 0 (plain decoding)");
+  }
+}
+
+SpecDecoder::~SpecDecoder() = default;
+
+SpecDecoder::Sequence& SpecDecoder::get(int64_t seq) {
+  return const_cast<Sequence&>(static_cast<const SpecDecoder*>(this)->get(seq));
+}
+
+const SpecDecoder::Sequence& SpecDecoder::get(int64_t seq) const {
+  if (seq < 0 || seq >= static_cast<int64_t>(seqs_.size()) || !seqs_[static_cast<size_t>(seq)]) {
+    throw UnknownSequenceError("SpecDecoder: unknown sequence id " + std::to_string(seq));
+  }
+  return *seqs_[static_cast<size_t>(seq)];
+}
+
+int64_t SpecDecoder::add(const std::vector<int32_t>& prompt, const SamplingParams& sampling,
+                         const StopParams& stop, int64_t vocab_size) {
+  if (prompt.empty()) throw InvalidArgumentError("add: prompt must hold at least 1 token, got 0");
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if (prompt[i] < 0 || prompt[i] >= vocab_size) {
+      throw InvalidArgumentError("add: prompt[" + std::to_string(i) + "] must be in [0, " +
+                                 std::to_string(vocab_size) + "), got " +
+                                 std::to_string(prompt[i]));
+    }
+  }
+  if (static_cast<int64_t>(prompt.size()) >= config_.max_context) {
+    throw InvalidArgumentError("add: prompt length must be < the context length " +
+                               std::to_string(config_.max_context) + ", got " +
+                               std::to_string(prompt.size()));
+  }
+  if (stop.max_new_tokens <= 0) {
+    throw InvalidArgumentError("add: max_new_tokens must be > 0, got " +
+                               std::to_string(stop.max_new_tokens));
+  }
+  if (!sampling.greedy && !(sampling.temperature >= 0.0f)) {
+    throw InvalidArgumentError("add: temperature must be >= 0, got " +
+                               std::to_string(sampling.temperature));
+  }
+  if (sampling.top_k < 0) {
+    throw InvalidArgumentError("add: top_k must be >= 0, got " + std::to_string(sampling.top_k));
+  }
+  if (!(sampling.top_p > 0.0f && sampling.top_p <= 1.0f)) {
+    throw InvalidArgumentError("add: top_p must be in (0, 1], got " +
+                               std::to_string(sampling.top_p));
+  }
+  if (!(sampling.min_p >= 0.0f && sampling.min_p <= 1.0f)) {
+    throw InvalidArgumentError("add: min_p must be in [0, 1], got " +
+                               std::to_string(sampling.min_p));
+  }
+  auto s = std::make_unique<Sequence>();
+  s->id = static_cast<int64_t>(seqs_.size());
+  s->tokens = prompt;
+  s->prompt_len = static_cast<int64_t>(prompt.size());
+  s->sampling = sampling;
+  s->stop = stop;
+  s->target_seq = target_alloc_.add_sequence();
+  if (draft_alloc_) s->draft_seq = draft_alloc_->add_sequence();
+  seqs_.push_back(std::move(s));
+  return seqs_.back()->id;
+}
+
+void SpecDecoder::finish(Sequence& s, FinishReason reason) {
+  s.finish = reason;
+  if (s.target_seq >= 0) target_alloc_.free(s.target_seq);
+  if (s.draft_seq >= 0) draft_alloc_->free(s.draft_seq);
+  s.target_seq = s.draft_seq = -1;
+}
+
+void SpecDecoder::abort(int64_t seq) {
+  Sequence& s = get(seq);
+  if (s.finish == FinishReason::kNone) finish(s, FinishReason::kAborted);
+}
+
+void SpecDecoder::release(int64_t seq) {
+  abort(seq);
+  seqs_[static_cast<size_t>(seq)].reset();
+}
+
+bool SpecDecoder::has_running() const {
+  for (const auto& s : seqs_) {
+    if (s && s->finish == FinishReason::kNone) return true;
+  }
+  return false;
+}
+
+std::vector<int64_t> SpecDecoder::running() const {
+  std::vector<int64_t> ids;
+  for (const auto& s : seqs_) {
+    if (s && s->finish == FinishReason::kNone) ids.push_back(s->id);
+  }
+  return ids;
+}
+
+std::vector<int32_t> SpecDecoder::generated(int64_t seq) const {
+  const Sequence& s = get(seq);
+  return std::vector<int32_t>(s.tokens.begin() + s.prompt_len, s.tokens.end());
+}
+
+FinishReason SpecDecoder::finish_reason(int64_t seq) const { return get(seq).finish; }
+const SequenceStats& SpecDecoder::stats(int64_t seq) const { return get(seq).stats; }
+int64_t SpecDecoder::committed_len(int64_t seq) const { return get(seq).committed(); }
+const std::vector<int32_t>& SpecDecoder::committed(int64_t seq) const { return get(seq).tokens; }
+
+std::vector<int32_t> SpecDecoder::block_table(int64_t seq, ModelRole role) const {
+  const Sequence& s = get(seq);
+  const int64_t id = role == ModelRole::kTarget ? s.target_seq : s.draft_seq;
+  if (id < 0) return {};
+  return allocator(role).block_table(id);
+}
+
+int64_t SpecDecoder::cache_len(int64_t seq, ModelRole role) const {
+  const Sequence& s = get(seq);
+  if (role == ModelRole::kTarget) return s.target_seq >= 0 ? target_alloc_.length(s.target_seq) : 0;
+  return s.draft_seq >= 0 ? draft_alloc_->length(s.draft_seq) : 0;
+}
+
+const BlockAllocator& SpecDecoder::allocator(ModelRole role) const {
+  if (role == ModelRole::kDraft) {
+    if (!draft_alloc_) throw InvalidArgumentError("allocator: this decoder has no draft model");
+    return *draft_alloc_;
+  }
+  return target_alloc_;
+}
+
+int64_t SpecDecoder::choose_k(const Sequence& s) const {
+  if (!draft_alloc_) return 0;
+  // Never propose what could not be emitted: a step emits at most k + 1 tokens, and
+  // the verify pass writes positions up to C - 1 + k.
+  const int64_t remaining = s.stop.max_new_tokens - s.num_generated();
+  const int64_t room = config_.max_context - s.committed();
+  return std::max<int64_t>(0, std::min({config_.num_spec, remaining - 1, room - 1}));
+}
+
+void SpecDecoder::build_batch(ModelRole role, const std::vector<Sequence*>& rows,
+                              const std::vector<int64_t>& starts,
+                              const std::vector<std::vector<int32_t>>& inputs,
+                              ForwardBatch* out) {
+  BlockAllocator& alloc = role == ModelRole::kTarget ? target_alloc_ : *draft_alloc_;
+  const int64_t B = static_cast<int64_t>(rows.size());
+  std::vector<int64_t> seqs(static_cast<size_t>(B)), counts(static_cast<size_t>(B));
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const Sequence& s = *rows[static_cast<size_t>(b)];
+    seqs[static_cast<size_t>(b)] = role == ModelRole::kTarget ? s.target_seq : s.draft_seq;
+    counts[static_cast<size_t>(b)] = static_cast<int64_t>(inputs[static_cast<size_t>(b)].size());
+    total += counts[static_cast<size_t>(b)];
+  }
+  out->role = role;
+  out->num_rows = B;
+  out->slot_mapping.assign(static_cast<size_t>(total), -1);
+  alloc.append_batch(seqs.data(), counts.data(), B, out->slot_mapping.data(), total);
+  out->input_ids.clear();
+  out->positions.clear();
+  out->query_start.assign(1, 0);
+  out->context_lens.resize(static_cast<size_t>(B));
+  int64_t max_blocks = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    const auto& in = inputs[static_cast<size_t>(b)];
+    for (size_t i = 0; i < in.size(); ++i) {
+      out->input_ids.push_back(in[i]);
+      out->positions.push_back(starts[static_cast<size_t>(b)] + static_cast<int64_t>(i));
+    }
+    out->query_start.push_back(static_cast<int64_t>(out->input_ids.size()));
+    const int64_t len = alloc.length(seqs[static_cast<size_t>(b)]);
+    out->context_lens[static_cast<size_t>(b)] = static_cast<int32_t>(len);
+    max_blocks = std::max<int64_t>(
+        max_blocks, static_cast<int64_t>(alloc.block_table(seqs[static_cast<size_t>(b)]).size()));
+  }
+  out->max_blocks = max_blocks;
+  out->block_tables.assign(static_cast<size_t>(B * max_blocks), -1);
+  alloc.fill_block_tables(seqs.data(), B, out->block_tables.data(), max_blocks, max_blocks);
+}
+
+std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
+  std::vector<Sequence*> rows;
+  for (auto& s : seqs_) {
+    if (s && s->finish == FinishReason::kNone) rows.push_back(s.get());
+  }
+  const int64_t B = static_cast<int64_t>(rows.size());
+  if (B == 0) return {};
+
+  std::vector<int64_t> k(static_cast<size_t>(B));
+  std::vector<CacheMark> marks(static_cast<size_t>(B));
+  int64_t K = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const Sequence& s = *rows[static_cast<size_t>(b)];
+    k[static_cast<size_t>(b)] = choose_k(s);
+    K = std::max(K, k[static_cast<size_t>(b)]);
+    marks[static_cast<size_t>(b)] = {target_alloc_.length(s.target_seq),
+                                     draft_alloc_ ? draft_alloc_->length(s.draft_seq) : 0};
+  }
+  // One offset per kernel call of this step: verify at base, draft position j at
+  // base + 1 + j (the Philox layout itself lives in philox.h).
+  const uint64_t base_offset = offset_;
+  std::vector<std::vector<int32_t>> proposals(static_cast<size_t>(B));
+  VerifyResult result;
+  try {
+    // ---- draft phase: K passes; row b takes part in the first k[b] of them.
+    ForwardBatch batch;
+    for (int64_t j = 0; j < K; ++j) {
+      std::vector<Sequence*> active;
+      std::vector<int32_t> verify_rows;
+      std::vector<int64_t> starts;
+      std::vector<std::vector<int32_t>> inputs;
+      RowPolicy policy;
+      for (int64_t b = 0; b < B; ++b) {
+        if (k[static_cast<size_t>(b)] <= j) continue;
+        Sequence& s = *rows[static_cast<size_t>(b)];
+        active.push_back(&s);
+        verify_rows.push_back(static_cast<int32_t>(b));
+        push_policy(&policy, s.sampling);
+        if (j == 0) {  // catch up: committed[draft cache_len:]
+          const int64_t from = marks[static_cast<size_t>(b)].draft_len;
+          starts.push_back(from);
+          inputs.emplace_back(s.tokens.begin() + from, s.tokens.end());
+        } else {
+          starts.push_back(s.committed() + j - 1);
+          inputs.push_back({proposals[static_cast<size_t>(b)].back()});
+        }
+      }
+      build_batch(ModelRole::kDraft, active, starts, inputs, &batch);
+      runner.copy_blocks(ModelRole::kDraft, draft_alloc_->take_block_copies());
+      batch.logits_indices.assign(batch.query_start.begin() + 1, batch.query_start.end());
+      for (auto& idx : batch.logits_indices) idx -= 1;  // last input of each row
+      runner.forward(batch);
+      std::vector<int32_t> drawn = runner.sample_draft(B, K, j, verify_rows, policy,
+                                                       config_.seed, base_offset + 1 + j);
+      for (size_t r = 0; r < active.size(); ++r) {
+        proposals[static_cast<size_t>(verify_rows[r])].push_back(drawn[r]);
+      }
+    }
+
+    // ---- verify phase: one target pass over committed[target cache_len:] ++ proposals.
+    std::vector<int64_t> starts(static_cast<size_t>(B));
+    std::vector<std::vector<int32_t>> inputs(static_cast<size_t>(B));
+    VerifyRequest req;
+    req.batch = B;
+    req.num_spec = K;
+    req.draft_tokens.assign(static_cast<size_t>(B * K), -1);
+    req.num_draft.resize(static_cast<size_t>(B));
+    req.use_draft_probs = K > 0;
+    req.seed = config_.seed;
+    req.offset = base_offset;
+    for (int64_t b = 0; b < B; ++b) {
+      Sequence& s = *rows[static_cast<size_t>(b)];
+      const int64_t from = marks[static_cast<size_t>(b)].target_len;
+      starts[static_cast<size_t>(b)] = from;
+      auto& in = inputs[static_cast<size_t>(b)];
+      in.assign(s.tokens.begin() + from, s.tokens.end());
+      const auto& p = proposals[static_cast<size_t>(b)];
+      in.insert(in.end(), p.begin(), p.end());
+      std::copy(p.begin(), p.end(), req.draft_tokens.begin() + b * K);
+      req.num_draft[static_cast<size_t>(b)] = static_cast<int32_t>(p.size());
+      push_policy(&req.policy, s.sampling);
+    }
+    build_batch(ModelRole::kTarget, rows, starts, inputs, &batch);
+    runner.copy_blocks(ModelRole::kTarget, target_alloc_.take_block_copies());
+    // Logits rows laid out [B, K + 1]: row b's position i is its (pending - 1 + i)-th
+    // input; positions past k[b] repeat the last one (padding the kernel never reads).
+    batch.logits_indices.clear();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t first = batch.query_start[static_cast<size_t>(b + 1)] - 1 -
+                            k[static_cast<size_t>(b)];
+      for (int64_t i = 0; i <= K; ++i) {
+        batch.logits_indices.push_back(first + std::min(i, k[static_cast<size_t>(b)]));
+      }
+    }
+    runner.forward(batch);
+    result = runner.verify(req);
+  } catch (...) {
+    // Leave every sequence as it was: only cache lengths moved (rollback cannot fail).
+    for (int64_t b = 0; b < B; ++b) {
+      const Sequence& s = *rows[static_cast<size_t>(b)];
+      target_alloc_.rollback(s.target_seq, marks[static_cast<size_t>(b)].target_len);
+      if (draft_alloc_) draft_alloc_->rollback(s.draft_seq, marks[static_cast<size_t>(b)].draft_len);
+    }
+    throw;
+  }
+  offset_ = base_offset + static_cast<uint64_t>(K) + 1;
+
+  // ---- commit
+  std::vector<StepOutput> outputs(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    Sequence& s = *rows[static_cast<size_t>(b)];
+    const int64_t C = s.committed();
+    const int64_t kb = k[static_cast<size_t>(b)];
+    const int64_t a = result.num_accepted[static_cast<size_t>(b)];
+    const int64_t n = result.num_emitted[static_cast<size_t>(b)];
+    const int32_t* emitted = result.tokens.data() + b * (K + 1);
+    FinishReason reason;
+    const std::vector<int32_t> generated(s.tokens.begin() + s.prompt_len, s.tokens.end());
+    const int64_t keep = apply_stop_rules(s.stop, generated, emitted, n, s.prompt_len,
+                                          config_.max_context, &reason);
+    s.tokens.insert(s.tokens.end(), emitted, emitted + keep);
+
+    SequenceStats& st = s.stats;
+    st.steps += 1;
+    st.draft_forwards += kb;
+    st.proposed += kb;
+    st.accepted += a;
+    st.emitted += keep;
+    st.k_history.push_back(static_cast<int32_t>(kb));
+    if (static_cast<int64_t>(st.proposed_at.size()) < kb) {
+      st.proposed_at.resize(static_cast<size_t>(kb), 0);
+      st.accepted_at.resize(static_cast<size_t>(kb), 0);
+    }
+    for (int64_t j = 0; j < kb; ++j) {
+      st.proposed_at[static_cast<size_t>(j)] += 1;
+      if (j < a) st.accepted_at[static_cast<size_t>(j)] += 1;
+    }
+
+    StepOutput& o = outputs[static_cast<size_t>(b)];
+    o.seq = s.id;
+    o.new_tokens.assign(emitted, emitted + keep);
+    if (reason != FinishReason::kNone) {
+      finish(s, reason);
+    } else {
+      // What the committed tokens justify: the target cached C + k positions, of which
+      // C + a hold accepted tokens; the draft cached up to C + k - 1.
+      target_alloc_.rollback(s.target_seq, C + a);
+      if (draft_alloc_) {
+        draft_alloc_->rollback(s.draft_seq, std::min(draft_alloc_->length(s.draft_seq), C + a));
+      }
+    }
+    o.finish = s.finish;
+  }
+  return outputs;
+}
+
+}  // namespace verispec

@@ -1,0 +1,241 @@
+"""SpecDecoder: speculative decoding over paged KV caches, exact for the target.
+
+The loop lives in the native core (``verispec._C.SpecDecoderCore``): it picks k,
+prepares each model's batch, commits tokens, applies the stop rules and rolls the
+caches back. This module supplies what the core cannot do without tensors: the
+models' forwards, the KV pools, and the sampling ops (``verispec.ops``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from verispec import _C
+from verispec.models.base import KVPools, Model, PagedBatch
+
+__all__ = ["GenerateResult", "SpecDecoder", "StepOutput"]
+
+
+@dataclass
+class StepOutput:
+    """Tokens one step committed for one sequence (streaming)."""
+
+    seq: int
+    tokens: list[int]
+    finish_reason: str | None  # None while the sequence is running
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[int]          # new tokens only (the prompt is not repeated)
+    finish_reason: str         # "eos", "stop", "length", "context" or "aborted"
+    stats: dict = field(default_factory=dict)
+
+
+def _as_tensor(view: memoryview, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if len(view) == 0:
+        return torch.empty(0, dtype=dtype, device=device)
+    # frombuffer shares the native buffer, which lives only during the call: copy.
+    return torch.frombuffer(view, dtype=dtype).to(device=device, copy=True)
+
+
+def _policy_arg(values: Sequence[Any], dtype: torch.dtype, device: torch.device):
+    """A scalar when every row agrees (cheaper kernels), else a per-row tensor."""
+    first = values[0]
+    if all(v == first for v in values):
+        return first
+    return torch.tensor(list(values), dtype=dtype, device=device)
+
+
+class _Runner(_C.StepRunner):
+    """Runs the models and the sampling ops for the native loop."""
+
+    def __init__(self, decoder: "SpecDecoder") -> None:
+        super().__init__()
+        self.d = decoder
+        self.logits: dict[Any, torch.Tensor] = {}
+        self.draft_probs: torch.Tensor | None = None
+
+    def copy_blocks(self, role, copies) -> None:
+        self.d._pools[role].copy_blocks(copies)
+
+    def forward(self, batch) -> None:
+        model = self.d._models[batch.role]
+        dev = model.geometry.device
+        paged = PagedBatch(
+            input_ids=_as_tensor(batch.input_ids, torch.int64, dev),
+            positions=_as_tensor(batch.positions, torch.int64, dev),
+            slot_mapping=_as_tensor(batch.slot_mapping, torch.int32, dev),
+            block_tables=_as_tensor(batch.block_tables, torch.int32, dev).view(batch.num_rows, batch.max_blocks),
+            context_lens=_as_tensor(batch.context_lens, torch.int32, dev),
+            query_start=_as_tensor(batch.query_start, torch.int64, dev),
+            logits_indices=_as_tensor(batch.logits_indices, torch.int64, dev),
+            kv=self.d._pools[batch.role],
+        )
+        with torch.inference_mode():
+            logits = model.forward(paged)
+        expect = (len(batch.logits_indices), self.d.vocab_size)
+        if tuple(logits.shape) != expect:
+            raise ValueError(f"{batch.role.name} model: forward must return logits [R, V] = "
+                             f"{list(expect)}, got {list(logits.shape)}")
+        self.logits[batch.role] = logits
+
+    def _policy(self, policy, device) -> dict:
+        return dict(
+            temperature=_policy_arg(policy.temperature, torch.float32, device),
+            top_k=_policy_arg(policy.top_k, torch.int32, device),
+            top_p=_policy_arg(policy.top_p, torch.float32, device),
+            min_p=_policy_arg(policy.min_p, torch.float32, device),
+        )
+
+    def sample_draft(self, batch, num_spec, position, rows, policy, seed, offset):
+        ops = self.d._ops
+        logits = self.logits[_C.ModelRole.draft]
+        probs = ops.apply_policy(logits, **self._policy(policy, logits.device))
+        tokens = ops.sample(probs, seed=seed, offset=offset)
+        if position == 0:
+            self.draft_probs = torch.zeros(batch, num_spec, probs.shape[-1], dtype=torch.float32,
+                                           device=probs.device)
+        index = torch.tensor(rows, dtype=torch.int64, device=probs.device)
+        self.draft_probs[index, position] = probs
+        return tokens.tolist()
+
+    def verify(self, req):
+        ops = self.d._ops
+        logits = self.logits[_C.ModelRole.target]
+        B, K = req.batch, req.num_spec
+        dev = logits.device
+        out = ops.verify(
+            logits.view(B, K + 1, -1),
+            torch.tensor(req.draft_tokens, dtype=torch.int32, device=dev).view(B, K),
+            self.draft_probs if req.use_draft_probs else None,
+            num_draft=torch.tensor(req.num_draft, dtype=torch.int32, device=dev),
+            seed=req.seed,
+            offset=req.offset,
+            **self._policy(req.policy, dev),
+        )
+        tokens, num_emitted, num_accepted = out
+        self.draft_probs = None
+        return _C.VerifyResult(tokens.flatten().tolist(), num_emitted.tolist(), num_accepted.tolist())
+
+
+class SpecDecoder:
+    """Speculative decoding of a target model with a draft, exact for the target.
+
+    ``target`` and ``draft`` implement the model protocol (verispec.models.base.Model).
+    ``k`` draft tokens are proposed per step (0, or ``draft=None``: plain decoding
+    through the same loop). Each model gets its own paged KV pools of ``num_blocks``
+    blocks of ``block_size`` tokens.
+
+    Sampled output is distributed exactly as sampling the target under the same policy
+    (temperature, top-k, top-p, min-p, applied identically to target and draft).
+    Greedy output is the target's greedy output token for token.
+    """
+
+    def __init__(self, target: Model, draft: Model | None = None, *, k: int = 4,
+                 num_blocks: int = 512, draft_num_blocks: int | None = None,
+                 block_size: int = 16, seed: int = 0, ops: Any = None) -> None:
+        for name, m in (("target", target), ("draft", draft)):
+            if m is not None and not isinstance(m, Model):
+                raise TypeError(f"SpecDecoder: {name} must implement the model protocol "
+                                f"(a .geometry and .forward(batch)), got {type(m).__name__}")
+        if draft is None and k != 0:
+            k = 0  # no draft: plain decoding through the same loop
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"SpecDecoder: k must be an int >= 0, got {k!r}")
+        g = target.geometry
+        if draft is not None and draft.geometry.vocab_size != g.vocab_size:
+            raise ValueError(f"SpecDecoder: draft vocab_size must equal the target's {g.vocab_size}, "
+                             f"got {draft.geometry.vocab_size}")
+        if ops is None:
+            from verispec import ops
+        self._ops = ops
+        self.target, self.draft, self.k = target, draft, k
+        self.vocab_size = g.vocab_size
+        draft_num_blocks = num_blocks if draft_num_blocks is None else draft_num_blocks
+        self._core = _C.SpecDecoderCore(
+            num_spec=k, has_draft_model=draft is not None, target_num_blocks=num_blocks,
+            draft_num_blocks=draft_num_blocks if draft is not None else 0,
+            block_size=block_size, max_context=g.max_context, seed=seed)
+        self._models = {_C.ModelRole.target: target}
+        self._pools = {_C.ModelRole.target: KVPools.allocate(g, num_blocks, block_size)}
+        if draft is not None:
+            self._models[_C.ModelRole.draft] = draft
+            self._pools[_C.ModelRole.draft] = KVPools.allocate(draft.geometry, draft_num_blocks, block_size)
+        self._runner = _Runner(self)
+
+    # -- continuous batching -------------------------------------------------------
+    def add(self, prompt: Sequence[int], *, max_new_tokens: int, greedy: bool = False,
+            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+            eos_token_id: int | Sequence[int] | None = None,
+            stop: Sequence[Sequence[int]] | None = None) -> int:
+        """Adds a sequence (between steps at any time); returns its id."""
+        if eos_token_id is None:
+            eos = []
+        elif isinstance(eos_token_id, int):
+            eos = [eos_token_id]
+        else:
+            eos = list(eos_token_id)
+        if temperature == 0:
+            greedy = True
+        return self._core.add(list(prompt), self.vocab_size, max_new_tokens, greedy,
+                              float(temperature), top_k, float(top_p), float(min_p), eos,
+                              [list(s) for s in (stop or [])])
+
+    def step(self) -> list[StepOutput]:
+        """One speculative step of every running sequence: the tokens each committed."""
+        out = []
+        for seq, tokens, reason in self._core.step(self._runner):
+            out.append(StepOutput(seq, tokens, None if reason == "running" else reason))
+        return out
+
+    def abort(self, seq: int) -> None:
+        self._core.abort(seq)
+
+    def release(self, seq: int) -> None:
+        self._core.release(seq)
+
+    def result(self, seq: int) -> GenerateResult:
+        return GenerateResult(self._core.generated(seq), self._core.finish_reason(seq),
+                              self._core.stats(seq))
+
+    def has_running(self) -> bool:
+        return self._core.has_running()
+
+    def num_free_blocks(self, role: str = "target") -> int:
+        return self._core.num_free_blocks(getattr(_C.ModelRole, role))
+
+    def num_blocks(self, role: str = "target") -> int:
+        return self._core.num_blocks(getattr(_C.ModelRole, role))
+
+    # -- one call ------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
+                 eos_token_id: int | Sequence[int] | None = None,
+                 stop: Sequence[Sequence[int]] | None = None) -> list[GenerateResult]:
+        """Decodes every prompt to completion; one result per prompt, in order.
+
+        Reproducible: the same prompts, parameters and seed give the same tokens.
+        """
+        if self._core.has_running():
+            raise RuntimeError("generate: sequences added with add() are still running; "
+                               "finish them with step() (or abort them) first")
+        if isinstance(prompts, (str, bytes)) or not all(isinstance(p, (list, tuple)) for p in prompts):
+            raise TypeError("generate: prompts must be a list of token-id lists")
+        self._core.reseed(seed)
+        ids = []
+        try:
+            for p in prompts:
+                ids.append(self.add(p, max_new_tokens=max_new_tokens, greedy=greedy,
+                                    temperature=temperature, top_k=top_k, top_p=top_p,
+                                    min_p=min_p, eos_token_id=eos_token_id, stop=stop))
+            while self._core.has_running():
+                self.step()
+            return [self.result(i) for i in ids]
+        finally:
+            for i in ids:
+                self._core.release(i)

@@ -1,0 +1,114 @@
+"""The model protocol: what verispec needs from a model, and the paged KV pools.
+
+A model is anything that declares its geometry and implements
+
+    forward(batch: PagedBatch) -> logits [R, vocab_size]
+
+over a flattened batch of new tokens from several sequences. Before reading, the model
+writes the K/V of every new token into the pools at ``batch.slot_mapping`` (negative
+slot = padding: write nothing); it then attends, for each new token of row b, to the
+row's first ``positions[t] + 1`` cached tokens through ``block_tables[b]``. It returns
+logits only for the flattened token indices in ``batch.logits_indices``.
+
+Wrapping your own module::
+
+    class MyModel:
+        def __init__(self, net):
+            self.net = net
+            self.geometry = ModelGeometry(num_layers=..., num_kv_heads=..., head_dim=...,
+                                          vocab_size=..., max_context=...,
+                                          dtype=torch.float32, device=torch.device("cpu"))
+
+        def forward(self, batch: PagedBatch) -> torch.Tensor:
+            # write K/V of batch.input_ids into batch.kv.k[layer] / batch.kv.v[layer]
+            # at batch.slot_mapping, attend through batch.block_tables, then
+            return logits[batch.logits_indices]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What verispec must know to allocate a model's KV pools and check its output."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class KVPools:
+    """One K and one V pool per layer: [num_blocks, block_size, num_kv_heads, head_dim].
+
+    Slot s of a pool is element ``pool.view(-1, num_kv_heads, head_dim)[s]``.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    block_size: int
+
+    @classmethod
+    def allocate(cls, geometry: ModelGeometry, num_blocks: int, block_size: int) -> "KVPools":
+        shape = (num_blocks, block_size, geometry.num_kv_heads, geometry.head_dim)
+
+        def pool() -> torch.Tensor:
+            return torch.zeros(shape, dtype=geometry.dtype, device=geometry.device)
+
+        return cls(k=[pool() for _ in range(geometry.num_layers)],
+                   v=[pool() for _ in range(geometry.num_layers)],
+                   block_size=block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[0]
+
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Performs the allocator's copy-on-write copies (src, dst, num_tokens)."""
+        for src, dst, n in copies:
+            for pool in (*self.k, *self.v):
+                pool[dst, :n] = pool[src, :n]
+
+
+@dataclass
+class PagedBatch:
+    """A flattened batch of T new tokens from B sequences.
+
+    input_ids      [T] int64   new tokens, row after row
+    positions      [T] int64   position of each token in its sequence
+    slot_mapping   [T] int32   KV slot to write for each token (< 0: padding)
+    block_tables   [B, M] int32  each row's block table (-1 past its end)
+    context_lens   [B] int32   cached length of each row after this forward
+    query_start    [B + 1] int64  row b's tokens are input_ids[query_start[b]:query_start[b+1]]
+    logits_indices [R] int64   flattened token indices whose logits to return
+    kv             KVPools     the model's pools
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_start: torch.Tensor
+    logits_indices: torch.Tensor
+    kv: KVPools
+
+    @property
+    def num_rows(self) -> int:
+        return self.context_lens.shape[0]
+
+
+@runtime_checkable
+class Model(Protocol):
+    geometry: ModelGeometry
+
+    def forward(self, batch: PagedBatch) -> torch.Tensor: ...

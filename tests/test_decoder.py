@@ -1,0 +1,346 @@
+"""SpecDecoder end to end on tiny models that read their context from the paged cache."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy import stats as sstats
+from toymodels import CacheModel
+
+import verispec
+from verispec import _C, reference
+from verispec.decoder import SpecDecoder
+
+V = 13
+
+
+def backends():
+    out = [pytest.param(reference, id="reference")]
+    try:
+        from verispec import ops
+    except ImportError:  # the native ops land separately
+        return out
+    return [pytest.param(ops, id="native")] + out
+
+
+OPS = backends()
+
+
+def models(vocab=V, noise=0.7, max_context=256):
+    target = CacheModel(vocab, seed=1, max_context=max_context)
+    draft = CacheModel(vocab, base=target, noise=noise, seed=2, max_context=max_context)
+    return target, draft
+
+
+def greedy_reference(model: CacheModel, prompt, n, eos=None):
+    seq = list(prompt)
+    out = []
+    for _ in range(n):
+        t = int(torch.argmax(model.logits_for(seq)))
+        out.append(t)
+        seq.append(t)
+        if eos is not None and t == eos:
+            break
+    return out
+
+
+def assert_no_leaks(dec: SpecDecoder):
+    assert not dec.has_running()
+    for role in ("target", "draft") if dec.draft is not None else ("target",):
+        assert dec.num_free_blocks(role) == dec.num_blocks(role)
+
+
+def check_cache_truth(dec: SpecDecoder, seq: int):
+    """The K/V of every cached position equal a fresh prefill of the committed tokens
+    (the toy models store (token, position) as K)."""
+    committed = dec._core.committed(seq)
+    for role in (_C.ModelRole.target, _C.ModelRole.draft):
+        n = dec._core.cache_len(seq, role)
+        assert n < len(committed), "a model may never cache past the committed tokens"
+        table = dec._core.block_table(seq, role)
+        k = dec._pools[role].k[0].view(-1, 2)
+        bs = dec._pools[role].block_size
+        slots = [table[p // bs] * bs + p % bs for p in range(n)]
+        got = k[slots].long().tolist() if slots else []
+        assert got == [[committed[p], p] for p in range(n)], f"{role} cache differs from a prefill"
+
+
+@pytest.mark.parametrize("ops", OPS)
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_equals_target_only(ops, k):
+    target, draft = models()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 0], [7], [3, 3, 3, 3, 3]]
+    dec = SpecDecoder(target, draft, k=k, num_blocks=64, block_size=4, ops=ops)
+    results = dec.generate(prompts, max_new_tokens=17, greedy=True)
+    for p, r in zip(prompts, results):
+        assert r.tokens == greedy_reference(target, p, 17)
+        assert r.finish_reason == "length"
+        assert r.stats["emitted"] == 17
+        assert 0 <= r.stats["accepted"] <= r.stats["proposed"]
+    assert_no_leaks(dec)
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_plain_decoding_through_the_same_loop(ops):
+    target, _ = models()
+    dec = SpecDecoder(target, None, num_blocks=32, block_size=4, ops=ops)
+    (r,) = dec.generate([[5, 6]], max_new_tokens=9, greedy=True)
+    assert r.tokens == greedy_reference(target, [5, 6], 9)
+    assert r.stats["steps"] == 9 and r.stats["proposed"] == 0
+    assert_no_leaks(dec)
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_cache_truth_after_steps_with_rejections(ops):
+    target, draft = models(noise=1.5)  # a poor draft: many rejections and rollbacks
+    dec = SpecDecoder(target, draft, k=4, num_blocks=64, block_size=3, ops=ops)
+    seqs = [dec.add(p, max_new_tokens=30, temperature=1.0) for p in ([1, 2], [3, 4, 5, 6, 7], [8])]
+    rejected = 0
+    while dec.has_running():
+        dec.step()
+        for s in seqs:
+            if dec._core.finish_reason(s) == "running":
+                check_cache_truth(dec, s)
+    for s in seqs:
+        st = dec.result(s).stats
+        rejected += st["proposed"] - st["accepted"]
+    assert rejected > 10, "the test must exercise rollbacks"
+    # The check can fail: corrupt one cached position and it must notice.
+    s = dec.add([1, 2, 3, 4, 5], max_new_tokens=5, greedy=True)
+    dec.step()
+    table = dec._core.block_table(s, _C.ModelRole.draft)
+    dec._pools[_C.ModelRole.draft].k[0].view(-1, 2)[table[0] * 3 + 1, 0] += 1
+    with pytest.raises(AssertionError, match="draft cache differs"):
+        check_cache_truth(dec, s)
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_continuous_batching_matches_separate_runs(ops):
+    target, draft = models()
+    dec = SpecDecoder(target, draft, k=3, num_blocks=64, block_size=4, ops=ops)
+    a = dec.add([1, 2, 3], max_new_tokens=12, greedy=True)
+    streamed = {a: []}
+    for _ in range(2):
+        for o in dec.step():
+            streamed[o.seq] += o.tokens
+    b = dec.add([9, 8], max_new_tokens=6, greedy=True)  # joins mid-flight
+    streamed[b] = []
+    while dec.has_running():
+        for o in dec.step():
+            streamed[o.seq] += o.tokens
+    assert streamed[a] == greedy_reference(target, [1, 2, 3], 12) == dec.result(a).tokens
+    assert streamed[b] == greedy_reference(target, [9, 8], 6)
+    assert_no_leaks(dec)
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_eos_mid_block_ends_there(ops):
+    target, draft = models(noise=0.0)  # draft == target: whole blocks are accepted
+    ref = greedy_reference(target, [1, 2, 3], 20)
+    eos = ref[6]
+    cut = ref.index(eos) + 1
+    dec = SpecDecoder(target, draft, k=5, num_blocks=64, block_size=4, ops=ops)
+    (r,) = dec.generate([[1, 2, 3]], max_new_tokens=20, greedy=True, eos_token_id=[999 % V + 100, eos])
+    assert r.tokens == ref[:cut] and r.finish_reason == "eos"
+    assert r.stats["emitted"] == cut
+    assert_no_leaks(dec)
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_stop_sequence_across_step_boundary(ops):
+    target, draft = models(noise=0.0)
+    ref = greedy_reference(target, [4, 4], 24)
+    # k = 3 with a perfect draft: steps emit 4 tokens, so tokens 7..8 straddle a step.
+    stop = ref[7:9]
+    first = next(i for i in range(len(ref) - 1) if ref[i:i + 2] == stop)
+    dec = SpecDecoder(target, draft, k=3, num_blocks=64, block_size=4, ops=ops)
+    (r,) = dec.generate([[4, 4]], max_new_tokens=24, greedy=True, stop=[[V + 5], stop])
+    assert r.tokens == ref[:first + 2] and r.finish_reason == "stop"
+    assert_no_leaks(dec)
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_max_new_tokens_smaller_than_k_is_exact(ops):
+    target, draft = models(noise=0.0)
+    dec = SpecDecoder(target, draft, k=6, num_blocks=64, block_size=4, ops=ops)
+    res = dec.generate([[1], [2, 3]], max_new_tokens=2, greedy=True)
+    for p, r in zip([[1], [2, 3]], res):
+        assert r.tokens == greedy_reference(target, p, 2) and r.finish_reason == "length"
+        assert r.stats["steps"] == 1 and r.stats["proposed"] == 1  # k capped at 2 - 1
+    assert_no_leaks(dec)
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_context_limit(ops):
+    target, draft = models(max_context=12)
+    dec = SpecDecoder(target, draft, k=4, num_blocks=64, block_size=4, ops=ops)
+    (r,) = dec.generate([list(range(10))], max_new_tokens=50, greedy=True)
+    assert r.finish_reason == "context" and len(r.tokens) == 2
+    assert r.tokens == greedy_reference(target, list(range(10)), 2)
+    with pytest.raises(ValueError, match="prompt length must be < the context length 12, got 12"):
+        dec.generate([list(range(12))], max_new_tokens=1)
+    assert_no_leaks(dec)
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_one_row_finishes_early(ops):
+    target, draft = models()
+    dec = SpecDecoder(target, draft, k=3, num_blocks=64, block_size=4, ops=ops)
+    res = dec.generate([[1, 2], [3, 4], [5]], max_new_tokens=10, greedy=True,
+                       eos_token_id=greedy_reference(target, [3, 4], 10)[1])
+    assert res[1].finish_reason == "eos" and len(res[1].tokens) <= 2
+    for p, r in zip([[1, 2], [3, 4], [5]], res):
+        ref = greedy_reference(target, p, 10, eos=greedy_reference(target, [3, 4], 10)[1])
+        assert r.tokens == ref
+    assert_no_leaks(dec)
+
+
+def test_bad_input_is_refused_clearly():
+    target, draft = models()
+    dec = SpecDecoder(target, draft, k=3, num_blocks=16, block_size=4, ops=reference)
+    with pytest.raises(ValueError, match="prompt must hold at least 1 token, got 0"):
+        dec.generate([[]], max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"prompt\[1\] must be in \[0, 13\), got 13"):
+        dec.generate([[1, 13]], max_new_tokens=3)
+    with pytest.raises(ValueError, match="max_new_tokens must be > 0, got 0"):
+        dec.generate([[1]], max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+        dec.generate([[1]], max_new_tokens=3, top_p=1.5)
+    with pytest.raises(ValueError, match="temperature must be >= 0, got -1"):
+        dec.generate([[1]], max_new_tokens=3, temperature=-1.0)
+    with pytest.raises(TypeError, match="prompts must be a list of token-id lists"):
+        dec.generate("hello", max_new_tokens=3)
+    with pytest.raises(ValueError, match="draft vocab_size must equal the target's 13, got 7"):
+        SpecDecoder(target, CacheModel(7), ops=reference)
+    with pytest.raises(TypeError, match="target must implement the model protocol"):
+        SpecDecoder(object(), ops=reference)
+    assert_no_leaks(dec)
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_cache_full_mid_step_leaves_everything_consistent(ops):
+    target, draft = models()
+    dec = SpecDecoder(target, draft, k=4, num_blocks=6, draft_num_blocks=64, block_size=4, ops=ops)
+    a = dec.add([1, 2, 3, 4, 5, 6, 7], max_new_tokens=12, greedy=True)
+    b = dec.add([8, 9, 10, 11, 12, 0, 1], max_new_tokens=12, greedy=True)
+    got = {a: [], b: []}
+    with pytest.raises(verispec.CacheFullError):
+        for _ in range(40):
+            before = {s: (dec._core.committed(s), dec._core.cache_len(s, _C.ModelRole.target),
+                          dec._core.cache_len(s, _C.ModelRole.draft)) for s in (a, b)}
+            free = (dec.num_free_blocks("target"), dec.num_free_blocks("draft"))
+            for o in dec.step():
+                got[o.seq] += o.tokens
+    # the failed step changed nothing
+    for s in (a, b):
+        assert (dec._core.committed(s), dec._core.cache_len(s, _C.ModelRole.target),
+                dec._core.cache_len(s, _C.ModelRole.draft)) == before[s]
+    assert (dec.num_free_blocks("target"), dec.num_free_blocks("draft")) == free
+    # free room by aborting one sequence; the other continues correctly
+    dec.abort(b)
+    while dec.has_running():
+        for o in dec.step():
+            got[o.seq] += o.tokens
+    assert got[a] == greedy_reference(target, [1, 2, 3, 4, 5, 6, 7], 12)
+    assert dec.result(a).finish_reason == "length"
+    assert dec.result(b).finish_reason == "aborted"
+    assert_no_leaks(dec)
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_sampling_is_reproducible_for_a_seed(ops):
+    target, draft = models()
+    dec = SpecDecoder(target, draft, k=3, num_blocks=64, block_size=4, ops=ops)
+    kw = dict(max_new_tokens=15, temperature=0.8, top_k=6, seed=11)
+    first = [r.tokens for r in dec.generate([[1, 2], [3]], **kw)]
+    again = [r.tokens for r in dec.generate([[1, 2], [3]], **kw)]
+    other = [r.tokens for r in dec.generate([[1, 2], [3]], **{**kw, "seed": 12})]
+    assert first == again and first != other
+
+
+# ---- sampled exactness end to end ----------------------------------------------------
+
+SV = 5          # vocabulary of the exactness test
+DEPTH = 3       # compare 3-token continuations
+ALPHA = 1e-3    # false-alarm rate of each chi-square test (fixed seeds: deterministic)
+
+
+def exact_continuations(target: CacheModel, prompt, policy) -> dict:
+    probs = {}
+    for cont in itertools.product(range(SV), repeat=DEPTH):
+        p, seq = 1.0, list(prompt)
+        for t in cont:
+            dist = reference.apply_policy(target.logits_for(seq)[None], **policy)[0]
+            p *= float(dist[t])
+            seq.append(t)
+        probs[cont] = p
+    return probs
+
+
+def sampled_continuations(dec: SpecDecoder, prompt, n, policy, seed) -> dict:
+    counts: dict = {}
+    per_call = 1000
+    for call in range(n // per_call):
+        for r in dec.generate([prompt] * per_call, max_new_tokens=DEPTH, seed=seed + call, **policy):
+            counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+    return counts
+
+
+def chi_square_pvalue(counts: dict, probs: dict) -> float:
+    n = sum(counts.values())
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for cont, p in probs.items():
+        if n * p < 5:  # pool small cells
+            pool_o += counts.get(cont, 0)
+            pool_e += n * p
+        else:
+            obs.append(counts.get(cont, 0))
+            exp.append(n * p)
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    assert sum(counts.get(c, 0) for c in probs) == n, "a continuation outside the support"
+    total = sum(exp)  # float32 policy probabilities: renormalise the roundoff away
+    return float(sstats.chisquare(obs, [e * n / total for e in exp]).pvalue)
+
+
+@pytest.mark.parametrize("policy", [dict(temperature=1.0), dict(temperature=0.7, top_k=3),
+                                    dict(temperature=1.0, top_p=0.8, min_p=0.05)],
+                         ids=["t1", "t0.7-topk3", "topp-minp"])
+def test_generate_matches_the_enumerated_target_distribution(policy):
+    ops = OPS[0].values[0]
+    target = CacheModel(SV, seed=3, table_rows=53, scale=1.5)
+    draft = CacheModel(SV, seed=4, table_rows=53, scale=1.5)  # unrelated: many rejections
+    dec = SpecDecoder(target, draft, k=2, num_blocks=3000, block_size=2, ops=ops)
+    probs = exact_continuations(target, [1, 2], policy)
+    counts = sampled_continuations(dec, [1, 2], 8000, policy, seed=100)
+    assert chi_square_pvalue(counts, probs) > ALPHA
+
+
+def test_end_to_end_test_has_power(monkeypatch):
+    """The same test rejects a decoder that keeps the wrong q: the draft's plain softmax
+    instead of the policy distribution its proposals were sampled from.
+
+    (Verifying sampled drafts as one-hot, or feeding the draft a stale cache, would
+    NOT be caught, and rightly: both still give exactly the target distribution. The
+    one-hot rule is exact for any proposal, and q only has to be what y was drawn from.)
+    """
+    ops = OPS[0].values[0]
+    policy = dict(temperature=0.7, top_k=3)
+    target = CacheModel(SV, seed=3, table_rows=53, scale=1.5)
+    draft = CacheModel(SV, seed=4, table_rows=53, scale=1.5)
+    dec = SpecDecoder(target, draft, k=2, num_blocks=3000, block_size=2, ops=ops)
+    real_sample_draft = type(dec._runner).sample_draft
+
+    def wrong_q(self, batch, num_spec, position, rows, pol, seed, offset):
+        tokens = real_sample_draft(self, batch, num_spec, position, rows, pol, seed, offset)
+        logits = self.logits[_C.ModelRole.draft].float()
+        self.draft_probs[torch.tensor(rows), position] = torch.softmax(logits, dim=-1)
+        return tokens
+
+    monkeypatch.setattr(type(dec._runner), "sample_draft", wrong_q)
+    probs = exact_continuations(target, [1, 2], policy)
+    counts = sampled_continuations(dec, [1, 2], 8000, policy, seed=100)
+    assert chi_square_pvalue(counts, probs) < ALPHA

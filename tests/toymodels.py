@@ -1,0 +1,65 @@
+"""Tiny models that read their whole context back from the paged KV cache.
+
+Each model writes (token, position) of every new token into layer 0's K pool at the
+slot the decoder gave, then, for each requested logits row, gathers the row's cache
+through its block table and returns logits that depend on the entire cached prefix
+(via a hash of it). A stale or corrupted cache (a missing rollback, a wrong slot, a
+lost copy) changes the logits or trips the integrity check, so decoder tests that
+compare against plain autoregressive decoding catch it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.models.base import ModelGeometry, PagedBatch
+
+MASK = (1 << 61) - 1
+
+
+def prefix_hash(tokens) -> int:
+    h = 1469598103934665603 & MASK
+    for t in tokens:
+        h = (h * 1099511628211 + int(t) + 7) & MASK
+    return h
+
+
+class CacheModel:
+    """logits(prefix) = table[prefix_hash(prefix) % rows] (optionally + noise table)."""
+
+    def __init__(self, vocab: int, *, table_rows: int = 97, seed: int = 0, scale: float = 2.0,
+                 max_context: int = 256, base: "CacheModel | None" = None, noise: float = 0.0,
+                 dtype=torch.float32) -> None:
+        g = torch.Generator().manual_seed(seed)
+        if base is None:
+            self.table = torch.randn(table_rows, vocab, generator=g) * scale
+        else:  # a draft that resembles `base`
+            self.table = base.table + noise * torch.randn(base.table.shape, generator=g)
+        self.geometry = ModelGeometry(num_layers=1, num_kv_heads=1, head_dim=2, vocab_size=vocab,
+                                      max_context=max_context, dtype=dtype,
+                                      device=torch.device("cpu"))
+        self.forward_calls = 0
+
+    def logits_for(self, prefix) -> torch.Tensor:
+        return self.table[prefix_hash(prefix) % self.table.shape[0]]
+
+    def forward(self, batch: PagedBatch) -> torch.Tensor:
+        self.forward_calls += 1
+        k = batch.kv.k[0].view(-1, 2)
+        bs = batch.kv.block_size
+        write = batch.slot_mapping >= 0
+        k[batch.slot_mapping[write].long()] = torch.stack(
+            [batch.input_ids[write], batch.positions[write]], dim=1).to(k.dtype)
+        qs = batch.query_start.tolist()
+        out = []
+        for t in batch.logits_indices.tolist():
+            b = next(i for i in range(batch.num_rows) if qs[i] <= t < qs[i + 1])
+            p = int(batch.positions[t])
+            assert p < int(batch.context_lens[b]), "logits asked past the row's context"
+            pos = torch.arange(p + 1)
+            blocks = batch.block_tables[b, pos // bs].long()
+            assert (blocks >= 0).all(), "block table too short for the context"
+            cached = k[blocks * bs + pos % bs]
+            assert torch.equal(cached[:, 1], pos.to(k.dtype)), f"cache corrupt at row {b}: {cached[:, 1]}"
+            out.append(self.logits_for(cached[:, 0].long().tolist()))
+        return torch.stack(out).to(self.geometry.dtype)
