@@ -77,6 +77,7 @@ PYBIND11_MODULE(_C, m) {
   verispec::register_errors(m);
   verispec::register_cache(m);
   verispec::register_decoder(m);
+  verispec::register_ops(m);
   m.def("build_info", &verispec::build_info,
         "Version, whether CUDA was compiled in (and for which architectures), and "
         "whether a GPU is usable now.");

@@ -1,0 +1,215 @@
+// Framework-free launchers of verispec's sampling ops (CPU and CUDA).
+//
+// Raw pointers, element strides and sizes in, a status out; no torch, no pybind11,
+// and no CUDA header (streams travel as `void*`). Shapes, dtypes and devices are
+// validated by the binding layer; these functions validate what they see while
+// running (values) and never throw.
+//
+// Conventions, for every op:
+//   * the last (vocab) dimension is contiguous; other strides are in elements;
+//   * outputs are written by the op into memory the caller allocated (destination
+//     passing); on an error the rows at fault get the documented padding values;
+//   * pointers of a CUDA op are device pointers on `CudaLaunch::device`, including the
+//     per-row policy arrays and the seed/offset pointers; those of a CPU op are host;
+//   * randomness is an input: coin = philox.h `uniform(seed, offset, row, position,
+//     purpose)`. Give seed/offset as pointers to let a CUDA graph replay with new
+//     values; a call consumes one offset, the caller advances it by one per call.
+//
+// The semantics below are pinned; python/verispec/reference.py implements the same in
+// PyTorch and the tests compare the two.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace verispec {
+
+// Element type of logits.
+enum class LogitsDType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+enum class StatusCode : int32_t {
+  kOk = 0,
+  kInvalidArgument = 1,     // a host-side argument is wrong; `what` says which
+  kInvalidPolicy = 2,       // per-row policy value out of range: row; col = PolicyField
+  kNumDraftOutOfRange = 3,  // num_draft[row] not in [0, num_spec]
+  kTokenOutOfRange = 4,     // draft_tokens[row, col] not in [0, vocab)
+  kNanOrInfLogits = 5,      // NaN or +Inf in logits row `row`, or no finite logit in it
+                            // (-Inf is a mask): col = vocab index, -1 for an all -Inf
+                            // row (apply_policy), or the position (verify)
+  kInvalidProbs = 6,        // probs/draft_probs negative, NaN or Inf (or a probs row of
+                            // zero mass): col = vocab index (sample) or position (verify)
+  kCudaError = 7,           // a CUDA runtime call failed; `what` is its message
+  kCudaNotCompiled = 8,     // a CUDA op was called in a build without CUDA
+};
+
+// Which per-row policy value a kInvalidPolicy status is about (its `col`).
+enum class PolicyField : int32_t { kTemperature = 0, kTopK = 1, kTopP = 2, kMinP = 3 };
+
+struct OpStatus {
+  StatusCode code = StatusCode::kOk;
+  int64_t row = -1;        // batch row at fault, -1 if none
+  int64_t col = -1;        // column at fault (see StatusCode), -1 if none
+  bool has_value = false;  // whether `value` holds the offending value
+  double value = 0.0;
+  const char* what = "";   // static text: which rule was broken
+  bool ok() const { return code == StatusCode::kOk; }
+};
+
+// Sampling policy. Each parameter is the scalar, or per-row values when its pointer is
+// non-null ([rows] of apply_policy, [batch] of verify). Ranges (per-row values outside
+// them give kInvalidPolicy, scalars kInvalidArgument):
+//   temperature  finite, >= 0; 0 means greedy: one-hot at argmax (ties: lowest index)
+//   top_k        >= 0; 0 or >= vocab disables it
+//   top_p        in (0, 1]; 1 disables it
+//   min_p        in [0, 1]; 0 disables it
+struct PolicyParams {
+  float temperature = 1.0f;
+  const float* temperature_per_row = nullptr;
+  int32_t top_k = 0;
+  const int32_t* top_k_per_row = nullptr;
+  float top_p = 1.0f;
+  const float* top_p_per_row = nullptr;
+  float min_p = 0.0f;
+  const float* min_p_per_row = nullptr;
+};
+
+// Philox key and offset: the scalar, or read at run time through a one-element pointer
+// when non-null (int64 reinterpreted as uint64). offset must be < 2^60 (philox.h).
+struct RandomParams {
+  uint64_t seed = 0;
+  const int64_t* seed_ptr = nullptr;
+  uint64_t offset = 0;
+  const int64_t* offset_ptr = nullptr;
+};
+
+// ---- apply_policy ---------------------------------------------------------------
+// probs[n] = policy(logits[n]) for n < rows:
+//   temperature 0  -> one-hot at argmax(logits[n]) (ties: lowest index); else
+//   p = softmax(logits / T);
+//   top-k: keep p >= (k-th largest p)                      (ties at the threshold kept)
+//   top-p: among the survivors, keep p >= t for the largest t with
+//          mass{survivors, p >= t} >= top_p * mass{survivors}   (ties kept)
+//   min-p: keep p >= min_p * max(p)
+//   renormalise the kept probabilities (no filter active: probs = softmax exactly).
+// Logits may be -Inf (masked: probability 0); NaN, +Inf and rows without a finite value
+// are errors: kNanOrInfLogits (row, col = vocab index or -1), kInvalidPolicy. Rows at
+// fault: 0.
+struct ApplyPolicyArgs {
+  const void* logits = nullptr;  // [rows, vocab], dtype logits_dtype
+  LogitsDType logits_dtype = LogitsDType::kFloat32;
+  int64_t logits_row_stride = 0;
+  int64_t rows = 0;
+  int64_t vocab = 0;
+  PolicyParams policy;           // per-row arrays: [rows]
+  float* probs = nullptr;        // out: [rows, vocab] float32
+  int64_t probs_row_stride = 0;
+};
+
+// ---- sample ------------------------------------------------------------------------
+// tokens[n] = inverse-CDF pick (sampling_math.h) from the weights probs[n] (need not be
+// normalised) with coin uniform(seed, offset, row = n, position = 0, Purpose::kSample).
+// Errors: kInvalidProbs (negative / NaN / Inf value: col = vocab index; all zero: col -1).
+// Rows at fault: -1.
+struct SampleArgs {
+  const float* probs = nullptr;  // [rows, vocab] float32
+  int64_t probs_row_stride = 0;
+  int64_t rows = 0;
+  int64_t vocab = 0;
+  RandomParams rng;
+  int32_t* tokens = nullptr;     // out: [rows] int32
+};
+
+// ---- verify ---------------------------------------------------------------------------
+// Speculative verification of batch rows b < batch, each with n = num_draft[b] proposals
+// (num_spec if num_draft is null), proposal j = draft_tokens[b, j] drawn from
+// q = draft_probs[b, j] (one-hot at the token if draft_probs is null).
+// p_j = policy(target_logits[b, j]) (apply_policy semantics, fused).
+//   sampled rows: for j < n, accept iff uniform(.., b, j, kAccept) * q_j(y) < p_j(y);
+//     at the first rejection emit a token from max(p_j - q_j, 0) (from p_j if that mass
+//     is < kResidualEps) with the coin uniform(.., b, j, kCorrection) and stop;
+//     if all n pass, emit a bonus token from p_n with uniform(.., b, n, kCorrection).
+//   greedy rows (greedy flag, or temperature 0 for the row): accept while
+//     y == argmax target_logits[b, j]; emit the argmax where it stops (or at n).
+// Outputs: tokens[b, :num_emitted[b]] are the emitted tokens, the rest -1;
+//   num_emitted[b] = num_accepted[b] + 1.
+// Only target_logits[b, :n + 1] are read (positions past n are padding); every one of
+// them is checked (no NaN / +Inf, at least one finite value: -Inf masks are fine), every
+// draft_tokens[b, :n] for range, and draft_probs where it is read (q_j(y) for j < n, the
+// whole row at a rejection).
+// Errors: kInvalidPolicy, kNumDraftOutOfRange, kTokenOutOfRange (col = j),
+//   kNanOrInfLogits (col = j), kInvalidProbs (col = j). Rows at fault: tokens -1,
+//   num_emitted 0, num_accepted 0. The status reports the lowest row at fault.
+struct VerifyArgs {
+  const void* target_logits = nullptr;  // [batch, num_spec + 1, vocab]
+  LogitsDType target_logits_dtype = LogitsDType::kFloat32;
+  int64_t target_logits_stride_b = 0;
+  int64_t target_logits_stride_k = 0;
+  int64_t batch = 0;
+  int64_t num_spec = 0;                 // K: draft positions per row
+  int64_t vocab = 0;
+  const int32_t* draft_tokens = nullptr;  // [batch, num_spec] int32 (may be null if K == 0)
+  int64_t draft_tokens_stride_b = 0;
+  const float* draft_probs = nullptr;     // [batch, num_spec, vocab] float32, or null
+  int64_t draft_probs_stride_b = 0;
+  int64_t draft_probs_stride_k = 0;
+  const int32_t* num_draft = nullptr;     // [batch] int32, or null
+  PolicyParams policy;                    // per-row arrays: [batch]
+  bool greedy = false;
+  RandomParams rng;
+  int32_t* tokens = nullptr;              // out: [batch, num_spec + 1] int32
+  int64_t tokens_stride_b = 0;
+  int32_t* num_emitted = nullptr;         // out: [batch] int32
+  int32_t* num_accepted = nullptr;        // out: [batch] int32
+};
+
+// ---- CPU launchers (single-threaded; scratch allocated per call) ---------------------
+OpStatus apply_policy_cpu(const ApplyPolicyArgs& args);
+OpStatus sample_cpu(const SampleArgs& args);
+OpStatus verify_cpu(const VerifyArgs& args);
+
+// ---- CUDA launchers ------------------------------------------------------------------
+// Value errors found on the device go to an error record in the workspace. With
+// check_errors the launcher copies it back, which synchronises the stream; pass
+// check_errors = false where that is not allowed (CUDA graph capture): the op then
+// returns after enqueueing, and the record stays in the workspace (first 8 bytes, a
+// uint64: ~0 = no error, else decode_device_error()).
+// workspace: device memory of at least *_cuda_workspace_bytes(); if null, the launcher
+// allocates one stream-ordered (cudaMallocAsync) and frees it after the op.
+struct CudaLaunch {
+  void* stream = nullptr;  // cudaStream_t; null is the legacy default stream
+  int device = 0;          // the device of every pointer; made current for the call
+  bool check_errors = true;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+constexpr size_t kCudaErrorRecordBytes = 256;     // error record, padded for alignment
+constexpr size_t kVerifyStatsBytesPerPosition = 32;
+
+inline size_t apply_policy_cuda_workspace_bytes() { return kCudaErrorRecordBytes; }
+inline size_t sample_cuda_workspace_bytes() { return kCudaErrorRecordBytes; }
+inline size_t verify_cuda_workspace_bytes(int64_t batch, int64_t num_spec) {
+  return kCudaErrorRecordBytes +
+         static_cast<size_t>(batch) * static_cast<size_t>(num_spec + 1) *
+             kVerifyStatsBytesPerPosition;
+}
+
+// In a build without CUDA these return kCudaNotCompiled.
+OpStatus apply_policy_cuda(const ApplyPolicyArgs& args, const CudaLaunch& launch);
+OpStatus sample_cuda(const SampleArgs& args, const CudaLaunch& launch);
+OpStatus verify_cuda(const VerifyArgs& args, const CudaLaunch& launch);
+
+// Whether this build has the CUDA launchers.
+bool cuda_compiled();
+
+// The device error record: bits 63..32 row, 31..28 StatusCode, 27..0 col (2^28 - 1:
+// unknown or too large, decoded as -1).
+// The smallest record wins (atomicMin), so the lowest row at fault is the one reported.
+constexpr uint64_t kNoDeviceError = ~uint64_t{0};
+
+enum class OpKind : int32_t { kApplyPolicy = 0, kSample = 1, kVerify = 2 };
+
+// Status of a record (no value; `what` as the launchers give it). kOk for kNoDeviceError.
+OpStatus decode_device_error(OpKind op, uint64_t record);
+
+}  // namespace verispec

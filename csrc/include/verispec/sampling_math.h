@@ -1,0 +1,211 @@
+// The sampling math of verispec, written once for the CPU and CUDA kernels.
+//
+// Everything here is a small `__host__ __device__` inline function on scalars, so the
+// two backends make the same decision from the same numbers:
+//
+//   p      target distribution after the policy (temperature, top-k, top-p, min-p)
+//   q      the distribution the drafter sampled its proposal y from
+//   accept y  iff  u * q(y) < p(y)              u = ACCEPT coin; no division, so
+//                                               q(y) = 0 accepts whenever p(y) > 0
+//   residual r_i = max(p_i - q_i, 0)            sampled at the first rejection
+//   roundoff: if sum_i r_i < kResidualEps although a rejection happened (p and q
+//             equal up to rounding), sample from p instead of the residual.
+//
+// Inverse-CDF rule (both backends): with target t = u * total, pick the smallest i
+// with w_i > 0 and w_0 + ... + w_i > t; if rounding leaves no such i (the running sum
+// never exceeds t), pick the largest i with w_i > 0.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "verispec/philox.h"
+
+namespace verispec {
+
+// Residual mass below which a rejection samples from p instead (the roundoff rule).
+constexpr float kResidualEps = 1e-6f;
+
+// ---- scalar helpers ---------------------------------------------------------------
+
+VERISPEC_HD inline uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+#endif
+}
+
+VERISPEC_HD inline float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+#endif
+}
+
+// True for every value except +-Inf and NaN; immune to -ffast-math.
+VERISPEC_HD inline bool is_finite(float x) {
+  return (float_bits(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+// A usable logit: anything but NaN and +Inf. -Inf is a mask (probability 0); a row
+// needs at least one finite logit.
+VERISPEC_HD inline bool logit_valid(float x) {
+  const uint32_t b = float_bits(x);
+  return (b & 0x7fffffffu) <= 0x7f800000u && b != 0x7f800000u;
+}
+
+// ---- 16-bit floats -----------------------------------------------------------------
+// Storage types only: the kernels read them and compute in float32.
+
+struct BFloat16 {
+  uint16_t bits;
+};
+struct Float16 {
+  uint16_t bits;
+};
+
+VERISPEC_HD inline float bf16_to_float(uint16_t bits) {
+  return bits_float(static_cast<uint32_t>(bits) << 16);  // bf16 is float32's top half
+}
+
+VERISPEC_HD inline float fp16_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1fu) return bits_float(sign | 0x7f800000u | (mant << 13));  // Inf, NaN
+  if (exp == 0) {
+    if (mant == 0) return bits_float(sign);  // +-0
+    exp = 113;                               // subnormal: normalise (127 - 15 + 1)
+    while ((mant & 0x400u) == 0) {
+      mant <<= 1;
+      --exp;
+    }
+    mant &= 0x3ffu;
+    return bits_float(sign | (exp << 23) | (mant << 13));
+  }
+  return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));  // rebias 15 -> 127
+#endif
+}
+
+VERISPEC_HD inline float to_float(float x) { return x; }
+VERISPEC_HD inline float to_float(BFloat16 x) { return bf16_to_float(x.bits); }
+VERISPEC_HD inline float to_float(Float16 x) { return fp16_to_float(x.bits); }
+
+// ---- the policy -----------------------------------------------------------------------
+// probs = softmax(logits / T) is computed as exp((l - max) / T) / sum, which never
+// overflows for tiny T. Every filter keeps {p_i >= threshold}, so top-k, top-p and min-p
+// combine into one threshold (their maximum) and ties at a threshold are always kept.
+
+// exp(x) for x in [-110, 0], about 1 ulp (Cephes expf: Cody-Waite reduction, degree-6
+// polynomial), subnormal results included, 0 below -104. Branch-free so that CPU loops
+// vectorise; the same function on both backends.
+VERISPEC_HD inline float exp_reduced(float x) {
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;             // x - n ln 2
+  const float y =
+      (((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r +
+         4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f) * (r * r) + r + 1.0f;
+  const int32_t e = static_cast<int32_t>(n);  // in [-159, 0]
+  const int32_t e1 = e > -125 ? e : -125;     // y * 2^e1 stays normal: exact
+  return (y * bits_float(static_cast<uint32_t>(e1 + 127) << 23)) *
+         bits_float(static_cast<uint32_t>(e - e1 + 127) << 23);  // one rounding if subnormal
+}
+
+// The softmax exponent (l - max) / T of logit l (T > 0), clamped to [-110, 0]: the
+// weight is 0 below -104 anyway, and the clamp maps masked logits (-Inf) there too.
+VERISPEC_HD inline float softmax_exponent(float l, float row_max, float temperature) {
+  const float x = (l - row_max) / temperature;
+  return x > -110.0f ? x : -110.0f;
+}
+
+// exp(x) for any x <= 0 (-Inf included).
+VERISPEC_HD inline float exp_nonpositive(float x) { return exp_reduced(x > -110.0f ? x : -110.0f); }
+
+// Unnormalised softmax weight of logit l: exp((l - max) / T), in [0, 1].
+VERISPEC_HD inline float softmax_weight(float l, float row_max, float temperature) {
+  return exp_reduced(softmax_exponent(l, row_max, temperature));
+}
+
+// top-p keeps the largest threshold t with mass{p >= t} >= top_p * survivor_mass.
+template <typename Acc>
+VERISPEC_HD inline Acc top_p_target_mass(float top_p, Acc survivor_mass) {
+  return static_cast<Acc>(top_p) * survivor_mass;
+}
+
+// min-p keeps p >= min_p * max p.
+VERISPEC_HD inline float min_p_threshold(float min_p, float max_prob) { return min_p * max_prob; }
+
+// Which filters are active (disabled values are no-ops, not errors).
+VERISPEC_HD inline bool top_k_active(int32_t top_k, int64_t vocab) {
+  return top_k > 0 && top_k < vocab;
+}
+VERISPEC_HD inline bool top_p_active(float top_p) { return top_p < 1.0f; }
+VERISPEC_HD inline bool min_p_active(float min_p) { return min_p > 0.0f; }
+
+// Valid parameter ranges; each test is written so that NaN fails it.
+VERISPEC_HD inline bool temperature_valid(float t) { return t >= 0.0f && is_finite(t); }
+VERISPEC_HD inline bool top_k_valid(int32_t k) { return k >= 0; }
+VERISPEC_HD inline bool top_p_valid(float p) { return p > 0.0f && p <= 1.0f; }
+VERISPEC_HD inline bool min_p_valid(float p) { return p >= 0.0f && p <= 1.0f; }
+
+// Argmax order: larger value first, ties to the lower index.
+VERISPEC_HD inline bool argmax_before(float a, int64_t ia, float b, int64_t ib) {
+  return a > b || (a == b && ia < ib);
+}
+
+// ---- speculative acceptance -------------------------------------------------------
+
+// Accept proposal y, drawn from q, against target p with coin u in [0, 1):
+// P(accept) = min(1, p(y) / q(y)). For a deterministic (one-hot) proposal q(y) = 1.
+VERISPEC_HD inline bool accept_draft(float u, float p_y, float q_y) { return u * q_y < p_y; }
+
+// Residual weight max(p - q, 0) of one token; for one-hot drafts q = [i == y].
+VERISPEC_HD inline float residual_weight(float p, float q) {
+  const float d = p - q;
+  return d > 0.0f ? d : 0.0f;
+}
+
+// The roundoff rule: sample the residual only when its mass is meaningful.
+VERISPEC_HD inline bool residual_usable(float residual_mass) {
+  return residual_mass >= kResidualEps;
+}
+
+// ---- inverse CDF ------------------------------------------------------------------------
+
+// Target of the inverse-CDF walk; the picked i is the first whose running sum exceeds it.
+template <typename Acc>
+VERISPEC_HD inline Acc inverse_cdf_target(float u, Acc total) {
+  return static_cast<Acc>(u) * total;
+}
+
+// Sequential inverse-CDF pick over n weights w(i) >= 0 (w: callable int64_t -> float),
+// accumulating in Acc (double on the CPU). Returns -1 only if every weight is zero.
+template <typename Acc, typename WeightFn>
+VERISPEC_HD inline int64_t pick_inverse_cdf(const WeightFn& w, int64_t n, float u, Acc total) {
+  const Acc target = inverse_cdf_target(u, total);
+  Acc running = 0;
+  int64_t last_positive = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    const float wi = w(i);
+    if (wi > 0.0f) {
+      running += static_cast<Acc>(wi);
+      last_positive = i;
+      if (running > target) return i;
+    }
+  }
+  return last_positive;  // rounding: the running sum never exceeded the target
+}
+
+}  // namespace verispec

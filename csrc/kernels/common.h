@@ -1,0 +1,82 @@
+// Helpers shared by the CPU (cpu/*.cpp) and CUDA (cuda/*.cu) kernels: resolving the
+// per-row policy, the device error record, and the text of each status.
+// Internal to csrc/kernels; the public surface is verispec/ops.h.
+#pragma once
+
+#include <cstdint>
+
+#include "verispec/ops.h"
+#include "verispec/philox.h"
+#include "verispec/sampling_math.h"
+
+namespace verispec {
+namespace kernels {
+
+// The policy of one row, scalars and per-row arrays resolved.
+struct RowPolicy {
+  float temperature;
+  int32_t top_k;
+  float top_p;
+  float min_p;
+  VERISPEC_HD bool greedy() const { return temperature == 0.0f; }
+};
+
+VERISPEC_HD inline RowPolicy resolve_policy(const PolicyParams& p, int64_t row) {
+  RowPolicy r;
+  r.temperature = p.temperature_per_row ? p.temperature_per_row[row] : p.temperature;
+  r.top_k = p.top_k_per_row ? p.top_k_per_row[row] : p.top_k;
+  r.top_p = p.top_p_per_row ? p.top_p_per_row[row] : p.top_p;
+  r.min_p = p.min_p_per_row ? p.min_p_per_row[row] : p.min_p;
+  return r;
+}
+
+// The first out-of-range field of a row policy (as PolicyField), or -1.
+VERISPEC_HD inline int32_t invalid_policy_field(const RowPolicy& r) {
+  if (!temperature_valid(r.temperature)) return static_cast<int32_t>(PolicyField::kTemperature);
+  if (!top_k_valid(r.top_k)) return static_cast<int32_t>(PolicyField::kTopK);
+  if (!top_p_valid(r.top_p)) return static_cast<int32_t>(PolicyField::kTopP);
+  if (!min_p_valid(r.min_p)) return static_cast<int32_t>(PolicyField::kMinP);
+  return -1;
+}
+
+VERISPEC_HD inline uint64_t resolve_seed(const RandomParams& r) {
+  return r.seed_ptr ? static_cast<uint64_t>(*r.seed_ptr) : r.seed;
+}
+VERISPEC_HD inline uint64_t resolve_offset(const RandomParams& r) {
+  return r.offset_ptr ? static_cast<uint64_t>(*r.offset_ptr) : r.offset;
+}
+
+// What a check of one logits row found: every value usable (kLogitsOk), the index of
+// the first NaN / +Inf (>= 0), or no finite value at all (kLogitsAllMasked: all -Inf).
+constexpr int64_t kLogitsOk = -1;
+constexpr int64_t kLogitsAllMasked = -2;
+
+// ---- device error record (layout in ops.h) -------------------------------------------
+
+constexpr int64_t kErrorColMax = (int64_t{1} << 28) - 1;
+
+VERISPEC_HD inline uint64_t pack_error(int64_t row, StatusCode code, int64_t col) {
+  // A negative or too large col is stored saturated and reads back as -1 (unknown).
+  const uint64_t c = (col < 0 || col > kErrorColMax) ? kErrorColMax : col;
+  return (static_cast<uint64_t>(row) << 32) |
+         (static_cast<uint64_t>(static_cast<uint32_t>(code) & 0xfu) << 28) | c;
+}
+
+// ---- status text ------------------------------------------------------------------
+
+// What a value error means for `op` (static text), e.g. "draft_tokens out of range".
+const char* status_what(OpKind op, StatusCode code, int64_t col);
+
+// A status with code, row, col and the op's text; the value is filled by the caller.
+OpStatus make_status(OpKind op, StatusCode code, int64_t row, int64_t col);
+
+OpStatus invalid_argument(const char* what);
+
+// Host-side checks of sizes and scalar policy shared by both backends.
+OpStatus check_policy_scalars(const PolicyParams& p);
+OpStatus check_apply_policy_args(const ApplyPolicyArgs& a);
+OpStatus check_sample_args(const SampleArgs& a);
+OpStatus check_verify_args(const VerifyArgs& a);
+
+}  // namespace kernels
+}  // namespace verispec

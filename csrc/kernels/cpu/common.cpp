@@ -1,0 +1,150 @@
+// Host-side helpers of both backends: argument checks, status text, and decoding of
+// the device error record. Compiled in every build (CPU only or CUDA).
+#include "../common.h"
+
+namespace verispec {
+namespace kernels {
+
+namespace {
+
+constexpr int64_t kMaxRows = (int64_t{1} << 31) - 1;   // grid and Philox row limits
+constexpr int64_t kMaxVocab = (int64_t{1} << 31) - 1;  // int32 token ids
+
+bool valid_dtype(LogitsDType d) {
+  return d == LogitsDType::kFloat32 || d == LogitsDType::kBFloat16 || d == LogitsDType::kFloat16;
+}
+
+OpStatus check_rng(const RandomParams& r) {
+  if (!r.offset_ptr && r.offset >= kPhiloxMaxOffset) {
+    return invalid_argument("offset must be in [0, 2^60)");
+  }
+  return OpStatus{};
+}
+
+}  // namespace
+
+const char* status_what(OpKind op, StatusCode code, int64_t col) {
+  switch (code) {
+    case StatusCode::kOk:
+      return "";
+    case StatusCode::kInvalidPolicy:
+      switch (static_cast<PolicyField>(col)) {
+        case PolicyField::kTemperature: return "temperature must be finite and >= 0";
+        case PolicyField::kTopK: return "top_k must be >= 0";
+        case PolicyField::kTopP: return "top_p must be in (0, 1]";
+        case PolicyField::kMinP: return "min_p must be in [0, 1]";
+      }
+      return "invalid policy value";
+    case StatusCode::kNumDraftOutOfRange:
+      return "num_draft must be in [0, K]";
+    case StatusCode::kTokenOutOfRange:
+      return "draft_tokens must be in [0, V)";
+    case StatusCode::kNanOrInfLogits:
+      if (op == OpKind::kVerify) {
+        return "target_logits must not contain NaN or +Inf, nor a row of only -Inf";
+      }
+      return col < 0 ? "logits must have a finite value in every row (this one is all -Inf)"
+                     : "logits must not contain NaN or +Inf";
+    case StatusCode::kInvalidProbs:
+      if (op == OpKind::kVerify) return "draft_probs must be finite and >= 0";
+      return col < 0 ? "probs row has zero total mass"
+                     : "probs must be finite and >= 0";
+    case StatusCode::kInvalidArgument:
+      return "invalid argument";
+    case StatusCode::kCudaError:
+      return "CUDA error";
+    case StatusCode::kCudaNotCompiled:
+      return "verispec was built without CUDA";
+  }
+  return "unknown error";
+}
+
+OpStatus make_status(OpKind op, StatusCode code, int64_t row, int64_t col) {
+  OpStatus s;
+  s.code = code;
+  s.row = row;
+  s.col = col;
+  s.what = status_what(op, code, col);
+  return s;
+}
+
+OpStatus invalid_argument(const char* what) {
+  OpStatus s;
+  s.code = StatusCode::kInvalidArgument;
+  s.what = what;
+  return s;
+}
+
+OpStatus check_policy_scalars(const PolicyParams& p) {
+  if (!p.temperature_per_row && !temperature_valid(p.temperature)) {
+    return invalid_argument("temperature must be finite and >= 0");
+  }
+  if (!p.top_k_per_row && !top_k_valid(p.top_k)) return invalid_argument("top_k must be >= 0");
+  if (!p.top_p_per_row && !top_p_valid(p.top_p)) {
+    return invalid_argument("top_p must be in (0, 1]");
+  }
+  if (!p.min_p_per_row && !min_p_valid(p.min_p)) {
+    return invalid_argument("min_p must be in [0, 1]");
+  }
+  return OpStatus{};
+}
+
+OpStatus check_apply_policy_args(const ApplyPolicyArgs& a) {
+  if (a.rows < 0 || a.rows > kMaxRows) return invalid_argument("rows must be in [0, 2^31)");
+  if (a.rows == 0) return OpStatus{};
+  if (a.vocab < 1 || a.vocab > kMaxVocab) return invalid_argument("vocab must be in [1, 2^31)");
+  if (!valid_dtype(a.logits_dtype)) return invalid_argument("logits dtype must be float32, bfloat16 or float16");
+  if (!a.logits || !a.probs) return invalid_argument("logits and probs must not be null");
+  if (a.logits_row_stride < 0) return invalid_argument("logits row stride must be >= 0");
+  if (a.rows > 1 && a.probs_row_stride < a.vocab) {
+    return invalid_argument("probs row stride must be >= vocab");
+  }
+  return check_policy_scalars(a.policy);
+}
+
+OpStatus check_sample_args(const SampleArgs& a) {
+  if (a.rows < 0 || a.rows > kMaxRows) return invalid_argument("rows must be in [0, 2^31)");
+  if (a.rows == 0) return OpStatus{};
+  if (a.vocab < 1 || a.vocab > kMaxVocab) return invalid_argument("vocab must be in [1, 2^31)");
+  if (!a.probs || !a.tokens) return invalid_argument("probs and tokens must not be null");
+  if (a.probs_row_stride < 0) return invalid_argument("probs row stride must be >= 0");
+  return check_rng(a.rng);
+}
+
+OpStatus check_verify_args(const VerifyArgs& a) {
+  if (a.batch < 0 || a.batch > kMaxRows) return invalid_argument("batch must be in [0, 2^31)");
+  if (a.num_spec < 0 || a.num_spec > kMaxRows - 1) {
+    return invalid_argument("K must be in [0, 2^31 - 1)");
+  }
+  if (a.batch == 0) return OpStatus{};
+  if (a.vocab < 1 || a.vocab > kMaxVocab) return invalid_argument("vocab must be in [1, 2^31)");
+  if (!valid_dtype(a.target_logits_dtype)) {
+    return invalid_argument("target_logits dtype must be float32, bfloat16 or float16");
+  }
+  if (!a.target_logits || !a.tokens || !a.num_emitted || !a.num_accepted) {
+    return invalid_argument("target_logits, tokens, num_emitted and num_accepted must not be null");
+  }
+  if (a.num_spec > 0 && !a.draft_tokens) return invalid_argument("draft_tokens must not be null");
+  if (a.target_logits_stride_b < 0 || a.target_logits_stride_k < 0 ||
+      a.draft_tokens_stride_b < 0 || a.draft_probs_stride_b < 0 || a.draft_probs_stride_k < 0) {
+    return invalid_argument("strides must be >= 0");
+  }
+  if (a.batch > 1 && a.tokens_stride_b < a.num_spec + 1) {
+    return invalid_argument("tokens row stride must be >= K + 1");
+  }
+  const OpStatus s = check_policy_scalars(a.policy);
+  if (!s.ok()) return s;
+  return check_rng(a.rng);
+}
+
+}  // namespace kernels
+
+OpStatus decode_device_error(OpKind op, uint64_t record) {
+  if (record == kNoDeviceError) return OpStatus{};
+  const int64_t row = static_cast<int64_t>(record >> 32);
+  const auto code = static_cast<StatusCode>((record >> 28) & 0xfu);
+  const int64_t col = static_cast<int64_t>(record & 0x0fffffffu);
+  return kernels::make_status(op, code, row, col == kernels::kErrorColMax ? -1 : col);
+}
+
+}  // namespace verispec

@@ -1,0 +1,125 @@
+// The whole-row passes of the CPU policy (declared in cpu_policy.h), kept in their own
+// translation unit for two build-independent properties:
+//   * speed: simple loops the compiler vectorises; on x86-64 Linux each also gets AVX2
+//     and AVX-512 clones, chosen at load time (GCC/Clang target_clones), so a portable
+//     wheel still runs wide vectors;
+//   * identical results on every clone and machine: no FMA contraction here (the
+//     baseline has no FMA; the clones must round the same way).
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <algorithm>
+
+#include "cpu_policy.h"
+
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && \
+    !defined(__SANITIZE_ADDRESS__)
+#define VERISPEC_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define VERISPEC_CPU_CLONES
+#endif
+
+namespace verispec {
+namespace kernels {
+namespace cpu {
+
+namespace {
+constexpr int64_t kLanes = 16;  // float lanes of the sums: one AVX-512 register
+constexpr int64_t kBlock = 1024;
+}  // namespace
+
+VERISPEC_CPU_CLONES void to_float_row(const float* x, int64_t n, float* out) {
+  std::copy(x, x + n, out);
+}
+
+VERISPEC_CPU_CLONES void to_float_row(const BFloat16* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(x[i].bits);
+}
+
+void to_float_row(const Float16* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = fp16_to_float(x[i].bits);
+}
+
+VERISPEC_CPU_CLONES bool row_logits_valid(const float* v, int64_t n) {
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) bad |= !logit_valid(v[i]);
+  return bad == 0;
+}
+
+VERISPEC_CPU_CLONES float row_max(const float* v, int64_t n) {
+  float m[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) m[l] = v[0];  // n >= 1
+  const int64_t body = n - n % kLanes;
+  for (int64_t i = 0; i < body; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) m[l] = v[i + l] > m[l] ? v[i + l] : m[l];
+  }
+  for (int64_t i = body; i < n; ++i) m[0] = v[i] > m[0] ? v[i] : m[0];
+  float r = m[0];
+  for (int64_t l = 1; l < kLanes; ++l) r = m[l] > r ? m[l] : r;
+  return r;
+}
+
+// The count and the mass in separate loops: each vectorises cleanly.
+VERISPEC_CPU_CLONES Tally tally_at_least(const float* v, int64_t n, float threshold) {
+  Tally t{0, 0.0};
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t len = std::min(kBlock, n - start);
+    const float* b = v + start;
+    int32_t count = 0;
+    for (int64_t i = 0; i < len; ++i) count += b[i] >= threshold;
+    float m[kLanes] = {};
+    const int64_t body = len - len % kLanes;
+    for (int64_t i = 0; i < body; i += kLanes) {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const float x = b[i + l];
+        m[l] += x >= threshold ? x : 0.0f;
+      }
+    }
+    for (int64_t i = body; i < len; ++i) m[0] += b[i] >= threshold ? b[i] : 0.0f;
+    t.count += count;
+    for (int64_t l = 0; l < kLanes; ++l) t.mass += m[l];
+  }
+  return t;
+}
+
+// Two loops, so that the clamp in softmax_exponent stays branch-free and both vectorise.
+VERISPEC_CPU_CLONES double softmax_weights_inplace(float* v, int64_t n, float row_max,
+                                                   float temperature) {
+  for (int64_t i = 0; i < n; ++i) v[i] = softmax_exponent(v[i], row_max, temperature);
+  for (int64_t i = 0; i < n; ++i) v[i] = exp_reduced(v[i]);
+  return tally_at_least(v, n, 0.0f).mass;
+}
+
+VERISPEC_CPU_CLONES void divide_row(float* v, int64_t n, float norm) {
+  for (int64_t i = 0; i < n; ++i) v[i] /= norm;
+}
+
+VERISPEC_CPU_CLONES void renormalise_row(float* v, int64_t n, float threshold, float kept) {
+  for (int64_t i = 0; i < n; ++i) v[i] = (v[i] >= threshold ? v[i] : 0.0f) / kept;
+}
+
+// Chunks of 16 with no value in range (most of them) cost one vectorised test.
+VERISPEC_CPU_CLONES int64_t gather_range(const float* v, int64_t n, float lo, float hi,
+                                         float* out) {
+  constexpr int64_t kChunk = 16;
+  int64_t m = 0;
+  for (int64_t start = 0; start < n; start += kChunk) {
+    const int64_t len = std::min(kChunk, n - start);
+    const float* b = v + start;
+    int any = 0;
+    for (int64_t i = 0; i < len; ++i) any |= (b[i] >= lo) & (b[i] < hi);
+    if (!any) continue;
+    for (int64_t i = 0; i < len; ++i) {
+      out[m] = b[i];
+      m += (b[i] >= lo) & (b[i] < hi);
+    }
+  }
+  return m;
+}
+
+}  // namespace cpu
+}  // namespace kernels
+}  // namespace verispec

@@ -1,0 +1,188 @@
+// verify on the CPU: per row, check everything the walk may read (policy, num_draft,
+// tokens, logits, q(y)), then walk the proposals, computing p_j lazily per position.
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_policy.h"
+
+namespace verispec {
+
+namespace {
+
+using namespace kernels;
+
+template <typename T>
+struct VerifyRow {
+  const VerifyArgs& a;
+  const T* logits;  // [batch, K + 1, vocab]
+  uint64_t seed;
+  uint64_t offset;
+  float* p;                   // [vocab] scratch: p_j
+  cpu::PolicyScratch* scratch;
+
+  const T* logits_at(int64_t b, int64_t j) const {
+    return logits + b * a.target_logits_stride_b + j * a.target_logits_stride_k;
+  }
+  const float* q_at(int64_t b, int64_t j) const {
+    return a.draft_probs + b * a.draft_probs_stride_b + j * a.draft_probs_stride_k;
+  }
+  float coin(int64_t b, int64_t j, Purpose purpose) const {
+    return uniform(seed, offset, static_cast<uint32_t>(b), static_cast<uint32_t>(j), purpose);
+  }
+  const int32_t* draft_row(int64_t b) const {  // [K]; null when K == 0
+    return a.draft_tokens ? a.draft_tokens + b * a.draft_tokens_stride_b : nullptr;
+  }
+  int32_t pick_from_p(int64_t b, int64_t j) const {
+    const float* pp = p;
+    double total = 0.0;
+    for (int64_t i = 0; i < a.vocab; ++i) total += pp[i];
+    return static_cast<int32_t>(pick_inverse_cdf<double>(
+        [pp](int64_t i) { return pp[i]; }, a.vocab, coin(b, j, Purpose::kCorrection), total));
+  }
+
+  // Everything the walk of row b may read; returns the first fault.
+  OpStatus check(int64_t b, const RowPolicy& pol, int64_t n) const {
+    const int32_t field = invalid_policy_field(pol);
+    if (field >= 0) return cpu::invalid_policy_status(OpKind::kVerify, b, pol, field);
+    if (n < 0 || n > a.num_spec) {
+      OpStatus s = make_status(OpKind::kVerify, StatusCode::kNumDraftOutOfRange, b, -1);
+      s.has_value = true;
+      s.value = static_cast<double>(n);
+      return s;
+    }
+    const int32_t* y = draft_row(b);
+    for (int64_t j = 0; j < n; ++j) {
+      if (y[j] < 0 || y[j] >= a.vocab) {
+        OpStatus s = make_status(OpKind::kVerify, StatusCode::kTokenOutOfRange, b, j);
+        s.has_value = true;
+        s.value = y[j];
+        return s;
+      }
+    }
+    for (int64_t j = 0; j <= n; ++j) {
+      const int64_t bad = cpu::check_logits_row(logits_at(b, j), a.vocab);
+      if (bad != kLogitsOk) {  // a NaN / +Inf at `bad`, or all -Inf
+        OpStatus s = make_status(OpKind::kVerify, StatusCode::kNanOrInfLogits, b, j);
+        if (bad >= 0) {
+          s.has_value = true;
+          s.value = to_float(logits_at(b, j)[bad]);
+        }
+        return s;
+      }
+    }
+    if (a.draft_probs) {
+      for (int64_t j = 0; j < n; ++j) {
+        const float q = q_at(b, j)[y[j]];
+        if (!(q >= 0.0f) || !is_finite(q)) {
+          OpStatus s = make_status(OpKind::kVerify, StatusCode::kInvalidProbs, b, j);
+          s.has_value = true;
+          s.value = q;
+          return s;
+        }
+      }
+    }
+    return OpStatus{};
+  }
+
+  // Walks row b; writes tokens[0, emitted) and returns the number accepted, or a fault.
+  OpStatus walk(int64_t b, const RowPolicy& pol, int64_t n, int32_t* out, int64_t* accepted) {
+    const int32_t* y = draft_row(b);
+    const bool greedy = a.greedy || pol.greedy();
+    for (int64_t j = 0; j < n; ++j) {
+      if (greedy) {
+        const int32_t best = static_cast<int32_t>(cpu::argmax_row(logits_at(b, j), a.vocab));
+        out[j] = best;
+        if (best != y[j]) {
+          *accepted = j;
+          return OpStatus{};
+        }
+        continue;
+      }
+      cpu::policy_row(logits_at(b, j), a.vocab, pol, p, *scratch);
+      const float q_y = a.draft_probs ? q_at(b, j)[y[j]] : 1.0f;
+      if (accept_draft(coin(b, j, Purpose::kAccept), p[y[j]], q_y)) {
+        out[j] = y[j];
+        continue;
+      }
+      // First rejection: sample the residual max(p - q, 0) (roundoff rule: p).
+      *accepted = j;
+      const float* pp = p;
+      double residual = 0.0;
+      if (a.draft_probs) {
+        const float* q = q_at(b, j);  // [vocab]
+        for (int64_t i = 0; i < a.vocab; ++i) {
+          if (!(q[i] >= 0.0f) || !is_finite(q[i])) {
+            OpStatus s = make_status(OpKind::kVerify, StatusCode::kInvalidProbs, b, j);
+            s.has_value = true;
+            s.value = q[i];
+            return s;
+          }
+          residual += residual_weight(pp[i], q[i]);
+        }
+        if (residual_usable(static_cast<float>(residual))) {
+          out[j] = static_cast<int32_t>(pick_inverse_cdf<double>(
+              [pp, q](int64_t i) { return residual_weight(pp[i], q[i]); }, a.vocab,
+              coin(b, j, Purpose::kCorrection), residual));
+          return OpStatus{};
+        }
+      } else {
+        const int64_t yj = y[j];
+        for (int64_t i = 0; i < a.vocab; ++i) residual += i == yj ? 0.0f : pp[i];
+        if (residual_usable(static_cast<float>(residual))) {
+          out[j] = static_cast<int32_t>(pick_inverse_cdf<double>(
+              [pp, yj](int64_t i) { return i == yj ? 0.0f : pp[i]; }, a.vocab,
+              coin(b, j, Purpose::kCorrection), residual));
+          return OpStatus{};
+        }
+      }
+      out[j] = pick_from_p(b, j);
+      return OpStatus{};
+    }
+    // All n accepted: the bonus token from p_n.
+    *accepted = n;
+    if (greedy) {
+      out[n] = static_cast<int32_t>(cpu::argmax_row(logits_at(b, n), a.vocab));
+    } else {
+      cpu::policy_row(logits_at(b, n), a.vocab, pol, p, *scratch);
+      out[n] = pick_from_p(b, n);
+    }
+    return OpStatus{};
+  }
+};
+
+}  // namespace
+
+OpStatus verify_cpu(const VerifyArgs& a) {
+  OpStatus first = check_verify_args(a);
+  if (!first.ok() || a.batch == 0) return first;
+  std::vector<float> p(static_cast<size_t>(a.vocab));
+  cpu::PolicyScratch scratch(a.vocab);
+  const int64_t width = a.num_spec + 1;
+  cpu::dispatch_dtype(a.target_logits_dtype, a.target_logits, [&](const auto* logits) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
+    VerifyRow<T> v{a, logits, resolve_seed(a.rng), resolve_offset(a.rng), p.data(), &scratch};
+    for (int64_t b = 0; b < a.batch; ++b) {
+      int32_t* out = a.tokens + b * a.tokens_stride_b;  // [K + 1]
+      std::fill(out, out + width, -1);
+      const RowPolicy pol = resolve_policy(a.policy, b);
+      const int64_t n = a.num_draft ? a.num_draft[b] : a.num_spec;
+      int64_t accepted = 0;
+      OpStatus s = v.check(b, pol, n);
+      if (s.ok()) s = v.walk(b, pol, n, out, &accepted);
+      if (!s.ok()) {
+        std::fill(out, out + width, -1);
+        a.num_emitted[b] = 0;
+        a.num_accepted[b] = 0;
+        if (first.ok()) first = s;
+        continue;
+      }
+      a.num_accepted[b] = static_cast<int32_t>(accepted);
+      a.num_emitted[b] = static_cast<int32_t>(accepted + 1);
+    }
+    return 0;
+  });
+  return first;
+}
+
+}  // namespace verispec

@@ -1,0 +1,996 @@
+// Native tests of the CPU sampling kernels, Philox and the shared sampling math.
+// Plain C++ (no framework): prints each failure and exits non-zero if any.
+//   g++ -std=c++17 -O1 -fsanitize=address,undefined -Icsrc/include
+//       csrc/tests/test_kernels.cpp csrc/kernels/cpu/*.cpp && ./a.out
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "../kernels/cpu/cpu_policy.h"
+#include "verispec/ops.h"
+#include "verispec/philox.h"
+#include "verispec/sampling_math.h"
+
+using namespace verispec;
+
+namespace {
+
+int g_failures = 0;
+int g_checks = 0;
+
+#define CHECK(cond)                                                        \
+  do {                                                                     \
+    ++g_checks;                                                            \
+    if (!(cond)) {                                                         \
+      ++g_failures;                                                        \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+    }                                                                      \
+  } while (0)
+
+#define CHECK_NEAR(a, b, tol)                                                         \
+  do {                                                                                \
+    ++g_checks;                                                                       \
+    const double va_ = (a), vb_ = (b);                                                \
+    if (!(std::fabs(va_ - vb_) <= (tol))) {                                           \
+      ++g_failures;                                                                   \
+      std::fprintf(stderr, "%s:%d: CHECK_NEAR failed: %s = %.9g, %s = %.9g (tol %g)\n", \
+                   __FILE__, __LINE__, #a, va_, #b, vb_, static_cast<double>(tol));   \
+    }                                                                                 \
+  } while (0)
+
+constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// ---- helpers ------------------------------------------------------------------------
+
+std::vector<float> apply(const std::vector<float>& logits, int64_t rows, int64_t vocab,
+                         PolicyParams pol, OpStatus* status = nullptr) {
+  std::vector<float> probs(static_cast<size_t>(rows * vocab), -1.0f);
+  ApplyPolicyArgs a;
+  a.logits = logits.data();
+  a.logits_row_stride = vocab;
+  a.rows = rows;
+  a.vocab = vocab;
+  a.policy = pol;
+  a.probs = probs.data();
+  a.probs_row_stride = vocab;
+  const OpStatus s = apply_policy_cpu(a);
+  if (status) *status = s;
+  else CHECK(s.ok());
+  return probs;
+}
+
+std::vector<float> logits_of(const std::vector<double>& probs) {
+  std::vector<float> l;
+  for (double p : probs) l.push_back(static_cast<float>(std::log(p)));
+  return l;
+}
+
+int count_nonzero(const std::vector<float>& v) {
+  return static_cast<int>(std::count_if(v.begin(), v.end(), [](float x) { return x != 0.0f; }));
+}
+
+// Brute force: the policy by sorting (the reference semantics, in double).
+std::vector<float> brute_policy(const std::vector<float>& p, int32_t top_k, float top_p,
+                                float min_p) {
+  const int64_t n = static_cast<int64_t>(p.size());
+  std::vector<float> sorted = p;
+  std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+  float thr = 0.0f;
+  if (top_k > 0 && top_k < n) thr = sorted[top_k - 1];
+  if (top_p < 1.0f) {
+    double mass = 0.0;
+    for (float v : sorted) if (v >= thr) mass += v;
+    const double target = static_cast<double>(top_p) * mass;
+    double cum = 0.0;
+    float t = thr;
+    for (int64_t i = 0; i < n && sorted[i] >= thr; ++i) {
+      cum += sorted[i];
+      t = sorted[i];
+      // include the ties of sorted[i] before testing
+      while (i + 1 < n && sorted[i + 1] == sorted[i]) cum += sorted[++i];
+      if (cum >= target) break;
+    }
+    thr = std::max(thr, t);
+  }
+  if (min_p > 0.0f) thr = std::max(thr, min_p * sorted[0]);
+  std::vector<float> out(p.size(), 0.0f);
+  double kept = 0.0;
+  for (float v : p) if (v >= thr) kept += v;
+  for (size_t i = 0; i < p.size(); ++i) out[i] = p[i] >= thr ? p[i] / static_cast<float>(kept) : 0.0f;
+  return out;
+}
+
+struct VerifyOut {
+  std::vector<int32_t> tokens;
+  std::vector<int32_t> emitted;
+  std::vector<int32_t> accepted;
+  OpStatus status;
+};
+
+struct VerifyCase {
+  int64_t batch = 1, k = 1, vocab = 4;
+  std::vector<float> logits;       // [batch, k + 1, vocab]
+  std::vector<int32_t> drafts;     // [batch, k]
+  std::vector<float> draft_probs;  // [batch, k, vocab] or empty (one-hot)
+  std::vector<int32_t> num_draft;  // [batch] or empty
+  PolicyParams policy;
+  bool greedy = false;
+  uint64_t seed = 1, offset = 0;
+
+  VerifyOut run() const {
+    VerifyOut o;
+    o.tokens.assign(static_cast<size_t>(batch * (k + 1)), 12345);
+    o.emitted.assign(static_cast<size_t>(batch), 12345);
+    o.accepted.assign(static_cast<size_t>(batch), 12345);
+    VerifyArgs a;
+    a.target_logits = logits.data();
+    a.target_logits_stride_b = (k + 1) * vocab;
+    a.target_logits_stride_k = vocab;
+    a.batch = batch;
+    a.num_spec = k;
+    a.vocab = vocab;
+    a.draft_tokens = drafts.empty() ? nullptr : drafts.data();
+    a.draft_tokens_stride_b = k;
+    a.draft_probs = draft_probs.empty() ? nullptr : draft_probs.data();
+    a.draft_probs_stride_b = k * vocab;
+    a.draft_probs_stride_k = vocab;
+    a.num_draft = num_draft.empty() ? nullptr : num_draft.data();
+    a.policy = policy;
+    a.greedy = greedy;
+    a.rng.seed = seed;
+    a.rng.offset = offset;
+    a.tokens = o.tokens.data();
+    a.tokens_stride_b = k + 1;
+    a.num_emitted = o.emitted.data();
+    a.num_accepted = o.accepted.data();
+    o.status = verify_cpu(a);
+    return o;
+  }
+};
+
+std::vector<float> random_logits(std::mt19937& rng, size_t n, float scale = 2.0f) {
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// ---- Philox & coins -------------------------------------------------------------------
+
+void test_philox_known_answers() {
+  // Random123 tests/kat_vectors, "philox4x32 10" lines: ctr[4] key[2] -> out[4].
+  struct Kat {
+    uint32_t ctr[4], key[2], out[4];
+  };
+  const Kat kats[] = {
+      {{0, 0, 0, 0}, {0, 0}, {0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}},
+      {{0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff},
+       {0xffffffff, 0xffffffff},
+       {0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}},
+      {{0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344},
+       {0xa4093822, 0x299f31d0},
+       {0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1}},
+  };
+  for (const Kat& k : kats) {
+    const Philox4x32 out =
+        philox4x32_10(Philox4x32{{k.ctr[0], k.ctr[1], k.ctr[2], k.ctr[3]}}, k.key[0], k.key[1]);
+    for (int i = 0; i < 4; ++i) CHECK(out.v[i] == k.out[i]);
+  }
+}
+
+void test_stream_layout() {
+  const Philox4x32 c = philox_counter(0x0123456789abcdefull, 7, 9, Purpose::kCorrection);
+  CHECK(c.v[0] == 9u);           // position
+  CHECK(c.v[1] == 7u);           // row
+  CHECK(c.v[2] == 0x89abcdefu);  // lo32(offset)
+  CHECK(c.v[3] == (0x01234567u | (1u << 28)));
+  // Coins: deterministic, in [0, 1), and every coordinate selects a different stream.
+  const float u = uniform(42, 3, 1, 2, Purpose::kAccept);
+  CHECK(u == uniform(42, 3, 1, 2, Purpose::kAccept));
+  CHECK(u >= 0.0f && u < 1.0f);
+  CHECK(u != uniform(43, 3, 1, 2, Purpose::kAccept));
+  CHECK(u != uniform(42, 4, 1, 2, Purpose::kAccept));
+  CHECK(u != uniform(42, 3, 2, 2, Purpose::kAccept));
+  CHECK(u != uniform(42, 3, 1, 3, Purpose::kAccept));
+  CHECK(u != uniform(42, 3, 1, 2, Purpose::kCorrection));
+  CHECK(u != uniform(42, 3, 1, 2, Purpose::kSample));
+  CHECK(u != uniform(42, 3, 1, 2, Purpose::kDraft));
+  // The key uses all 64 seed bits.
+  CHECK(uniform(1ull << 40, 0, 0, 0, Purpose::kSample) != uniform(0, 0, 0, 0, Purpose::kSample));
+  // Purpose streams are not shifted copies of each other.
+  int equal = 0;
+  for (uint32_t j = 0; j < 1000; ++j) {
+    equal += uniform(5, 0, 0, j, Purpose::kAccept) == uniform(5, 0, 0, j + 1, Purpose::kCorrection);
+  }
+  CHECK(equal < 5);
+  // Moments of 200k coins: mean 1/2, variance 1/12.
+  double sum = 0.0, sum2 = 0.0;
+  const int n = 200000;
+  for (int i = 0; i < n; ++i) {
+    const double x = uniform(7, static_cast<uint64_t>(i), 0, 0, Purpose::kSample);
+    sum += x;
+    sum2 += x * x;
+  }
+  CHECK_NEAR(sum / n, 0.5, 0.004);
+  CHECK_NEAR(sum2 / n - (sum / n) * (sum / n), 1.0 / 12.0, 0.002);
+  CHECK(uniform24(0xffffffffu) < 1.0f);
+  CHECK(uniform24(0) == 0.0f);
+}
+
+// ---- shared math ------------------------------------------------------------------------
+
+void test_half_conversions() {
+  CHECK(fp16_to_float(0x3c00) == 1.0f);
+  CHECK(fp16_to_float(0xc000) == -2.0f);
+  CHECK(fp16_to_float(0x7bff) == 65504.0f);
+  CHECK(fp16_to_float(0x0001) == std::ldexp(1.0f, -24));  // smallest subnormal
+  CHECK(fp16_to_float(0x03ff) == std::ldexp(1023.0f, -24));
+  CHECK(fp16_to_float(0x8000) == 0.0f && std::signbit(fp16_to_float(0x8000)));
+  CHECK(fp16_to_float(0x7c00) == kInf);
+  CHECK(fp16_to_float(0xfc00) == -kInf);
+  CHECK(std::isnan(fp16_to_float(0x7e00)));
+  CHECK(fp16_to_float(0x3555) == 0.333251953125f);
+  CHECK(bf16_to_float(0x3f80) == 1.0f);
+  CHECK(bf16_to_float(0xc040) == -3.0f);
+  CHECK(bf16_to_float(0x7f80) == kInf);
+  CHECK(std::isnan(bf16_to_float(0x7fc0)));
+  CHECK(is_finite(1.0f) && !is_finite(kInf) && !is_finite(-kInf) && !is_finite(kNan));
+}
+
+void test_exp_nonpositive() {
+  // Against double exp on a sweep of [-104, 0] (the full sweep of every float is
+  // ~1 ulp; too slow for a sanitizer build).
+  double worst = 0.0;
+  for (int i = 0; i <= 400000; ++i) {
+    const float x = -104.0f * static_cast<float>(i) / 400000.0f;
+    const double want = std::exp(static_cast<double>(x));
+    const float wf = static_cast<float>(want);
+    const double ulp = static_cast<double>(std::nextafter(wf, 1.0f)) - wf;
+    worst = std::max(worst, std::fabs(exp_nonpositive(x) - want) / ulp);
+  }
+  CHECK(worst <= 1.0);
+  CHECK(exp_nonpositive(0.0f) == 1.0f);
+  CHECK(exp_nonpositive(-1e-30f) == 1.0f);
+  CHECK(exp_nonpositive(-200.0f) == 0.0f);
+  CHECK(exp_nonpositive(-kInf) == 0.0f);
+  CHECK(exp_nonpositive(-100.0f) > 0.0f);  // subnormal results are kept
+}
+
+void test_acceptance_math() {
+  CHECK(accept_draft(0.0f, 0.1f, 0.5f));
+  CHECK(!accept_draft(0.5f, 0.2f, 0.5f));  // 0.25 < 0.2 is false
+  CHECK(accept_draft(0.999f, 0.3f, 0.3f)); // p == q always accepts
+  CHECK(!accept_draft(0.0f, 0.0f, 0.0f));  // a zero-probability proposal never passes
+  CHECK(accept_draft(0.7f, 0.8f, 1.0f));   // one-hot: accept iff u < p(y)
+  CHECK(residual_weight(0.3f, 0.1f) == 0.3f - 0.1f);
+  CHECK(residual_weight(0.1f, 0.3f) == 0.0f);
+  CHECK(!residual_usable(5e-7f) && residual_usable(2e-6f));
+  const float w[] = {0.0f, 1.0f, 0.0f, 2.0f, 1.0f, 0.0f};
+  auto fw = [&](int64_t i) { return w[i]; };
+  CHECK(pick_inverse_cdf<double>(fw, 6, 0.0f, 4.0) == 1);
+  CHECK(pick_inverse_cdf<double>(fw, 6, 0.2499f, 4.0) == 1);
+  CHECK(pick_inverse_cdf<double>(fw, 6, 0.25f, 4.0) == 3);
+  CHECK(pick_inverse_cdf<double>(fw, 6, 0.74f, 4.0) == 3);
+  CHECK(pick_inverse_cdf<double>(fw, 6, 0.75f, 4.0) == 4);
+  CHECK(pick_inverse_cdf<double>(fw, 6, 0.75f, 8.0) == 4);  // total too large: last positive
+  const float z[] = {0.0f, 0.0f};
+  CHECK(pick_inverse_cdf<double>([&](int64_t i) { return z[i]; }, 2, 0.5f, 0.0) == -1);
+}
+
+void test_weighted_threshold_against_sort() {
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int n = 1 + static_cast<int>(rng() % 60);
+    std::vector<float> a(static_cast<size_t>(n));
+    const int distinct = 1 + static_cast<int>(rng() % 8);  // many ties on purpose
+    for (auto& x : a) x = static_cast<float>(1 + rng() % distinct) / 8.0f;
+    std::vector<float> sorted = a;
+    std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+    const double total = std::accumulate(a.begin(), a.end(), 0.0);
+    const double target = total * (static_cast<double>(rng() % 1001) / 1000.0);
+    // Brute force: largest value t with mass{>= t} >= target.
+    float expected = sorted.back();
+    for (float t : sorted) {
+      double m = 0.0;
+      for (float v : a) if (v >= t) m += v;
+      if (m >= target) {
+        expected = t;
+        break;
+      }
+    }
+    std::vector<float> work = a;
+    CHECK(kernels::cpu::weighted_threshold(work.data(), n, target) == expected);
+  }
+}
+
+// ---- apply_policy ---------------------------------------------------------------------
+
+void test_policy_hand_cases() {
+  PolicyParams pol;
+  // Temperature 0: one-hot at the argmax, ties to the lowest index.
+  pol.temperature = 0.0f;
+  auto p = apply({1.0f, 3.0f, 3.0f, 0.0f}, 1, 4, pol);
+  CHECK(p[0] == 0.0f && p[1] == 1.0f && p[2] == 0.0f && p[3] == 0.0f);
+
+  // Plain softmax.
+  pol = PolicyParams{};
+  p = apply(logits_of({0.5, 0.3, 0.15, 0.05}), 1, 4, pol);
+  CHECK_NEAR(p[0], 0.5, 1e-6);
+  CHECK_NEAR(p[3], 0.05, 1e-6);
+  // Temperature 2 flattens: p ~ sqrt(p0).
+  pol.temperature = 2.0f;
+  p = apply(logits_of({0.64, 0.36}), 1, 2, pol);
+  CHECK_NEAR(p[0], 0.8 / 1.4, 1e-6);
+  // A tiny temperature does not overflow.
+  pol.temperature = 1e-30f;
+  p = apply({1.0f, 2.0f, 1.5f}, 1, 3, pol);
+  CHECK(p[1] == 1.0f && p[0] == 0.0f && p[2] == 0.0f);
+
+  const auto l = logits_of({0.5, 0.3, 0.15, 0.05});
+  // top-k.
+  pol = PolicyParams{};
+  pol.top_k = 2;
+  p = apply(l, 1, 4, pol);
+  CHECK_NEAR(p[0], 0.625, 1e-6);
+  CHECK_NEAR(p[1], 0.375, 1e-6);
+  CHECK(p[2] == 0.0f && p[3] == 0.0f);
+  pol.top_k = 4;  // >= vocab: disabled
+  CHECK(count_nonzero(apply(l, 1, 4, pol)) == 4);
+  // top-k keeps ties at the threshold.
+  pol.top_k = 1;
+  p = apply({1.0f, 2.0f, 2.0f, 0.0f}, 1, 4, pol);
+  CHECK(p[0] == 0.0f && p[3] == 0.0f);
+  CHECK_NEAR(p[1], 0.5, 1e-6);
+  CHECK_NEAR(p[2], 0.5, 1e-6);
+
+  // top-p.
+  pol = PolicyParams{};
+  pol.top_p = 0.75f;
+  p = apply(l, 1, 4, pol);
+  CHECK(count_nonzero(p) == 2);
+  CHECK_NEAR(p[0], 0.625, 1e-6);
+  pol.top_p = 0.85f;
+  CHECK(count_nonzero(apply(l, 1, 4, pol)) == 3);
+  pol.top_p = 0.49f;
+  p = apply(l, 1, 4, pol);
+  CHECK(count_nonzero(p) == 1 && p[0] == 1.0f);
+  pol.top_p = 1e-9f;  // smallest useful: the argmax alone
+  CHECK(count_nonzero(apply(l, 1, 4, pol)) == 1);
+  // top-p keeps ties.
+  pol.top_p = 0.3f;
+  p = apply({0.0f, 1.0f, 1.0f, 1.0f, -5.0f}, 1, 5, pol);
+  CHECK(count_nonzero(p) == 3);
+
+  // top-k then top-p on the survivors: survivors {.5, .3, .15} (mass .95), target .76.
+  pol = PolicyParams{};
+  pol.top_k = 3;
+  pol.top_p = 0.8f;
+  p = apply(l, 1, 4, pol);
+  CHECK(count_nonzero(p) == 2);
+  pol.top_p = 0.9f;  // target .855 > .8: three survive
+  CHECK(count_nonzero(apply(l, 1, 4, pol)) == 3);
+
+  // min-p: keep p >= 0.5 * 0.5.
+  pol = PolicyParams{};
+  pol.min_p = 0.5f;
+  p = apply(l, 1, 4, pol);
+  CHECK(count_nonzero(p) == 2);
+  CHECK_NEAR(p[0] + p[1], 1.0, 1e-6);
+  pol.min_p = 1.0f;  // only the max (and its ties)
+  CHECK(count_nonzero(apply(l, 1, 4, pol)) == 1);
+}
+
+void test_policy_against_brute_force() {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int64_t vocab = 1 + static_cast<int64_t>(rng() % (trial % 10 == 0 ? 5000 : 300));
+    auto logits = random_logits(rng, static_cast<size_t>(vocab), 3.0f);
+    if (trial % 3 == 0) {  // coarse logits: many exact ties
+      for (auto& x : logits) x = std::round(x);
+    }
+    PolicyParams pol;
+    pol.temperature = 0.5f + static_cast<float>(rng() % 4) * 0.5f;
+    pol.top_k = (rng() % 2) ? static_cast<int32_t>(rng() % (vocab + 2)) : 0;
+    pol.top_p = (rng() % 2) ? 0.05f + static_cast<float>(rng() % 95) / 100.0f : 1.0f;
+    pol.min_p = (rng() % 3 == 0) ? static_cast<float>(rng() % 50) / 100.0f : 0.0f;
+    PolicyParams plain;
+    plain.temperature = pol.temperature;
+    const auto softmax = apply(logits, 1, vocab, plain);
+    const auto got = apply(logits, 1, vocab, pol);
+    const auto want = brute_policy(softmax, pol.top_k, pol.top_p, pol.min_p);
+    double sum = 0.0;
+    bool same_support = true, close = true;
+    for (int64_t i = 0; i < vocab; ++i) {
+      same_support &= (got[i] > 0.0f) == (want[i] > 0.0f);
+      close &= std::fabs(got[i] - want[i]) <= 1e-6f;
+      sum += got[i];
+    }
+    CHECK(same_support);
+    CHECK(close);
+    CHECK_NEAR(sum, 1.0, 1e-5);
+  }
+}
+
+void test_policy_dtypes_strides_and_rows() {
+  // bf16 / fp16 logits equal float logits of the same values.
+  const uint16_t bf[] = {0x3f80, 0x4000, 0xbf80, 0x4040};  // 1, 2, -1, 3
+  const uint16_t hf[] = {0x3c00, 0x4000, 0xbc00, 0x4200};  // 1, 2, -1, 3
+  const float f[] = {1.0f, 2.0f, -1.0f, 3.0f};
+  std::vector<float> out_f(4), out_b(4), out_h(4);
+  ApplyPolicyArgs a;
+  a.rows = 1;
+  a.vocab = 4;
+  a.logits_row_stride = 4;
+  a.probs_row_stride = 4;
+  a.policy.top_k = 3;
+  a.logits = f;
+  a.probs = out_f.data();
+  CHECK(apply_policy_cpu(a).ok());
+  a.logits = bf;
+  a.logits_dtype = LogitsDType::kBFloat16;
+  a.probs = out_b.data();
+  CHECK(apply_policy_cpu(a).ok());
+  a.logits = hf;
+  a.logits_dtype = LogitsDType::kFloat16;
+  a.probs = out_h.data();
+  CHECK(apply_policy_cpu(a).ok());
+  CHECK(out_f == out_b && out_f == out_h);
+  CHECK(out_f[2] == 0.0f);
+
+  // Row strides and per-row policies.
+  std::vector<float> logits = {0.0f, 1.0f, 2.0f, 99.0f,  // row 0 (+1 padding)
+                               2.0f, 1.0f, 0.0f, 99.0f};
+  std::vector<float> probs(10, -1.0f);
+  const float temps[] = {0.0f, 1.0f};
+  const int32_t ks[] = {0, 1};
+  ApplyPolicyArgs b;
+  b.logits = logits.data();
+  b.logits_row_stride = 4;
+  b.rows = 2;
+  b.vocab = 3;
+  b.policy.temperature_per_row = temps;
+  b.policy.top_k_per_row = ks;
+  b.probs = probs.data();
+  b.probs_row_stride = 5;
+  CHECK(apply_policy_cpu(b).ok());
+  CHECK(probs[0] == 0.0f && probs[1] == 0.0f && probs[2] == 1.0f);  // greedy row
+  CHECK(probs[3] == -1.0f && probs[4] == -1.0f);                     // gap untouched
+  CHECK(probs[5] == 1.0f && probs[6] == 0.0f && probs[7] == 0.0f);  // top-1 row
+}
+
+void test_policy_errors() {
+  PolicyParams pol;
+  OpStatus s;
+  // NaN in row 1 col 2 (and +Inf in row 2): the lowest row is reported, good rows computed.
+  std::vector<float> logits = {0.0f, 1.0f, 2.0f, 0.0f, 1.0f, kNan, 0.0f, kInf, 1.0f};
+  auto p = apply(logits, 3, 3, pol, &s);
+  CHECK(s.code == StatusCode::kNanOrInfLogits);
+  CHECK(s.row == 1 && s.col == 2 && s.has_value && std::isnan(s.value));
+  CHECK(std::strstr(s.what, "NaN") != nullptr);
+  CHECK(p[3] == 0.0f && p[4] == 0.0f && p[5] == 0.0f);
+  CHECK(p[6] == 0.0f && p[7] == 0.0f && p[8] == 0.0f);
+  CHECK_NEAR(p[0] + p[1] + p[2], 1.0, 1e-6);
+  // +Inf alone.
+  apply({0.0f, kInf}, 1, 2, pol, &s);
+  CHECK(s.code == StatusCode::kNanOrInfLogits && s.row == 0 && s.col == 1 && s.value == kInf);
+  // -Inf is a mask; a row of only -Inf is an error (col -1).
+  p = apply({-kInf, 0.0f, -kInf, -kInf, -kInf, -kInf}, 2, 3, pol, &s);
+  CHECK(s.code == StatusCode::kNanOrInfLogits && s.row == 1 && s.col == -1 && !s.has_value);
+  CHECK(std::strstr(s.what, "-Inf") != nullptr);
+  CHECK(p[0] == 0.0f && p[2] == 0.0f && p[1] == 1.0f);
+  for (float t : {0.0f, 0.5f, 1e-30f}) {
+    PolicyParams masked;
+    masked.temperature = t;
+    masked.top_p = 0.5f;
+    p = apply({-kInf, 2.0f, 3.0f, -kInf}, 1, 4, masked, &s);
+    CHECK(s.ok() && p[0] == 0.0f && p[3] == 0.0f && p[2] == 1.0f);
+  }
+
+  // Scalar policy out of range: kInvalidArgument naming the parameter.
+  const std::vector<float> ok_logits = {0.0f, 1.0f};
+  pol.temperature = -1.0f;
+  apply(ok_logits, 1, 2, pol, &s);
+  CHECK(s.code == StatusCode::kInvalidArgument && std::strstr(s.what, "temperature"));
+  pol = PolicyParams{};
+  pol.top_p = 0.0f;
+  apply(ok_logits, 1, 2, pol, &s);
+  CHECK(s.code == StatusCode::kInvalidArgument && std::strstr(s.what, "top_p"));
+  pol = PolicyParams{};
+  pol.top_p = kNan;
+  apply(ok_logits, 1, 2, pol, &s);
+  CHECK(s.code == StatusCode::kInvalidArgument && std::strstr(s.what, "top_p"));
+  pol = PolicyParams{};
+  pol.min_p = 1.5f;
+  apply(ok_logits, 1, 2, pol, &s);
+  CHECK(s.code == StatusCode::kInvalidArgument && std::strstr(s.what, "min_p"));
+  pol = PolicyParams{};
+  pol.top_k = -2;
+  apply(ok_logits, 1, 2, pol, &s);
+  CHECK(s.code == StatusCode::kInvalidArgument && std::strstr(s.what, "top_k"));
+
+  // Per-row value out of range: kInvalidPolicy with row, field and value.
+  const float temps[] = {1.0f, kInf};
+  pol = PolicyParams{};
+  pol.temperature_per_row = temps;
+  apply({0.0f, 1.0f, 0.0f, 1.0f}, 2, 2, pol, &s);
+  CHECK(s.code == StatusCode::kInvalidPolicy && s.row == 1 &&
+        s.col == static_cast<int64_t>(PolicyField::kTemperature) && s.value == kInf);
+  CHECK(std::strstr(s.what, "temperature") != nullptr);
+
+  // Sizes.
+  ApplyPolicyArgs a;
+  a.rows = 1;
+  a.vocab = 0;
+  CHECK(apply_policy_cpu(a).code == StatusCode::kInvalidArgument);
+  a.rows = 0;  // empty: nothing to do
+  CHECK(apply_policy_cpu(a).ok());
+}
+
+// ---- sample -------------------------------------------------------------------------------
+
+void test_sample() {
+  const std::vector<float> probs = {0.1f, 0.0f, 0.2f, 0.7f};  // one row
+  SampleArgs a;
+  a.probs = probs.data();
+  a.rows = 1;
+  a.vocab = 4;
+  a.probs_row_stride = 4;
+  int32_t token = -7;
+  a.tokens = &token;
+  int counts[4] = {0, 0, 0, 0};
+  const int n = 40000;
+  for (int i = 0; i < n; ++i) {
+    a.rng.seed = 99;
+    a.rng.offset = static_cast<uint64_t>(i);
+    CHECK(sample_cpu(a).ok());
+    CHECK(token >= 0 && token < 4);
+    if (token >= 0 && token < 4) ++counts[token];
+  }
+  CHECK(counts[1] == 0);  // zero mass is never drawn
+  CHECK_NEAR(counts[0] / static_cast<double>(n), 0.1, 0.01);
+  CHECK_NEAR(counts[2] / static_cast<double>(n), 0.2, 0.012);
+  CHECK_NEAR(counts[3] / static_cast<double>(n), 0.7, 0.012);
+
+  // Deterministic; unnormalised weights are scaled; seeds/offsets change the stream.
+  const std::vector<float> scaled = {1.0f, 0.0f, 2.0f, 7.0f};
+  std::vector<int32_t> t1(64), t2(64), t3(64);
+  std::vector<float> many;
+  for (int r = 0; r < 64; ++r) many.insert(many.end(), probs.begin(), probs.end());
+  std::vector<float> many_scaled;
+  for (int r = 0; r < 64; ++r) many_scaled.insert(many_scaled.end(), scaled.begin(), scaled.end());
+  SampleArgs m = a;
+  m.rows = 64;
+  m.rng.seed = 5;
+  m.rng.offset = 17;
+  m.probs = many.data();
+  m.tokens = t1.data();
+  CHECK(sample_cpu(m).ok());
+  m.tokens = t2.data();
+  CHECK(sample_cpu(m).ok());
+  CHECK(t1 == t2);
+  m.probs = many_scaled.data();
+  m.tokens = t3.data();
+  CHECK(sample_cpu(m).ok());
+  int same = 0;
+  for (int r = 0; r < 64; ++r) same += t1[r] == t3[r];
+  CHECK(same >= 60);  // identical up to rounding at the CDF boundaries
+  m.rng.offset = 18;
+  CHECK(sample_cpu(m).ok());
+  CHECK(t3 != t1);
+  // Rows draw different coins.
+  CHECK(std::count(t1.begin(), t1.end(), t1[0]) < 64);
+
+  // Errors: negative, NaN, zero mass; the bad row gets -1, others are sampled.
+  const std::vector<float> bad = {0.5f, 0.5f, 0.2f, -0.1f, 0.0f, 0.0f, 1.0f, kNan};
+  int32_t out[4] = {9, 9, 9, 9};
+  SampleArgs e;
+  e.probs = bad.data();
+  e.rows = 4;
+  e.vocab = 2;
+  e.probs_row_stride = 2;
+  e.tokens = out;
+  OpStatus s = sample_cpu(e);
+  CHECK(s.code == StatusCode::kInvalidProbs && s.row == 1 && s.col == 1 && s.value == -0.1f);
+  CHECK(out[0] >= 0 && out[1] == -1 && out[2] == -1 && out[3] == -1);
+  e.probs = bad.data() + 4;
+  e.rows = 1;
+  s = sample_cpu(e);
+  CHECK(s.code == StatusCode::kInvalidProbs && s.row == 0 && s.col == -1);
+  CHECK(std::strstr(s.what, "zero") != nullptr);
+  e.rng.offset = kPhiloxMaxOffset;
+  CHECK(sample_cpu(e).code == StatusCode::kInvalidArgument);
+}
+
+// ---- verify ---------------------------------------------------------------------------------
+
+int argmax_of(const float* x, int64_t n) {
+  return static_cast<int>(std::max_element(x, x + n) - x);
+}
+
+void test_verify_greedy_contract() {
+  std::mt19937 rng(5);
+  VerifyCase c;
+  c.batch = 6;
+  c.k = 4;
+  c.vocab = 50;
+  c.logits = random_logits(rng, static_cast<size_t>(c.batch * (c.k + 1) * c.vocab));
+  c.greedy = true;
+  c.policy.top_k = 3;  // the policy never changes the argmax
+  // Row b drafts the argmax for its first b positions, then a wrong token.
+  c.drafts.resize(static_cast<size_t>(c.batch * c.k));
+  for (int64_t b = 0; b < c.batch; ++b) {
+    for (int64_t j = 0; j < c.k; ++j) {
+      const int am = argmax_of(&c.logits[static_cast<size_t>((b * (c.k + 1) + j) * c.vocab)], c.vocab);
+      c.drafts[static_cast<size_t>(b * c.k + j)] = j < b ? am : (am + 1) % static_cast<int>(c.vocab);
+    }
+  }
+  for (uint64_t seed : {1ull, 2ull}) {  // greedy ignores the coins
+    c.seed = seed;
+    const VerifyOut o = c.run();
+    CHECK(o.status.ok());
+    for (int64_t b = 0; b < c.batch; ++b) {
+      const int64_t acc = std::min<int64_t>(b, c.k);
+      CHECK(o.accepted[b] == acc);
+      CHECK(o.emitted[b] == acc + 1);
+      for (int64_t j = 0; j <= acc; ++j) {
+        const int am = argmax_of(&c.logits[static_cast<size_t>((b * (c.k + 1) + j) * c.vocab)], c.vocab);
+        CHECK(o.tokens[static_cast<size_t>(b * (c.k + 1) + j)] == am);
+      }
+      for (int64_t j = acc + 1; j <= c.k; ++j) {
+        CHECK(o.tokens[static_cast<size_t>(b * (c.k + 1) + j)] == -1);
+      }
+    }
+  }
+  // Temperature 0 makes a row greedy without the flag.
+  c.greedy = false;
+  c.policy = PolicyParams{};
+  c.policy.temperature = 0.0f;
+  const VerifyOut o = c.run();
+  CHECK(o.status.ok());
+  for (int64_t b = 0; b < c.batch; ++b) CHECK(o.accepted[b] == std::min<int64_t>(b, c.k));
+}
+
+// Draft probs equal to the target's p: every proposal is accepted, always.
+void test_verify_p_equals_q() {
+  std::mt19937 rng(8);
+  VerifyCase c;
+  c.batch = 5;
+  c.k = 3;
+  c.vocab = 40;
+  c.logits = random_logits(rng, static_cast<size_t>(c.batch * (c.k + 1) * c.vocab));
+  c.policy.temperature = 0.8f;
+  c.policy.top_p = 0.9f;
+  c.policy.top_k = 20;
+  const auto p_all = apply(c.logits, c.batch * (c.k + 1), c.vocab, c.policy);
+  c.draft_probs.clear();
+  c.drafts.clear();
+  for (int64_t b = 0; b < c.batch; ++b) {
+    for (int64_t j = 0; j < c.k; ++j) {
+      const float* p = &p_all[static_cast<size_t>((b * (c.k + 1) + j) * c.vocab)];
+      c.draft_probs.insert(c.draft_probs.end(), p, p + c.vocab);
+      c.drafts.push_back(argmax_of(p, c.vocab));  // any token with q > 0
+    }
+  }
+  for (uint64_t off = 0; off < 50; ++off) {
+    c.offset = off;
+    const VerifyOut o = c.run();
+    CHECK(o.status.ok());
+    for (int64_t b = 0; b < c.batch; ++b) {
+      CHECK(o.accepted[b] == c.k && o.emitted[b] == c.k + 1);
+      const int32_t bonus = o.tokens[static_cast<size_t>(b * (c.k + 1) + c.k)];
+      CHECK(bonus >= 0 && bonus < c.vocab);
+      if (bonus >= 0 && bonus < c.vocab) {
+        CHECK(p_all[static_cast<size_t>((b * (c.k + 1) + c.k) * c.vocab + bonus)] > 0.0f);
+      }
+    }
+  }
+}
+
+// One-hot drafts: accept with probability p(y); a correction never repeats y.
+void test_verify_one_hot() {
+  VerifyCase c;
+  c.batch = 1;
+  c.k = 1;
+  c.vocab = 3;
+  c.logits = logits_of({0.6, 0.3, 0.1, 0.2, 0.3, 0.5});
+  c.drafts = {1};  // p(y) = 0.3
+  int accepted = 0;
+  const int n = 20000;
+  int repeated = 0;
+  for (int i = 0; i < n; ++i) {
+    c.offset = static_cast<uint64_t>(i);
+    const VerifyOut o = c.run();
+    CHECK(o.status.ok());
+    accepted += o.accepted[0];
+    if (o.accepted[0] == 0) repeated += o.tokens[0] == 1;
+  }
+  CHECK_NEAR(accepted / static_cast<double>(n), 0.3, 0.012);
+  CHECK(repeated == 0);
+  // With p(y) = 1 (top-k 1 keeps y alone) the proposal is always accepted.
+  c.drafts = {0};
+  c.policy.top_k = 1;
+  for (int i = 0; i < 100; ++i) {
+    c.offset = static_cast<uint64_t>(i);
+    CHECK(c.run().accepted[0] == 1);
+  }
+}
+
+// The first emitted token is distributed as p_0 whatever q is (small chi-square check),
+// and corrections come from max(p - q, 0): never a token with p <= q.
+void test_verify_exactness_small() {
+  VerifyCase c;
+  c.batch = 1;
+  c.k = 2;
+  c.vocab = 4;
+  const std::vector<double> p0 = {0.1, 0.4, 0.3, 0.2};
+  const std::vector<double> q0 = {0.4, 0.1, 0.3, 0.2};
+  c.logits = logits_of({0.1, 0.4, 0.3, 0.2, 0.25, 0.25, 0.25, 0.25, 0.7, 0.1, 0.1, 0.1});
+  c.draft_probs = {0.4f, 0.1f, 0.3f, 0.2f, 0.25f, 0.25f, 0.25f, 0.25f};
+  const int n = 40000;
+  std::mt19937 rng(1);
+  std::discrete_distribution<int> qd(q0.begin(), q0.end());
+  int counts[4] = {0, 0, 0, 0};
+  int bad_correction = 0;
+  for (int i = 0; i < n; ++i) {
+    c.drafts = {qd(rng), static_cast<int32_t>(rng() % 4)};
+    c.offset = static_cast<uint64_t>(i);
+    const VerifyOut o = c.run();
+    CHECK(o.status.ok());
+    ++counts[o.tokens[0]];
+    if (o.accepted[0] == 0) bad_correction += p0[o.tokens[0]] <= q0[o.tokens[0]];
+  }
+  double chi2 = 0.0;
+  for (int i = 0; i < 4; ++i) {
+    const double e = p0[i] * n;
+    chi2 += (counts[i] - e) * (counts[i] - e) / e;
+  }
+  CHECK(chi2 < 16.3);  // 3 dof, p = 0.001
+  CHECK(bad_correction == 0);
+}
+
+void test_verify_ragged_and_padding() {
+  std::mt19937 rng(21);
+  VerifyCase c;
+  c.batch = 4;
+  c.k = 3;
+  c.vocab = 30;
+  c.logits = random_logits(rng, static_cast<size_t>(c.batch * (c.k + 1) * c.vocab), 0.5f);
+  c.drafts.resize(static_cast<size_t>(c.batch * c.k));
+  for (auto& t : c.drafts) t = static_cast<int32_t>(rng() % c.vocab);
+  c.num_draft = {0, 2, 3, 1};
+  // Garbage after num_draft is padding: never read, never checked.
+  c.drafts[1 * 3 + 2] = -5;
+  for (int64_t v = 0; v < c.vocab; ++v) c.logits[static_cast<size_t>((1 * 4 + 3) * c.vocab + v)] = kNan;
+  for (uint64_t off = 0; off < 200; ++off) {
+    c.offset = off;
+    const VerifyOut o = c.run();
+    CHECK(o.status.ok());
+    for (int64_t b = 0; b < c.batch; ++b) {
+      CHECK(o.accepted[b] >= 0 && o.accepted[b] <= c.num_draft[b]);
+      CHECK(o.emitted[b] == o.accepted[b] + 1);
+      for (int64_t j = 0; j <= c.k; ++j) {
+        const int32_t t = o.tokens[static_cast<size_t>(b * (c.k + 1) + j)];
+        if (j < o.emitted[b]) CHECK(t >= 0 && t < c.vocab);
+        else CHECK(t == -1);
+        if (j < o.accepted[b]) CHECK(t == c.drafts[static_cast<size_t>(b * c.k + j)]);
+      }
+    }
+  }
+  // num_draft 0 everywhere, K = 0 and no draft tokens at all: plain sampling.
+  VerifyCase z;
+  z.batch = 3;
+  z.k = 0;
+  z.vocab = 5;
+  z.logits = random_logits(rng, 15);
+  const VerifyOut o = z.run();
+  CHECK(o.status.ok());
+  for (int b = 0; b < 3; ++b) CHECK(o.emitted[b] == 1 && o.accepted[b] == 0 && o.tokens[b] >= 0);
+}
+
+void test_verify_roundoff_rule() {
+  // p is one-hot at token 2 (top-k 1); q = p plus mass on token 0, proposed: p(0) = 0
+  // so it is always rejected, and max(p - q, 0) has zero mass: sample p, i.e. token 2.
+  VerifyCase c;
+  c.batch = 1;
+  c.k = 1;
+  c.vocab = 3;
+  c.logits = {0.0f, 1.0f, 3.0f, 0.0f, 0.0f, 0.0f};
+  c.policy.top_k = 1;
+  c.drafts = {0};
+  c.draft_probs = {0.5f, 0.0f, 1.0f};
+  for (uint64_t off = 0; off < 50; ++off) {
+    c.offset = off;
+    const VerifyOut o = c.run();
+    CHECK(o.status.ok() && o.accepted[0] == 0 && o.tokens[0] == 2 && o.tokens[1] == -1);
+  }
+}
+
+void test_verify_determinism() {
+  std::mt19937 rng(4);
+  VerifyCase c;
+  c.batch = 8;
+  c.k = 4;
+  c.vocab = 64;
+  c.logits = random_logits(rng, static_cast<size_t>(c.batch * (c.k + 1) * c.vocab), 1.0f);
+  c.drafts.resize(static_cast<size_t>(c.batch * c.k));
+  for (auto& t : c.drafts) t = static_cast<int32_t>(rng() % c.vocab);
+  c.seed = 77;
+  c.offset = 3;
+  const VerifyOut a = c.run(), b = c.run();
+  CHECK(a.tokens == b.tokens && a.emitted == b.emitted && a.accepted == b.accepted);
+  // bf16 logits of the same values give the same result.
+  std::vector<uint16_t> bf(c.logits.size());
+  for (size_t i = 0; i < bf.size(); ++i) {
+    uint32_t u;
+    std::memcpy(&u, &c.logits[i], 4);
+    bf[i] = static_cast<uint16_t>(u >> 16);
+    u &= 0xffff0000u;
+    std::memcpy(&c.logits[i], &u, 4);
+  }
+  const VerifyOut f = c.run();
+  VerifyOut h;
+  h.tokens.assign(f.tokens.size(), 0);
+  h.emitted.assign(8, 0);
+  h.accepted.assign(8, 0);
+  VerifyArgs args;
+  args.target_logits = bf.data();
+  args.target_logits_dtype = LogitsDType::kBFloat16;
+  args.target_logits_stride_b = (c.k + 1) * c.vocab;
+  args.target_logits_stride_k = c.vocab;
+  args.batch = c.batch;
+  args.num_spec = c.k;
+  args.vocab = c.vocab;
+  args.draft_tokens = c.drafts.data();
+  args.draft_tokens_stride_b = c.k;
+  args.rng.seed = c.seed;
+  args.rng.offset = c.offset;
+  args.tokens = h.tokens.data();
+  args.tokens_stride_b = c.k + 1;
+  args.num_emitted = h.emitted.data();
+  args.num_accepted = h.accepted.data();
+  CHECK(verify_cpu(args).ok());
+  CHECK(f.tokens == h.tokens && f.emitted == h.emitted);
+  // Seed and offset through pointers read the same stream.
+  const int64_t seed = 77, offset = 3;
+  args.target_logits = c.logits.data();
+  args.target_logits_dtype = LogitsDType::kFloat32;
+  args.rng = RandomParams{};
+  args.rng.seed_ptr = &seed;
+  args.rng.offset_ptr = &offset;
+  CHECK(verify_cpu(args).ok());
+  CHECK(f.tokens == h.tokens);
+}
+
+void test_verify_errors() {
+  std::mt19937 rng(9);
+  VerifyCase c;
+  c.batch = 3;
+  c.k = 2;
+  c.vocab = 10;
+  c.logits = random_logits(rng, static_cast<size_t>(c.batch * (c.k + 1) * c.vocab));
+  c.drafts = {1, 2, 3, 4, 5, 6};
+  CHECK(c.run().status.ok());
+
+  // NaN in row 1, position 2 (the bonus position is checked too).
+  VerifyCase n = c;
+  n.logits[static_cast<size_t>((1 * 3 + 2) * 10 + 7)] = kNan;
+  VerifyOut o = n.run();
+  CHECK(o.status.code == StatusCode::kNanOrInfLogits && o.status.row == 1 && o.status.col == 2);
+  CHECK(o.emitted[1] == 0 && o.accepted[1] == 0 && o.tokens[3] == -1 && o.tokens[5] == -1);
+  CHECK(o.emitted[0] >= 1 && o.emitted[2] >= 1);  // other rows still verified
+
+  // Token out of range in row 2, position 1 (and a later NaN row is not the one reported).
+  VerifyCase t = c;
+  t.drafts[2 * 2 + 1] = 10;
+  o = t.run();
+  CHECK(o.status.code == StatusCode::kTokenOutOfRange && o.status.row == 2 &&
+        o.status.col == 1 && o.status.value == 10.0);
+  t.drafts[2 * 2 + 1] = -1;
+  CHECK(t.run().status.code == StatusCode::kTokenOutOfRange);
+  t.drafts[2 * 2 + 1] = 3;
+  t.logits[0] = kInf;
+  o = t.run();
+  CHECK(o.status.code == StatusCode::kNanOrInfLogits && o.status.row == 0 && o.status.col == 0);
+
+  // A position whose logits are all -Inf (a -Inf mask elsewhere is fine).
+  VerifyCase m = c;
+  for (int64_t v = 0; v < 10; ++v) m.logits[static_cast<size_t>((2 * 3 + 1) * 10 + v)] = -kInf;
+  o = m.run();
+  CHECK(o.status.code == StatusCode::kNanOrInfLogits && o.status.row == 2 && o.status.col == 1);
+  m = c;
+  for (int64_t v = 0; v < 10; v += 2) {
+    for (int64_t j = 0; j < 3; ++j) m.logits[static_cast<size_t>((0 * 3 + j) * 10 + v)] = -kInf;
+  }
+  m.drafts = {1, 3, 4, 5, 6, 7};
+  for (uint64_t off = 0; off < 100; ++off) {
+    m.offset = off;
+    o = m.run();
+    CHECK(o.status.ok());
+    for (int64_t j = 0; j < o.emitted[0]; ++j) CHECK(o.tokens[static_cast<size_t>(j)] % 2 == 1);
+  }
+
+  // num_draft out of range.
+  VerifyCase r = c;
+  r.num_draft = {2, 3, 0};
+  o = r.run();
+  CHECK(o.status.code == StatusCode::kNumDraftOutOfRange && o.status.row == 1 && o.status.value == 3);
+  r.num_draft = {-1, 0, 0};
+  CHECK(r.run().status.code == StatusCode::kNumDraftOutOfRange);
+
+  // Invalid draft_probs where read: q(y) negative.
+  VerifyCase q = c;
+  q.draft_probs.assign(static_cast<size_t>(3 * 2 * 10), 0.1f);
+  q.draft_probs[static_cast<size_t>((0 * 2 + 1) * 10 + 2)] = -0.5f;  // q_1(y = 2) of row 0
+  o = q.run();
+  CHECK(o.status.code == StatusCode::kInvalidProbs && o.status.row == 0 && o.status.col == 1);
+  // NaN elsewhere in a q row is found when that row is read for the residual: make
+  // every proposal impossible under p (top-k 1 keeps only the argmax) so row 0 rejects at 0.
+  VerifyCase w = c;
+  w.policy.top_k = 1;
+  w.draft_probs.assign(static_cast<size_t>(3 * 2 * 10), 0.1f);
+  for (int64_t b = 0; b < 3; ++b) {
+    for (int64_t j = 0; j < 2; ++j) {
+      const int am = argmax_of(&w.logits[static_cast<size_t>((b * 3 + j) * 10)], 10);
+      w.drafts[static_cast<size_t>(b * 2 + j)] = (am + 1) % 10;
+    }
+  }
+  const int y0 = w.drafts[0];
+  w.draft_probs[static_cast<size_t>((y0 + 3) % 10)] = kNan;
+  o = w.run();
+  CHECK(o.status.code == StatusCode::kInvalidProbs && o.status.row == 0 && o.status.col == 0);
+
+  // Per-row policy values.
+  VerifyCase pr = c;
+  const float top_p[] = {1.0f, 0.5f, 1.5f};
+  pr.policy.top_p_per_row = top_p;
+  o = pr.run();
+  CHECK(o.status.code == StatusCode::kInvalidPolicy && o.status.row == 2 &&
+        o.status.col == static_cast<int64_t>(PolicyField::kTopP) && o.status.value == 1.5);
+  // Scalars.
+  VerifyCase sc = c;
+  sc.policy.min_p = -0.1f;
+  CHECK(sc.run().status.code == StatusCode::kInvalidArgument);
+}
+
+void test_decode_device_error() {
+  CHECK(decode_device_error(OpKind::kVerify, kNoDeviceError).ok());
+  const uint64_t rec = (uint64_t{5} << 32) | (uint64_t{4} << 28) | 3;
+  const OpStatus s = decode_device_error(OpKind::kVerify, rec);
+  CHECK(s.code == StatusCode::kTokenOutOfRange && s.row == 5 && s.col == 3);
+  const OpStatus z = decode_device_error(OpKind::kSample, (uint64_t{1} << 32) | (uint64_t{6} << 28) | 0x0fffffff);
+  CHECK(z.code == StatusCode::kInvalidProbs && z.row == 1 && z.col == -1);
+}
+
+}  // namespace
+
+int main() {
+  test_philox_known_answers();
+  test_stream_layout();
+  test_half_conversions();
+  test_exp_nonpositive();
+  test_acceptance_math();
+  test_weighted_threshold_against_sort();
+  test_policy_hand_cases();
+  test_policy_against_brute_force();
+  test_policy_dtypes_strides_and_rows();
+  test_policy_errors();
+  test_sample();
+  test_verify_greedy_contract();
+  test_verify_p_equals_q();
+  test_verify_one_hot();
+  test_verify_exactness_small();
+  test_verify_ragged_and_padding();
+  test_verify_roundoff_rule();
+  test_verify_determinism();
+  test_verify_errors();
+  test_decode_device_error();
+  std::printf("test_kernels: %d checks, %d failures\n", g_checks, g_failures);
+  return g_failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,328 @@
+"""Native sampling ops: the sampling policy, sampling, and speculative verification.
+
+Same signatures and semantics as :mod:`verispec.reference` (the PyTorch oracle); the
+work runs in C++ on CPU tensors and in CUDA kernels on CUDA tensors, with no sort of the
+vocabulary. What differs from the reference:
+
+- Randomness is counter-based (Philox4x32-10): each coin is addressed by
+  ``(seed, offset, row, position, purpose)``, so a call is a pure function of its
+  inputs, the CPU and CUDA paths draw the same coins, and ranks of a sharded run agree
+  without communication. Advance ``offset`` by one per call (per decoding step);
+  ``offset`` must be in ``[0, 2**60)``, ``seed`` in ``[0, 2**64)``. Either may be a
+  one-element int64 tensor, which a CUDA graph can replay with new values.
+- Every op is a ``torch.library`` custom op (``torch.ops.verispec.*``) with a fake
+  implementation, so it composes with ``torch.compile(fullgraph=True)``.
+- Value errors found while running (NaN / +Inf logits, a row of only -Inf, out-of-range
+  draft tokens or ``num_draft``, per-row policy values out of range) raise ValueError
+  naming the argument, the row and the value. On CUDA that check synchronises the
+  stream; while a CUDA graph is being captured it is skipped (bad rows then get the
+  padding outputs: tokens -1, probabilities 0).
+"""
+
+import numbers
+from typing import Optional, Tuple
+
+import torch
+
+from verispec import _C
+
+__all__ = ["apply_policy", "sample", "verify"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+_SEED_LIMIT = 1 << 64
+_OFFSET_LIMIT = 1 << 60
+
+
+# --- public API ---------------------------------------------------------------------
+
+
+def apply_policy(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    """Target distribution after the sampling policy, float32 [N, V].
+
+    logits: [N, V] float32/bfloat16/float16 (-inf masks a token). Each parameter is a
+    Python number or a tensor of N per-row values. Ties at a threshold are kept.
+      temperature  0 => one-hot at argmax(logits) (lowest index on ties);
+                   else softmax(logits / temperature)
+      top_k > 0    keep prob >= the k-th largest prob (k >= V keeps everything)
+      top_p < 1    on the survivors, keep prob >= t for the largest t whose kept mass
+                   is >= top_p * surviving mass
+      min_p > 0    keep prob >= min_p * max prob
+    Kept probabilities are renormalised.
+    """
+    op = "apply_policy"
+    _check_float_tensor(op, "logits", logits, 2, "[N, V]")
+    n = logits.shape[0]
+    policy = _policy(op, n, logits.device, temperature, top_k, top_p, min_p)
+    return torch.ops.verispec.apply_policy(logits, *policy)
+
+
+def sample(probs, seed=0, offset=0):
+    """One token per row of probs [N, V] (need not be normalised): int32 [N].
+
+    Inverse CDF with the Philox coin (seed, offset, row, position 0, SAMPLE): the same
+    seed and offset give the same tokens.
+    """
+    op = "sample"
+    _check_float_tensor(op, "probs", probs, 2, "[N, V]")
+    seed_args = _random(op, probs.device, seed, offset)
+    return torch.ops.verispec.sample(probs.float(), *seed_args)
+
+
+def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
+           temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, greedy=False, seed=0, offset=0):
+    """Accept or reject a batch of drafts against the target; emit 1..K+1 tokens per row.
+
+    target_logits: [B, K+1, V]  target logits at prefix, prefix+d1, ..., prefix+d1..dK
+    draft_tokens:  [B, K]       proposals d1..dK, an integer tensor (positions >= num_draft
+                                are ignored)
+    draft_probs:   [B, K, V]    q each proposal was drawn from; None = deterministic
+                                proposals, q = one-hot(d)
+    num_draft:     [B] ints     proposals per row (ragged), each <= K; None = K
+    policy:        numbers or [B] tensors, as in apply_policy, per row
+    greedy:        bool or [B] bool tensor; also implied by temperature 0. Greedy rows
+                   accept while d == argmax p and emit argmax p: the greedy output,
+                   token for token.
+
+    Proposal j of row b is accepted iff u * q(d) < p(d), u the coin (seed, offset, b, j,
+    ACCEPT); at the first rejection a correction is drawn from norm(max(p - q, 0)) (from
+    p if that mass is < 1e-6), after K accepted proposals a bonus from p, with the coin
+    (seed, offset, b, position, CORRECTION).
+
+    Returns (tokens [B, K+1] int32, -1 after the emitted ones; num_emitted [B] int32 =
+    num_accepted + 1; num_accepted [B] int32).
+    """
+    op = "verify"
+    _check_float_tensor(op, "target_logits", target_logits, 3, "[B, K+1, V]")
+    b, k1, v = target_logits.shape
+    k = k1 - 1
+    if k < 0:
+        raise ValueError(f"{op}: target_logits must be [B, K+1, V] with K+1 >= 1, "
+                         f"got {_describe(target_logits)}")
+    device = target_logits.device
+    draft_tokens = _int32_tensor(op, "draft_tokens", draft_tokens, (b, k), "[B, K]", device)
+    if draft_probs is not None:
+        _check_float_tensor(op, "draft_probs", draft_probs, 3, "[B, K, V]")
+        if tuple(draft_probs.shape) != (b, k, v):
+            raise ValueError(f"{op}: draft_probs must be float [B, K, V] = [{b}, {k}, {v}] "
+                             f"or None, got {_describe(draft_probs)}")
+        draft_probs = _last_dim_contiguous(draft_probs.float())
+    if num_draft is not None:
+        if not isinstance(num_draft, torch.Tensor):
+            num_draft = torch.as_tensor(num_draft, device=device)
+        num_draft = _int32_tensor(op, "num_draft", num_draft, (b,), "[B]", device).contiguous()
+    temperature, greedy_flag = _fold_greedy(op, b, device, temperature, greedy)
+    policy = _policy(op, b, device, temperature, top_k, top_p, min_p)
+    seed_args = _random(op, device, seed, offset)
+    return torch.ops.verispec.verify(target_logits, draft_tokens, draft_probs, num_draft,
+                                     *policy, greedy_flag, *seed_args)
+
+
+# --- custom ops: the only place that calls verispec._C ---------------------------------
+# Each takes every policy value twice, as a scalar and as an optional per-row tensor
+# that wins when given, and seed/offset as int64 scalars (two's complement) plus
+# optional one-element tensors.
+
+
+@torch.library.custom_op("verispec::apply_policy", mutates_args=())
+def _apply_policy_op(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
+    temperature_rows: Optional[torch.Tensor], top_k_rows: Optional[torch.Tensor],
+    top_p_rows: Optional[torch.Tensor], min_p_rows: Optional[torch.Tensor],
+) -> torch.Tensor:
+    probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    _C.apply_policy(_last_dim_contiguous(logits), probs,
+                    _pick(temperature, temperature_rows), _pick(top_k, top_k_rows),
+                    _pick(top_p, top_p_rows), _pick(min_p, min_p_rows),
+                    **_launch(logits, _C.apply_policy_workspace_bytes()))
+    return probs
+
+
+@_apply_policy_op.register_fake
+def _(logits, temperature, top_k, top_p, min_p, *rows):
+    return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("verispec::sample", mutates_args=())
+def _sample_op(probs: torch.Tensor, seed: int, offset: int, seed_t: Optional[torch.Tensor],
+               offset_t: Optional[torch.Tensor]) -> torch.Tensor:
+    tokens = torch.empty(probs.shape[0], dtype=torch.int32, device=probs.device)
+    _C.sample(_last_dim_contiguous(probs), tokens, _unsigned(seed, seed_t), _unsigned(offset, offset_t),
+              **_launch(probs, _C.sample_workspace_bytes()))
+    return tokens
+
+
+@_sample_op.register_fake
+def _(probs, seed, offset, seed_t, offset_t):
+    return probs.new_empty(probs.shape[0], dtype=torch.int32)
+
+
+@torch.library.custom_op("verispec::verify", mutates_args=())
+def _verify_op(
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: Optional[torch.Tensor],
+    num_draft: Optional[torch.Tensor], temperature: float, top_k: int, top_p: float, min_p: float,
+    temperature_rows: Optional[torch.Tensor], top_k_rows: Optional[torch.Tensor],
+    top_p_rows: Optional[torch.Tensor], min_p_rows: Optional[torch.Tensor], greedy: bool,
+    seed: int, offset: int, seed_t: Optional[torch.Tensor], offset_t: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, k1, _ = target_logits.shape
+    device = target_logits.device
+    tokens = torch.empty((b, k1), dtype=torch.int32, device=device)
+    num_emitted = torch.empty(b, dtype=torch.int32, device=device)
+    num_accepted = torch.empty(b, dtype=torch.int32, device=device)
+    _C.verify(_last_dim_contiguous(target_logits), draft_tokens, draft_probs, num_draft,
+              tokens, num_emitted, num_accepted,
+              _pick(temperature, temperature_rows), _pick(top_k, top_k_rows),
+              _pick(top_p, top_p_rows), _pick(min_p, min_p_rows), greedy,
+              _unsigned(seed, seed_t), _unsigned(offset, offset_t),
+              **_launch(target_logits, _C.verify_workspace_bytes(b, k1 - 1)))
+    return tokens, num_emitted, num_accepted
+
+
+@_verify_op.register_fake
+def _(target_logits, draft_tokens, draft_probs, num_draft, *rest):
+    b, k1, _ = target_logits.shape
+    return (target_logits.new_empty((b, k1), dtype=torch.int32),
+            target_logits.new_empty(b, dtype=torch.int32),
+            target_logits.new_empty(b, dtype=torch.int32))
+
+
+def _pick(scalar, rows):
+    return scalar if rows is None else rows
+
+
+def _unsigned(value, tensor):
+    return (value % _SEED_LIMIT) if tensor is None else tensor
+
+
+def _launch(like, workspace_bytes):
+    """Stream, error checking and workspace of a CUDA launch (nothing for CPU tensors)."""
+    if like.device.type != "cuda":
+        return {}
+    return dict(
+        stream=torch.cuda.current_stream(like.device).cuda_stream,
+        # Reading the error record back synchronises: not allowed while capturing a graph.
+        check_errors=not torch.cuda.is_current_stream_capturing(),
+        workspace=torch.empty(workspace_bytes, dtype=torch.uint8, device=like.device),
+    )
+
+
+def _last_dim_contiguous(t):
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+# --- argument checks ------------------------------------------------------------------
+
+
+def _describe(t):
+    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+
+
+def _check_float_tensor(op, name, t, ndim, dims):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim or t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{op}: {name} must be float32/bfloat16/float16 {dims}, "
+                         f"got {_describe(t)}")
+    if t.shape[-1] == 0 and t.shape[0] > 0:
+        raise ValueError(f"{op}: {name} must have V >= 1, got {_describe(t)}")
+
+
+def _int32_tensor(op, name, t, shape, dims, device):
+    """An integer tensor of `shape` as int32 on `device`; values outside int32 are clamped
+    to its ends, which the op then reports as out of range."""
+    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() \
+            or t.dtype == torch.bool or tuple(t.shape) != shape:
+        got = _describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{op}: {name} must be an integer tensor {dims} = {list(shape)}, "
+                         f"got {got}")
+    if t.device != device:
+        raise ValueError(f"{op}: {name} must be on the same device as target_logits "
+                         f"({device}), got {t.device}")
+    if t.dtype != torch.int32:
+        if t.dtype == torch.int64:
+            t = t.clamp(_INT32_MIN, _INT32_MAX)
+        t = t.to(torch.int32)
+    return _last_dim_contiguous(t)
+
+
+def _row_values(op, name, value, n, device, integer):
+    """(scalar, None) for a Python number, or (default, [n] tensor) for per-row values."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            value = value.reshape(1).expand(n)
+        if tuple(value.shape) != (n,):
+            raise ValueError(f"{op}: {name} must be a number or a 1-D tensor of length {n}, "
+                             f"got shape {list(value.shape)}")
+        if integer and (value.is_floating_point() or value.is_complex()
+                        or value.dtype == torch.bool):
+            raise ValueError(f"{op}: {name} must be an integer tensor, got {value.dtype}")
+        dtype = torch.int32 if integer else torch.float32
+        if integer and value.dtype == torch.int64:
+            value = value.clamp(_INT32_MIN, _INT32_MAX)
+        return (0 if integer else 0.0), value.to(device=device, dtype=dtype).contiguous()
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        expected = "an int" if integer else "a number"
+        raise TypeError(f"{op}: {name} must be {expected} or a 1-D tensor, got {value!r}")
+    return (int(value) if integer else float(value)), None
+
+
+def _policy(op, n, device, temperature, top_k, top_p, min_p):
+    """The 8 policy arguments of a custom op; scalars are range-checked here."""
+    t, t_rows = _row_values(op, "temperature", temperature, n, device, integer=False)
+    k, k_rows = _row_values(op, "top_k", top_k, n, device, integer=True)
+    p, p_rows = _row_values(op, "top_p", top_p, n, device, integer=False)
+    m, m_rows = _row_values(op, "min_p", min_p, n, device, integer=False)
+    checks = (
+        ("temperature", t, t_rows, t >= 0 and t != float("inf"), "finite and >= 0"),
+        ("top_k", k, k_rows, 0 <= k <= _INT32_MAX, "in [0, 2**31)"),
+        ("top_p", p, p_rows, 0 < p <= 1, "in (0, 1]"),
+        ("min_p", m, m_rows, 0 <= m <= 1, "in [0, 1]"),
+    )
+    for name, value, rows, ok, expected in checks:
+        if rows is None and not ok:
+            raise ValueError(f"{op}: {name} must be {expected}, got {value!r}")
+    return t, k, p, m, t_rows, k_rows, p_rows, m_rows
+
+
+def _fold_greedy(op, b, device, temperature, greedy):
+    """Per-row greedy flags become temperature 0 on those rows (the same contract)."""
+    if isinstance(greedy, bool):
+        return temperature, greedy
+    if not isinstance(greedy, torch.Tensor):
+        raise TypeError(f"{op}: greedy must be a bool or a bool tensor [B], got {greedy!r}")
+    if tuple(greedy.shape) != (b,) or greedy.dtype != torch.bool:
+        raise ValueError(f"{op}: greedy must be a bool or a bool tensor [B] = [{b}], "
+                         f"got {_describe(greedy)}")
+    if not isinstance(temperature, torch.Tensor):
+        _row_values(op, "temperature", temperature, b, device, integer=False)  # type check
+        temperature = torch.full((b,), float(temperature), dtype=torch.float32, device=device)
+    else:
+        _row_values(op, "temperature", temperature, b, device, integer=False)
+        temperature = temperature.reshape(-1).expand(b) if temperature.dim() == 0 else temperature
+        temperature = temperature.to(device=device, dtype=torch.float32)
+    return torch.where(greedy.to(device), 0.0, temperature), False
+
+
+def _random(op, device, seed, offset):
+    """(seed, offset, seed_tensor, offset_tensor) arguments of a custom op."""
+    out = []
+    for name, value, limit in (("seed", seed, _SEED_LIMIT), ("offset", offset, _OFFSET_LIMIT)):
+        if isinstance(value, torch.Tensor):
+            if value.dtype != torch.int64 or value.numel() != 1:
+                raise ValueError(f"{op}: {name} must be an int or a one-element int64 tensor, "
+                                 f"got {_describe(value)}")
+            out.append((0, value.reshape(1).to(device)))
+        elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            value = int(value)
+            if not 0 <= value < limit:
+                bits = limit.bit_length() - 1
+                raise ValueError(f"{op}: {name} must be an int in [0, 2**{bits}), got {value}")
+            # The op schema's int is int64: pass the same 64 bits, two's complement.
+            out.append((value - _SEED_LIMIT if value >= 1 << 63 else value, None))
+        else:
+            raise TypeError(f"{op}: {name} must be an int or a one-element int64 tensor, "
+                            f"got {value!r}")
+    (seed_v, seed_t), (offset_v, offset_t) = out
+    return seed_v, offset_v, seed_t, offset_t
