@@ -12,6 +12,7 @@ from toymodels import CacheModel
 import verispec
 from verispec import _C, reference
 from verispec.decoder import SpecDecoder
+from verispec.drafters import NGram
 
 V = 13
 
@@ -309,10 +310,14 @@ def chi_square_pvalue(counts: dict, probs: dict) -> float:
 @pytest.mark.parametrize("policy", [dict(temperature=1.0), dict(temperature=0.7, top_k=3),
                                     dict(temperature=1.0, top_p=0.8, min_p=0.05)],
                          ids=["t1", "t0.7-topk3", "topp-minp"])
-def test_generate_matches_the_enumerated_target_distribution(policy):
+@pytest.mark.parametrize("source", ["model", "ngram"])
+def test_generate_matches_the_enumerated_target_distribution(policy, source):
     ops = OPS[0].values[0]
     target = CacheModel(SV, seed=3, table_rows=53, scale=1.5)
-    draft = CacheModel(SV, seed=4, table_rows=53, scale=1.5)  # unrelated: many rejections
+    if source == "model":
+        draft = CacheModel(SV, seed=4, table_rows=53, scale=1.5)  # unrelated: many rejections
+    else:
+        draft = NGram(1, 2)  # the prompt [1, 2] and generated tokens feed the lookup
     dec = SpecDecoder(target, draft, k=2, num_blocks=3000, block_size=2, ops=ops)
     probs = exact_continuations(target, [1, 2], policy)
     counts = sampled_continuations(dec, [1, 2], 8000, policy, seed=100)

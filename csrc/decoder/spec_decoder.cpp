@@ -17,6 +17,7 @@ struct SpecDecoder::Sequence {
   int64_t draft_seq = -1;
   FinishReason finish = FinishReason::kNone;
   SequenceStats stats;
+  std::unique_ptr<NGramIndex> ngram;  // n-gram drafter state: the committed tokens
 
   int64_t committed() const { return static_cast<int64_t>(tokens.size()); }
   int64_t num_generated() const { return committed() - prompt_len; }
@@ -51,9 +52,14 @@ SpecDecoder::SpecDecoder(const DecoderConfig& config)
     throw InvalidArgumentError("SpecDecoder: max_context must be > 0, got " +
                                std::to_string(config.max_context));
   }
+  const bool ngram = config.ngram_min_n > 0;
+  if (config.has_draft_model && ngram) {
+    throw InvalidArgumentError("SpecDecoder: one draft source at a time: a draft model or n-gram lookup");
+  }
+  if (ngram) NGramIndex(config.ngram_min_n, config.ngram_max_n);  // validates n
   if (config.has_draft_model) {
     draft_alloc_ = std::make_unique<BlockAllocator>(config.draft_num_blocks, config.block_size);
-  } else if (config.num_spec > 0) {
+  } else if (!ngram && config.num_spec > 0) {
     throw InvalidArgumentError("SpecDecoder: k = " + std::to_string(config.num_spec) +
                                " needs a draft; without one k must be 0 (plain decoding)");
   }
@@ -114,6 +120,10 @@ int64_t SpecDecoder::add(const std::vector<int32_t>& prompt, const SamplingParam
   s->stop = stop;
   s->target_seq = target_alloc_.add_sequence();
   if (draft_alloc_) s->draft_seq = draft_alloc_->add_sequence();
+  if (config_.ngram_min_n > 0) {
+    s->ngram = std::make_unique<NGramIndex>(config_.ngram_min_n, config_.ngram_max_n);
+    s->ngram->extend(prompt.data(), static_cast<int64_t>(prompt.size()));
+  }
   seqs_.push_back(std::move(s));
   return seqs_.back()->id;
 }
@@ -182,7 +192,7 @@ const BlockAllocator& SpecDecoder::allocator(ModelRole role) const {
 }
 
 int64_t SpecDecoder::choose_k(const Sequence& s) const {
-  if (!draft_alloc_) return 0;
+  if (!draft_alloc_ && !s.ngram) return 0;
   // Never propose what could not be emitted: a step emits at most k + 1 tokens, and
   // the verify pass writes positions up to C - 1 + k.
   const int64_t remaining = s.stop.max_new_tokens - s.num_generated();
@@ -241,9 +251,14 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
   std::vector<int64_t> k(static_cast<size_t>(B));
   std::vector<CacheMark> marks(static_cast<size_t>(B));
   int64_t K = 0;
+  std::vector<std::vector<int32_t>> proposals(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
     const Sequence& s = *rows[static_cast<size_t>(b)];
     k[static_cast<size_t>(b)] = choose_k(s);
+    if (s.ngram) {  // deterministic proposals: k is what the lookup found
+      proposals[static_cast<size_t>(b)] = s.ngram->propose(k[static_cast<size_t>(b)]);
+      k[static_cast<size_t>(b)] = static_cast<int64_t>(proposals[static_cast<size_t>(b)].size());
+    }
     K = std::max(K, k[static_cast<size_t>(b)]);
     marks[static_cast<size_t>(b)] = {target_alloc_.length(s.target_seq),
                                      draft_alloc_ ? draft_alloc_->length(s.draft_seq) : 0};
@@ -251,12 +266,11 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
   // One offset per kernel call of this step: verify at base, draft position j at
   // base + 1 + j (the Philox layout itself lives in philox.h).
   const uint64_t base_offset = offset_;
-  std::vector<std::vector<int32_t>> proposals(static_cast<size_t>(B));
   VerifyResult result;
   try {
     // ---- draft phase: K passes; row b takes part in the first k[b] of them.
     ForwardBatch batch;
-    for (int64_t j = 0; j < K; ++j) {
+    for (int64_t j = 0; draft_alloc_ && j < K; ++j) {
       std::vector<Sequence*> active;
       std::vector<int32_t> verify_rows;
       std::vector<int64_t> starts;
@@ -297,7 +311,7 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
     req.num_spec = K;
     req.draft_tokens.assign(static_cast<size_t>(B * K), -1);
     req.num_draft.resize(static_cast<size_t>(B));
-    req.use_draft_probs = K > 0;
+    req.use_draft_probs = K > 0 && draft_alloc_ != nullptr;
     req.seed = config_.seed;
     req.offset = base_offset;
     for (int64_t b = 0; b < B; ++b) {
@@ -351,6 +365,7 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
     const int64_t keep = apply_stop_rules(s.stop, generated, emitted, n, s.prompt_len,
                                           config_.max_context, &reason);
     s.tokens.insert(s.tokens.end(), emitted, emitted + keep);
+    if (s.ngram) s.ngram->extend(emitted, keep);
 
     SequenceStats& st = s.stats;
     st.steps += 1;

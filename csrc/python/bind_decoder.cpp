@@ -121,7 +121,7 @@ void register_decoder(py::module_& m) {
   py::class_<SpecDecoder>(m, "SpecDecoderCore")
       .def(py::init([](int64_t num_spec, bool has_draft_model, int64_t target_num_blocks,
                        int64_t draft_num_blocks, int64_t block_size, int64_t max_context,
-                       uint64_t seed) {
+                       uint64_t seed, int64_t ngram_min_n, int64_t ngram_max_n) {
              DecoderConfig c;
              c.num_spec = num_spec;
              c.has_draft_model = has_draft_model;
@@ -130,11 +130,13 @@ void register_decoder(py::module_& m) {
              c.block_size = block_size;
              c.max_context = max_context;
              c.seed = seed;
+             c.ngram_min_n = ngram_min_n;
+             c.ngram_max_n = ngram_max_n;
              return std::make_unique<SpecDecoder>(c);
            }),
            py::arg("num_spec"), py::arg("has_draft_model"), py::arg("target_num_blocks"),
            py::arg("draft_num_blocks"), py::arg("block_size"), py::arg("max_context"),
-           py::arg("seed"))
+           py::arg("seed"), py::arg("ngram_min_n") = 0, py::arg("ngram_max_n") = 0)
       .def(
           "add",
           [](SpecDecoder& d, const std::vector<int32_t>& prompt, int64_t vocab_size,
@@ -180,6 +182,16 @@ void register_decoder(py::module_& m) {
            [](const SpecDecoder& d, ModelRole role) { return d.allocator(role).num_blocks(); },
            py::arg("role"))
       .def_property_readonly("offset", &SpecDecoder::offset);
+
+  py::class_<NGramIndex>(m, "NGramIndex", "The n-gram prompt-lookup index of one sequence.")
+      .def(py::init<int64_t, int64_t>(), py::arg("min_n"), py::arg("max_n"))
+      .def_property_readonly("length", &NGramIndex::length)
+      .def_property_readonly("tokens", &NGramIndex::tokens)
+      .def("extend", [](NGramIndex& g, const std::vector<int32_t>& t) {
+        g.extend(t.data(), static_cast<int64_t>(t.size()));
+      }, py::arg("tokens"))
+      .def("rollback", &NGramIndex::rollback, py::arg("new_len"))
+      .def("propose", &NGramIndex::propose, py::arg("k"));
 
   m.def(
       "apply_stop_rules",

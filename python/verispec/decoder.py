@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from verispec import _C
+from verispec.drafters import NGram
 from verispec.models.base import KVPools, Model, PagedBatch
 
 __all__ = ["GenerateResult", "SpecDecoder", "StepOutput"]
@@ -125,9 +126,10 @@ class _Runner(_C.StepRunner):
 class SpecDecoder:
     """Speculative decoding of a target model with a draft, exact for the target.
 
-    ``target`` and ``draft`` implement the model protocol (verispec.models.base.Model).
-    ``k`` draft tokens are proposed per step (0, or ``draft=None``: plain decoding
-    through the same loop). Each model gets its own paged KV pools of ``num_blocks``
+    ``target`` implements the model protocol (verispec.models.base.Model); ``draft`` is
+    a model too (a separate draft, or ``verispec.drafters.EarlyExit``), or
+    ``verispec.drafters.NGram`` (prompt lookup), or None. ``k`` draft tokens are
+    proposed per step (0, or ``draft=None``: plain decoding through the same loop). Each model gets its own paged KV pools of ``num_blocks``
     blocks of ``block_size`` tokens.
 
     Sampled output is distributed exactly as sampling the target under the same policy
@@ -135,14 +137,17 @@ class SpecDecoder:
     Greedy output is the target's greedy output token for token.
     """
 
-    def __init__(self, target: Model, draft: Model | None = None, *, k: int = 4,
+    def __init__(self, target: Model, draft: Model | NGram | None = None, *, k: int = 4,
                  num_blocks: int = 512, draft_num_blocks: int | None = None,
                  block_size: int = 16, seed: int = 0, ops: Any = None) -> None:
+        ngram = draft if isinstance(draft, NGram) else None
+        if ngram is not None:
+            draft = None
         for name, m in (("target", target), ("draft", draft)):
             if m is not None and not isinstance(m, Model):
                 raise TypeError(f"SpecDecoder: {name} must implement the model protocol "
                                 f"(a .geometry and .forward(batch)), got {type(m).__name__}")
-        if draft is None and k != 0:
+        if draft is None and ngram is None and k != 0:
             k = 0  # no draft: plain decoding through the same loop
         if not isinstance(k, int) or k < 0:
             raise ValueError(f"SpecDecoder: k must be an int >= 0, got {k!r}")
@@ -153,13 +158,14 @@ class SpecDecoder:
         if ops is None:
             from verispec import ops
         self._ops = ops
-        self.target, self.draft, self.k = target, draft, k
+        self.target, self.draft, self.ngram, self.k = target, draft, ngram, k
         self.vocab_size = g.vocab_size
         draft_num_blocks = num_blocks if draft_num_blocks is None else draft_num_blocks
         self._core = _C.SpecDecoderCore(
             num_spec=k, has_draft_model=draft is not None, target_num_blocks=num_blocks,
             draft_num_blocks=draft_num_blocks if draft is not None else 0,
-            block_size=block_size, max_context=g.max_context, seed=seed)
+            block_size=block_size, max_context=g.max_context, seed=seed,
+            ngram_min_n=ngram.min_n if ngram else 0, ngram_max_n=ngram.max_n if ngram else 0)
         self._models = {_C.ModelRole.target: target}
         self._pools = {_C.ModelRole.target: KVPools.allocate(g, num_blocks, block_size)}
         if draft is not None:

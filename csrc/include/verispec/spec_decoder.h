@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "verispec/block_allocator.h"
+#include "verispec/ngram.h"
 
 namespace verispec {
 
@@ -139,7 +140,9 @@ class StepRunner {
 
 struct DecoderConfig {
   int64_t num_spec = 4;             // fixed k (0: plain decoding)
-  bool has_draft_model = false;
+  bool has_draft_model = false;     // a draft model proposes (sampled, q kept)
+  int64_t ngram_min_n = 0;          // > 0: n-gram prompt lookup proposes (one-hot q)
+  int64_t ngram_max_n = 0;
   int64_t target_num_blocks = 0;
   int64_t draft_num_blocks = 0;
   int64_t block_size = 16;

@@ -1,0 +1,46 @@
+// N-gram prompt lookup: a deterministic drafter over one sequence's tokens.
+//
+// Rule (the one place it is defined; tests/test_ngram.py checks it against a brute
+// force): for n = max_n down to min_n, take the last n tokens as the key; find the
+// most recent earlier occurrence of the key, ending at e < len - 1; propose
+// tokens[e + 1 : e + 1 + k] (at most up to the end). The first n with a match wins;
+// no match proposes nothing.
+//
+// The index is incremental: appending a token inserts the (max_n - min_n + 1) n-grams
+// that end at it; rollback(new_len) removes exactly those of the dropped positions.
+// Neither rescans the history. Keys are 64-bit hashes; every candidate is compared
+// token by token, so a hash collision can never produce a wrong proposal.
+#pragma once
+
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+namespace verispec {
+
+class NGramIndex {
+ public:
+  NGramIndex(int64_t min_n, int64_t max_n);
+
+  int64_t min_n() const { return min_n_; }
+  int64_t max_n() const { return max_n_; }
+  int64_t length() const { return static_cast<int64_t>(tokens_.size()); }
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+
+  void append(int32_t token);
+  void extend(const int32_t* tokens, int64_t n);
+  void rollback(int64_t new_len);
+  // Up to k proposed tokens (possibly none).
+  std::vector<int32_t> propose(int64_t k) const;
+
+ private:
+  uint64_t key(int64_t end, int64_t n) const;  // hash of tokens[end - n + 1 .. end]
+  bool same(int64_t end_a, int64_t end_b, int64_t n) const;
+
+  int64_t min_n_, max_n_;
+  std::vector<int32_t> tokens_;
+  // Per n (index n - min_n): key -> end positions, increasing.
+  std::vector<std::unordered_map<uint64_t, std::vector<int32_t>>> maps_;
+};
+
+}  // namespace verispec
