@@ -1,6 +1,7 @@
 #include "verispec/spec_decoder.h"
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 
 #include "verispec/errors.h"
@@ -18,6 +19,7 @@ struct SpecDecoder::Sequence {
   FinishReason finish = FinishReason::kNone;
   SequenceStats stats;
   std::unique_ptr<NGramIndex> ngram;  // n-gram drafter state: the committed tokens
+  AcceptanceTracker acceptance;       // for adaptive k
 
   int64_t committed() const { return static_cast<int64_t>(tokens.size()); }
   int64_t num_generated() const { return committed() - prompt_len; }
@@ -33,6 +35,11 @@ struct CacheMark {
 
 float row_temperature(const SamplingParams& p) { return p.greedy ? 0.0f : p.temperature; }
 
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
 void push_policy(RowPolicy* policy, const SamplingParams& p) {
   policy->temperature.push_back(row_temperature(p));
   policy->top_k.push_back(p.top_k);
@@ -43,7 +50,9 @@ void push_policy(RowPolicy* policy, const SamplingParams& p) {
 }  // namespace
 
 SpecDecoder::SpecDecoder(const DecoderConfig& config)
-    : config_(config), target_alloc_(config.target_num_blocks, config.block_size) {
+    : config_(config),
+      target_alloc_(config.target_num_blocks, config.block_size),
+      cost_(config.num_spec + 1) {
   if (config.num_spec < 0) {
     throw InvalidArgumentError("SpecDecoder: k must be >= 0, got " +
                                std::to_string(config.num_spec));
@@ -191,13 +200,30 @@ const BlockAllocator& SpecDecoder::allocator(ModelRole role) const {
   return target_alloc_;
 }
 
-int64_t SpecDecoder::choose_k(const Sequence& s) const {
+int64_t SpecDecoder::choose_k(Sequence& s) {
   if (!draft_alloc_ && !s.ngram) return 0;
   // Never propose what could not be emitted: a step emits at most k + 1 tokens, and
   // the verify pass writes positions up to C - 1 + k.
   const int64_t remaining = s.stop.max_new_tokens - s.num_generated();
   const int64_t room = config_.max_context - s.committed();
-  return std::max<int64_t>(0, std::min({config_.num_spec, remaining - 1, room - 1}));
+  const int64_t cap = std::max<int64_t>(0, std::min({config_.num_spec, remaining - 1, room - 1}));
+  if (!config_.adaptive_k || cap == 0) return cap;
+  // n-gram lookups cost nothing next to a model pass; a draft model is measured.
+  const bool draft_measured = s.ngram || cost_.has_draft();
+  if (!draft_measured) return std::min<int64_t>(cap, 2);  // measure the draft first
+  const double draft_pass = s.ngram ? 0.0 : cost_.draft_pass();
+  int64_t k = best_k(s.acceptance.rate, draft_pass, cost_.target_passes(), cap);
+  AcceptanceTracker& acc = s.acceptance;
+  if (k > 0) {
+    acc.steps_without_drafts = 0;
+  } else if (++acc.steps_without_drafts >= acc.probe_interval) {
+    // Probe now and then so a draft that starts agreeing is noticed; back off
+    // exponentially while probes keep failing (their cost stays small).
+    acc.steps_without_drafts = 0;
+    acc.probe_interval = std::min<int64_t>(acc.probe_interval * 2, 256);
+    k = 1;
+  }
+  return k;
 }
 
 void SpecDecoder::build_batch(ModelRole role, const std::vector<Sequence*>& rows,
@@ -247,13 +273,15 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
   }
   const int64_t B = static_cast<int64_t>(rows.size());
   if (B == 0) return {};
+  const auto step_start = Clock::now();
+  double t_draft_forward = 0, t_draft_sample = 0, t_target_forward = 0, t_verify = 0;
 
   std::vector<int64_t> k(static_cast<size_t>(B));
   std::vector<CacheMark> marks(static_cast<size_t>(B));
   int64_t K = 0;
   std::vector<std::vector<int32_t>> proposals(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
-    const Sequence& s = *rows[static_cast<size_t>(b)];
+    Sequence& s = *rows[static_cast<size_t>(b)];
     k[static_cast<size_t>(b)] = choose_k(s);
     if (s.ngram) {  // deterministic proposals: k is what the lookup found
       proposals[static_cast<size_t>(b)] = s.ngram->propose(k[static_cast<size_t>(b)]);
@@ -295,9 +323,13 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
       runner.copy_blocks(ModelRole::kDraft, draft_alloc_->take_block_copies());
       batch.logits_indices.assign(batch.query_start.begin() + 1, batch.query_start.end());
       for (auto& idx : batch.logits_indices) idx -= 1;  // last input of each row
+      auto t0 = Clock::now();
       runner.forward(batch);
+      t_draft_forward += seconds_since(t0);
+      t0 = Clock::now();
       std::vector<int32_t> drawn = runner.sample_draft(B, K, j, verify_rows, policy,
                                                        config_.seed, base_offset + 1 + j);
+      t_draft_sample += seconds_since(t0);
       for (size_t r = 0; r < active.size(); ++r) {
         proposals[static_cast<size_t>(verify_rows[r])].push_back(drawn[r]);
       }
@@ -338,8 +370,12 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
         batch.logits_indices.push_back(first + std::min(i, k[static_cast<size_t>(b)]));
       }
     }
+    auto t0 = Clock::now();
     runner.forward(batch);
+    t_target_forward = seconds_since(t0);
+    t0 = Clock::now();
     result = runner.verify(req);
+    t_verify = seconds_since(t0);
   } catch (...) {
     // Leave every sequence as it was: only cache lengths moved (rollback cannot fail).
     for (int64_t b = 0; b < B; ++b) {
@@ -350,6 +386,8 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
     throw;
   }
   offset_ = base_offset + static_cast<uint64_t>(K) + 1;
+  if (draft_alloc_ && K > 0) cost_.observe_draft((t_draft_forward + t_draft_sample) / static_cast<double>(K));
+  cost_.observe_target(K + 1, t_target_forward + t_verify);
 
   // ---- commit
   std::vector<StepOutput> outputs(static_cast<size_t>(B));
@@ -383,6 +421,9 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
       if (j < a) st.accepted_at[static_cast<size_t>(j)] += 1;
     }
 
+    s.acceptance.update(kb, a);
+    if (a > 0) s.acceptance.probe_interval = 8;
+
     StepOutput& o = outputs[static_cast<size_t>(b)];
     o.seq = s.id;
     o.new_tokens.assign(emitted, emitted + keep);
@@ -398,6 +439,13 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
     }
     o.finish = s.finish;
   }
+  const double total = seconds_since(step_start);
+  times_.draft_forward += t_draft_forward;
+  times_.draft_sample += t_draft_sample;
+  times_.target_forward += t_target_forward;
+  times_.verify += t_verify;
+  times_.bookkeeping += total - t_draft_forward - t_draft_sample - t_target_forward - t_verify;
+  times_.steps += 1;
   return outputs;
 }
 

@@ -121,7 +121,8 @@ void register_decoder(py::module_& m) {
   py::class_<SpecDecoder>(m, "SpecDecoderCore")
       .def(py::init([](int64_t num_spec, bool has_draft_model, int64_t target_num_blocks,
                        int64_t draft_num_blocks, int64_t block_size, int64_t max_context,
-                       uint64_t seed, int64_t ngram_min_n, int64_t ngram_max_n) {
+                       uint64_t seed, int64_t ngram_min_n, int64_t ngram_max_n,
+                       bool adaptive_k) {
              DecoderConfig c;
              c.num_spec = num_spec;
              c.has_draft_model = has_draft_model;
@@ -132,11 +133,13 @@ void register_decoder(py::module_& m) {
              c.seed = seed;
              c.ngram_min_n = ngram_min_n;
              c.ngram_max_n = ngram_max_n;
+             c.adaptive_k = adaptive_k;
              return std::make_unique<SpecDecoder>(c);
            }),
            py::arg("num_spec"), py::arg("has_draft_model"), py::arg("target_num_blocks"),
            py::arg("draft_num_blocks"), py::arg("block_size"), py::arg("max_context"),
-           py::arg("seed"), py::arg("ngram_min_n") = 0, py::arg("ngram_max_n") = 0)
+           py::arg("seed"), py::arg("ngram_min_n") = 0, py::arg("ngram_max_n") = 0,
+           py::arg("adaptive_k") = false)
       .def(
           "add",
           [](SpecDecoder& d, const std::vector<int32_t>& prompt, int64_t vocab_size,
@@ -181,7 +184,25 @@ void register_decoder(py::module_& m) {
       .def("num_blocks",
            [](const SpecDecoder& d, ModelRole role) { return d.allocator(role).num_blocks(); },
            py::arg("role"))
-      .def_property_readonly("offset", &SpecDecoder::offset);
+      .def_property_readonly("offset", &SpecDecoder::offset)
+      .def("times", [](const SpecDecoder& d) {
+        const PhaseTimes& t = d.times();
+        py::dict out;
+        out["draft_forward_s"] = t.draft_forward;
+        out["draft_sample_s"] = t.draft_sample;
+        out["target_forward_s"] = t.target_forward;
+        out["verify_s"] = t.verify;
+        out["bookkeeping_s"] = t.bookkeeping;
+        out["steps"] = t.steps;
+        return out;
+      }, "Wall time by phase, summed over all steps so far.")
+      .def("cost_model", [](const SpecDecoder& d) {
+        py::dict out;
+        out["draft_pass_s"] = d.cost_model().has_draft() ? py::object(py::float_(d.cost_model().draft_pass()))
+                                                          : py::object(py::none());
+        out["target_pass_s"] = d.cost_model().target_passes();
+        return out;
+      }, "The adaptive-k cost model as measured: draft pass and target pass by tokens per row.");
 
   py::class_<NGramIndex>(m, "NGramIndex", "The n-gram prompt-lookup index of one sequence.")
       .def(py::init<int64_t, int64_t>(), py::arg("min_n"), py::arg("max_n"))
@@ -192,6 +213,12 @@ void register_decoder(py::module_& m) {
       }, py::arg("tokens"))
       .def("rollback", &NGramIndex::rollback, py::arg("new_len"))
       .def("propose", &NGramIndex::propose, py::arg("k"));
+
+  m.def("expected_tokens", &expected_tokens, py::arg("a"), py::arg("k"),
+        "(1 - a^(k+1)) / (1 - a): mean tokens per verify step at acceptance rate a.");
+  m.def("best_k", &best_k, py::arg("a"), py::arg("draft_pass"), py::arg("target_pass"),
+        py::arg("max_k"),
+        "The k that maximises expected tokens per unit time (the adaptive-k rule).");
 
   m.def(
       "apply_stop_rules",

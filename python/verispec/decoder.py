@@ -129,7 +129,10 @@ class SpecDecoder:
     ``target`` implements the model protocol (verispec.models.base.Model); ``draft`` is
     a model too (a separate draft, or ``verispec.drafters.EarlyExit``), or
     ``verispec.drafters.NGram`` (prompt lookup), or None. ``k`` draft tokens are
-    proposed per step (0, or ``draft=None``: plain decoding through the same loop). Each model gets its own paged KV pools of ``num_blocks``
+    proposed per step (0, or ``draft=None``: plain decoding through the same loop), or
+    ``k="auto"``: chosen per sequence and step, up to ``max_k``, from the measured
+    acceptance rate and the measured draft and target pass costs (k = 0 when
+    speculation does not pay; see csrc/include/verispec/adaptive_k.h). Each model gets its own paged KV pools of ``num_blocks``
     blocks of ``block_size`` tokens.
 
     Sampled output is distributed exactly as sampling the target under the same policy
@@ -137,8 +140,8 @@ class SpecDecoder:
     Greedy output is the target's greedy output token for token.
     """
 
-    def __init__(self, target: Model, draft: Model | NGram | None = None, *, k: int = 4,
-                 num_blocks: int = 512, draft_num_blocks: int | None = None,
+    def __init__(self, target: Model, draft: Model | NGram | None = None, *, k: int | str = 4,
+                 max_k: int = 8, num_blocks: int = 512, draft_num_blocks: int | None = None,
                  block_size: int = 16, seed: int = 0, ops: Any = None) -> None:
         ngram = draft if isinstance(draft, NGram) else None
         if ngram is not None:
@@ -147,10 +150,15 @@ class SpecDecoder:
             if m is not None and not isinstance(m, Model):
                 raise TypeError(f"SpecDecoder: {name} must implement the model protocol "
                                 f"(a .geometry and .forward(batch)), got {type(m).__name__}")
+        adaptive = k == "auto"
+        if adaptive:
+            if not isinstance(max_k, int) or max_k < 1:
+                raise ValueError(f"SpecDecoder: max_k must be an int >= 1, got {max_k!r}")
+            k = max_k
         if draft is None and ngram is None and k != 0:
-            k = 0  # no draft: plain decoding through the same loop
-        if not isinstance(k, int) or k < 0:
-            raise ValueError(f"SpecDecoder: k must be an int >= 0, got {k!r}")
+            k, adaptive = 0, False  # no draft: plain decoding through the same loop
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"SpecDecoder: k must be an int >= 0 or 'auto', got {k!r}")
         g = target.geometry
         if draft is not None and draft.geometry.vocab_size != g.vocab_size:
             raise ValueError(f"SpecDecoder: draft vocab_size must equal the target's {g.vocab_size}, "
@@ -165,7 +173,9 @@ class SpecDecoder:
             num_spec=k, has_draft_model=draft is not None, target_num_blocks=num_blocks,
             draft_num_blocks=draft_num_blocks if draft is not None else 0,
             block_size=block_size, max_context=g.max_context, seed=seed,
-            ngram_min_n=ngram.min_n if ngram else 0, ngram_max_n=ngram.max_n if ngram else 0)
+            ngram_min_n=ngram.min_n if ngram else 0, ngram_max_n=ngram.max_n if ngram else 0,
+            adaptive_k=adaptive)
+        self.adaptive = adaptive
         self._models = {_C.ModelRole.target: target}
         self._pools = {_C.ModelRole.target: KVPools.allocate(g, num_blocks, block_size)}
         if draft is not None:
@@ -211,6 +221,15 @@ class SpecDecoder:
     def has_running(self) -> bool:
         return self._core.has_running()
 
+    def timings(self) -> dict:
+        """Wall time by phase summed over all steps: draft_forward_s, draft_sample_s,
+        target_forward_s, verify_s, bookkeeping_s (batches, commit, rollback), steps."""
+        return self._core.times()
+
+    def cost_model(self) -> dict:
+        """What adaptive k measured: draft_pass_s and target_pass_s[n - 1] for n tokens per row."""
+        return self._core.cost_model()
+
     def num_free_blocks(self, role: str = "target") -> int:
         return self._core.num_free_blocks(getattr(_C.ModelRole, role))
 
@@ -239,9 +258,15 @@ class SpecDecoder:
                 ids.append(self.add(p, max_new_tokens=max_new_tokens, greedy=greedy,
                                     temperature=temperature, top_k=top_k, top_p=top_p,
                                     min_p=min_p, eos_token_id=eos_token_id, stop=stop))
+            before = self._core.times()
             while self._core.has_running():
                 self.step()
-            return [self.result(i) for i in ids]
+            after = self._core.times()
+            split = {key: after[key] - before[key] for key in after}
+            results = [self.result(i) for i in ids]
+            for r in results:
+                r.stats["time_split"] = split  # of the whole run (the batch shares passes)
+            return results
         finally:
             for i in ids:
                 self._core.release(i)

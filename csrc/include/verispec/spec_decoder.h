@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "verispec/adaptive_k.h"
 #include "verispec/block_allocator.h"
 #include "verispec/ngram.h"
 
@@ -139,7 +140,8 @@ class StepRunner {
 };
 
 struct DecoderConfig {
-  int64_t num_spec = 4;             // fixed k (0: plain decoding)
+  int64_t num_spec = 4;             // fixed k (0: plain decoding), or the largest k
+  bool adaptive_k = false;          // choose k per sequence and step (adaptive_k.h)
   bool has_draft_model = false;     // a draft model proposes (sampled, q kept)
   int64_t ngram_min_n = 0;          // > 0: n-gram prompt lookup proposes (one-hot q)
   int64_t ngram_max_n = 0;
@@ -148,6 +150,16 @@ struct DecoderConfig {
   int64_t block_size = 16;
   int64_t max_context = 0;          // the target's context length
   uint64_t seed = 0;
+};
+
+// Wall time by phase, summed over steps (seconds).
+struct PhaseTimes {
+  double draft_forward = 0;   // draft model passes
+  double draft_sample = 0;    // policy + sampling of proposals
+  double target_forward = 0;  // the verify pass of the target
+  double verify = 0;          // the verify op
+  double bookkeeping = 0;     // everything else: k, batches, commit, rollback
+  int64_t steps = 0;
 };
 
 struct StepOutput {
@@ -197,13 +209,15 @@ class SpecDecoder {
   const BlockAllocator& allocator(ModelRole role) const;
   const DecoderConfig& config() const { return config_; }
   uint64_t offset() const { return offset_; }
+  const PhaseTimes& times() const { return times_; }
+  const CostModel& cost_model() const { return cost_; }
 
  private:
   struct Sequence;
   Sequence& get(int64_t seq);
   const Sequence& get(int64_t seq) const;
   void finish(Sequence& s, FinishReason reason);
-  int64_t choose_k(const Sequence& s) const;
+  int64_t choose_k(Sequence& s);
   void build_batch(ModelRole role, const std::vector<Sequence*>& rows,
                    const std::vector<int64_t>& counts,
                    const std::vector<std::vector<int32_t>>& extra_tokens,
@@ -214,6 +228,8 @@ class SpecDecoder {
   std::unique_ptr<BlockAllocator> draft_alloc_;
   std::vector<std::unique_ptr<Sequence>> seqs_;  // by id; null after release
   uint64_t offset_ = 0;
+  PhaseTimes times_;
+  CostModel cost_;
 };
 
 }  // namespace verispec

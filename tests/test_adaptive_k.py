@@ -1,0 +1,88 @@
+"""Adaptive speculation length: the cost-model rule and the controller in the loop."""
+
+import time
+
+import pytest
+from toymodels import CacheModel
+
+from verispec import _C, reference
+from verispec.decoder import SpecDecoder
+from verispec.drafters import NGram
+
+
+def brute_best_k(a, draft, target, max_k):
+    rates = []
+    for k in range(max_k + 1):
+        e = k + 1 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
+        rates.append(e / (k * draft + target[k]))
+    return max(range(max_k + 1), key=lambda k: (rates[k], -k))
+
+
+@pytest.mark.parametrize("a", [0.0, 0.1, 0.3, 0.5, 0.7, 0.85, 0.95, 1.0])
+@pytest.mark.parametrize("draft", [0.0, 0.05, 0.2, 0.6])
+def test_best_k_is_the_argmax_of_the_cost_model(a, draft):
+    target = [1.0 + 0.2 * n for n in range(9)]  # a 5-token pass costs 1.8x a 1-token pass
+    assert _C.best_k(a, draft, target, 8) == brute_best_k(a, draft, target, 8)
+    assert _C.expected_tokens(a, 3) == pytest.approx(4.0 if a == 1 else (1 - a ** 4) / (1 - a))
+
+
+def test_useless_draft_turns_speculation_off_and_a_perfect_one_on():
+    assert _C.best_k(0.0, 0.1, [1.0 + 0.2 * n for n in range(9)], 8) == 0
+    assert _C.best_k(1.0, 0.0, [1.0 + 0.2 * n for n in range(9)], 8) == 8
+
+
+class Slow:
+    """A toy model with a synthetic cost: base + per_token seconds per forward row-token."""
+
+    def __init__(self, model, base, per_token):
+        self.model, self.base, self.per_token = model, base, per_token
+        self.geometry = model.geometry
+
+    def forward(self, batch):
+        time.sleep(self.base + self.per_token * int(batch.input_ids.shape[0]))
+        return self.model.forward(batch)
+
+    def logits_for(self, prefix):
+        return self.model.logits_for(prefix)
+
+
+def test_controller_stops_speculating_with_a_useless_draft():
+    target = Slow(CacheModel(50, seed=1, scale=4.0), 0.004, 0.001)
+    useless = Slow(CacheModel(50, seed=9, scale=4.0), 0.003, 0.0)  # unrelated: ~no acceptance
+    dec = SpecDecoder(target, useless, k="auto", max_k=6, num_blocks=64, block_size=4, ops=reference)
+    (r,) = dec.generate([[1, 2, 3]], max_new_tokens=60, greedy=True)
+    ks = r.stats["k_history"]
+    assert sum(ks[-20:]) <= 2, ks  # off, but for rare probes
+    cm = dec.cost_model()
+    assert cm["draft_pass_s"] > 0.002 and cm["target_pass_s"][0] > 0.003
+
+
+def test_controller_speculates_far_with_a_perfect_draft():
+    target = Slow(CacheModel(50, seed=1, scale=4.0), 0.004, 0.0005)
+    twin = Slow(CacheModel(50, seed=1, scale=4.0), 0.0005, 0.0)  # the same table: always right
+    dec = SpecDecoder(target, twin, k="auto", max_k=6, num_blocks=64, block_size=4, ops=reference)
+    (r,) = dec.generate([[1, 2, 3]], max_new_tokens=60, greedy=True)
+    assert r.stats["acceptance_rate"] == 1.0
+    assert max(r.stats["k_history"][-5:]) >= 4, r.stats["k_history"]
+    assert r.stats["tokens_per_target_pass"] > 3
+
+
+def test_adaptive_keeps_greedy_output_and_reports_a_time_split():
+    target = CacheModel(13, seed=1)
+    draft = CacheModel(13, base=target, noise=0.7, seed=2)
+    plain = SpecDecoder(target, None, ops=reference, num_blocks=64, block_size=4)
+    auto = SpecDecoder(target, draft, k="auto", ops=reference, num_blocks=64, block_size=4)
+    auto_ng = SpecDecoder(target, NGram(1, 3), k="auto", ops=reference, num_blocks=64, block_size=4)
+    want = [r.tokens for r in plain.generate([[1, 2], [3, 4, 5]], max_new_tokens=25, greedy=True)]
+    for dec in (auto, auto_ng):
+        results = dec.generate([[1, 2], [3, 4, 5]], max_new_tokens=25, greedy=True)
+        assert [r.tokens for r in results] == want
+        split = results[0].stats["time_split"]
+        assert set(split) == {"draft_forward_s", "draft_sample_s", "target_forward_s", "verify_s",
+                              "bookkeeping_s", "steps"}
+        assert split["target_forward_s"] > 0
+        assert split["steps"] == max(r.stats["steps"] for r in results)
+    with pytest.raises(ValueError, match="k must be an int >= 0 or 'auto', got 'fast'"):
+        SpecDecoder(target, draft, k="fast", ops=reference)
+    with pytest.raises(ValueError, match="max_k must be an int >= 1, got 0"):
+        SpecDecoder(target, draft, k="auto", max_k=0, ops=reference)
