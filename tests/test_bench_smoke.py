@@ -16,3 +16,19 @@ def test_bench_cache_quick(tmp_path):
     assert set(result["rollback_ns_median"]["native"]) == {"1000", "100000", "1000000"}
     assert set(result["ops_per_second"]) == {"append", "rollback", "fork", "free"}
     assert all(r["native"] > 0 and r["python"] > 0 for r in result["ops_per_second"].values())
+
+
+def test_bench_kernels_quick(tmp_path):
+    out = tmp_path / "kernels.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "bench_kernels.py"), "--quick", "--out", str(out)],
+                   check=True, capture_output=True, text=True)
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["quick"] is True
+    assert {(r["B"], r["K"], r["V"], r["policy"]) for r in result["verify"]} == {
+        (b, k, v, policy) for b, k, v in [(1, 2, 1000), (4, 3, 5000), (2, 4, 3000)]
+        for policy in ("temperature_1", "top_k50_top_p0.9")}
+    assert all(r["native_ms"] > 0 and r["reference_ms"] > 0 and r["native_gbps"] > 0
+               for r in result["verify"])
+    assert set(result["apply_policy"]["ms"]) == {"native", "reference", "torch_sort"}
+    assert result["apply_policy"]["max_abs_diff_vs_native"]["reference"] < 1e-5
+    assert result["copy_bandwidth_gbps"]["cpu"] > 0
