@@ -275,6 +275,9 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
   if (B == 0) return {};
   const auto step_start = Clock::now();
   double t_draft_forward = 0, t_draft_sample = 0, t_target_forward = 0, t_verify = 0;
+  double t_draft_steady = 0;         // draft passes j >= 1: one token per row
+  int64_t t_draft_steady_passes = 0;
+  int64_t verify_tokens = 0, verify_steady_tokens = 0;  // steady: one pending token per row
 
   std::vector<int64_t> k(static_cast<size_t>(B));
   std::vector<CacheMark> marks(static_cast<size_t>(B));
@@ -325,11 +328,17 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
       for (auto& idx : batch.logits_indices) idx -= 1;  // last input of each row
       auto t0 = Clock::now();
       runner.forward(batch);
-      t_draft_forward += seconds_since(t0);
+      const double t_fwd = seconds_since(t0);
       t0 = Clock::now();
       std::vector<int32_t> drawn = runner.sample_draft(B, K, j, verify_rows, policy,
                                                        config_.seed, base_offset + 1 + j);
-      t_draft_sample += seconds_since(t0);
+      const double t_smp = seconds_since(t0);
+      t_draft_forward += t_fwd;
+      t_draft_sample += t_smp;
+      if (j >= 1) {
+        t_draft_steady += t_fwd + t_smp;
+        ++t_draft_steady_passes;
+      }
       for (size_t r = 0; r < active.size(); ++r) {
         proposals[static_cast<size_t>(verify_rows[r])].push_back(drawn[r]);
       }
@@ -359,6 +368,8 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
       push_policy(&req.policy, s.sampling);
     }
     build_batch(ModelRole::kTarget, rows, starts, inputs, &batch);
+    verify_tokens = static_cast<int64_t>(batch.input_ids.size());
+    for (int64_t b = 0; b < B; ++b) verify_steady_tokens += k[static_cast<size_t>(b)] + 1;
     runner.copy_blocks(ModelRole::kTarget, target_alloc_.take_block_copies());
     // Logits rows laid out [B, K + 1]: row b's position i is its (pending - 1 + i)-th
     // input; positions past k[b] repeat the last one (padding the kernel never reads).
@@ -386,8 +397,12 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
     throw;
   }
   offset_ = base_offset + static_cast<uint64_t>(K) + 1;
-  if (draft_alloc_ && K > 0) cost_.observe_draft((t_draft_forward + t_draft_sample) / static_cast<double>(K));
-  cost_.observe_target(K + 1, t_target_forward + t_verify);
+  // Feed the cost model steady-state passes only: a prefill or a catch-up of many
+  // tokens would make a pass look far dearer than the decode passes k is chosen for.
+  if (draft_alloc_ && K > 1 && t_draft_steady_passes > 0) {
+    cost_.observe_draft(t_draft_steady / static_cast<double>(t_draft_steady_passes));
+  }
+  if (verify_tokens == verify_steady_tokens) cost_.observe_target(K + 1, t_target_forward + t_verify);
 
   // ---- commit
   std::vector<StepOutput> outputs(static_cast<size_t>(B));
