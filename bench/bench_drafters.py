@@ -78,8 +78,10 @@ def main(argv=None) -> int:
                 times, res = [], None
                 for rep in range(repeats):
                     t0 = time.perf_counter()
-                    (res,) = dec.generate([ids], max_new_tokens=n, seed=rep,
-                                          eos_token_id=tok.eos_token_ids, **kw)
+                    # greedy stops at EOS (every draft gives the same tokens); sampled
+                    # runs generate exactly n tokens so their rates compare.
+                    eos = tok.eos_token_ids if mode == "greedy" else None
+                    (res,) = dec.generate([ids], max_new_tokens=n, seed=rep, eos_token_id=eos, **kw)
                     times.append(time.perf_counter() - t0)
                 tps = len(res.tokens) / statistics.median(times)
                 if base is None:
