@@ -128,7 +128,7 @@ def plot(rows, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["prompt"], r["mode"]) for r in rows}, key=lambda g: [*PROMPTS].index(g[0]))
+    groups = sorted({(r["prompt"], r["mode"]) for r in rows}, key=lambda g: ([*PROMPTS].index(g[0]), g[1] != "greedy"))
     drafts = list(dict.fromkeys(r["draft"] for r in rows))
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(drafts)
