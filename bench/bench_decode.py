@@ -69,8 +69,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    import importlib.util
+
     import transformers
     from verispec.models.loaders import resolve
+
+    if importlib.util.find_spec("accelerate") is None:
+        raise SystemExit("bench_decode: transformers needs accelerate to load a GGUF: "
+                         ".venv/bin/pip install accelerate")
 
     model, tok = load("smollm2")
     _, path = resolve("smollm2")
