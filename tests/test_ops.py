@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from exactness import ALPHA, joint_distribution_result
+from exactness import ALPHA, EXACTNESS_CASES, joint_distribution_result
 from verispec import ops, reference
 
 POLICIES = {
@@ -446,24 +446,6 @@ def test_ops_compile_fullgraph(backend):
 
 # --- verify: exact in distribution ------------------------------------------------------
 
-EXACTNESS_CASES = {
-    "plain": dict(),
-    "temperature_0.7": dict(temperature=0.7),
-    "temperature_1.6": dict(temperature=1.6),
-    "top_k": dict(top_k=3),
-    "top_p": dict(top_p=0.8),
-    "min_p": dict(min_p=0.2),
-    "all_knobs_depth3": dict(temperature=0.8, top_k=4, top_p=0.9, min_p=0.1, vocab=5, depth=3),
-    "onehot_drafts": dict(draft="onehot"),
-    "onehot_poor_drafts_top_p": dict(draft="onehot", draft_quality="poor", top_p=0.85),
-    "poor_drafts_depth3": dict(draft_quality="poor", vocab=5, depth=3),
-    "q_equals_p": dict(draft_quality="same", temperature=0.9, top_k=4),
-    "ragged": dict(ragged=True),
-    "ragged_onehot_min_p": dict(ragged=True, draft="onehot", min_p=0.1),
-    "bfloat16": dict(logits_dtype=torch.bfloat16, temperature=0.7, top_p=0.9),
-    "bfloat16_poor_k2": dict(logits_dtype=torch.bfloat16, draft_quality="poor", k=2),
-    "greedy": dict(greedy=True, draft_quality="poor"),
-}
 
 
 @pytest.mark.parametrize("case", EXACTNESS_CASES.values(), ids=EXACTNESS_CASES.keys())
