@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 
 import pytest
@@ -16,7 +15,7 @@ from verispec import _C  # noqa: E402
 from verispec.decoder import SpecDecoder  # noqa: E402
 from verispec.drafters import EarlyExit, NGram  # noqa: E402
 from verispec.models.loaders import load_model  # noqa: E402
-from verispec.models.testing import PagedRunner  # noqa: E402
+from verispec.models.testing import PagedRunner, randomize_weights  # noqa: E402
 
 VOCAB = 211
 
@@ -26,14 +25,7 @@ def tiny_llama(folder, *, seed, layers=3):
         hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
         tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5)
-    hf = transformers.LlamaForCausalLM(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in hf.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+    hf = randomize_weights(transformers.LlamaForCausalLM(cfg), seed, norm_spread=0.1)
     hf.save_pretrained(folder, safe_serialization=True)
     return load_model(folder)
 

@@ -22,7 +22,7 @@ pytest.importorskip("tokenizers")
 
 import verispec.models as vm  # noqa: E402
 from verispec.models import llama as vllama  # noqa: E402
-from verispec.models.testing import PagedRunner  # noqa: E402
+from verispec.models.testing import PagedRunner, randomize_weights  # noqa: E402
 
 ATOL = 1e-4  # float32 logits vs transformers
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -57,15 +57,7 @@ def byte_bpe():
 
 
 def _randomize(model, seed):
-    """Weights large enough that logits are O(1..10), so 1e-4 is a real check."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-    return model
+    return randomize_weights(model, seed, norm_spread=0.2)
 
 
 def _hf_config(vocab_size, *, tied, rope=None, layers=3, **kw):

@@ -11,6 +11,7 @@ For tests, benchmarks and notebooks; the speculative decoder builds its batches 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -82,3 +83,19 @@ class PagedRunner:
         if not all_logits:
             return list(logits.split(1))
         return list(logits.split([len(t) for t in new_tokens.values()]))
+
+
+def randomize_weights(module: torch.nn.Module, seed: int, *, norm_spread: float = 0.2) -> torch.nn.Module:
+    """Deterministic random weights for a (transformers) module, in place.
+
+    Norm weights become 1 + norm_spread * N(0, 1); matrices N(0, 1/fan_in), so logits
+    are O(1..10) and a 1e-4 comparison is a real check. Returns the module.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + norm_spread * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+    return module
