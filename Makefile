@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.verispec-deps
 BUILD_DEPS := scikit-build-core pybind11 apache-tvm-ffi ninja
-TEST_DEPS := pytest hypothesis scipy numpy gguf safetensors tokenizers jinja2 transformers
+TEST_DEPS := pytest hypothesis scipy numpy gguf safetensors tokenizers jinja2 transformers accelerate matplotlib
 
 .PHONY: all venv build test pytest native-test demo bench wheel clean
 
