@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 
 import pytest
@@ -62,11 +63,17 @@ def _cached_k(pools, table, n, layer):
     return flat[[table[p // bs] * bs + p % bs for p in range(n)]]
 
 
-def test_cache_truth_after_rejections(tiny):
+@pytest.mark.parametrize("source", ["separate", "early_exit"])
+def test_cache_truth_after_rejections(tiny, source):
     """After steps with rejections, the cached K of every committed prefix equals a
-    fresh prefill of the committed tokens, for target and draft."""
+    fresh prefill of the committed tokens, for target and draft. (An early-exit draft
+    shares the target's pools: its proposals' K/V must not survive the verify pass.)"""
     target, other = tiny
-    dec = SpecDecoder(target, other, k=4, num_blocks=64, block_size=4)
+    if source == "early_exit":
+        early = EarlyExit(target, num_layers=1)
+        other = early.model
+    dec = SpecDecoder(target, early if source == "early_exit" else other, k=4, num_blocks=64,
+                      block_size=4)
     seqs = [dec.add(p, max_new_tokens=16, temperature=1.0) for p in PROMPTS]
     checked = 0
     while dec.has_running():
@@ -88,6 +95,112 @@ def test_cache_truth_after_rejections(tiny):
     stats = [dec.result(s).stats for s in seqs]
     assert sum(st["proposed"] - st["accepted"] for st in stats) > 5, "needs rejections"
     assert checked > 10
+
+
+def test_early_exit_draft_shares_the_target_cache(tiny):
+    target, _ = tiny
+    dec = SpecDecoder(target, EarlyExit(target, num_layers=2), k=3, num_blocks=64, block_size=4)
+    assert dec.shares_target_cache
+    draft_pools, target_pools = dec._pools[_C.ModelRole.draft], dec._pools[_C.ModelRole.target]
+    assert len(draft_pools.k) == 2 and all(d is t for d, t in zip(draft_pools.k, target_pools.k))
+    assert dec.num_blocks("draft") == dec.num_blocks("target") == 64
+    seq = dec.add(PROMPTS[0], max_new_tokens=12, temperature=1.0)
+    while dec.has_running():
+        dec.step()
+        if dec._core.finish_reason(seq) == "running":
+            assert (dec._core.cache_len(seq, _C.ModelRole.draft)
+                    == dec._core.cache_len(seq, _C.ModelRole.target)
+                    == dec._core.committed_len(seq) - 1)
+    other = SpecDecoder(target, tiny[1], k=2)  # a separate draft keeps its own cache
+    assert not other.shares_target_cache
+
+
+# Sampled exactness through a self-speculative draft: a 2-layer Llama over 5 tokens,
+# its first layer as the draft; the distribution of 3-token continuations against the
+# target's, enumerated exactly. False-alarm rate ALPHA per test (fixed seeds).
+SV, DEPTH, ALPHA = 5, 3, 1e-3
+
+
+def _llama_continuations(model, prompt, policy):
+    from verispec import reference
+    dists = {}
+
+    def dist(prefix):
+        if prefix not in dists:
+            runner = PagedRunner(model, num_blocks=8, block_size=4)
+            (logits,) = runner.step({runner.add_sequence(): list(prefix)}, all_logits=False)
+            dists[prefix] = reference.apply_policy(logits.float(), **policy)[0]
+        return dists[prefix]
+
+    probs = {}
+    for cont in itertools.product(range(SV), repeat=DEPTH):
+        p, seq = 1.0, tuple(prompt)
+        for t in cont:
+            p *= float(dist(seq)[t])
+            seq += (t,)
+        probs[cont] = p
+    return probs
+
+
+def _chi_square_pvalue(counts, probs):
+    from scipy import stats as sstats
+    n = sum(counts.values())
+    assert sum(counts.get(c, 0) for c in probs) == n, "a continuation outside the support"
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for cont, p in probs.items():
+        if n * p < 5:
+            pool_o, pool_e = pool_o + counts.get(cont, 0), pool_e + n * p
+        else:
+            obs.append(counts.get(cont, 0))
+            exp.append(n * p)
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    total = sum(exp)
+    return float(sstats.chisquare(obs, [e * n / total for e in exp]).pvalue)
+
+
+@pytest.fixture(scope="module")
+def tiny5(tmp_path_factory):
+    cfg = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=SV, max_position_embeddings=64,
+        tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5)
+    folder = tmp_path_factory.mktemp("tiny5")
+    randomize_weights(transformers.LlamaForCausalLM(cfg), 7, norm_spread=0.1).save_pretrained(
+        folder, safe_serialization=True)
+    return load_model(folder)
+
+
+def _sampled_continuations(dec, prompt, n, policy, seed):
+    counts = {}
+    for call in range(n // 1000):
+        for r in dec.generate([prompt] * 1000, max_new_tokens=DEPTH, seed=seed + call, **policy):
+            counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["exact", "power:wrong-q"])
+def test_self_speculation_samples_the_target_distribution(tiny5, wrong, monkeypatch):
+    """With wrong=True the draft's q is replaced by its plain softmax (not the policy
+    distribution the proposal was drawn from): the same test must reject it."""
+    policy = dict(temperature=0.8, top_k=4)
+    dec = SpecDecoder(tiny5, EarlyExit(tiny5, num_layers=1), k=2, num_blocks=2000, block_size=4)
+    assert dec.shares_target_cache
+    if wrong:
+        real = type(dec._runner).sample_draft
+
+        def wrong_q(self, batch, num_spec, position, rows, pol, seed, offset):
+            tokens = real(self, batch, num_spec, position, rows, pol, seed, offset)
+            logits = self.logits[_C.ModelRole.draft].float()
+            self.draft_probs[torch.tensor(rows), position] = torch.softmax(logits * 3, dim=-1)
+            return tokens
+
+        monkeypatch.setattr(type(dec._runner), "sample_draft", wrong_q)
+    probs = _llama_continuations(tiny5, [1, 2], policy)
+    counts = _sampled_continuations(dec, [1, 2], 8000, policy, seed=300)
+    stats_ok = _chi_square_pvalue(counts, probs) > ALPHA
+    assert stats_ok != wrong
 
 
 # ---- SmolLM2 (installed by the test command) ------------------------------------------

@@ -73,6 +73,13 @@ std::vector<double> CostModel::target_passes() const {
   return out;
 }
 
+int64_t probe_interval(double draft_pass, const std::vector<double>& target_pass) {
+  if (target_pass.size() < 2 || !(target_pass[0] > 0)) return kMinProbeInterval;
+  const double probe_cost = draft_pass + std::max(target_pass[1] - target_pass[0], 0.0);
+  const double steps = std::ceil(probe_cost / (kProbeBudget * target_pass[0]));
+  return std::max<int64_t>(kMinProbeInterval, static_cast<int64_t>(std::min(steps, 1e6)));
+}
+
 void AcceptanceTracker::update(int64_t proposed, int64_t accepted) {
   if (proposed <= 0) return;
   // Trials: every accepted position, plus the rejected one if there was a rejection.

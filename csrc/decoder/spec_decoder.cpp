@@ -66,8 +66,13 @@ SpecDecoder::SpecDecoder(const DecoderConfig& config)
     throw InvalidArgumentError("SpecDecoder: one draft source at a time: a draft model or n-gram lookup");
   }
   if (ngram) NGramIndex(config.ngram_min_n, config.ngram_max_n);  // validates n
-  if (config.has_draft_model) {
+  if (config.draft_shares_target_cache && !config.has_draft_model) {
+    throw InvalidArgumentError("SpecDecoder: draft_shares_target_cache needs a draft model");
+  }
+  if (config.has_draft_model && !config.draft_shares_target_cache) {
     draft_alloc_ = std::make_unique<BlockAllocator>(config.draft_num_blocks, config.block_size);
+  } else if (config.has_draft_model) {
+    // shared: the draft uses the target's allocator and sequences
   } else if (!ngram && config.num_spec > 0) {
     throw InvalidArgumentError("SpecDecoder: k = " + std::to_string(config.num_spec) +
                                " needs a draft; without one k must be 0 (plain decoding)");
@@ -181,46 +186,58 @@ const std::vector<int32_t>& SpecDecoder::committed(int64_t seq) const { return g
 
 std::vector<int32_t> SpecDecoder::block_table(int64_t seq, ModelRole role) const {
   const Sequence& s = get(seq);
-  const int64_t id = role == ModelRole::kTarget ? s.target_seq : s.draft_seq;
+  const int64_t id = seq_for(s, role);
   if (id < 0) return {};
   return allocator(role).block_table(id);
 }
 
 int64_t SpecDecoder::cache_len(int64_t seq, ModelRole role) const {
   const Sequence& s = get(seq);
-  if (role == ModelRole::kTarget) return s.target_seq >= 0 ? target_alloc_.length(s.target_seq) : 0;
-  return s.draft_seq >= 0 ? draft_alloc_->length(s.draft_seq) : 0;
+  if (role == ModelRole::kDraft && !config_.has_draft_model) return 0;
+  const int64_t id = seq_for(s, role);
+  return id >= 0 ? allocator(role).length(id) : 0;
+}
+
+int64_t SpecDecoder::seq_for(const Sequence& s, ModelRole role) const {
+  return role == ModelRole::kDraft && draft_alloc_ ? s.draft_seq : s.target_seq;
 }
 
 const BlockAllocator& SpecDecoder::allocator(ModelRole role) const {
   if (role == ModelRole::kDraft) {
-    if (!draft_alloc_) throw InvalidArgumentError("allocator: this decoder has no draft model");
-    return *draft_alloc_;
+    if (!config_.has_draft_model) {
+      throw InvalidArgumentError("allocator: this decoder has no draft model");
+    }
+    if (draft_alloc_) return *draft_alloc_;
   }
   return target_alloc_;
 }
 
 int64_t SpecDecoder::choose_k(Sequence& s) {
-  if (!draft_alloc_ && !s.ngram) return 0;
+  if (!config_.has_draft_model && !s.ngram) return 0;
   // Never propose what could not be emitted: a step emits at most k + 1 tokens, and
   // the verify pass writes positions up to C - 1 + k.
   const int64_t remaining = s.stop.max_new_tokens - s.num_generated();
   const int64_t room = config_.max_context - s.committed();
   const int64_t cap = std::max<int64_t>(0, std::min({config_.num_spec, remaining - 1, room - 1}));
   if (!config_.adaptive_k || cap == 0) return cap;
+  if (shared_cache() && s.committed() - target_alloc_.length(s.target_seq) > 1) {
+    // The prompt is not cached yet: the target's prefill fills the shared cache for
+    // free, where drafting now would make the draft prefill the prompt itself.
+    return 0;
+  }
   // n-gram lookups cost nothing next to a model pass; a draft model is measured.
   const bool draft_measured = s.ngram || cost_.has_draft();
-  if (!draft_measured) return std::min<int64_t>(cap, 2);  // measure the draft first
+  // Measuring takes one steady draft pass (one token per row): the second one when
+  // the first must catch the draft's own cache up.
+  if (!draft_measured) return std::min<int64_t>(cap, shared_cache() ? 1 : 2);
   const double draft_pass = s.ngram ? 0.0 : cost_.draft_pass();
-  int64_t k = best_k(s.acceptance.rate, draft_pass, cost_.target_passes(), cap);
+  const std::vector<double> target_pass = cost_.target_passes();
+  int64_t k = best_k(s.acceptance.rate, draft_pass, target_pass, cap);
   AcceptanceTracker& acc = s.acceptance;
   if (k > 0) {
     acc.steps_without_drafts = 0;
-  } else if (++acc.steps_without_drafts >= acc.probe_interval) {
-    // Probe now and then so a draft that starts agreeing is noticed; back off
-    // exponentially while probes keep failing (their cost stays small).
-    acc.steps_without_drafts = 0;
-    acc.probe_interval = std::min<int64_t>(acc.probe_interval * 2, 256);
+  } else if (++acc.steps_without_drafts >= probe_interval(draft_pass, target_pass)) {
+    acc.steps_without_drafts = 0;  // probe: one step at k = 1
     k = 1;
   }
   return k;
@@ -230,13 +247,13 @@ void SpecDecoder::build_batch(ModelRole role, const std::vector<Sequence*>& rows
                               const std::vector<int64_t>& starts,
                               const std::vector<std::vector<int32_t>>& inputs,
                               ForwardBatch* out) {
-  BlockAllocator& alloc = role == ModelRole::kTarget ? target_alloc_ : *draft_alloc_;
+  BlockAllocator& alloc = alloc_for(role);
   const int64_t B = static_cast<int64_t>(rows.size());
   std::vector<int64_t> seqs(static_cast<size_t>(B)), counts(static_cast<size_t>(B));
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) {
     const Sequence& s = *rows[static_cast<size_t>(b)];
-    seqs[static_cast<size_t>(b)] = role == ModelRole::kTarget ? s.target_seq : s.draft_seq;
+    seqs[static_cast<size_t>(b)] = seq_for(s, role);
     counts[static_cast<size_t>(b)] = static_cast<int64_t>(inputs[static_cast<size_t>(b)].size());
     total += counts[static_cast<size_t>(b)];
   }
@@ -291,8 +308,9 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
       k[static_cast<size_t>(b)] = static_cast<int64_t>(proposals[static_cast<size_t>(b)].size());
     }
     K = std::max(K, k[static_cast<size_t>(b)]);
-    marks[static_cast<size_t>(b)] = {target_alloc_.length(s.target_seq),
-                                     draft_alloc_ ? draft_alloc_->length(s.draft_seq) : 0};
+    const int64_t target_len = target_alloc_.length(s.target_seq);
+    marks[static_cast<size_t>(b)] = {
+        target_len, draft_alloc_ ? draft_alloc_->length(s.draft_seq) : target_len};
   }
   // One offset per kernel call of this step: verify at base, draft position j at
   // base + 1 + j (the Philox layout itself lives in philox.h).
@@ -301,7 +319,8 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
   try {
     // ---- draft phase: K passes; row b takes part in the first k[b] of them.
     ForwardBatch batch;
-    for (int64_t j = 0; draft_alloc_ && j < K; ++j) {
+    const bool draft_model = config_.has_draft_model;
+    for (int64_t j = 0; draft_model && j < K; ++j) {
       std::vector<Sequence*> active;
       std::vector<int32_t> verify_rows;
       std::vector<int64_t> starts;
@@ -323,7 +342,9 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
         }
       }
       build_batch(ModelRole::kDraft, active, starts, inputs, &batch);
-      runner.copy_blocks(ModelRole::kDraft, draft_alloc_->take_block_copies());
+      const bool steady = static_cast<int64_t>(batch.input_ids.size()) ==
+                          static_cast<int64_t>(active.size());  // one input per row
+      runner.copy_blocks(ModelRole::kDraft, alloc_for(ModelRole::kDraft).take_block_copies());
       batch.logits_indices.assign(batch.query_start.begin() + 1, batch.query_start.end());
       for (auto& idx : batch.logits_indices) idx -= 1;  // last input of each row
       auto t0 = Clock::now();
@@ -335,7 +356,7 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
       const double t_smp = seconds_since(t0);
       t_draft_forward += t_fwd;
       t_draft_sample += t_smp;
-      if (j >= 1) {
+      if (steady) {
         t_draft_steady += t_fwd + t_smp;
         ++t_draft_steady_passes;
       }
@@ -345,6 +366,12 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
     }
 
     // ---- verify phase: one target pass over committed[target cache_len:] ++ proposals.
+    if (shared_cache() && K > 0) {  // drop the draft's K/V: the target rewrites them
+      for (int64_t b = 0; b < B; ++b) {
+        target_alloc_.rollback(rows[static_cast<size_t>(b)]->target_seq,
+                               marks[static_cast<size_t>(b)].target_len);
+      }
+    }
     std::vector<int64_t> starts(static_cast<size_t>(B));
     std::vector<std::vector<int32_t>> inputs(static_cast<size_t>(B));
     VerifyRequest req;
@@ -352,7 +379,7 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
     req.num_spec = K;
     req.draft_tokens.assign(static_cast<size_t>(B * K), -1);
     req.num_draft.resize(static_cast<size_t>(B));
-    req.use_draft_probs = K > 0 && draft_alloc_ != nullptr;
+    req.use_draft_probs = K > 0 && config_.has_draft_model;
     req.seed = config_.seed;
     req.offset = base_offset;
     for (int64_t b = 0; b < B; ++b) {
@@ -399,7 +426,7 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
   offset_ = base_offset + static_cast<uint64_t>(K) + 1;
   // Feed the cost model steady-state passes only: a prefill or a catch-up of many
   // tokens would make a pass look far dearer than the decode passes k is chosen for.
-  if (draft_alloc_ && K > 1 && t_draft_steady_passes > 0) {
+  if (config_.has_draft_model && t_draft_steady_passes > 0) {
     cost_.observe_draft(t_draft_steady / static_cast<double>(t_draft_steady_passes));
   }
   if (verify_tokens == verify_steady_tokens) cost_.observe_target(K + 1, t_target_forward + t_verify);
@@ -437,7 +464,6 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
     }
 
     s.acceptance.update(kb, a);
-    if (a > 0) s.acceptance.probe_interval = 8;
 
     StepOutput& o = outputs[static_cast<size_t>(b)];
     o.seq = s.id;

@@ -122,7 +122,7 @@ void register_decoder(py::module_& m) {
       .def(py::init([](int64_t num_spec, bool has_draft_model, int64_t target_num_blocks,
                        int64_t draft_num_blocks, int64_t block_size, int64_t max_context,
                        uint64_t seed, int64_t ngram_min_n, int64_t ngram_max_n,
-                       bool adaptive_k) {
+                       bool adaptive_k, bool draft_shares_target_cache) {
              DecoderConfig c;
              c.num_spec = num_spec;
              c.has_draft_model = has_draft_model;
@@ -134,12 +134,13 @@ void register_decoder(py::module_& m) {
              c.ngram_min_n = ngram_min_n;
              c.ngram_max_n = ngram_max_n;
              c.adaptive_k = adaptive_k;
+             c.draft_shares_target_cache = draft_shares_target_cache;
              return std::make_unique<SpecDecoder>(c);
            }),
            py::arg("num_spec"), py::arg("has_draft_model"), py::arg("target_num_blocks"),
            py::arg("draft_num_blocks"), py::arg("block_size"), py::arg("max_context"),
            py::arg("seed"), py::arg("ngram_min_n") = 0, py::arg("ngram_max_n") = 0,
-           py::arg("adaptive_k") = false)
+           py::arg("adaptive_k") = false, py::arg("draft_shares_target_cache") = false)
       .def(
           "add",
           [](SpecDecoder& d, const std::vector<int32_t>& prompt, int64_t vocab_size,
@@ -219,6 +220,9 @@ void register_decoder(py::module_& m) {
   m.def("best_k", &best_k, py::arg("a"), py::arg("draft_pass"), py::arg("target_pass"),
         py::arg("max_k"),
         "The k that maximises expected tokens per unit time (the adaptive-k rule).");
+  m.def("probe_interval", &probe_interval, py::arg("draft_pass"), py::arg("target_pass"),
+        "Plain steps between probes at k = 1 while adaptive k keeps speculation off.");
+  m.attr("PROBE_BUDGET") = kProbeBudget;
 
   m.def(
       "apply_stop_rules",

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from verispec import _C
-from verispec.drafters import NGram
+from verispec.drafters import EarlyExit, NGram
 from verispec.models.base import KVPools, Model, PagedBatch
 
 __all__ = ["GenerateResult", "SpecDecoder", "StepOutput"]
@@ -61,7 +61,8 @@ class _Runner(_C.StepRunner):
         self.draft_probs: torch.Tensor | None = None
 
     def copy_blocks(self, role, copies) -> None:
-        self.d._pools[role].copy_blocks(copies)
+        if copies:  # a draft sharing the target's cache copies in the target's pools
+            self.d._pools[_C.ModelRole.target if self.d.shares_target_cache else role].copy_blocks(copies)
 
     def forward(self, batch) -> None:
         model = self.d._models[batch.role]
@@ -132,8 +133,10 @@ class SpecDecoder:
     proposed per step (0, or ``draft=None``: plain decoding through the same loop), or
     ``k="auto"``: chosen per sequence and step, up to ``max_k``, from the measured
     acceptance rate and the measured draft and target pass costs (k = 0 when
-    speculation does not pay; see csrc/include/verispec/adaptive_k.h). Each model gets its own paged KV pools of ``num_blocks``
-    blocks of ``block_size`` tokens.
+    speculation does not pay; see csrc/include/verispec/adaptive_k.h). The target gets
+    paged KV pools of ``num_blocks`` blocks of ``block_size`` tokens; a draft model its
+    own (``draft_num_blocks``, default ``num_blocks``), except an ``EarlyExit`` draft of
+    this target, which reads and writes the target's pools for its layers.
 
     Sampled output is distributed exactly as sampling the target under the same policy
     (temperature, top-k, top-p, min-p, applied identically to target and draft).
@@ -169,18 +172,29 @@ class SpecDecoder:
         self.target, self.draft, self.ngram, self.k = target, draft, ngram, k
         self.vocab_size = g.vocab_size
         draft_num_blocks = num_blocks if draft_num_blocks is None else draft_num_blocks
+        # An early-exit draft is the target's first layers: it reads the K/V the target
+        # wrote for them, so it shares the target's cache (no draft cache, no catch-up).
+        shared = isinstance(draft, EarlyExit) and draft.target is target
         self._core = _C.SpecDecoderCore(
             num_spec=k, has_draft_model=draft is not None, target_num_blocks=num_blocks,
-            draft_num_blocks=draft_num_blocks if draft is not None else 0,
+            draft_num_blocks=draft_num_blocks if draft is not None and not shared else 0,
             block_size=block_size, max_context=g.max_context, seed=seed,
             ngram_min_n=ngram.min_n if ngram else 0, ngram_max_n=ngram.max_n if ngram else 0,
-            adaptive_k=adaptive)
+            adaptive_k=adaptive, draft_shares_target_cache=shared)
         self.adaptive = adaptive
+        self.shares_target_cache = shared
         self._models = {_C.ModelRole.target: target}
-        self._pools = {_C.ModelRole.target: KVPools.allocate(g, num_blocks, block_size)}
+        target_pools = KVPools.allocate(g, num_blocks, block_size)
+        self._pools = {_C.ModelRole.target: target_pools}
         if draft is not None:
             self._models[_C.ModelRole.draft] = draft
-            self._pools[_C.ModelRole.draft] = KVPools.allocate(draft.geometry, draft_num_blocks, block_size)
+            if shared:
+                n = draft.num_layers
+                self._pools[_C.ModelRole.draft] = KVPools(
+                    k=target_pools.k[:n], v=target_pools.v[:n], block_size=block_size)
+            else:
+                self._pools[_C.ModelRole.draft] = KVPools.allocate(draft.geometry, draft_num_blocks,
+                                                                   block_size)
         self._runner = _Runner(self)
 
     # -- continuous batching -------------------------------------------------------

@@ -37,7 +37,9 @@ class EarlyExit:
     """Self-speculative draft: the first ``num_layers`` layers of ``target``.
 
     The target must offer ``early_exit(num_layers)`` returning a model that shares its
-    weights (verispec's LlamaModel does). The draft keeps its own KV pools.
+    weights (verispec's LlamaModel does). SpecDecoder gives the draft the target's own
+    KV pools for those layers: the K/V the target wrote for committed tokens are what
+    the draft would compute, so the draft never catches up on its own.
     """
 
     def __init__(self, target: Model, num_layers: int) -> None:
@@ -48,6 +50,7 @@ class EarlyExit:
         if not isinstance(num_layers, int) or not 1 <= num_layers < layers:
             raise ValueError(f"EarlyExit: num_layers must be in [1, {layers - 1}] "
                              f"(the target has {layers}), got {num_layers!r}")
+        self.target = target
         self.num_layers = num_layers
         self.model = target.early_exit(num_layers)
 

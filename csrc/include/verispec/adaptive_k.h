@@ -45,13 +45,20 @@ class CostModel {
   std::vector<bool> seen_;
 };
 
-// Per-sequence acceptance estimate (EWMA over proposal trials) and probing schedule.
+// Per-sequence acceptance estimate (EWMA over proposal trials).
 struct AcceptanceTracker {
   double rate = 0.5;                  // prior before any evidence
   int64_t steps_without_drafts = 0;   // consecutive steps at k = 0
-  int64_t probe_interval = 8;         // steps at k = 0 before trying k = 1 again
   // a step proposed `proposed` tokens and `accepted` of them passed
   void update(int64_t proposed, int64_t accepted);
 };
+
+// While k = 0, a probe (one step at k = 1) now and then notices a draft that starts
+// agreeing. A probe costs what a k = 1 step costs beyond a plain step; probing every
+// probe_interval(...) plain steps spends at most kProbeBudget of the plain decoding
+// time on probes, whatever the draft costs.
+constexpr double kProbeBudget = 0.01;
+constexpr int64_t kMinProbeInterval = 8;
+int64_t probe_interval(double draft_pass, const std::vector<double>& target_pass);
 
 }  // namespace verispec

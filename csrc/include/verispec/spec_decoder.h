@@ -143,6 +143,12 @@ struct DecoderConfig {
   int64_t num_spec = 4;             // fixed k (0: plain decoding), or the largest k
   bool adaptive_k = false;          // choose k per sequence and step (adaptive_k.h)
   bool has_draft_model = false;     // a draft model proposes (sampled, q kept)
+  // The draft model reads and writes the target's KV cache (early-exit
+  // self-speculation: its layers are the target's first layers, so the K/V the target
+  // wrote for committed tokens are exactly what the draft would write). The draft then
+  // has no cache of its own and never catches up; its proposals' K/V are dropped
+  // before the verify pass rewrites those positions.
+  bool draft_shares_target_cache = false;
   int64_t ngram_min_n = 0;          // > 0: n-gram prompt lookup proposes (one-hot q)
   int64_t ngram_max_n = 0;
   int64_t target_num_blocks = 0;
@@ -218,6 +224,11 @@ class SpecDecoder {
   const Sequence& get(int64_t seq) const;
   void finish(Sequence& s, FinishReason reason);
   int64_t choose_k(Sequence& s);
+  bool shared_cache() const { return config_.draft_shares_target_cache; }
+  BlockAllocator& alloc_for(ModelRole role) {
+    return role == ModelRole::kDraft && draft_alloc_ ? *draft_alloc_ : target_alloc_;
+  }
+  int64_t seq_for(const Sequence& s, ModelRole role) const;
   void build_batch(ModelRole role, const std::vector<Sequence*>& rows,
                    const std::vector<int64_t>& counts,
                    const std::vector<std::vector<int32_t>>& extra_tokens,
