@@ -62,8 +62,9 @@ void NGramIndex::rollback(int64_t new_len) {
   }
 }
 
-std::vector<int32_t> NGramIndex::propose(int64_t k) const {
+std::vector<int32_t> NGramIndex::propose(int64_t k, int64_t* matched_n) const {
   const int64_t len = length();
+  if (matched_n != nullptr) *matched_n = 0;
   if (k <= 0) return {};
   for (int64_t n = std::min<int64_t>(max_n_, len); n >= min_n_; --n) {
     const auto& map = maps_[static_cast<size_t>(n - min_n_)];
@@ -74,6 +75,7 @@ std::vector<int32_t> NGramIndex::propose(int64_t k) const {
       if (*e >= len - 1 || !same(*e, len - 1, n)) continue;
       const int64_t from = *e + 1;
       const int64_t to = std::min(from + k, len);
+      if (matched_n != nullptr) *matched_n = n;
       return std::vector<int32_t>(tokens_.begin() + from, tokens_.begin() + to);
     }
   }

@@ -19,7 +19,11 @@ struct SpecDecoder::Sequence {
   FinishReason finish = FinishReason::kNone;
   SequenceStats stats;
   std::unique_ptr<NGramIndex> ngram;  // n-gram drafter state: the committed tokens
-  AcceptanceTracker acceptance;       // for adaptive k
+  // Adaptive k: acceptance of a draft model in trackers[0]; of n-gram proposals by
+  // the length n of the matched suffix in trackers[n - min_n] (a 4-token match is a far
+  // better predictor than a 1-token one). tracker = the one this step uses.
+  std::vector<AcceptanceTracker> trackers;
+  int64_t tracker = 0;
 
   int64_t committed() const { return static_cast<int64_t>(tokens.size()); }
   int64_t num_generated() const { return committed() - prompt_len; }
@@ -31,6 +35,7 @@ namespace {
 struct CacheMark {
   int64_t target_len;
   int64_t draft_len;
+  std::vector<AcceptanceTracker> trackers;  // choose_k moves probe counters
 };
 
 float row_temperature(const SamplingParams& p) { return p.greedy ? 0.0f : p.temperature; }
@@ -138,6 +143,8 @@ int64_t SpecDecoder::add(const std::vector<int32_t>& prompt, const SamplingParam
     s->ngram = std::make_unique<NGramIndex>(config_.ngram_min_n, config_.ngram_max_n);
     s->ngram->extend(prompt.data(), static_cast<int64_t>(prompt.size()));
   }
+  s->trackers.resize(s->ngram ? static_cast<size_t>(config_.ngram_max_n - config_.ngram_min_n + 1)
+                              : 1);
   seqs_.push_back(std::move(s));
   return seqs_.back()->id;
 }
@@ -212,34 +219,45 @@ const BlockAllocator& SpecDecoder::allocator(ModelRole role) const {
   return target_alloc_;
 }
 
-int64_t SpecDecoder::choose_k(Sequence& s) {
+int64_t SpecDecoder::choose_k(Sequence& s, std::vector<int32_t>* ngram_proposals) {
+  ngram_proposals->clear();
+  s.tracker = 0;
   if (!config_.has_draft_model && !s.ngram) return 0;
   // Never propose what could not be emitted: a step emits at most k + 1 tokens, and
   // the verify pass writes positions up to C - 1 + k.
   const int64_t remaining = s.stop.max_new_tokens - s.num_generated();
   const int64_t room = config_.max_context - s.committed();
-  const int64_t cap = std::max<int64_t>(0, std::min({config_.num_spec, remaining - 1, room - 1}));
+  int64_t cap = std::max<int64_t>(0, std::min({config_.num_spec, remaining - 1, room - 1}));
+  if (s.ngram && cap > 0) {  // deterministic proposals: at most what the lookup found
+    int64_t matched_n = 0;
+    *ngram_proposals = s.ngram->propose(cap, &matched_n);
+    cap = static_cast<int64_t>(ngram_proposals->size());
+    if (matched_n > 0) s.tracker = matched_n - config_.ngram_min_n;
+  }
   if (!config_.adaptive_k || cap == 0) return cap;
+  int64_t k = cap;
   if (shared_cache() && s.committed() - target_alloc_.length(s.target_seq) > 1) {
     // The prompt is not cached yet: the target's prefill fills the shared cache for
     // free, where drafting now would make the draft prefill the prompt itself.
-    return 0;
+    k = 0;
+  } else if (!s.ngram && !cost_.has_draft()) {
+    // Measure the draft first: one steady draft pass (one token per row) is enough,
+    // the second pass when the first catches the draft's own cache up.
+    k = std::min<int64_t>(cap, shared_cache() ? 1 : 2);
+  } else {
+    // n-gram lookups cost nothing next to a model pass; a draft model is measured.
+    const double draft_pass = s.ngram ? 0.0 : cost_.draft_pass();
+    const std::vector<double> target_pass = cost_.target_passes();
+    AcceptanceTracker& acc = s.trackers[static_cast<size_t>(s.tracker)];
+    k = best_k(acc.rate, draft_pass, target_pass, cap);
+    if (k > 0) {
+      acc.steps_without_drafts = 0;
+    } else if (++acc.steps_without_drafts >= probe_interval(draft_pass, target_pass)) {
+      acc.steps_without_drafts = 0;  // probe: one step at k = 1
+      k = 1;
+    }
   }
-  // n-gram lookups cost nothing next to a model pass; a draft model is measured.
-  const bool draft_measured = s.ngram || cost_.has_draft();
-  // Measuring takes one steady draft pass (one token per row): the second one when
-  // the first must catch the draft's own cache up.
-  if (!draft_measured) return std::min<int64_t>(cap, shared_cache() ? 1 : 2);
-  const double draft_pass = s.ngram ? 0.0 : cost_.draft_pass();
-  const std::vector<double> target_pass = cost_.target_passes();
-  int64_t k = best_k(s.acceptance.rate, draft_pass, target_pass, cap);
-  AcceptanceTracker& acc = s.acceptance;
-  if (k > 0) {
-    acc.steps_without_drafts = 0;
-  } else if (++acc.steps_without_drafts >= probe_interval(draft_pass, target_pass)) {
-    acc.steps_without_drafts = 0;  // probe: one step at k = 1
-    k = 1;
-  }
+  if (s.ngram) ngram_proposals->resize(static_cast<size_t>(k));
   return k;
 }
 
@@ -302,15 +320,11 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
   std::vector<std::vector<int32_t>> proposals(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
     Sequence& s = *rows[static_cast<size_t>(b)];
-    k[static_cast<size_t>(b)] = choose_k(s);
-    if (s.ngram) {  // deterministic proposals: k is what the lookup found
-      proposals[static_cast<size_t>(b)] = s.ngram->propose(k[static_cast<size_t>(b)]);
-      k[static_cast<size_t>(b)] = static_cast<int64_t>(proposals[static_cast<size_t>(b)].size());
-    }
-    K = std::max(K, k[static_cast<size_t>(b)]);
     const int64_t target_len = target_alloc_.length(s.target_seq);
     marks[static_cast<size_t>(b)] = {
-        target_len, draft_alloc_ ? draft_alloc_->length(s.draft_seq) : target_len};
+        target_len, draft_alloc_ ? draft_alloc_->length(s.draft_seq) : target_len, s.trackers};
+    k[static_cast<size_t>(b)] = choose_k(s, &proposals[static_cast<size_t>(b)]);
+    K = std::max(K, k[static_cast<size_t>(b)]);
   }
   // One offset per kernel call of this step: verify at base, draft position j at
   // base + 1 + j (the Philox layout itself lives in philox.h).
@@ -415,9 +429,11 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
     result = runner.verify(req);
     t_verify = seconds_since(t0);
   } catch (...) {
-    // Leave every sequence as it was: only cache lengths moved (rollback cannot fail).
+    // Leave every sequence as it was: only cache lengths and the adaptive-k probe
+    // counters moved (neither restore can fail).
     for (int64_t b = 0; b < B; ++b) {
-      const Sequence& s = *rows[static_cast<size_t>(b)];
+      Sequence& s = *rows[static_cast<size_t>(b)];
+      s.trackers = std::move(marks[static_cast<size_t>(b)].trackers);
       target_alloc_.rollback(s.target_seq, marks[static_cast<size_t>(b)].target_len);
       if (draft_alloc_) draft_alloc_->rollback(s.draft_seq, marks[static_cast<size_t>(b)].draft_len);
     }
@@ -449,7 +465,7 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
 
     SequenceStats& st = s.stats;
     st.steps += 1;
-    st.draft_forwards += kb;
+    if (config_.has_draft_model) st.draft_forwards += kb;
     st.proposed += kb;
     st.accepted += a;
     st.emitted += keep;
@@ -463,7 +479,9 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
       if (j < a) st.accepted_at[static_cast<size_t>(j)] += 1;
     }
 
-    s.acceptance.update(kb, a);
+    s.trackers[static_cast<size_t>(s.tracker)].update(kb, a);
+    st.acceptance_estimate.resize(s.trackers.size());
+    for (size_t i = 0; i < s.trackers.size(); ++i) st.acceptance_estimate[i] = s.trackers[i].rate;
 
     StepOutput& o = outputs[static_cast<size_t>(b)];
     o.seq = s.id;

@@ -67,6 +67,7 @@ py::dict stats_dict(const SequenceStats& s) {
   d["proposed_by_position"] = s.proposed_at;
   d["accepted_by_position"] = s.accepted_at;
   d["k_history"] = s.k_history;
+  d["acceptance_estimate"] = s.acceptance_estimate;
   return d;
 }
 
@@ -213,7 +214,12 @@ void register_decoder(py::module_& m) {
         g.extend(t.data(), static_cast<int64_t>(t.size()));
       }, py::arg("tokens"))
       .def("rollback", &NGramIndex::rollback, py::arg("new_len"))
-      .def("propose", &NGramIndex::propose, py::arg("k"));
+      .def("propose", [](const NGramIndex& g, int64_t k) { return g.propose(k); }, py::arg("k"))
+      .def("propose_matched", [](const NGramIndex& g, int64_t k) {
+        int64_t n = 0;
+        auto tokens = g.propose(k, &n);
+        return py::make_tuple(tokens, n);
+      }, py::arg("k"), "(proposal, length of the matched suffix; 0: no match)");
 
   m.def("expected_tokens", &expected_tokens, py::arg("a"), py::arg("k"),
         "(1 - a^(k+1)) / (1 - a): mean tokens per verify step at acceptance rate a.");

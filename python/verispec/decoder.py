@@ -223,16 +223,20 @@ class SpecDecoder:
         return out
 
     def abort(self, seq: int) -> None:
+        """Stops a sequence now (finish reason "aborted") and frees its cache blocks."""
         self._core.abort(seq)
 
     def release(self, seq: int) -> None:
+        """Forgets a sequence (aborting it if it runs); KeyError for an unknown id."""
         self._core.release(seq)
 
     def result(self, seq: int) -> GenerateResult:
+        """The sequence's tokens so far (new tokens only), finish reason and statistics."""
         return GenerateResult(self._core.generated(seq), self._core.finish_reason(seq),
                               self._core.stats(seq))
 
     def has_running(self) -> bool:
+        """Whether any added sequence is still running (step() has work)."""
         return self._core.has_running()
 
     def timings(self) -> dict:
@@ -245,10 +249,17 @@ class SpecDecoder:
         return self._core.cost_model()
 
     def num_free_blocks(self, role: str = "target") -> int:
-        return self._core.num_free_blocks(getattr(_C.ModelRole, role))
+        """Free KV blocks of the "target" or "draft" cache (a shared draft: the target's)."""
+        return self._core.num_free_blocks(self._role(role))
 
     def num_blocks(self, role: str = "target") -> int:
-        return self._core.num_blocks(getattr(_C.ModelRole, role))
+        """KV blocks of the "target" or "draft" cache (a shared draft: the target's)."""
+        return self._core.num_blocks(self._role(role))
+
+    def _role(self, role: str):
+        if role not in ("target", "draft"):
+            raise ValueError(f"role must be 'target' or 'draft', got {role!r}")
+        return getattr(_C.ModelRole, role)
 
     # -- one call ------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -278,8 +289,8 @@ class SpecDecoder:
             after = self._core.times()
             split = {key: after[key] - before[key] for key in after}
             results = [self.result(i) for i in ids]
-            for r in results:
-                r.stats["time_split"] = split  # of the whole run (the batch shares passes)
+            for r in results:  # of the whole run (the batch shares passes)
+                r.stats["time_split"] = dict(split)
             return results
         finally:
             for i in ids:

@@ -30,8 +30,9 @@ class NGramIndex {
   void append(int32_t token);
   void extend(const int32_t* tokens, int64_t n);
   void rollback(int64_t new_len);
-  // Up to k proposed tokens (possibly none).
-  std::vector<int32_t> propose(int64_t k) const;
+  // Up to k proposed tokens (possibly none). *matched_n (if given) is the length of
+  // the matched suffix, 0 when nothing matched.
+  std::vector<int32_t> propose(int64_t k, int64_t* matched_n = nullptr) const;
 
  private:
   uint64_t key(int64_t end, int64_t n) const;  // hash of tokens[end - n + 1 .. end]

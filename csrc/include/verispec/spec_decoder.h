@@ -76,6 +76,9 @@ struct SequenceStats {
   std::vector<int64_t> proposed_at;  // by draft position j
   std::vector<int64_t> accepted_at;  // by draft position j
   std::vector<int32_t> k_history;    // k chosen at each step
+  // Adaptive k's current acceptance estimates: [draft model], or n-gram proposals by
+  // the length of the matched suffix [min_n .. max_n].
+  std::vector<double> acceptance_estimate;
 };
 
 // One model forward: T new tokens of B rows, flattened; host buffers.
@@ -223,7 +226,8 @@ class SpecDecoder {
   Sequence& get(int64_t seq);
   const Sequence& get(int64_t seq) const;
   void finish(Sequence& s, FinishReason reason);
-  int64_t choose_k(Sequence& s);
+  // k for this step; n-gram proposals are looked up here too (k = their count).
+  int64_t choose_k(Sequence& s, std::vector<int32_t>* ngram_proposals);
   bool shared_cache() const { return config_.draft_shares_target_cache; }
   BlockAllocator& alloc_for(ModelRole role) {
     return role == ModelRole::kDraft && draft_alloc_ ? *draft_alloc_ : target_alloc_;
