@@ -30,8 +30,11 @@ def test_ci_builds_the_cuda_kernels_when_nvcc_is_present():
     if expect == "1":
         assert info["cuda_compiled"], info
         assert info["cuda_architectures"] == "80-real,89-real,90"
+        assert info["nvtx"], "a CUDA build brings the toolkit's NVTX3 header: ranges on"
     elif expect == "0":
         assert not info["cuda_compiled"], info
+    if not info["cuda_compiled"]:
+        assert info["nvtx"] is False
 
 
 def test_native_module_does_not_link_libtorch():

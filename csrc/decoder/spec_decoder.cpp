@@ -5,6 +5,7 @@
 #include <string>
 
 #include "verispec/errors.h"
+#include "verispec/nvtx.h"
 
 namespace verispec {
 
@@ -308,6 +309,7 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
   }
   const int64_t B = static_cast<int64_t>(rows.size());
   if (B == 0) return {};
+  NvtxRange step_range("verispec.step");
   const auto step_start = Clock::now();
   double t_draft_forward = 0, t_draft_sample = 0, t_target_forward = 0, t_verify = 0;
   double t_draft_steady = 0;         // draft passes j >= 1: one token per row
@@ -362,11 +364,18 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
       batch.logits_indices.assign(batch.query_start.begin() + 1, batch.query_start.end());
       for (auto& idx : batch.logits_indices) idx -= 1;  // last input of each row
       auto t0 = Clock::now();
-      runner.forward(batch);
+      {
+        NvtxRange range("verispec.draft_forward");
+        runner.forward(batch);
+      }
       const double t_fwd = seconds_since(t0);
       t0 = Clock::now();
-      std::vector<int32_t> drawn = runner.sample_draft(B, K, j, verify_rows, policy,
-                                                       config_.seed, base_offset + 1 + j);
+      std::vector<int32_t> drawn;
+      {
+        NvtxRange range("verispec.draft_sample");
+        drawn = runner.sample_draft(B, K, j, verify_rows, policy, config_.seed,
+                                    base_offset + 1 + j);
+      }
       const double t_smp = seconds_since(t0);
       t_draft_forward += t_fwd;
       t_draft_sample += t_smp;
@@ -423,10 +432,16 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
       }
     }
     auto t0 = Clock::now();
-    runner.forward(batch);
+    {
+      NvtxRange range("verispec.target_forward");
+      runner.forward(batch);
+    }
     t_target_forward = seconds_since(t0);
     t0 = Clock::now();
-    result = runner.verify(req);
+    {
+      NvtxRange range("verispec.verify");
+      result = runner.verify(req);
+    }
     t_verify = seconds_since(t0);
   } catch (...) {
     // Leave every sequence as it was: only cache lengths and the adaptive-k probe
@@ -448,6 +463,7 @@ std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
   if (verify_tokens == verify_steady_tokens) cost_.observe_target(K + 1, t_target_forward + t_verify);
 
   // ---- commit
+  NvtxRange commit_range("verispec.commit");
   std::vector<StepOutput> outputs(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
     Sequence& s = *rows[static_cast<size_t>(b)];

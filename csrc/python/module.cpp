@@ -6,6 +6,7 @@
 
 #include "bindings.h"
 #include "verispec/errors.h"
+#include "verispec/nvtx.h"
 #ifdef VERISPEC_WITH_CUDA
 #include "verispec/device.h"
 #endif
@@ -66,6 +67,7 @@ py::dict build_info() {
   info["num_gpus"] = 0;
   info["gpu_available"] = false;
 #endif
+  info["nvtx"] = kNvtxCompiled;  // NVTX3 ranges around the decoder's phases
   return info;
 }
 

@@ -36,6 +36,28 @@ class GenerateResult:
     stats: dict = field(default_factory=dict)
 
 
+class _NoRange:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_RANGE = _NoRange()
+
+
+def _nvtx_ranges(device: torch.device):
+    """Python-side NVTX ranges (torch.cuda.nvtx) for a CUDA model; no-ops otherwise.
+
+    The native loop marks the phases (verispec.step, .draft_forward, .target_forward,
+    .verify, .commit); these mark what Python does inside them.
+    """
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.nvtx.range
+    return lambda name: _NO_RANGE
+
+
 def _as_tensor(view: memoryview, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if len(view) == 0:
         return torch.empty(0, dtype=dtype, device=device)
@@ -59,15 +81,28 @@ class _Runner(_C.StepRunner):
         self.d = decoder
         self.logits: dict[Any, torch.Tensor] = {}
         self.draft_probs: torch.Tensor | None = None
+        self.nvtx = _nvtx_ranges(decoder.target.geometry.device)
 
     def copy_blocks(self, role, copies) -> None:
         if copies:  # a draft sharing the target's cache copies in the target's pools
-            self.d._pools[_C.ModelRole.target if self.d.shares_target_cache else role].copy_blocks(copies)
+            shared = self.d.shares_target_cache
+            self.d._pools[_C.ModelRole.target if shared else role].copy_blocks(copies)
 
     def forward(self, batch) -> None:
         model = self.d._models[batch.role]
         dev = model.geometry.device
-        paged = PagedBatch(
+        with self.nvtx("verispec.py.batch_to_device"):
+            paged = self._paged_batch(batch, dev)
+        with self.nvtx(f"verispec.py.{batch.role.name}_model"), torch.inference_mode():
+            logits = model.forward(paged)
+        expect = (len(batch.logits_indices), self.d.vocab_size)
+        if tuple(logits.shape) != expect:
+            raise ValueError(f"{batch.role.name} model: forward must return logits [R, V] = "
+                             f"{list(expect)}, got {list(logits.shape)}")
+        self.logits[batch.role] = logits
+
+    def _paged_batch(self, batch, dev) -> PagedBatch:
+        return PagedBatch(
             input_ids=_as_tensor(batch.input_ids, torch.int64, dev),
             positions=_as_tensor(batch.positions, torch.int64, dev),
             slot_mapping=_as_tensor(batch.slot_mapping, torch.int32, dev),
@@ -77,13 +112,6 @@ class _Runner(_C.StepRunner):
             logits_indices=_as_tensor(batch.logits_indices, torch.int64, dev),
             kv=self.d._pools[batch.role],
         )
-        with torch.inference_mode():
-            logits = model.forward(paged)
-        expect = (len(batch.logits_indices), self.d.vocab_size)
-        if tuple(logits.shape) != expect:
-            raise ValueError(f"{batch.role.name} model: forward must return logits [R, V] = "
-                             f"{list(expect)}, got {list(logits.shape)}")
-        self.logits[batch.role] = logits
 
     def _policy(self, policy, device) -> dict:
         return dict(
