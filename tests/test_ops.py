@@ -428,6 +428,30 @@ def test_custom_ops_pass_opcheck():
                            None, False, 3, 4, None, None))
 
 
+def test_eager_calls_skip_the_dispatcher_and_match_the_registered_ops():
+    """Eager ops call the implementation directly (no torch._dynamo import on the first
+    call, no dispatch overhead) and give what the registered torch.library op gives."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, torch\n"
+        "from verispec import ops\n"
+        "t = torch.randn(2, 3, 7)\n"
+        "p = ops.apply_policy(t[:, 0], temperature=0.9, top_k=4)\n"
+        "ops.sample(p, seed=1)\n"
+        "ops.verify(t, torch.zeros(2, 2, dtype=torch.int32), seed=2)\n"
+        "assert 'torch._dynamo' not in sys.modules, 'the eager path went through dispatch'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    target, drafts, q = verify_inputs(b=3, k=2, v=11, seed=9)
+    assert torch.equal(ops.apply_policy(target[:, 0], 0.7, 3, 0.9),
+                       torch.ops.verispec.apply_policy(target[:, 0], 0.7, 3, 0.9, 0.0,
+                                                       None, None, None, None))
+    got = ops.verify(target, drafts, q, temperature=0.7, seed=3, offset=4)
+    want = torch.ops.verispec.verify(target, drafts.int(), q, None, 0.7, 0, 1.0, 0.0, None, None,
+                                     None, None, False, 3, 4, None, None)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_ops_compile_fullgraph(backend):
     target, drafts, q = verify_inputs(b=5, k=3, v=40, seed=10)

@@ -54,7 +54,7 @@ def apply_policy(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     _check_float_tensor(op, "logits", logits, 2, "[N, V]")
     n = logits.shape[0]
     policy = _policy(op, n, logits.device, temperature, top_k, top_p, min_p)
-    return torch.ops.verispec.apply_policy(logits, *policy)
+    return _dispatch(_apply_policy_op, _apply_policy_eager)(logits, *policy)
 
 
 def sample(probs, seed=0, offset=0):
@@ -66,7 +66,7 @@ def sample(probs, seed=0, offset=0):
     op = "sample"
     _check_float_tensor(op, "probs", probs, 2, "[N, V]")
     seed_args = _random(op, probs.device, seed, offset)
-    return torch.ops.verispec.sample(probs.float(), *seed_args)
+    return _dispatch(_sample_op, _sample_eager)(probs.float(), *seed_args)
 
 
 def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
@@ -114,22 +114,26 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
     temperature, greedy_flag = _fold_greedy(op, b, device, temperature, greedy)
     policy = _policy(op, b, device, temperature, top_k, top_p, min_p)
     seed_args = _random(op, device, seed, offset)
-    return torch.ops.verispec.verify(target_logits, draft_tokens, draft_probs, num_draft,
-                                     *policy, greedy_flag, *seed_args)
+    return _dispatch(_verify_op, _verify_eager)(target_logits, draft_tokens, draft_probs, num_draft,
+                                                *policy, greedy_flag, *seed_args)
 
 
 # --- custom ops: the only place that calls verispec._C ---------------------------------
 # Each takes every policy value twice, as a scalar and as an optional per-row tensor
 # that wins when given, and seed/offset as int64 scalars (two's complement) plus
 # optional one-element tensors.
+#
+# Eager calls go straight to the implementation: the custom-op dispatch adds per-call
+# overhead and its first call imports torch._dynamo (seconds). Under torch.compile /
+# export the registered op (with its fake kernel) is what gets traced.
 
 
-@torch.library.custom_op("verispec::apply_policy", mutates_args=())
-def _apply_policy_op(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
-    temperature_rows: Optional[torch.Tensor], top_k_rows: Optional[torch.Tensor],
-    top_p_rows: Optional[torch.Tensor], min_p_rows: Optional[torch.Tensor],
-) -> torch.Tensor:
+def _dispatch(op, eager):
+    return op if torch.compiler.is_compiling() else eager
+
+
+def _apply_policy_eager(logits, temperature, top_k, top_p, min_p, temperature_rows, top_k_rows,
+                        top_p_rows, min_p_rows):
     probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     _C.apply_policy(_last_dim_contiguous(logits), probs,
                     _pick(temperature, temperature_rows), _pick(top_k, top_k_rows),
@@ -138,18 +142,32 @@ def _apply_policy_op(
     return probs
 
 
+@torch.library.custom_op("verispec::apply_policy", mutates_args=())
+def _apply_policy_op(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
+    temperature_rows: Optional[torch.Tensor], top_k_rows: Optional[torch.Tensor],
+    top_p_rows: Optional[torch.Tensor], min_p_rows: Optional[torch.Tensor],
+) -> torch.Tensor:
+    return _apply_policy_eager(logits, temperature, top_k, top_p, min_p, temperature_rows,
+                               top_k_rows, top_p_rows, min_p_rows)
+
+
 @_apply_policy_op.register_fake
 def _(logits, temperature, top_k, top_p, min_p, *rows):
     return logits.new_empty(logits.shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("verispec::sample", mutates_args=())
-def _sample_op(probs: torch.Tensor, seed: int, offset: int, seed_t: Optional[torch.Tensor],
-               offset_t: Optional[torch.Tensor]) -> torch.Tensor:
+def _sample_eager(probs, seed, offset, seed_t, offset_t):
     tokens = torch.empty(probs.shape[0], dtype=torch.int32, device=probs.device)
     _C.sample(_last_dim_contiguous(probs), tokens, _unsigned(seed, seed_t), _unsigned(offset, offset_t),
               **_launch(probs, _C.sample_workspace_bytes()))
     return tokens
+
+
+@torch.library.custom_op("verispec::sample", mutates_args=())
+def _sample_op(probs: torch.Tensor, seed: int, offset: int, seed_t: Optional[torch.Tensor],
+               offset_t: Optional[torch.Tensor]) -> torch.Tensor:
+    return _sample_eager(probs, seed, offset, seed_t, offset_t)
 
 
 @_sample_op.register_fake
@@ -157,14 +175,9 @@ def _(probs, seed, offset, seed_t, offset_t):
     return probs.new_empty(probs.shape[0], dtype=torch.int32)
 
 
-@torch.library.custom_op("verispec::verify", mutates_args=())
-def _verify_op(
-    target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: Optional[torch.Tensor],
-    num_draft: Optional[torch.Tensor], temperature: float, top_k: int, top_p: float, min_p: float,
-    temperature_rows: Optional[torch.Tensor], top_k_rows: Optional[torch.Tensor],
-    top_p_rows: Optional[torch.Tensor], min_p_rows: Optional[torch.Tensor], greedy: bool,
-    seed: int, offset: int, seed_t: Optional[torch.Tensor], offset_t: Optional[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _verify_eager(target_logits, draft_tokens, draft_probs, num_draft, temperature, top_k, top_p,
+                  min_p, temperature_rows, top_k_rows, top_p_rows, min_p_rows, greedy, seed,
+                  offset, seed_t, offset_t):
     b, k1, _ = target_logits.shape
     device = target_logits.device
     tokens = torch.empty((b, k1), dtype=torch.int32, device=device)
@@ -177,6 +190,19 @@ def _verify_op(
               _unsigned(seed, seed_t), _unsigned(offset, offset_t),
               **_launch(target_logits, _C.verify_workspace_bytes(b, k1 - 1)))
     return tokens, num_emitted, num_accepted
+
+
+@torch.library.custom_op("verispec::verify", mutates_args=())
+def _verify_op(
+    target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: Optional[torch.Tensor],
+    num_draft: Optional[torch.Tensor], temperature: float, top_k: int, top_p: float, min_p: float,
+    temperature_rows: Optional[torch.Tensor], top_k_rows: Optional[torch.Tensor],
+    top_p_rows: Optional[torch.Tensor], min_p_rows: Optional[torch.Tensor], greedy: bool,
+    seed: int, offset: int, seed_t: Optional[torch.Tensor], offset_t: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _verify_eager(target_logits, draft_tokens, draft_probs, num_draft, temperature, top_k,
+                         top_p, min_p, temperature_rows, top_k_rows, top_p_rows, min_p_rows,
+                         greedy, seed, offset, seed_t, offset_t)
 
 
 @_verify_op.register_fake
