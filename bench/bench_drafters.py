@@ -45,9 +45,11 @@ def configs(model):
     return [
         ("plain", None, 0),
         ("ngram k=5", NGram(1, 4), 5),
+        ("ngram k=10", NGram(1, 4), 10),
         ("ngram auto", NGram(1, 4), "auto"),
         ("early-exit 4 k=3", EarlyExit(model, num_layers=4), 3),
         ("early-exit 8 k=3", EarlyExit(model, num_layers=8), 3),
+        ("early-exit 4 auto", EarlyExit(model, num_layers=4), "auto"),
         ("early-exit 8 auto", EarlyExit(model, num_layers=8), "auto"),
     ]
 
@@ -55,7 +57,7 @@ def configs(model):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=2, help="median over repeats")
+    ap.add_argument("--repeats", type=int, default=3, help="median over interleaved repeats")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="one prompt, 16 tokens, 1 repeat")
     ap.add_argument("--out", type=Path, default=Path("bench/out/drafters.json"))
@@ -67,25 +69,29 @@ def main(argv=None) -> int:
 
     model, tok = load("smollm2")
     rows = []
-    SpecDecoder(model, None, k=0, num_blocks=16).generate([[1, 2, 3]], max_new_tokens=4)  # warm up
+    for warm in (None, EarlyExit(model, num_layers=2)):  # warm up: first op calls, allocator
+        SpecDecoder(model, warm, k=2 if warm else 0, num_blocks=16).generate([[1, 2, 3]], max_new_tokens=4)
     for pname, text in prompts.items():
         ids = list(tok.apply_chat_template([{"role": "user", "content": text}],
                                            add_generation_prompt=True, tokenize=True))
         for mode, kw in (("greedy", dict(greedy=True)), ("t=1.0", dict(temperature=1.0))):
-            base = None
-            for cname, draft, k in configs(model):
-                dec = SpecDecoder(model, draft, k=k, num_blocks=128, block_size=16)
-                times, res = [], None
-                for rep in range(repeats):
+            # greedy stops at EOS (every draft gives the same tokens); sampled runs
+            # generate exactly n tokens so their rates compare.
+            eos = tok.eos_token_ids if mode == "greedy" else None
+            decs = [(cname, SpecDecoder(model, draft, k=k, max_k=16, num_blocks=128, block_size=16))
+                    for cname, draft, k in configs(model)]
+            times = {cname: [] for cname, _ in decs}
+            results = {}
+            for rep in range(repeats):  # interleaved: a busy spell hits every config alike
+                for cname, dec in decs:
                     t0 = time.perf_counter()
-                    # greedy stops at EOS (every draft gives the same tokens); sampled
-                    # runs generate exactly n tokens so their rates compare.
-                    eos = tok.eos_token_ids if mode == "greedy" else None
-                    (res,) = dec.generate([ids], max_new_tokens=n, seed=rep, eos_token_id=eos, **kw)
-                    times.append(time.perf_counter() - t0)
-                tps = len(res.tokens) / statistics.median(times)
-                if base is None:
-                    base = tps
+                    (results[cname],) = dec.generate([ids], max_new_tokens=n, seed=rep,
+                                                     eos_token_id=eos, **kw)
+                    times[cname].append(time.perf_counter() - t0)
+            base = len(results["plain"].tokens) / statistics.median(times["plain"])
+            for cname, _ in decs:
+                res = results[cname]
+                tps = len(res.tokens) / statistics.median(times[cname])
                 st = res.stats
                 rows.append({"prompt": pname, "mode": mode, "draft": cname, "tokens": len(res.tokens),
                              "tok_s": tps, "speedup": tps / base,
