@@ -18,6 +18,13 @@ and the two terms add up to exactly ``p_i``. This module computes each term with
 Values may be Fractions, ints, decimal strings ("0.6", "3/5") or floats. A float is
 read as its shortest decimal repr (0.1 -> 1/10), which is what a person typing 0.1
 means; Fraction(0.1) would be the binary value 3602879701896397/36028797018963968.
+
+The same identity, checked by sampling: ``empirical_check(p, q, draws)`` runs the
+native accept/correct step (``verispec.ops.verify`` with k = 1) ``draws`` times and
+tests the emitted tokens against ``p`` (G-test); ``plot`` draws the decomposition.
+
+    >>> parse_distribution("3/5, 0.3, 0.1", "p")
+    [Fraction(3, 5), Fraction(3, 10), Fraction(1, 10)]
 """
 
 from __future__ import annotations
@@ -29,10 +36,18 @@ from decimal import Decimal
 from fractions import Fraction
 
 __all__ = [
+    "ALPHA",
+    "EmpiricalCheck",
     "LabTable",
     "accepted_mass",
     "acceptance",
+    "chi2_sf",
+    "empirical_check",
     "format_table",
+    "g_test",
+    "native_step",
+    "parse_distribution",
+    "plot",
     "recovered",
     "rejection_mass",
     "residual",
@@ -153,6 +168,299 @@ def format_table(lab_table, *, labels=None, decimals=None):
         f"acceptance rate = {show(t.acceptance_rate)}, rejection mass = {show(t.rejection_mass)}",
         f"recovered == p: {t.exact}",
     ]
+
+
+def parse_distribution(text, name="p"):
+    """A distribution from text such as "0.6,0.3,0.1" or "3/5, 3/10, 1/10", as Fractions.
+
+    Raises ValueError naming ``name``, the expected form and the value found (entries
+    must be numbers >= 0 that sum to exactly 1).
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a string of comma-separated probabilities, got {text!r}")
+    parts = [part.strip() for part in text.split(",")]
+    if any(part == "" for part in parts):
+        raise ValueError(f"{name} must be comma-separated probabilities such as '0.6,0.3,0.1', "
+                         f"got {text!r}")
+    return _distribution(name, parts)
+
+
+# --- the same identity, by sampling -------------------------------------------------
+
+ALPHA = 1e-3  # default false-alarm rate of empirical_check: a correct sampler fails this often
+
+
+def native_step(p, q, draws, seed=0, *, device="cpu", chunk=1 << 16):
+    """``draws`` independent speculative steps with the native ops, k = 1.
+
+    Each row drafts y ~ q with ``verispec.ops.sample`` and runs ``verispec.ops.verify``
+    on target logits log p (at the draft position and the bonus position) with
+    draft_probs q, so one row is the whole accept / correct step. Rows are batched
+    ``chunk`` at a time; the Philox offset advances per call, so every row draws fresh
+    coins and the result is a pure function of ``seed``.
+
+    p, q: probabilities over V tokens (anything ``table`` accepts, or float tensors).
+    Returns (tokens int64 [draws]: the first emitted token of each row,
+    accepted bool [draws]: whether that token was the accepted draft), on the CPU.
+    """
+    import torch
+
+    from verispec import ops
+
+    p_t, q_t = _float_probs(p, device), _float_probs(q, device)
+    log_p = p_t.log().float()  # log 0 = -inf: a masked token
+    q_t = q_t.float()
+    tokens, accepted = [], []
+    for call, start in enumerate(range(0, draws, chunk)):
+        n = min(chunk, draws - start)
+        q_rows = q_t.expand(n, -1).contiguous()                          # [n, V]
+        drafted = ops.sample(q_rows, seed=seed, offset=2 * call)          # [n]
+        out, _, num_accepted = ops.verify(
+            log_p.expand(n, 2, -1).contiguous(),                          # [n, K+1 = 2, V]
+            drafted.view(n, 1), q_rows.view(n, 1, -1),                    # [n, 1], [n, 1, V]
+            seed=seed, offset=2 * call + 1)
+        tokens.append(out[:, 0].long())
+        accepted.append(num_accepted == 1)
+    if not tokens:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.bool)
+    return torch.cat(tokens).cpu(), torch.cat(accepted).cpu()
+
+
+@dataclass(frozen=True)
+class EmpiricalCheck:
+    """Observed outcomes of many speculative steps against the target p.
+
+    counts[i]: steps that emitted token i; accepted_counts[i]: of those, the steps that
+    accepted a draft of i (expected share min(p_i, q_i)). statistic / dof / p_value: a
+    G-test of counts against p; ``passed`` when p_value > alpha.
+    """
+
+    p: tuple                  # target, floats
+    accepted_mass: tuple      # exact min(p_i, q_i), floats
+    counts: tuple
+    accepted_counts: tuple
+    draws: int
+    statistic: float
+    dof: int
+    p_value: float
+    method: str               # how the p-value was computed
+    alpha: float
+    exact_acceptance_rate: float
+
+    @property
+    def frequencies(self):
+        return tuple(c / self.draws for c in self.counts)
+
+    @property
+    def accepted_frequencies(self):
+        return tuple(c / self.draws for c in self.accepted_counts)
+
+    @property
+    def max_deviation(self):
+        """max_i |observed frequency_i - p_i|."""
+        return max(abs(f - pi) for f, pi in zip(self.frequencies, self.p))
+
+    @property
+    def acceptance_rate(self):
+        """Observed share of steps that accepted their draft."""
+        return sum(self.accepted_counts) / self.draws
+
+    @property
+    def passed(self):
+        return self.p_value > self.alpha
+
+    def format(self, *, labels=None):
+        """Text rows: per token p, observed, deviation, accepted mass; then the verdict."""
+        n = len(self.p)
+        labels = [str(i) for i in range(n)] if labels is None else [str(x) for x in labels]
+        header = ["token", "p", "observed", "obs - p", "min(p,q)", "observed accepted"]
+        body = [[labels[i], f"{self.p[i]:.6f}", f"{self.frequencies[i]:.6f}",
+                 f"{self.frequencies[i] - self.p[i]:+.6f}", f"{self.accepted_mass[i]:.6f}",
+                 f"{self.accepted_frequencies[i]:.6f}"] for i in range(n)]
+        widths = [max(len(row[c]) for row in [header] + body) for c in range(len(header))]
+        rows = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip()
+                for row in [header] + body]
+        verdict = "PASS" if self.passed else "FAIL"
+        return rows + [
+            f"max |observed - p| = {self.max_deviation:.6f}; acceptance rate {self.acceptance_rate:.6f} "
+            f"(exact {self.exact_acceptance_rate:.6f})",
+            f"G-test: G = {self.statistic:.3f}, dof {self.dof}, p-value {self.p_value:.4g} "
+            f"({self.method}); {verdict} at alpha = {self.alpha:g}",
+        ]
+
+    def to_dict(self):
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        d.update(frequencies=self.frequencies, max_deviation=self.max_deviation,
+                 acceptance_rate=self.acceptance_rate, passed=self.passed)
+        return d
+
+
+def empirical_check(p, q, draws=200_000, *, seed=0, device="cpu", sampler=None, alpha=ALPHA):
+    """Run ``draws`` speculative steps and test the emitted tokens against p.
+
+    ``sampler(p, q, draws, seed) -> (tokens [draws], accepted [draws])`` performs the
+    steps, p and q given as float64 tensors; the default is ``native_step`` (the native
+    ops on ``device``). A test can pass a deliberately wrong sampler to show the check
+    has power. With a fixed seed the result is deterministic; over random seeds a
+    correct sampler fails with probability ``alpha`` (the G-test's false-alarm rate).
+    """
+    import torch
+
+    t = table(p, q)
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+        raise ValueError(f"empirical_check: draws must be an int >= 1, got {draws!r}")
+    if sampler is None:
+        def sampler(p_, q_, n, s):
+            return native_step(p_, q_, n, s, device=device)
+    v = len(t.p)
+    tokens, accepted = sampler(_float_probs(t.p, "cpu"), _float_probs(t.q, "cpu"), draws, seed)
+    tokens = torch.as_tensor(tokens).long().cpu().reshape(-1)
+    accepted = torch.as_tensor(accepted).bool().cpu().reshape(-1)
+    if tokens.numel() != draws or accepted.numel() != draws:
+        raise ValueError(f"empirical_check: sampler must return {draws} tokens and {draws} "
+                         f"accepted flags, got {tokens.numel()} and {accepted.numel()}")
+    if draws and (int(tokens.min()) < 0 or int(tokens.max()) >= v):
+        raise ValueError(f"empirical_check: sampler returned tokens outside [0, {v}): "
+                         f"min {int(tokens.min())}, max {int(tokens.max())}")
+    counts = torch.bincount(tokens, minlength=v).tolist()
+    accepted_counts = torch.bincount(tokens[accepted], minlength=v).tolist()
+    statistic, dof, p_value, method = g_test(counts, t.p)
+    return EmpiricalCheck(
+        p=tuple(float(x) for x in t.p), accepted_mass=tuple(float(x) for x in t.accepted_mass),
+        counts=tuple(counts), accepted_counts=tuple(accepted_counts), draws=draws,
+        statistic=statistic, dof=dof, p_value=p_value, method=method, alpha=alpha,
+        exact_acceptance_rate=float(t.acceptance_rate))
+
+
+def g_test(counts, probs):
+    """G-test (log-likelihood ratio) of observed counts against probabilities.
+
+    Returns (G, dof, p_value, method). Tokens of probability 0 are left out of the
+    degrees of freedom; observing one is impossible under p, so G = inf and p_value = 0.
+    The chi-square approximation wants every expected count N * p_i >= 5 or so.
+    """
+    n = sum(counts)
+    g, cells = 0.0, 0
+    for observed, prob in zip(counts, probs):
+        expected = n * float(prob)
+        if expected == 0:
+            if observed > 0:
+                return math.inf, max(cells - 1, 0), 0.0, "an outcome of probability 0 occurred"
+            continue
+        cells += 1
+        if observed > 0:
+            g += 2.0 * observed * math.log(observed / expected)
+    g = max(g, 0.0)  # roundoff
+    dof = cells - 1
+    if dof == 0:
+        return g, 0, 1.0, "one possible outcome"
+    p_value, method = _chi2_sf_with_method(g, dof)
+    return g, dof, p_value, method
+
+
+def chi2_sf(x, dof, *, use_scipy=True):
+    """P(X > x) for X ~ chi-square(dof): scipy.stats.chi2.sf when available (and
+    ``use_scipy``), else the regularized upper incomplete gamma Q(dof / 2, x / 2)."""
+    return _chi2_sf_with_method(x, dof, use_scipy=use_scipy)[0]
+
+
+def _chi2_sf_with_method(x, dof, *, use_scipy=True):
+    if use_scipy:
+        try:
+            import scipy.stats
+        except ImportError:
+            pass
+        else:
+            return float(scipy.stats.chi2.sf(x, dof)), "scipy.stats.chi2"
+    return _gamma_q(dof / 2.0, x / 2.0), "incomplete gamma (scipy not installed)"
+
+
+def _gamma_q(a, x):
+    """Regularized upper incomplete gamma Q(a, x): a series below x = a + 1, a continued
+    fraction (modified Lentz) above, each to ~1e-15 relative."""
+    if x <= 0:
+        return 1.0
+    if math.isinf(x):
+        return 0.0
+    log_prefix = -x + a * math.log(x) - math.lgamma(a)
+    if x < a + 1:
+        term = total = 1.0 / a
+        denom = a
+        for _ in range(10_000):
+            denom += 1
+            term *= x / denom
+            total += term
+            if abs(term) < abs(total) * 1e-16:
+                break
+        return min(1.0, max(0.0, 1.0 - total * math.exp(log_prefix)))
+    tiny = 1e-300
+    b = x + 1.0 - a
+    c, d = 1.0 / tiny, 1.0 / b
+    h = d
+    for i in range(1, 10_000):
+        an = -i * (i - a)
+        b += 2.0
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1.0 / d
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-16:
+            break
+    return min(1.0, max(0.0, math.exp(log_prefix) * h))
+
+
+def plot(lab_table, path, *, check=None, labels=None, title=None):
+    """A PNG bar chart of one speculative step, per outcome: a stacked bar of the accepted
+    mass min(p, q) and the corrected mass (rejection mass * residual), next to the target
+    p; with an EmpiricalCheck, its observed frequencies as markers. Returns ``path``.
+
+    Needs matplotlib (drawn on a standalone Figure: no pyplot state, no backend change).
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ModuleNotFoundError("verispec.lab.plot needs matplotlib: pip install matplotlib",
+                                  name="matplotlib") from None
+    t = lab_table
+    n = len(t.p)
+    labels = [f"token {i}" for i in range(n)] if labels is None else [str(x) for x in labels]
+    accepted = [float(x) for x in t.accepted_mass]
+    corrected = [float(t.rejection_mass * r) for r in t.residual]
+    target = [float(x) for x in t.p]
+    xs = list(range(n))
+    w = 0.38
+    fig = Figure(figsize=(max(5.0, 1.3 * n + 2.5), 4.2))
+    ax = fig.subplots()
+    left = [x - w / 2 for x in xs]
+    ax.bar(left, accepted, w, label="accepted: min(p, q)", color="#4c72b0")
+    ax.bar(left, corrected, w, bottom=accepted, label="corrected: rejection mass x residual",
+           color="#dd8452")
+    ax.bar([x + w / 2 for x in xs], target, w, label="target p", color="#8c8c8c")
+    if check is not None:
+        ax.plot(left, check.frequencies, "kD", markersize=5,
+                label=f"observed ({check.draws} native draws)")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels)
+    ax.set_ylabel("probability of emitting the token")
+    ax.set_ylim(0, max(target + [a + c for a, c in zip(accepted, corrected)]) * 1.25)
+    ax.set_title(title or f"one speculative step: accepted + corrected = p "
+                          f"(acceptance rate {float(t.acceptance_rate):.3g})", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def _float_probs(values, device):
+    import torch
+
+    if isinstance(values, torch.Tensor):
+        return values.to(device=device, dtype=torch.float64)
+    return torch.tensor([float(_fraction("probs", i, v)) for i, v in enumerate(values)],
+                        dtype=torch.float64, device=device)
 
 
 # --- input checks -------------------------------------------------------------------

