@@ -60,12 +60,19 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="median over interleaved repeats")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="one prompt, 16 tokens, 1 repeat")
+    ap.add_argument("--only", default="", help="comma-separated substrings: run the prompts, modes "
+                    "and drafts whose name contains one of them (plain always runs)")
     ap.add_argument("--out", type=Path, default=Path("bench/out/drafters.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     prompts = dict(list(PROMPTS.items())[:1]) if args.quick else PROMPTS
     n = 16 if args.quick else args.new_tokens
     repeats = 1 if args.quick else args.repeats
+
+    only = [w for w in args.only.split(",") if w]
+
+    def wanted(name):
+        return not only or any(w in name for w in only)
 
     model, tok = load("smollm2")
     rows = []
@@ -78,8 +85,11 @@ def main(argv=None) -> int:
             # greedy stops at EOS (every draft gives the same tokens); sampled runs
             # generate exactly n tokens so their rates compare.
             eos = tok.eos_token_ids if mode == "greedy" else None
+            if not wanted(pname) and not wanted(mode):
+                continue
             decs = [(cname, SpecDecoder(model, draft, k=k, max_k=16, num_blocks=128, block_size=16))
-                    for cname, draft, k in configs(model)]
+                    for cname, draft, k in configs(model) if cname == "plain" or wanted(cname)
+                    or not any(wanted(c) for c, _, _ in configs(model))]
             times = {cname: [] for cname, _ in decs}
             results = {}
             for rep in range(repeats):  # interleaved: a busy spell hits every config alike
