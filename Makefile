@@ -51,7 +51,7 @@ DEMO_TEXT := On Tuesday the city councel met to discuss the new park. Residents 
   trees, a playground for the childrn, better lighting along the paths, and benches near the \
   pond. The councel agreed to publish a plan next month and to hold another meeting in the libary.
 demo: build
-	printf 'Fix the spelling mistakes in this text and return the corrected text:\n\n%s' \
+	printf "Correct the spelling of 'libary' in this text and return the whole text:\n\n%s" \
 	  "$(DEMO_TEXT)" | $(PY) -m verispec generate --model smollm2 --chat - --greedy \
 	  --draft ngram --k auto --max-new-tokens 128
 

@@ -31,7 +31,7 @@ PARAGRAPH = ("On Tuesday the city councel met to discuss the new park. Residents
              "near the pond. The councel agreed to publish a plan next month and to hold another "
              "meeting in the libary.")
 PROMPTS = {
-    "rewrite (copy-heavy)": "Fix the spelling mistakes in this text and return the corrected text:\n\n"
+    "rewrite (copy-heavy)": "Correct the spelling of 'libary' in this text and return the whole text:\n\n"
                             + PARAGRAPH,
     "code edit": (
         "Rename the variable `total` to `result` in this function and return the code.\n\n"

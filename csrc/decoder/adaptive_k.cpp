@@ -83,11 +83,12 @@ int64_t probe_interval(double draft_pass, const std::vector<double>& target_pass
 void AcceptanceTracker::update(int64_t proposed, int64_t accepted) {
   if (proposed <= 0) return;
   // Trials: every accepted position, plus the rejected one if there was a rejection.
-  const int64_t trials = std::min(proposed, accepted + 1);
-  constexpr double kWeight = 0.1;
-  for (int64_t t = 0; t < trials; ++t) {
-    rate = (1 - kWeight) * rate + kWeight * (t < accepted ? 1.0 : 0.0);
+  const int64_t n = std::min(proposed, accepted + 1);
+  for (int64_t t = 0; t < n; ++t) {
+    successes = kDecay * successes + (t < accepted ? 1.0 : 0.0);
+    trials = kDecay * trials + 1.0;
   }
+  rate = (successes + 1.0) / (trials + 2.0);
 }
 
 }  // namespace verispec

@@ -45,9 +45,16 @@ class CostModel {
   std::vector<bool> seen_;
 };
 
-// Per-sequence acceptance estimate (EWMA over proposal trials).
+// Per-sequence acceptance estimate over proposal trials: every accepted position, plus
+// the rejected one if there was a rejection. rate = (s + 1) / (t + 2) with s successes
+// and t trials both discounted by kDecay per trial: a uniform prior (0.5 before any
+// evidence) that a few trials already move (4 accepts: 0.83), and a memory of about
+// 1 / (1 - kDecay) = 20 trials so a draft that stops agreeing is noticed.
 struct AcceptanceTracker {
-  double rate = 0.5;                  // prior before any evidence
+  static constexpr double kDecay = 0.95;
+  double successes = 0.0;             // discounted
+  double trials = 0.0;                // discounted
+  double rate = 0.5;                  // the estimate
   int64_t steps_without_drafts = 0;   // consecutive steps at k = 0
   // a step proposed `proposed` tokens and `accepted` of them passed
   void update(int64_t proposed, int64_t accepted);
