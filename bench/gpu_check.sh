@@ -9,7 +9,9 @@
 #              pip install --no-build-isolation --no-deps into a private --target dir
 #              (the machine's site-packages stay untouched); without scikit-build-core,
 #              the same CMakeLists.txt is built directly with cmake
-#   4. tests   pytest -m cuda on the test files that have cuda-marked tests
+#   4. tests   pytest -m cuda on the test files that have cuda-marked tests; then
+#              tools/wheel_smoke.py --device cuda (ops vs CPU, a tiny Llama decoded with
+#              plain, n-gram and early-exit drafts on the GPU; build_info incl. nvtx)
 #   5. bench   bench/bench_kernels.py --device cuda
 #
 # Everything goes to ${OUT:-bench/out/gpu}: one log per phase, summary.txt, pytest's
@@ -258,6 +260,13 @@ if ((built)) && have_module pytest; then
   tail -n 15 "$OUT_DIR/tests.log"
 else
   fail tests "not run (no CUDA build of verispec, or no pytest)"
+fi
+
+# --- 4b. end to end on the GPU: ops vs CPU, a tiny Llama decoded with every draft -------
+
+if ((built)); then
+  phase smoke 90 100 "$PY" -W error tools/wheel_smoke.py --device cuda || true
+  cat "$OUT_DIR/smoke.log"
 fi
 
 # --- 5. benchmark -----------------------------------------------------------------------
