@@ -70,6 +70,22 @@ def test_controller_speculates_far_with_a_perfect_draft():
     assert r.stats["tokens_per_target_pass"] > 3
 
 
+def test_cost_model_fits_measured_sizes_and_never_makes_a_longer_pass_cheaper():
+    cm = _C.CostModel(8)
+    assert cm.target_passes() == pytest.approx([1.0 + 0.2 * i for i in range(8)])  # the prior
+    cm.observe_target(1, 2.0)  # one size: the prior slope scaled through it
+    assert cm.target_passes()[4] == pytest.approx(2.0 * 1.8)
+    cm.observe_target(3, 3.0)  # two sizes: a line through them
+    assert cm.target_passes()[1] == pytest.approx(2.5) and cm.target_passes()[7] == pytest.approx(5.5)
+    noisy = _C.CostModel(8)
+    noisy.observe_target(1, 5.0)
+    noisy.observe_target(2, 3.0)  # timed during a quiet spell: below the 1-token pass
+    passes = noisy.target_passes()
+    assert all(b >= a for a, b in zip(passes, passes[1:])), passes
+    # so k = 1 no longer looks free to a draft that is rarely right
+    assert _C.best_k(0.1, 0.5, passes, 8) == 0
+
+
 @pytest.mark.parametrize("draft", [0.0, 0.1, 0.5, 3.0])
 @pytest.mark.parametrize("slope", [0.0, 0.2, 1.0])
 def test_probes_spend_at_most_the_budget(draft, slope):

@@ -66,9 +66,16 @@ std::vector<double> CostModel::target_passes() const {
     slope = kPriorSlope * unit;
     intercept = unit - slope;
   }
-  slope = std::max(slope, 0.0);  // a longer pass never costs less
+  if (slope < 0) {  // a longer pass never costs less: flat at the mean
+    slope = 0;
+    intercept = sy / static_cast<double>(m);
+  }
   for (size_t i = 0; i < out.size(); ++i) {
     out[i] = seen_[i] ? target_[i] : std::max(intercept + slope * static_cast<double>(i + 1), 1e-9);
+    // A pass with more tokens never costs less. Without this, one noisy measurement
+    // (a 2-token pass timed below the 1-token one) makes k = 1 look free forever: the
+    // 1-token pass is then never run again, so never re-measured.
+    if (i > 0) out[i] = std::max(out[i], out[i - 1]);
   }
   return out;
 }

@@ -226,6 +226,13 @@ void register_decoder(py::module_& m) {
   m.def("best_k", &best_k, py::arg("a"), py::arg("draft_pass"), py::arg("target_pass"),
         py::arg("max_k"),
         "The k that maximises expected tokens per unit time (the adaptive-k rule).");
+  py::class_<CostModel>(m, "CostModel", "Adaptive k's online pass costs (for tests and tools).")
+      .def(py::init<int64_t>(), py::arg("max_tokens_per_row"))
+      .def("observe_draft", &CostModel::observe_draft, py::arg("seconds_per_pass"))
+      .def("observe_target", &CostModel::observe_target, py::arg("tokens_per_row"),
+           py::arg("seconds"))
+      .def_property_readonly("draft_pass", &CostModel::draft_pass)
+      .def("target_passes", &CostModel::target_passes);
   m.def("probe_interval", &probe_interval, py::arg("draft_pass"), py::arg("target_pass"),
         "Plain steps between probes at k = 1 while adaptive k keeps speculation off.");
   m.attr("PROBE_BUDGET") = kProbeBudget;
