@@ -55,7 +55,8 @@ demo: build
 	  "$(DEMO_TEXT)" | $(PY) -m verispec generate --model smollm2 --chat - --greedy \
 	  --draft ngram --k auto --max-new-tokens 128
 
-bench: demo
+bench: build
+	$(PY) -m verispec bench --out bench/out/hf
 
 # A manylinux wheel in dist/. Built from this venv's build tools in its own tree
 # (build/wheel-<tag>: incremental, and no -C override given to a dev build leaks into
