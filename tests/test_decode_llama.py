@@ -17,6 +17,7 @@ from verispec.decoder import SpecDecoder  # noqa: E402
 from verispec.drafters import EarlyExit, NGram  # noqa: E402
 from verispec.models.loaders import load_model  # noqa: E402
 from verispec.models.testing import PagedRunner, randomize_weights  # noqa: E402
+from test_decoder import chi_square_pvalue  # noqa: E402  (one pooled chi-square for both)
 
 VOCAB = 211
 
@@ -142,24 +143,6 @@ def _llama_continuations(model, prompt, policy):
     return probs
 
 
-def _chi_square_pvalue(counts, probs):
-    from scipy import stats as sstats
-    n = sum(counts.values())
-    assert sum(counts.get(c, 0) for c in probs) == n, "a continuation outside the support"
-    obs, exp, pool_o, pool_e = [], [], 0, 0.0
-    for cont, p in probs.items():
-        if n * p < 5:
-            pool_o, pool_e = pool_o + counts.get(cont, 0), pool_e + n * p
-        else:
-            obs.append(counts.get(cont, 0))
-            exp.append(n * p)
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
-    total = sum(exp)
-    return float(sstats.chisquare(obs, [e * n / total for e in exp]).pvalue)
-
-
 @pytest.fixture(scope="module")
 def tiny5(tmp_path_factory):
     cfg = transformers.LlamaConfig(
@@ -199,7 +182,7 @@ def test_self_speculation_samples_the_target_distribution(tiny5, wrong, monkeypa
         monkeypatch.setattr(type(dec._runner), "sample_draft", wrong_q)
     probs = _llama_continuations(tiny5, [1, 2], policy)
     counts = _sampled_continuations(dec, [1, 2], 8000, policy, seed=300)
-    stats_ok = _chi_square_pvalue(counts, probs) > ALPHA
+    stats_ok = chi_square_pvalue(counts, probs) > ALPHA
     assert stats_ok != wrong
 
 
