@@ -279,7 +279,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     if device.type == "cuda":
         nbytes = (16 if args.quick else 1024) << 20
-        copy = {"device": copy_bandwidth_gbps(timer, device, nbytes, 20)}
+        copy = {"cuda": copy_bandwidth_gbps(timer, device, nbytes, 20)}
         peak = H200_PEAK_GBPS
         device_name = torch.cuda.get_device_name(device)
     else:

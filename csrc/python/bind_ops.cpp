@@ -8,10 +8,10 @@
 #include <pybind11/pybind11.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <limits>
 #include <optional>
-#include <sstream>
 #include <string>
 
 #include "bindings.h"
@@ -29,14 +29,12 @@ namespace {
 std::string format_value(double v) {
   if (std::isnan(v)) return "nan";
   if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
-  std::ostringstream s;
-  if (v == std::floor(v) && std::fabs(v) < 1e15) {
-    s << static_cast<int64_t>(v);
-  } else {
-    s.precision(9);
-    s << v;
-  }
-  return s.str();
+  // snprintf and std::to_string, not iostreams (see tensor_view.cpp: ostream number
+  // formatting crashed in a process with a second libstdc++).
+  if (v == std::floor(v) && std::fabs(v) < 1e15) return std::to_string(static_cast<int64_t>(v));
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", v);
+  return buf;
 }
 
 // Launch settings shared by every op.
@@ -199,39 +197,23 @@ const char* policy_field_name(int64_t field) {
 
 // Where a value error sits, in the op's own terms.
 std::string location(OpKind op, const OpStatus& s) {
-  std::ostringstream where;
+  const std::string row = std::to_string(s.row), col = std::to_string(s.col);
   switch (s.code) {
     case StatusCode::kInvalidPolicy:
-      where << policy_field_name(s.col) << "[" << s.row << "]";
-      break;
+      return std::string(policy_field_name(s.col)) + "[" + row + "]";
     case StatusCode::kNumDraftOutOfRange:
-      where << "num_draft[" << s.row << "]";
-      break;
+      return "num_draft[" + row + "]";
     case StatusCode::kTokenOutOfRange:
-      where << "draft_tokens[" << s.row << ", " << s.col << "]";
-      break;
+      return "draft_tokens[" + row + ", " + col + "]";
     case StatusCode::kNanOrInfLogits:
-      if (op == OpKind::kVerify) {
-        where << "target_logits[" << s.row << ", " << s.col << "]";
-      } else if (s.col >= 0) {
-        where << "logits[" << s.row << ", " << s.col << "]";
-      } else {
-        where << "logits[" << s.row << "]";
-      }
-      break;
+      if (op == OpKind::kVerify) return "target_logits[" + row + ", " + col + "]";
+      return s.col >= 0 ? "logits[" + row + ", " + col + "]" : "logits[" + row + "]";
     case StatusCode::kInvalidProbs:
-      if (op == OpKind::kVerify) {
-        where << "draft_probs[" << s.row << ", " << s.col << "]";
-      } else if (s.col >= 0) {
-        where << "probs[" << s.row << ", " << s.col << "]";
-      } else {
-        where << "probs[" << s.row << "]";
-      }
-      break;
+      if (op == OpKind::kVerify) return "draft_probs[" + row + ", " + col + "]";
+      return s.col >= 0 ? "probs[" + row + ", " + col + "]" : "probs[" + row + "]";
     default:
-      break;
+      return "";
   }
-  return where.str();
 }
 
 // `sizes`: the op's K and V, to spell out the ranges of num_draft and draft_tokens.

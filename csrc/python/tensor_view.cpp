@@ -2,7 +2,7 @@
 
 #include <Python.h>
 
-#include <sstream>
+#include <string>
 #include <utility>
 
 namespace verispec {
@@ -37,19 +37,19 @@ DType to_dtype(const DLDataType& t) {
   return DType::kOther;
 }
 
+// Messages are built with std::string and std::to_string, not iostreams: an ostream's
+// number formatting goes through locale facets, and a process that mixes libstdc++
+// builds (a statically linked one in another extension) can hand us facets we cannot
+// call (seen on a CUDA machine: a segfault formatting an int into an error message).
 std::string describe(const DLDataType& t) {
-  std::ostringstream s;
-  s << "dlpack(code=" << int(t.code) << ", bits=" << int(t.bits)
-    << ", lanes=" << t.lanes << ")";
-  return s.str();
+  return "dlpack(code=" + std::to_string(int(t.code)) + ", bits=" + std::to_string(int(t.bits)) +
+         ", lanes=" + std::to_string(t.lanes) + ")";
 }
 
 std::string join(const std::vector<int64_t>& v) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
-  s << "]";
-  return s.str();
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
 }
 
 }  // namespace
@@ -185,29 +185,28 @@ const TensorView& TensorView::expect(std::initializer_list<DType> dtypes,
     }
   }
   if (dtype_ok && shape_ok) return *this;
-  std::ostringstream s;
-  s << "must be ";
+  std::string s = "must be ";
   size_t i = 0;
-  for (DType d : dtypes) s << (i++ ? " or " : "") << dtype_name(d);
-  s << " [";
+  for (DType d : dtypes) s += std::string(i++ ? " or " : "") + dtype_name(d);
+  s += " [";
   i = 0;
   bool any_fixed = false;
   for (const Dim& d : shape) {
-    s << (i++ ? ", " : "") << d.name;
+    s += std::string(i++ ? ", " : "") + d.name;
     any_fixed = any_fixed || d.value != kAnyDim;
   }
-  s << "]";
+  s += "]";
   if (any_fixed) {
-    s << " = [";
+    s += " = [";
     i = 0;
     for (const Dim& d : shape) {
-      s << (i++ ? ", " : "");
-      if (d.value == kAnyDim) s << "?"; else s << d.value;
+      s += i++ ? ", " : "";
+      s += d.value == kAnyDim ? std::string("?") : std::to_string(d.value);
     }
-    s << "]";
+    s += "]";
   }
-  s << ", got " << dtype_desc_ << " " << shape_str();
-  fail(s.str());
+  s += ", got " + dtype_desc_ + " " + shape_str();
+  fail(s);
 }
 
 const TensorView& TensorView::expect_same_device(const TensorView& other) const {
