@@ -190,9 +190,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, H, D]; cos, sin: [T, 1, D/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate-half RoPE, as transformers: x * cos + rotate_half(x) * sin, with the tables
+    laid out as LlamaModel keeps them. x: [T, H, D]; cos = [cos, cos], sin = [-sin, sin]:
+    [T, 1, D]. Bit-identical to transformers (the negation is exact)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 def _attend_small_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
@@ -320,7 +322,7 @@ class _AttentionPlan:
         # hands a lone sequence blocks 0, 1, 2, ...), else one index_select per layer.
         self.key_start: Optional[int] = None
         self.key_slots: Optional[torch.Tensor] = None
-        if table == list(range(table[0], table[0] + len(table))) and table[0] >= 0:
+        if table and table[0] >= 0 and table == list(range(table[0], table[0] + len(table))):
             self.key_start = table[0] * bs
         else:
             j = key_pos[:ctx]
@@ -424,9 +426,7 @@ class LlamaModel:
         for (attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down), k_pool, v_pool in zip(
                 self._layers, batch.kv.k, batch.kv.v):
             qkv = torch.mm(norm(x, attn_norm), wqkv).view(num_tokens, nh + 2 * nkv, hd)
-            qk = qkv[:, :nh + nkv]
-            swapped = torch.cat([qk[..., hd // 2:], qk[..., :hd // 2]], dim=-1)
-            qk = qk * cos + swapped * sin                                      # RoPE on q and k
+            qk = apply_rope(qkv[:, :nh + nkv], cos, sin)                       # q and k together
             k_flat, v_flat = k_pool.view(-1, nkv, hd), v_pool.view(-1, nkv, hd)
             write(k_flat, qk[:, nh:])
             write(v_flat, qkv[:, nh + nkv:])
