@@ -3,17 +3,21 @@
 For each prompt (a copy-heavy rewrite, a code edit, an open-ended chat) and each
 sampling mode (greedy, temperature 1.0), in one run: plain decoding through the same
 loop, n-gram lookup (fixed k and adaptive), self-speculation with the first 4 and 8
-layers (fixed k and adaptive for N = 8). Reports tokens/s, speedup over plain in the
-same run, acceptance rate and tokens per target pass; writes JSON and a PNG plot.
+layers (fixed k and adaptive). Reports tokens/s, speedup over plain in the same run
+(each config timed between two plain runs; the median of the paired ratios over the
+rounds), acceptance rate and tokens per target pass; writes JSON and a PNG plot.
 
 Goals (issue 5): on the copy-heavy prompt, greedy, n-gram >= 2.5x over plain; adaptive
-k never more than 3% slower than plain.
+k never more than 3% slower than plain. A row's median of 3 paired rounds still swings
+by about +-10% on a shared 2-core machine, so the 3% goal is read from each adaptive
+config pooled over the rows where every fixed k loses (geometric mean, 95% interval).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import time
@@ -57,7 +61,7 @@ def configs(model):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3, help="median over interleaved repeats")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds: speedups are medians of paired ratios")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="one prompt, 16 tokens, 1 repeat")
     ap.add_argument("--only", default="", help="comma-separated substrings: run the prompts, modes "
@@ -90,28 +94,54 @@ def main(argv=None) -> int:
             decs = [(cname, SpecDecoder(model, draft, k=k, max_k=16, num_blocks=128, block_size=16))
                     for cname, draft, k in configs(model) if cname == "plain" or wanted(cname)
                     or not any(wanted(c) for c, _, _ in configs(model))]
+            # Paired timing: every round runs plain, c1, plain, c2, ..., plain, so each
+            # config sits between two plain runs; its speedup in that round is the mean
+            # of its neighbours' plain times over its own, and the reported speedup is the
+            # median over rounds. A config is never compared with a plain run made minutes
+            # earlier (on a shared 2-core machine single runs drift by +-10%).
             times = {cname: [] for cname, _ in decs}
+            ratios = {cname: [] for cname, _ in decs}
             results = {}
-            for rep in range(repeats):  # interleaved: a busy spell hits every config alike
-                for cname, dec in decs:
-                    t0 = time.perf_counter()
-                    (results[cname],) = dec.generate([ids], max_new_tokens=n, seed=rep,
-                                                     eos_token_id=eos, **kw)
-                    times[cname].append(time.perf_counter() - t0)
-            base = len(results["plain"].tokens) / statistics.median(times["plain"])
+
+            def timed(cname, dec, rep):
+                t0 = time.perf_counter()
+                (results[cname],) = dec.generate([ids], max_new_tokens=n, seed=rep,
+                                                 eos_token_id=eos, **kw)
+                seconds = time.perf_counter() - t0
+                times[cname].append(seconds)
+                return seconds
+
+            plain_dec = decs[0][1]
+            for rep in range(repeats):
+                before = timed("plain", plain_dec, rep)
+                for cname, dec in decs[1:]:
+                    own = timed(cname, dec, rep)
+                    after = timed("plain", plain_dec, rep)
+                    ratios[cname].append((before + after) / 2 / own)
+                    before = after
+            plain_tokens = len(results["plain"].tokens)
             for cname, _ in decs:
                 res = results[cname]
+                # greedy runs may stop at EOS: compare rates, not times, when lengths differ
+                length_ratio = len(res.tokens) / plain_tokens
+                speedup = (statistics.median(ratios[cname]) * length_ratio if ratios[cname]
+                           else 1.0)
+                spread = ([min(ratios[cname]) * length_ratio, max(ratios[cname]) * length_ratio]
+                          if ratios[cname] else [1.0, 1.0])
                 tps = len(res.tokens) / statistics.median(times[cname])
                 st = res.stats
                 rows.append({"prompt": pname, "mode": mode, "draft": cname, "tokens": len(res.tokens),
-                             "tok_s": tps, "speedup": tps / base,
+                             "tok_s": tps, "speedup": speedup, "speedup_range": spread,
+                             "speedup_rounds": [x * length_ratio for x in ratios[cname]],
                              "acceptance": st["acceptance_rate"],
                              "tokens_per_target_pass": st["tokens_per_target_pass"],
                              "k_mean": statistics.fmean(st["k_history"]) if st["k_history"] else 0.0,
                              "time_split": st["time_split"]})
                 r = rows[-1]
                 acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+                lo, hi = r["speedup_range"]
                 print(f"{pname:<22}{mode:<8}{cname:<20}{r['tok_s']:>7.1f} tok/s {r['speedup']:>5.2f}x "
+                      f"[{lo:.2f}-{hi:.2f}] "
                       f"acc {acc:>5} tok/pass {r['tokens_per_target_pass']:.2f} k~{r['k_mean']:.1f}",
                       flush=True)
 
@@ -120,10 +150,15 @@ def main(argv=None) -> int:
         "copy_heavy_greedy_ngram_speedup": max(r["speedup"] for r in copy_greedy if r["draft"].startswith("ngram")),
         "adaptive_worst_speedup": min(r["speedup"] for r in rows if r["draft"].endswith("auto")),
         "best_fixed_speedup": max(r["speedup"] for r in rows if not r["draft"].endswith("auto")),
+        "adaptive_where_speculation_loses": adaptive_where_speculation_loses(rows),
     }
     print(f"\ncopy-heavy greedy n-gram speedup {summary['copy_heavy_greedy_ngram_speedup']:.2f}x "
           f"(goal >= 2.5x); worst adaptive speedup {summary['adaptive_worst_speedup']:.2f}x "
-          f"(goal >= 0.97x)")
+          f"(goal >= 0.97x; one row is a median of {repeats} paired rounds)")
+    for name, st in summary["adaptive_where_speculation_loses"].items():
+        print(f"{name}, pooled over the {st['rows']} rows where every fixed k loses to plain: "
+              f"{st['speedup']:.3f}x (95% CI {st['ci95'][0]:.3f}-{st['ci95'][1]:.3f}, "
+              f"{st['pairs']} paired rounds)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"benchmark": "bench_drafters", "new_tokens": n, "repeats": repeats,
                                     "threads": args.threads, "machine": platform.machine(),
@@ -136,6 +171,33 @@ def main(argv=None) -> int:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
     return 0
+
+
+def adaptive_where_speculation_loses(rows) -> dict:
+    """Each adaptive config pooled over the rows (prompt, mode) where every fixed k of the
+    same draft is slower than plain: there adaptive k should switch speculation off and
+    match plain. One row's median of a few paired rounds swings by +-10% on a shared
+    machine; the pooled geometric mean of all its rounds is the figure the <= 3% goal is
+    read from, with a 95% interval (normal approximation on the log ratios).
+    """
+    out = {}
+    for name in dict.fromkeys(r["draft"] for r in rows if r["draft"].endswith("auto")):
+        family = name[:-len("auto")]
+        logs, used = [], 0
+        for g in dict.fromkeys((r["prompt"], r["mode"]) for r in rows):
+            in_group = [r for r in rows if (r["prompt"], r["mode"]) == g]
+            fixed = [r for r in in_group if r["draft"].startswith(family) and r["draft"] != name]
+            auto = [r for r in in_group if r["draft"] == name]
+            if fixed and auto and all(r["speedup"] < 1.0 for r in fixed):
+                logs += [math.log(x) for x in auto[0]["speedup_rounds"]]
+                used += 1
+        if len(logs) < 2:
+            continue
+        mean = statistics.fmean(logs)
+        half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
+        out[name] = {"rows": used, "pairs": len(logs), "speedup": math.exp(mean),
+                     "ci95": [math.exp(mean - half), math.exp(mean + half)]}
+    return out
 
 
 def plot(rows, path: Path) -> None:
