@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from verispec import cli, lab
+from toymodels import train_byte_bpe
 
 P, Q = "0.6,0.3,0.1", "0.2,0.5,0.3"
 
@@ -172,16 +173,8 @@ def tiny_model(tmp_path_factory):
     pytest.importorskip("tokenizers")
     pytest.importorskip("jinja2")
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     folder = tmp_path_factory.mktemp("tiny_llama")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False,
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 4, trainer)
+    tok = train_byte_bpe(["the quick brown fox jumps over the lazy dog"] * 4)
     tok.save(str(folder / "tokenizer.json"))
     vocab, hidden, inter, layers, heads, kv_heads = tok.get_vocab_size(), 32, 64, 2, 4, 2
     head_dim = hidden // heads

@@ -23,6 +23,7 @@ pytest.importorskip("tokenizers")
 import verispec.models as vm  # noqa: E402
 from verispec.models import llama as vllama  # noqa: E402
 from verispec.models.testing import PagedRunner, randomize_weights  # noqa: E402
+from toymodels import train_byte_bpe  # noqa: E402
 
 ATOL = 1e-4  # float32 logits vs transformers
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -37,23 +38,9 @@ CORPUS = ["the quick brown fox jumps over the lazy dog", "speculative decoding i
 
 # --------------------------------------------------------------------------- fixtures
 
-def _train_tokenizer():
-    """A byte-level BPE of ~300 tokens with three control tokens, like SmolLM2's."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False,
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    return tok
-
-
 @pytest.fixture(scope="module")
 def byte_bpe():
-    return _train_tokenizer()
+    return train_byte_bpe(CORPUS)
 
 
 def _randomize(model, seed):

@@ -63,3 +63,18 @@ class CacheModel:
             assert torch.equal(cached[:, 1], pos.to(k.dtype)), f"cache corrupt at row {b}: {cached[:, 1]}"
             out.append(self.logits_for(cached[:, 0].long().tolist()))
         return torch.stack(out).to(self.geometry.dtype)
+
+
+def train_byte_bpe(corpus, vocab_size: int = 300):
+    """A byte-level BPE trained on ``corpus`` with three control tokens, like SmolLM2's
+    (needs the ``tokenizers`` package)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    return tok
