@@ -30,7 +30,7 @@ std::string format_value(double v) {
   if (std::isnan(v)) return "nan";
   if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
   // snprintf and std::to_string, not iostreams (see tensor_view.cpp: ostream number
-  // formatting crashed in a process with a second libstdc++).
+  // formatting segfaulted on a CUDA machine).
   if (v == std::floor(v) && std::fabs(v) < 1e15) return std::to_string(static_cast<int64_t>(v));
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.9g", v);

@@ -38,9 +38,9 @@ DType to_dtype(const DLDataType& t) {
 }
 
 // Messages are built with std::string and std::to_string, not iostreams: an ostream's
-// number formatting goes through locale facets, and a process that mixes libstdc++
-// builds (a statically linked one in another extension) can hand us facets we cannot
-// call (seen on a CUDA machine: a segfault formatting an int into an error message).
+// number formatting goes through locale facets, and on a CUDA machine (torch 2.11,
+// gcc 13) formatting an int into an error message segfaulted inside the facet call:
+// the process's libstdc++ pieces did not match. std::to_string needs no locale.
 std::string describe(const DLDataType& t) {
   return "dlpack(code=" + std::to_string(int(t.code)) + ", bits=" + std::to_string(int(t.bits)) +
          ", lanes=" + std::to_string(t.lanes) + ")";
