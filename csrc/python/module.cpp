@@ -6,6 +6,7 @@
 
 #include "bindings.h"
 #include "verispec/errors.h"
+#include "verispec/linear.h"
 #include "verispec/nvtx.h"
 #ifdef VERISPEC_WITH_CUDA
 #include "verispec/device.h"
@@ -68,6 +69,8 @@ py::dict build_info() {
   info["gpu_available"] = false;
 #endif
   info["nvtx"] = kNvtxCompiled;  // NVTX3 ranges around the decoder's phases
+  // The instruction set of the CPU linear kernel on this machine (verispec.ops.linear).
+  info["cpu_linear_isa"] = linear_isa_name(linear_best_isa());
   return info;
 }
 
@@ -80,6 +83,7 @@ PYBIND11_MODULE(_C, m) {
   verispec::register_cache(m);
   verispec::register_decoder(m);
   verispec::register_ops(m);
+  verispec::register_linear(m);
   m.def("build_info", &verispec::build_info,
         "Version, whether CUDA was compiled in (and for which architectures), and "
         "whether a GPU is usable now.");

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../kernels/cpu/cpu_policy.h"
+#include "verispec/linear.h"
 #include "verispec/ops.h"
 #include "verispec/philox.h"
 #include "verispec/sampling_math.h"
@@ -970,6 +971,83 @@ void test_decode_device_error() {
 
 }  // namespace
 
+// ---- the CPU linear kernel (verispec/linear.h) ------------------------------------------
+//
+// Every instruction set this CPU runs against a double-precision product; each row of a
+// call bitwise equal to that row alone (batch invariance) for any M, thread count and row
+// stride. Here no OpenMP runtime is loaded, so split calls run on the kernel's own worker
+// threads (the pool the sanitizers watch).
+void test_linear() {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const LinearIsa isas[] = {LinearIsa::kScalar, LinearIsa::kAvx2, LinearIsa::kAvx512};
+  CHECK(std::strcmp(linear_threads_name(), "verispec") == 0);
+  for (LinearIsa isa : isas) {
+    if (!linear_isa_supported(isa)) continue;
+    for (bool kn : {false, true})
+    for (int64_t k : {1, 15, 16, 17, 33, 130}) {
+      const int64_t n = 301, rows = 19, ldx = k + 3;  // k >= 33: the big calls split
+      // w[c, j] at w[c * k + j] ([N, K]) or, kn, at w[j * n + c] ([K, N])
+      std::vector<float> w(static_cast<size_t>(n * k)), x(static_cast<size_t>(rows * ldx), kNan);
+      for (auto& v : w) v = normal(rng);
+      auto weight = [&](int64_t c, int64_t j) { return kn ? w[j * n + c] : w[c * k + j]; };
+      const int64_t ldw = kn ? n : k;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < k; ++j) x[r * ldx + j] = normal(rng);
+      // each row alone, one thread
+      std::vector<float> alone(static_cast<size_t>(rows * n));
+      for (int64_t r = 0; r < rows; ++r) {
+        LinearArgs a;
+        a.x = x.data() + r * ldx; a.w = w.data(); a.y = alone.data() + r * n;
+        a.m = 1; a.n = n; a.k = k; a.ldx = ldx; a.ldw = ldw; a.ldy = n; a.isa = isa;
+        a.weight_kn = kn;
+        CHECK(linear_f32(a).empty());
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < n; ++c) {
+          double exact = 0, scale = 0;
+          for (int64_t j = 0; j < k; ++j) {
+            exact += static_cast<double>(x[r * ldx + j]) * weight(c, j);
+            scale += std::fabs(static_cast<double>(x[r * ldx + j]) * weight(c, j));
+          }
+          CHECK_NEAR(alone[r * n + c], exact, 2.0 * k * 1.2e-7 * scale + 1e-30);
+        }
+      for (int64_t m : {2, 8, 9, 19})
+        for (int threads : {1, 2, 5}) {
+          std::vector<float> y(static_cast<size_t>(m * (n + 2)), kNan);
+          LinearArgs a;
+          a.x = x.data(); a.w = w.data(); a.y = y.data();
+          a.m = m; a.n = n; a.k = k; a.ldx = ldx; a.ldw = ldw; a.ldy = n + 2;
+          a.num_threads = threads; a.isa = isa; a.weight_kn = kn;
+          CHECK(linear_f32(a).empty());
+          bool same = true;
+          for (int64_t r = 0; r < m; ++r)
+            for (int64_t c = 0; c < n; ++c)
+              same = same && std::memcmp(&y[r * (n + 2) + c], &alone[r * n + c], sizeof(float)) == 0;
+          CHECK(same);
+          CHECK(std::isnan(y[n]) && std::isnan(y[n + 1]));  // the row padding is not written
+        }
+    }
+  }
+  // argument errors: reported, nothing written
+  std::vector<float> x(8, 1.0f), w(8, 1.0f), y(4, -1.0f);
+  LinearArgs a;
+  a.x = x.data(); a.w = w.data(); a.y = y.data();
+  a.m = 2; a.n = 2; a.k = 4; a.ldx = 4; a.ldw = 4; a.ldy = 2;
+  a.num_threads = 0;
+  CHECK(linear_f32(a).find("num_threads must be >= 1") != std::string::npos);
+  a.num_threads = 1;
+  a.ldw = 3;
+  CHECK(linear_f32(a).find("row strides must cover a row") != std::string::npos);
+  a.ldw = 4;
+  a.y = x.data();
+  CHECK(linear_f32(a).find("must not overlap") != std::string::npos);
+  a.y = y.data();
+  CHECK(y[0] == -1.0f);
+  CHECK(linear_f32(a).empty());
+  CHECK(y[0] == 4.0f && y[3] == 4.0f);
+}
+
 int main() {
   test_philox_known_answers();
   test_stream_layout();
@@ -991,6 +1069,7 @@ int main() {
   test_verify_determinism();
   test_verify_errors();
   test_decode_device_error();
+  test_linear();
   std::printf("test_kernels: %d checks, %d failures\n", g_checks, g_failures);
   return g_failures == 0 ? 0 : 1;
 }

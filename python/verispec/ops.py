@@ -1,4 +1,5 @@
-"""Native sampling ops: the sampling policy, sampling, and speculative verification.
+"""Native ops: the sampling policy, sampling, speculative verification, and a CPU linear
+layer for the few-token forwards of speculative decoding.
 
 Same signatures and semantics as :mod:`verispec.reference` (the PyTorch oracle); the
 work runs in C++ on CPU tensors and in CUDA kernels on CUDA tensors, with no sort of the
@@ -26,7 +27,7 @@ import torch
 
 from verispec import _C
 
-__all__ = ["apply_policy", "sample", "verify"]
+__all__ = ["apply_policy", "linear", "sample", "verify"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -126,6 +127,52 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
 # Eager calls go straight to the implementation: the custom-op dispatch adds per-call
 # overhead and its first call imports torch._dynamo (seconds). Under torch.compile /
 # export the registered op (with its fake kernel) is what gets traced.
+
+
+def linear(x, weight, *, out=None, num_threads=None, isa="auto"):
+    """``x @ weight.T`` for float32 CPU tensors with few rows: ``x`` [M, K], ``weight``
+    [N, K] (a Linear's layout) -> [M, N] (written into ``out`` when given).
+
+    verispec's kernel for verify passes (LlamaModel uses it for 2-16 tokens): the weights
+    are read once per 8 rows of ``x``, so on SmolLM2's shapes M = 6 costs ~1.4x M = 1
+    where MKL's sgemm costs ~2.2x (bench/bench_linear.py). Batch invariant: a row's output is bitwise the same whatever the
+    other rows, its position, M, N's split and the thread count; it depends only on K and
+    the instruction set (``isa``: "auto" = the best of "avx512", "avx2", "scalar" this CPU
+    runs; ``verispec._C.linear_isas()`` lists them). The dot products are float32 with
+    FMA, lane-wise partial sums, so values differ from torch.mm by rounding only.
+
+    ``num_threads`` (default ``torch.get_num_threads()``) split the N dimension, on the
+    process's OpenMP team (torch's) when one is loaded. Rows need contiguous last
+    dimensions (any row stride). ``weight`` may be row-major or column-major
+    (``weight.t()`` contiguous, as LlamaModel keeps its matrices); the two round
+    differently (lane-wise partial sums vs one FMA chain over K per output; the chain
+    gives the same bits on every instruction set). Not a torch custom op: eager only.
+    """
+    op = "linear"
+    for name, t, dims in (("x", x, "[M, K]"), ("weight", weight, "[N, K]")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2 or t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"{op}: {name} must be a float32 CPU tensor {dims}, got "
+                             f"{_describe(t)} on {t.device}")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"{op}: weight must be [N, K] with K = x.shape[1] = {x.shape[1]}, "
+                         f"got {list(weight.shape)}")
+    if num_threads is None:
+        num_threads = torch.get_num_threads()
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"{op}: num_threads must be an int >= 1, got {num_threads!r}")
+    shape = (x.shape[0], weight.shape[0])
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    elif not isinstance(out, torch.Tensor) or out.dtype != torch.float32 \
+            or out.device.type != "cpu" or tuple(out.shape) != shape:
+        got = _describe(out) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{op}: out must be a float32 CPU tensor {list(shape)}, got {got}")
+    if weight.shape[1] > 1 and weight.stride(1) != 1 and weight.shape[0] > 1 and weight.stride(0) != 1:
+        weight = weight.contiguous()
+    _C.linear(_last_dim_contiguous(x), weight, out, num_threads, isa)
+    return out
 
 
 def _dispatch(op, eager):

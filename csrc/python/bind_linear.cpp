@@ -1,0 +1,118 @@
+// Binding of the few-rows CPU linear layer (verispec/linear.h): y = x w^T, float32.
+// Destination passing like the sampling ops; the GIL is released around the kernel.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "tensor_view.h"
+#include "verispec/linear.h"
+
+namespace py = pybind11;
+
+namespace verispec {
+namespace {
+
+LinearIsa parse_isa(const std::string& name) {
+  for (LinearIsa isa : {LinearIsa::kAuto, LinearIsa::kScalar, LinearIsa::kAvx2, LinearIsa::kAvx512})
+    if (name == linear_isa_name(isa)) return isa;
+  throw py::value_error("linear: isa must be one of 'auto', 'scalar', 'avx2', 'avx512', got '" +
+                        name + "'");
+}
+
+void linear(const py::handle& x_obj, const py::handle& w_obj, const py::handle& out_obj,
+            int num_threads, const std::string& isa_name, bool own_threads) {
+  const LinearIsa isa = parse_isa(isa_name);
+  const TensorView x = TensorView::from(x_obj, "linear", "x");
+  const TensorView w = TensorView::from(w_obj, "linear", "weight");
+  const TensorView out = TensorView::from(out_obj, "linear", "out", /*writable=*/true);
+  x.expect({DType::kFloat32}, {{"M", kAnyDim}, {"K", kAnyDim}}).expect_cpu().expect_last_dim_contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  w.expect({DType::kFloat32}, {{"N", kAnyDim}, {"K", k}}).expect_cpu();
+  const int64_t n = w.size(0);
+  // Either layout of a [N, K] weight: rows contiguous, or columns (w^T row-major).
+  const bool w_rows = k <= 1 || w.stride(1) == 1;
+  const bool w_cols = !w_rows && (n <= 1 || w.stride(0) == 1);
+  if (!w_rows && !w_cols)
+    throw py::value_error("linear: weight must have contiguous rows or contiguous columns, got "
+                          "strides [" + std::to_string(w.stride(0)) + ", " +
+                          std::to_string(w.stride(1)) + "]");
+  out.expect({DType::kFloat32}, {{"M", m}, {"N", n}}).expect_cpu().expect_last_dim_contiguous();
+  LinearArgs a;
+  a.x = x.data<const float>();
+  a.w = w.data<const float>();
+  a.y = out.data<float>();
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  // A size-1 dimension may carry any stride: a row's extent is what the kernel needs.
+  a.ldx = m > 1 ? x.stride(0) : k;
+  a.weight_kn = w_cols;
+  a.ldw = w_cols ? (k > 1 ? w.stride(1) : n) : (n > 1 ? w.stride(0) : k);
+  a.ldy = m > 1 ? out.stride(0) : n;
+  a.num_threads = num_threads;
+  a.isa = isa;
+  a.own_threads = own_threads;
+  std::string error;
+  {
+    py::gil_scoped_release release;
+    error = linear_f32(a);
+  }
+  if (!error.empty()) throw py::value_error("linear: " + error);
+}
+
+// The model's hot path (verispec.models.llama): no DLPack import per call (three imports
+// cost ~10 us, a tenth of a small product). Unchecked beyond what linear_f32 checks: the
+// caller passes the data pointers of live float32 CPU tensors of the given sizes.
+void linear_unchecked(uintptr_t x, uintptr_t w, uintptr_t out, int64_t m, int64_t n, int64_t k,
+                      int64_t ldx, int64_t ldw, int64_t ldy, int num_threads, bool weight_kn) {
+  LinearArgs a;
+  a.x = reinterpret_cast<const float*>(x);
+  a.w = reinterpret_cast<const float*>(w);
+  a.y = reinterpret_cast<float*>(out);
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  a.ldx = ldx;
+  a.ldw = ldw;
+  a.ldy = ldy;
+  a.num_threads = num_threads;
+  a.weight_kn = weight_kn;
+  if (m > 0 && n > 0 && (out == 0 || (k > 0 && (x == 0 || w == 0))))
+    throw py::value_error("linear: null data pointer");
+  std::string error;
+  {
+    py::gil_scoped_release release;
+    error = linear_f32(a);
+  }
+  if (!error.empty()) throw py::value_error("linear: " + error);
+}
+
+std::vector<std::string> supported_isas() {
+  std::vector<std::string> names;
+  for (LinearIsa isa : {LinearIsa::kScalar, LinearIsa::kAvx2, LinearIsa::kAvx512})
+    if (linear_isa_supported(isa)) names.emplace_back(linear_isa_name(isa));
+  return names;
+}
+
+}  // namespace
+
+void register_linear(py::module_& m) {
+  m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("out"),
+        py::arg("num_threads"), py::arg("isa") = "auto", py::arg("own_threads") = false,
+        "out[M, N] = x[M, K] @ weight[N, K]^T (float32, CPU); see verispec.ops.linear");
+  m.def("_linear_unchecked", &linear_unchecked, py::arg("x_ptr"), py::arg("w_ptr"),
+        py::arg("out_ptr"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("ldx"),
+        py::arg("ldw"), py::arg("ldy"), py::arg("num_threads"), py::arg("weight_kn") = false,
+        "linear on raw float32 CPU pointers (verispec.models.llama's hot path; no checks)");
+  m.def("linear_isas", &supported_isas, "instruction sets the linear kernel can use here");
+  m.def("linear_best_isa", [] { return std::string(linear_isa_name(linear_best_isa())); },
+        "the instruction set isa='auto' uses");
+  m.def("linear_threads", [] { return std::string(linear_threads_name()); },
+        "whose threads split calls run on: 'openmp' (the process's runtime) or 'verispec'");
+  m.attr("LINEAR_ROW_BLOCK") = kLinearRowBlock;
+}
+
+}  // namespace verispec
