@@ -742,6 +742,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         f", {b.get('compiler', '?')}, DLPack {b.get('dlpack_version', '?')}",
         f"GPU (runtime) {b.get('num_gpus', 0)} seen by verispec"
         + ("" if b.get("gpu_available") else " (CPU path only)"),
+        f"CPU linear    {b.get('cpu_linear_isa', '?')} (verify passes of 2-16 tokens, float32)",
     ]
     if t is None:
         lines.append("torch         not installed (pip install torch)")

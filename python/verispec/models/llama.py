@@ -17,7 +17,12 @@ then logits = norm(x[logits_indices]) @ Wlm, in the model's dtype (like transfor
 
 Speed (decoding is a chain of few-row matmuls plus ~20 small ops per layer):
 - float32 matrices on CPU are stored column-major (``W.t()`` contiguous, same [out, in]
-  shape): MKL's few-row products read them 10-20% faster than row-major ones;
+  shape): in a decode loop MKL's one-row products read them ~7% faster than row-major;
+- float32 products of 2..16 rows on CPU (verify passes) run in verispec's own kernel
+  (``verispec.ops.linear``): it reads the weights once for up to 8 rows, so a 6-token
+  pass costs ~1.4x a 1-token pass instead of MKL's ~2.2x (bench/bench_linear.py), and
+  a token's projections do not depend on how many tokens share the pass. One row
+  (plain decoding), longer products (prefill), other dtypes and devices use torch.mm;
 - every per-forward decision (slots to write, keys to read, mask) is taken once, not
   per layer; a row whose blocks are consecutive reads its keys as a slice of the pool;
 - a row of few queries (decode, verify) attends with two small batched matmuls, which
@@ -34,6 +39,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from verispec import _C
 from verispec.models.base import ModelGeometry, PagedBatch
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -43,6 +49,13 @@ PADDED_WORK_LIMIT = 2.0
 # A row of at most this many queries attends with two batched matmuls (its scores,
 # [kv_heads, queries * group, keys], stay small); longer rows (prefill) call SDPA.
 SMALL_ROW_QUERIES = 16
+# Products of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS rows (tokens in a forward: a
+# verify pass) use verispec's CPU linear kernel when the model is float32 on CPU
+# (LlamaModel.native_linear); on SmolLM2's shapes it beats MKL up to ~16 rows.
+NATIVE_LINEAR_MAX_ROWS = 16
+# One row (plain decoding) stays with MKL's matrix-vector product: as fast or faster in a
+# decode loop (bench/bench_linear.py), while ours wins from 2 rows on.
+NATIVE_LINEAR_MIN_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -172,8 +185,8 @@ def matmul_layout(w: torch.Tensor) -> torch.Tensor:
     """``w`` [out, in] as the layout its products run fastest in on its device.
 
     For float32 on CPU that is column-major (``w.t()`` contiguous; shape and values
-    unchanged): MKL's products of a few rows (decode, verify) stream it 10-20% faster
-    than a row-major matrix, and no slower for prefill-sized ones. (bfloat16 goes
+    unchanged): in a decode loop MKL's one-row products read it ~7% faster than a
+    row-major matrix, and verispec's few-row kernel reads either. (bfloat16 goes
     through oneDNN, which prefers row-major.) Otherwise ``w`` as it is.
     """
     if (w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2
@@ -368,11 +381,21 @@ class LlamaModel:
         self._bind_weights()
 
     def _bind_weights(self) -> None:
-        """The products' right-hand sides, W.t() (views: no copies)."""
+        """Each layer's tensors in the order forward reads them ([out, in] matrices)."""
         w = self.weights
-        self._layers = [(lw.attn_norm, lw.wqkv.t(), lw.wo.t(), lw.mlp_norm, lw.w_gate_up.t(),
-                         lw.w_down.t()) for lw in w.layers]
-        self._lm_head_t = w.lm_head.t()
+        self._layers = [(lw.attn_norm, lw.wqkv, lw.wo, lw.mlp_norm, lw.w_gate_up, lw.w_down)
+                        for lw in w.layers]
+        matrices = [m for lw in self._layers for m in (lw[1], lw[2], lw[4], lw[5])] + [w.lm_head]
+        # verispec's kernel reads the column-major float32 CPU matrices, and pays off
+        # only with vector instructions (its portable fallback is slower than MKL).
+        self._native_linear_ok = (
+            self.geometry.device.type == "cpu" and self.geometry.dtype == torch.float32
+            and _C.linear_best_isa() != "scalar"
+            and all(m.stride(0) == 1 and m.stride(1) >= m.shape[0] for m in matrices))
+        #: Use verispec's CPU linear kernel for forwards of at most NATIVE_LINEAR_MAX_ROWS
+        #: tokens (when the model can: float32 on an x86 CPU with AVX2 or AVX-512). Set
+        #: False to run every product through torch.mm (e.g. to compare).
+        self.native_linear = self._native_linear_ok
 
     @property
     def num_layers(self) -> int:
@@ -393,6 +416,7 @@ class LlamaModel:
         draft.geometry = replace(self.geometry, num_layers=num_layers)
         draft._cos, draft._sin = self._cos, self._sin  # share the RoPE tables too
         draft._bind_weights()
+        draft.native_linear = self.native_linear and draft._native_linear_ok
         return draft
 
     def __call__(self, batch: PagedBatch) -> torch.Tensor:
@@ -422,22 +446,43 @@ class LlamaModel:
         norm = self._norm
         cos = self._cos[positions][:, None, :]                                # [T, 1, hd]
         sin = self._sin[positions][:, None, :]
+        linear = self._linear(num_tokens)
         x = F.embedding(ids, w.embed)
         for (attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down), k_pool, v_pool in zip(
                 self._layers, batch.kv.k, batch.kv.v):
-            qkv = torch.mm(norm(x, attn_norm), wqkv).view(num_tokens, nh + 2 * nkv, hd)
+            qkv = linear(norm(x, attn_norm), wqkv).view(num_tokens, nh + 2 * nkv, hd)
             qk = apply_rope(qkv[:, :nh + nkv], cos, sin)                       # q and k together
             k_flat, v_flat = k_pool.view(-1, nkv, hd), v_pool.view(-1, nkv, hd)
             write(k_flat, qk[:, nh:])
             write(v_flat, qkv[:, nh + nkv:])
             attn = self._attend(qk[:, :nh], k_flat, v_flat, plan)
             # residual adds after the product (not addmm, which rounds differently)
-            x = x + torch.mm(attn, wo)
-            gate_up = torch.mm(norm(x, mlp_norm), w_gate_up)
-            x = x + torch.mm(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down)
+            x = x + linear(attn, wo)
+            gate_up = linear(norm(x, mlp_norm), w_gate_up)
+            x = x + linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down)
 
         x = x[batch.logits_indices.to(device)]
-        return torch.mm(norm(x, w.final_norm), self._lm_head_t)
+        return linear(norm(x, w.final_norm), w.lm_head)
+
+    def _linear(self, num_tokens: int):
+        """x [T, in] @ w[out, in]^T for this forward: verispec's kernel or torch.mm."""
+        if (self.native_linear and self._native_linear_ok
+                and NATIVE_LINEAR_MIN_ROWS <= num_tokens <= NATIVE_LINEAR_MAX_ROWS):
+            threads, native = torch.get_num_threads(), _C._linear_unchecked
+
+            def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                # x: a float32 CPU activation made in this forward; w: column-major [out,
+                # in], checked at bind time, read as w^T [in, out] row-major
+                if not x.is_contiguous():
+                    x = x.contiguous()
+                m, k = x.shape
+                n = w.shape[0]
+                out = torch.empty((m, n), dtype=torch.float32)
+                native(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, k, w.stride(1), n,
+                       threads, True)
+                return out
+            return linear
+        return lambda x, w: torch.mm(x, w.t())
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
