@@ -202,3 +202,55 @@ def test_model_uses_the_kernel_for_verify_passes_and_matches_torch(monkeypatch):
     # token 5 of the draft: in the 6-token pass vs in a 2-token pass [draft[4], draft[5]]
     split = run(True, [prompt, draft[:4], draft[4:]])
     assert torch.equal(got[1][4:], split[2])
+
+
+# --- RMSNorm (the model's other CPU kernel) ---------------------------------------------
+
+def _rms_norm(x, w, eps):
+    out = torch.empty_like(x)
+    _C._rms_norm_unchecked(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), w.data_ptr(), eps,
+                           out.data_ptr(), out.shape[1])
+    return out
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 1), (3, 7), (6, 576), (20, 1536)])
+def test_rms_norm_matches_torch(rows, dim):
+    """Within a few float32 ulps of torch's rms_norm (the statistic is summed in double
+    here); a 1e-6 relative change of the weight is outside that bound (the check's power)."""
+    g = torch.Generator().manual_seed(rows * dim)
+    x = torch.randn(rows, dim, generator=g) * torch.logspace(-4, 4, rows)[:, None]
+    w = 1 + 0.2 * torch.randn(dim, generator=g)
+    want = torch.nn.functional.rms_norm(x, (dim,), w, 1e-5)
+    tol = 4 * torch.finfo(torch.float32).eps * want.abs() + 1e-30
+    assert ((_rms_norm(x, w, 1e-5) - want).abs() <= tol).all()
+    assert not ((_rms_norm(x, w * (1 + 1e-6), 1e-5) - want).abs() <= tol / 4).all()
+
+
+def test_rms_norm_errors():
+    x, w = torch.randn(2, 4), torch.randn(4)
+    out = torch.empty(2, 4)
+    with pytest.raises(ValueError, match=r"rms_norm: row strides must cover a row: ldx = 3"):
+        _C._rms_norm_unchecked(x.data_ptr(), 2, 4, 3, w.data_ptr(), 1e-5, out.data_ptr(), 4)
+    with pytest.raises(ValueError, match=r"rms_norm: rows must be >= 0 and dim >= 1, got rows = 2, dim = 0"):
+        _C._rms_norm_unchecked(x.data_ptr(), 2, 0, 4, w.data_ptr(), 1e-5, out.data_ptr(), 4)
+    with pytest.raises(ValueError, match=r"rms_norm: eps must be >= 0"):
+        _C._rms_norm_unchecked(x.data_ptr(), 2, 4, 4, w.data_ptr(), -1.0, out.data_ptr(), 4)
+    with pytest.raises(ValueError, match=r"rms_norm: null data pointer"):
+        _C._rms_norm_unchecked(0, 2, 4, 4, w.data_ptr(), 1e-5, out.data_ptr(), 4)
+
+
+def test_model_native_norm_matches_torch():
+    from verispec.models.testing import PagedRunner
+    model = _tiny_llama(seed=3)
+    assert model.native_norm
+    g = torch.Generator().manual_seed(7)
+    chunks = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (12, 1, 5)]
+
+    def run(native):
+        model.native_norm = native
+        runner = PagedRunner(model, num_blocks=16, block_size=8)
+        seq = runner.add_sequence()
+        return [runner.step({seq: c})[0] for c in chunks]
+
+    for a, b in zip(run(True), run(False)):
+        assert (a - b).abs().max().item() < 1e-4

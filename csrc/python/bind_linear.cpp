@@ -9,6 +9,7 @@
 #include "bindings.h"
 #include "tensor_view.h"
 #include "verispec/linear.h"
+#include "verispec/norm.h"
 
 namespace py = pybind11;
 
@@ -90,6 +91,17 @@ void linear_unchecked(uintptr_t x, uintptr_t w, uintptr_t out, int64_t m, int64_
   if (!error.empty()) throw py::value_error("linear: " + error);
 }
 
+// RMSNorm for the model's hot path, unchecked like linear_unchecked (float32 CPU rows).
+void rms_norm_unchecked(uintptr_t x, int64_t rows, int64_t dim, int64_t ldx, uintptr_t w,
+                        double eps, uintptr_t out, int64_t ldy) {
+  if (rows > 0 && (x == 0 || w == 0 || out == 0)) throw py::value_error("rms_norm: null data pointer");
+  const std::string error =
+      rms_norm_f32(reinterpret_cast<const float*>(x), rows, dim, ldx,
+                   reinterpret_cast<const float*>(w), static_cast<float>(eps),
+                   reinterpret_cast<float*>(out), ldy);
+  if (!error.empty()) throw py::value_error("rms_norm: " + error);
+}
+
 std::vector<std::string> supported_isas() {
   std::vector<std::string> names;
   for (LinearIsa isa : {LinearIsa::kScalar, LinearIsa::kAvx2, LinearIsa::kAvx512})
@@ -107,6 +119,9 @@ void register_linear(py::module_& m) {
         py::arg("out_ptr"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("ldx"),
         py::arg("ldw"), py::arg("ldy"), py::arg("num_threads"), py::arg("weight_kn") = false,
         "linear on raw float32 CPU pointers (verispec.models.llama's hot path; no checks)");
+  m.def("_rms_norm_unchecked", &rms_norm_unchecked, py::arg("x_ptr"), py::arg("rows"),
+        py::arg("dim"), py::arg("ldx"), py::arg("w_ptr"), py::arg("eps"), py::arg("out_ptr"),
+        py::arg("ldy"), "RMSNorm on raw float32 CPU pointers (verispec.models.llama; no checks)");
   m.def("linear_isas", &supported_isas, "instruction sets the linear kernel can use here");
   m.def("linear_best_isa", [] { return std::string(linear_isa_name(linear_best_isa())); },
         "the instruction set isa='auto' uses");

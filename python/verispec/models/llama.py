@@ -23,6 +23,8 @@ Speed (decoding is a chain of few-row matmuls plus ~20 small ops per layer):
   pass costs ~1.4x a 1-token pass instead of MKL's ~2.2x (bench/bench_linear.py), and
   a token's projections do not depend on how many tokens share the pass. One row
   (plain decoding), longer products (prefill), other dtypes and devices use torch.mm;
+- float32 RMSNorm on CPU is one pass of verispec's (``_C._rms_norm_unchecked``): torch's
+  is ~10 small ops, ~65 us a call in a decode loop, 61 calls a SmolLM2 token;
 - every per-forward decision (slots to write, keys to read, mask) is taken once, not
   per layer; a row whose blocks are consecutive reads its keys as a slice of the pool;
 - a row of few queries (decode, verify) attends with two small batched matmuls, which
@@ -396,6 +398,13 @@ class LlamaModel:
         #: tokens (when the model can: float32 on an x86 CPU with AVX2 or AVX-512). Set
         #: False to run every product through torch.mm (e.g. to compare).
         self.native_linear = self._native_linear_ok
+        norms = [n for lw in self._layers for n in (lw[0], lw[3])] + [w.final_norm]
+        self._native_norm_ok = (
+            self.geometry.device.type == "cpu" and self.geometry.dtype == torch.float32
+            and all(n.is_contiguous() for n in norms))
+        #: RMSNorm in verispec's one-pass CPU kernel (float32 on CPU): torch's float32
+        #: rms_norm is ~10 small ops. Set False to use torch's.
+        self.native_norm = self._native_norm_ok
 
     @property
     def num_layers(self) -> int:
@@ -417,6 +426,7 @@ class LlamaModel:
         draft._cos, draft._sin = self._cos, self._sin  # share the RoPE tables too
         draft._bind_weights()
         draft.native_linear = self.native_linear and draft._native_linear_ok
+        draft.native_norm = self.native_norm and draft._native_norm_ok
         return draft
 
     def __call__(self, batch: PagedBatch) -> torch.Tensor:
@@ -443,7 +453,7 @@ class LlamaModel:
             raise ValueError(f"LlamaModel.forward: context_lens must be <= max_context = "
                              f"{g.max_context}, got {max(plan.ctx_lens)}")
         write = _KVWrite(batch.slot_mapping, device)
-        norm = self._norm
+        norm = self._norm_fn()
         cos = self._cos[positions][:, None, :]                                # [T, 1, hd]
         sin = self._sin[positions][:, None, :]
         linear = self._linear(num_tokens)
@@ -483,6 +493,22 @@ class LlamaModel:
                 return out
             return linear
         return lambda x, w: torch.mm(x, w.t())
+
+    def _norm_fn(self):
+        """RMSNorm for this forward: verispec's one-pass kernel or torch's ops."""
+        if not (self.native_norm and self._native_norm_ok):
+            return self._norm
+        native, eps = _C._rms_norm_unchecked, self.config.rms_norm_eps
+
+        def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            # x: a float32 CPU activation made in this forward; weight: checked at bind time
+            if not x.is_contiguous():
+                x = x.contiguous()
+            out = torch.empty_like(x)
+            rows, dim = x.shape
+            native(x.data_ptr(), rows, dim, dim, weight.data_ptr(), eps, out.data_ptr(), dim)
+            return out
+        return norm
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
