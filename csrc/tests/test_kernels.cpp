@@ -14,6 +14,7 @@
 
 #include "../kernels/cpu/cpu_policy.h"
 #include "verispec/linear.h"
+#include "verispec/norm.h"
 #include "verispec/ops.h"
 #include "verispec/philox.h"
 #include "verispec/sampling_math.h"
@@ -1048,6 +1049,36 @@ void test_linear() {
   CHECK(y[0] == 4.0f && y[3] == 4.0f);
 }
 
+// ---- RMSNorm (verispec/norm.h) ----------------------------------------------------------
+void test_rms_norm() {
+  std::mt19937 rng(12);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t rows = 5, dim = 37, ldx = 40;
+  std::vector<float> x(rows * ldx, kNan), w(dim), y(rows * ldx, kNan);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < dim; ++i) x[r * ldx + i] = normal(rng) * static_cast<float>(r + 1);
+  for (auto& v : w) v = 1.0f + 0.1f * normal(rng);
+  CHECK(rms_norm_f32(x.data(), rows, dim, ldx, w.data(), 1e-5f, y.data(), ldx).empty());
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(x[r * ldx + i]) * x[r * ldx + i];
+    const double scale = 1.0 / std::sqrt(ss / dim + 1e-5);
+    for (int64_t i = 0; i < dim; ++i) {
+      const double want = w[i] * x[r * ldx + i] * scale;
+      CHECK_NEAR(y[r * ldx + i], want, 1e-6 * std::fabs(want) + 1e-30);
+    }
+    CHECK(std::isnan(y[r * ldx + dim]));  // the row padding is not written
+  }
+  // in place (y == x) gives the same values
+  std::vector<float> z = x;
+  CHECK(rms_norm_f32(z.data(), rows, dim, ldx, w.data(), 1e-5f, z.data(), ldx).empty());
+  CHECK(std::memcmp(z.data(), y.data(), sizeof(float) * dim) == 0);
+  CHECK(rms_norm_f32(x.data(), rows, dim, dim - 1, w.data(), 1e-5f, y.data(), ldx).find("ldx") !=
+        std::string::npos);
+  CHECK(rms_norm_f32(x.data(), rows, 0, ldx, w.data(), 1e-5f, y.data(), ldx).find("dim >= 1") !=
+        std::string::npos);
+}
+
 int main() {
   test_philox_known_answers();
   test_stream_layout();
@@ -1070,6 +1101,7 @@ int main() {
   test_verify_errors();
   test_decode_device_error();
   test_linear();
+  test_rms_norm();
   std::printf("test_kernels: %d checks, %d failures\n", g_checks, g_failures);
   return g_failures == 0 ? 0 : 1;
 }
