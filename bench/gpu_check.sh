@@ -9,7 +9,8 @@
 #              pip install --no-build-isolation --no-deps into a private --target dir
 #              (the machine's site-packages stay untouched); without scikit-build-core,
 #              the same CMakeLists.txt is built directly with cmake
-#   4. tests   pytest -m cuda on the test files that have cuda-marked tests; then
+#   4. tests   pytest -m cuda on the test files that have cuda-marked tests (through
+#              tools/pytest_isolated.py: a crash does not hide the later tests); then
 #              tools/wheel_smoke.py --device cuda (ops vs CPU, a tiny Llama decoded with
 #              plain, n-gram and early-exit drafts on the GPU; build_info incl. nvtx)
 #   5. bench   bench/bench_kernels.py --device cuda
@@ -254,10 +255,12 @@ fi
 if ((built)) && have_module pytest; then
   mapfile -t cuda_test_files < <(grep -l "pytest.mark.cuda" tests/test_*.py)
   log "cuda-marked tests in: ${cuda_test_files[*]}"
-  phase tests 200 110 "$PY" -m pytest -m cuda -q -rs -p no:cacheprovider \
+  # pytest_isolated: if a test kills the process, the tests after it still run, each in
+  # its own process (the first H200 run lost every test after a segfaulting one).
+  phase tests 200 110 "$PY" tools/pytest_isolated.py -m cuda --per-test-timeout 60 \
     --continue-on-collection-errors --junitxml="$OUT_DIR/pytest-cuda.xml" \
     "${cuda_test_files[@]}" || true
-  tail -n 15 "$OUT_DIR/tests.log"
+  tail -n 25 "$OUT_DIR/tests.log"
 else
   fail tests "not run (no CUDA build of verispec, or no pytest)"
 fi
