@@ -571,6 +571,39 @@ def test_cuda_sample_and_verify_draw_the_cpu_coins():
 
 
 @pytest.mark.cuda
+def test_cuda_per_row_policies_match_scalar_calls():
+    """Per-row tensors run the filtering kernels for every row; scalar calls without a
+    filter run the kernels compiled without one: the same bits either way."""
+    x = logits_for(6, 128256, seed=7).cuda()
+    temperature = torch.tensor([0.0, 0.5, 1.0, 2.0, 1.0, 0.8], device="cuda")
+    top_k = torch.tensor([0, 10, 0, 3, 1, 128255], device="cuda")
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.95, 0.3, 0.999], device="cuda")
+    min_p = torch.tensor([0.0, 0.1, 0.0, 0.3, 0.0, 0.0], device="cuda")
+    probs = ops.apply_policy(x, temperature, top_k, top_p, min_p)
+    for i in range(6):
+        row = ops.apply_policy(x[i:i + 1], float(temperature[i]), int(top_k[i]),
+                               float(top_p[i]), float(min_p[i]))
+        assert torch.equal(probs[i:i + 1], row), i
+    want = ops.apply_policy(x.cpu(), temperature.cpu(), top_k.cpu(), top_p.cpu(), min_p.cpu())
+    torch.testing.assert_close(probs.cpu(), want, rtol=1e-4, atol=1e-6)
+    assert (probs.cpu().ne(0) != want.ne(0)).sum() <= 2, "kept sets differ beyond rounding"
+    assert int(probs[4].ne(0).sum()) == 1 and int(probs[3].ne(0).sum()) <= 3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("v", [1, 7, 513, 128256])
+def test_cuda_sample_matches_cpu_at_awkward_vocabularies(v):
+    """The inverse-CDF pick splits a row into one chunk per thread: vocabularies smaller
+    than, just over and far over the 512 threads of a block."""
+    probs = torch.softmax(logits_for(300, v, seed=v), dim=-1)
+    probs[::7, : max(v // 2, 1) - 1] = 0.0  # leading zeros: empty chunks before the mass
+    got = ops.sample(probs.cuda(), seed=2, offset=v).cpu()
+    want = ops.sample(probs, seed=2, offset=v)
+    assert bool((got >= 0).all()) and bool((probs.gather(1, got[:, None].long()) > 0).all())
+    assert (got == want).float().mean() > 0.99  # equal but for rounding at CDF boundaries
+
+
+@pytest.mark.cuda
 def test_cuda_errors_name_the_row():
     x = torch.zeros(4, 50, device="cuda")
     x[2, 7] = math.nan
@@ -586,7 +619,8 @@ def test_cuda_errors_name_the_row():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", ["plain", "top_p", "onehot_drafts", "ragged", "bfloat16"])
+@pytest.mark.parametrize("case", ["plain", "top_k", "top_p", "all_knobs_depth3", "onehot_drafts",
+                                  "ragged", "bfloat16"])
 def test_cuda_verify_is_exact_in_distribution(case):
     result = joint_distribution_result(ops.verify, device="cuda", **EXACTNESS_CASES[case])
     assert result.p_value > ALPHA, result

@@ -46,6 +46,13 @@ VERISPEC_HD inline uint64_t resolve_offset(const RandomParams& r) {
   return r.offset_ptr ? static_cast<uint64_t>(*r.offset_ptr) : r.offset;
 }
 
+// Whether a row's policy may filter (top-k, top-p or min-p). False only when every filter
+// is a disabled scalar; the CUDA policy kernels then leave the filter code out.
+inline bool policy_may_filter(const PolicyParams& p, int64_t vocab) {
+  if (p.top_k_per_row || p.top_p_per_row || p.min_p_per_row) return true;
+  return top_k_active(p.top_k, vocab) || top_p_active(p.top_p) || min_p_active(p.min_p);
+}
+
 // What a check of one logits row found: every value usable (kLogitsOk), the index of
 // the first NaN / +Inf (>= 0), or no finite value at all (kLogitsAllMasked: all -Inf).
 constexpr int64_t kLogitsOk = -1;

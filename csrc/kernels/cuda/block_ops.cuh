@@ -1,7 +1,7 @@
 // Block-wide building blocks of the sampling kernels (one block per row): reductions
 // that hand every thread the result, the threshold searches of the policy, and the
-// inverse-CDF pick. All reductions use CUB's fixed tree, so results are deterministic
-// for a given block size.
+// inverse-CDF pick. Every reduction has a fixed order (CUB's tree, or warp shuffles
+// then warps in order), so results are deterministic for a given block size.
 #pragma once
 
 #include <cub/block/block_reduce.cuh>
@@ -10,6 +10,7 @@
 #include <climits>
 
 #include "../common.h"
+#include "../threshold_search.h"
 
 namespace verispec {
 namespace kernels {
@@ -45,10 +46,21 @@ struct BlockOps {
     typename ReduceA::TempStorage a;
     typename ScanF::TempStorage s;
   };
+  static_assert(BLOCK % 32 == 0, "whole warps");
+  static constexpr int kWarps = BLOCK / 32;
   Temp temp;
   float bcast_f;
   int bcast_i;
   ArgMax bcast_a;
+  // sum_each: per-warp partial sums, then the block's sums.
+  float warp_f[kWarps * kSearchCandidates];
+  int warp_i[kWarps * kSearchCandidates];
+  float each_f[kSearchCandidates];
+  int each_i[kSearchCandidates];
+  __device__ float* warp_sums(float) { return warp_f; }
+  __device__ int* warp_sums(int) { return warp_i; }
+  __device__ float* each_sums(float) { return each_f; }
+  __device__ int* each_sums(int) { return each_i; }
 
   // Each reduction ends with the result in every thread and `temp` free for reuse.
   __device__ float sum(float v) {
@@ -78,6 +90,33 @@ struct BlockOps {
   }
   __device__ int min_int(int v) { return reduce_int(v, MinInt()); }
   __device__ int max_int(int v) { return reduce_int(v, MaxInt()); }
+  // v[c] = the block's sum of v[c], for N <= kSearchCandidates values at once: shuffles
+  // within each warp, then the warps in order (one barrier pair for all N).
+  template <int N, typename V>
+  __device__ void sum_each(V (&v)[N]) {
+    static_assert(N <= kSearchCandidates, "sum_each: scratch holds kSearchCandidates");
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    V* partial = warp_sums(V{});
+    V* total = each_sums(V{});
+    VERISPEC_UNROLL
+    for (int c = 0; c < N; ++c) {
+      V x = v[c];
+      VERISPEC_UNROLL
+      for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_down_sync(0xffffffffu, x, offset);
+      if (lane == 0) partial[warp * N + c] = x;
+    }
+    __syncthreads();
+    if (threadIdx.x < N) {
+      V s = partial[threadIdx.x];
+      for (int w = 1; w < kWarps; ++w) s += partial[w * N + threadIdx.x];
+      total[threadIdx.x] = s;
+    }
+    __syncthreads();
+    VERISPEC_UNROLL
+    for (int c = 0; c < N; ++c) v[c] = total[c];
+    __syncthreads();  // scratch free for the next call
+  }
   __device__ ArgMax argmax(ArgMax v) {
     const ArgMax r = ReduceA(temp.a).Reduce(v, ArgMaxOp());
     if (threadIdx.x == 0) bcast_a = r;
@@ -121,10 +160,13 @@ __device__ inline float policy_prob(float l, int i, const RowStats& s, float tem
 
 // Computes the policy of logits x[0, V) into *stats (same value in every thread).
 // Returns kLogitsOk, the lowest index of a NaN / +Inf logit, or kLogitsAllMasked (no
-// finite logit; -Inf is a mask). Threshold searches bisect the bit
-// pattern of the probability (monotone for values >= 0): each step is one pass with a
-// block count or mass, at most 31 steps, and the result is an exact probability value.
-template <typename T, int BLOCK>
+// finite logit; -Inf is a mask). Threshold searches run on the bit pattern of the
+// probability (monotone for values >= 0), 8-way (threshold_search.h): each pass counts
+// or weighs 7 candidates at once, at most 10 passes a search (bisection: 31), and the
+// result is an exact probability value.
+// FILTER false: every filter is off for every row (policy_may_filter); the filter code
+// is left out, and with it the registers its searches need.
+template <typename T, int BLOCK, bool FILTER>
 __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy& pol,
                                  bool greedy, BlockOps<BLOCK>& ops, RowStats* stats) {
   const int tid = threadIdx.x;
@@ -156,6 +198,10 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
   float acc = 0.0f;
   for (int i = tid; i < V; i += BLOCK) acc += softmax_weight(to_float(x[i]), s.row_max, temperature);
   s.norm = ops.sum(acc);
+  if constexpr (!FILTER) {
+    *stats = s;
+    return static_cast<int>(kLogitsOk);
+  }
   const float norm = s.norm;
   const float row_max = s.row_max;
   auto p_raw = [&](int i) { return softmax_weight(to_float(x[i]), row_max, temperature) / norm; };
@@ -176,20 +222,36 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
 
   float threshold = 0.0f;
   if (top_k_active(pol.top_k, V)) {
-    // Largest t with count{p >= t} >= k: the k-th largest probability.
+    // Largest t with count{p >= t} >= k: the k-th largest probability; a candidate
+    // that keeps exactly k is final (it keeps the top-k set already).
     const int k = pol.top_k;
     if (count_ge(p_max) >= k) {
       threshold = p_max;
     } else {
-      uint32_t lo = 0, hi = float_bits(p_max);  // count(lo) >= k > count(hi)
-      while (hi - lo > 1) {
-        const uint32_t mid = lo + (hi - lo) / 2;
-        const int c = count_ge(bits_float(mid));
-        if (c >= k) lo = mid;
-        else hi = mid;
-        if (c == k) break;  // {p >= mid} is exactly the top-k set already
-      }
-      threshold = bits_float(lo);
+      auto tally = [&](uint32_t lo, uint32_t hi) {
+        float t[kSearchCandidates];
+        int count[kSearchCandidates];
+        VERISPEC_UNROLL
+        for (int c = 0; c < kSearchCandidates; ++c) {
+          t[c] = bits_float(search_candidate(lo, hi, c));
+          count[c] = 0;
+        }
+        for (int i = tid; i < V; i += BLOCK) {
+          const float p = p_raw(i);
+          VERISPEC_UNROLL
+          for (int c = 0; c < kSearchCandidates; ++c) count[c] += p >= t[c];
+        }
+        ops.sum_each(count);
+        SearchVerdicts v{0u, 0u};
+        VERISPEC_UNROLL
+        for (int c = 0; c < kSearchCandidates; ++c) {
+          v.enough |= static_cast<uint32_t>(count[c] >= k) << c;
+          v.exact |= static_cast<uint32_t>(count[c] == k) << c;
+        }
+        return v;
+      };
+      // count(0) = V >= k > count(p_max)
+      threshold = bits_float(search_largest_enough(0u, float_bits(p_max), tally));
     }
   }
   if (top_p_active(pol.top_p)) {
@@ -198,13 +260,29 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
     if (mass_ge(p_max) >= target) {
       threshold = p_max;
     } else {
-      uint32_t lo = float_bits(threshold), hi = float_bits(p_max);  // mass(lo) >= target > mass(hi)
-      while (hi - lo > 1) {
-        const uint32_t mid = lo + (hi - lo) / 2;
-        if (mass_ge(bits_float(mid)) >= target) lo = mid;
-        else hi = mid;
-      }
-      threshold = bits_float(lo);
+      auto tally = [&](uint32_t lo, uint32_t hi) {
+        float t[kSearchCandidates];
+        float mass[kSearchCandidates];
+        VERISPEC_UNROLL
+        for (int c = 0; c < kSearchCandidates; ++c) {
+          t[c] = bits_float(search_candidate(lo, hi, c));
+          mass[c] = 0.0f;
+        }
+        for (int i = tid; i < V; i += BLOCK) {
+          const float p = p_raw(i);
+          VERISPEC_UNROLL
+          for (int c = 0; c < kSearchCandidates; ++c) mass[c] += p >= t[c] ? p : 0.0f;
+        }
+        ops.sum_each(mass);
+        SearchVerdicts v{0u, 0u};
+        VERISPEC_UNROLL
+        for (int c = 0; c < kSearchCandidates; ++c) {
+          v.enough |= static_cast<uint32_t>(mass[c] >= target) << c;
+        }
+        return v;
+      };
+      // mass(threshold) >= target > mass(p_max)
+      threshold = bits_float(search_largest_enough(float_bits(threshold), float_bits(p_max), tally));
     }
   }
   if (min_p_active(pol.min_p)) threshold = fmaxf(threshold, min_p_threshold(pol.min_p, p_max));
@@ -217,51 +295,83 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
 }
 
 // ---- inverse CDF --------------------------------------------------------------------
+// Thread t owns the contiguous chunk [t * C, (t + 1) * C) of the row, C = ceil(V / BLOCK).
+// A pick is one pass that sums every chunk, one block scan over the chunk sums, and a
+// walk along the one chunk that holds the target, by its owner: the running sum of the
+// sampling_math.h rule, taken chunk by chunk instead of index by index.
+
+// This thread's chunk [*begin, *end) of [0, V).
+template <int BLOCK>
+__device__ inline void thread_chunk(int V, int* begin, int* end) {
+  const int size = (V + BLOCK - 1) / BLOCK;  // V < 2^31: threadIdx.x * size stays an int
+  *begin = min(static_cast<int>(threadIdx.x) * size, V);
+  *end = min(*begin + size, V);
+}
 
 struct WeightTotal {
-  float total;  // sum of the weights
-  int last;     // largest index with a positive weight, -1 if none
+  float total;     // sum of the weights
+  int last;        // largest index with a positive weight, -1 if none
+  float chunk;     // this thread's chunk: sum of its weights
+  int chunk_last;  // this thread's chunk: largest index with a positive weight, -1 if none
 };
 
-// Total and last positive index of weights w(i) >= 0, i < V.
+// Total and last positive index of weights w(i) >= 0, i < V (and this thread's share).
 template <int BLOCK, typename WeightFn>
 __device__ WeightTotal block_total(const WeightFn& w, int V, BlockOps<BLOCK>& ops) {
-  float acc = 0.0f;
-  int last = -1;
-  for (int i = threadIdx.x; i < V; i += BLOCK) {
+  int begin, end;
+  thread_chunk<BLOCK>(V, &begin, &end);
+  WeightTotal t;
+  t.chunk = 0.0f;
+  t.chunk_last = -1;
+  for (int i = begin; i < end; ++i) {
     const float wi = w(i);
     if (wi > 0.0f) {
-      acc += wi;
-      last = i;
+      t.chunk += wi;
+      t.chunk_last = i;
     }
   }
-  WeightTotal t;
-  t.total = ops.sum(acc);
-  t.last = ops.max_int(last);
+  t.total = ops.sum(t.chunk);
+  t.last = ops.max_int(t.chunk_last);
   return t;
 }
 
 // Inverse-CDF pick (sampling_math.h rule) over weights w(i) >= 0 with coin u, given
-// their block_total: tiles of BLOCK in index order with a running prefix (block scan),
-// stopping at the first tile that holds the pick. Returns -1 if all weights are zero.
+// their block_total. Returns -1 if all weights are zero. Rounding (a running sum that
+// never passes the target) picks the last positive weight of the chunk that should hold
+// the target, or of the row.
 template <int BLOCK, typename WeightFn>
 __device__ int block_pick(const WeightFn& w, int V, float u, const WeightTotal& t,
                           BlockOps<BLOCK>& ops) {
   if (t.last < 0) return -1;
   const float target = inverse_cdf_target(u, t.total);
-  float running = 0.0f;
-  for (int base = 0; base < V; base += BLOCK) {
-    const int i = base + threadIdx.x;
-    const float wi = i < V ? w(i) : 0.0f;
-    float before, tile_total;
-    typename BlockOps<BLOCK>::ScanF(ops.temp.s).ExclusiveSum(wi, before, tile_total);
-    __syncthreads();  // temp is reused by the reduction below
-    const bool hit = wi > 0.0f && running + before + wi > target;
-    const int found = ops.min_int(hit ? i : INT_MAX);
-    if (found != INT_MAX) return found;
-    running += tile_total;
+  float before, all;
+  typename BlockOps<BLOCK>::ScanF(ops.temp.s).ExclusiveSum(t.chunk, before, all);
+  __syncthreads();  // temp is reused by the reduction below
+  // The first chunk with mass whose end passes the target holds the pick.
+  const bool holds = t.chunk > 0.0f && before + t.chunk > target;
+  const int owner = ops.min_int(holds ? static_cast<int>(threadIdx.x) : INT_MAX);
+  if (owner == INT_MAX) return t.last;  // rounding: no chunk end passed the target
+  if (static_cast<int>(threadIdx.x) == owner) {
+    int begin, end;
+    thread_chunk<BLOCK>(V, &begin, &end);
+    float running = before;
+    int pick = t.chunk_last;  // rounding inside the chunk
+    for (int i = begin; i < end; ++i) {
+      const float wi = w(i);
+      if (wi > 0.0f) {
+        running += wi;
+        if (running > target) {
+          pick = i;
+          break;
+        }
+      }
+    }
+    ops.bcast_i = pick;  // min_int's last barrier: every thread has read bcast_i
   }
-  return t.last;  // rounding: the running sum never exceeded the target
+  __syncthreads();
+  const int out = ops.bcast_i;
+  __syncthreads();
+  return out;
 }
 
 template <int BLOCK, typename WeightFn>

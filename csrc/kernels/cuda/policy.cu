@@ -2,7 +2,8 @@
 // max, the softmax normaliser and the filter threshold by block-wide threshold search
 // (no sort of the vocabulary); one more pass writes the probabilities.
 // Napkin math (V = 32000, bf16, no filter): 3 reads of 64 KB + one 128 KB write per
-// row; each active top-k / top-p search adds up to 31 read passes (L2-resident).
+// row; each active top-k / top-p search adds up to 10 read passes (8-way, see
+// threshold_search.h). Without any filter the kernel is compiled without them.
 #include "block_ops.cuh"
 #include "launch.cuh"
 
@@ -15,7 +16,7 @@ using namespace kernels::cuda;
 
 constexpr int kBlock = 512;
 
-template <typename T, int BLOCK>
+template <typename T, int BLOCK, bool FILTER>
 __global__ void __launch_bounds__(BLOCK)
     apply_policy_kernel(ApplyPolicyArgs a, unsigned long long* record) {
   __shared__ BlockOps<BLOCK> ops;
@@ -29,7 +30,7 @@ __global__ void __launch_bounds__(BLOCK)
     if (threadIdx.x == 0) report_error(record, row, StatusCode::kInvalidPolicy, field);
   } else {
     RowStats s;
-    const int bad = compute_row_stats<T, BLOCK>(x, V, pol, pol.greedy(), ops, &s);
+    const int bad = compute_row_stats<T, BLOCK, FILTER>(x, V, pol, pol.greedy(), ops, &s);
     if (bad == kLogitsOk) {
       for (int i = threadIdx.x; i < V; i += BLOCK) {
         out[i] = policy_prob(to_float(x[i]), i, s, pol.temperature, pol.greedy());
@@ -53,10 +54,15 @@ OpStatus apply_policy_cuda(const ApplyPolicyArgs& a, const CudaLaunch& launch) {
   s = ws.acquire(launch, apply_policy_cuda_workspace_bytes());
   if (!s.ok()) return s;
   const auto stream = static_cast<cudaStream_t>(launch.stream);
+  const bool filter = policy_may_filter(a.policy, a.vocab);
   dispatch_dtype(a.logits_dtype, a.logits, [&](const auto* logits) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
-    apply_policy_kernel<T, kBlock>
-        <<<static_cast<unsigned>(a.rows), kBlock, 0, stream>>>(a, ws.record());
+    const auto grid = static_cast<unsigned>(a.rows);
+    if (filter) {
+      apply_policy_kernel<T, kBlock, true><<<grid, kBlock, 0, stream>>>(a, ws.record());
+    } else {
+      apply_policy_kernel<T, kBlock, false><<<grid, kBlock, 0, stream>>>(a, ws.record());
+    }
   });
   uint64_t record;
   s = ws.finish(launch, &record);

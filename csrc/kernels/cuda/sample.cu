@@ -1,5 +1,6 @@
-// sample on CUDA: one block per row; a validation pass, then block_pick (total, then a
-// tiled block scan up to the picked token).
+// sample on CUDA: one block per row; a validation pass, then block_pick (a pass of
+// per-thread chunk sums, a block scan over them, a walk along the chunk that holds the
+// target).
 #include "block_ops.cuh"
 #include "launch.cuh"
 

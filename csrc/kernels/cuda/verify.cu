@@ -30,7 +30,7 @@ __device__ inline const T* logits_at(const VerifyArgs& a, int64_t b, int64_t j) 
 }
 
 // grid: batch * (K + 1) blocks; stats: [batch, K + 1].
-template <typename T, int BLOCK>
+template <typename T, int BLOCK, bool FILTER>
 __global__ void __launch_bounds__(BLOCK)
     verify_policy_kernel(VerifyArgs a, RowStats* stats, unsigned long long* record) {
   __shared__ BlockOps<BLOCK> ops;
@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(BLOCK)
   }
   const T* x = logits_at<T>(a, b, j);  // [V]
   RowStats s;
-  if (compute_row_stats<T, BLOCK>(x, V, pol, greedy, ops, &s) != kLogitsOk) {
+  if (compute_row_stats<T, BLOCK, FILTER>(x, V, pol, greedy, ops, &s) != kLogitsOk) {
     if (threadIdx.x == 0) report_error(record, b, StatusCode::kNanOrInfLogits, j);
     ok = false;
   }
@@ -193,10 +193,15 @@ OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
   if (!s.ok()) return s;
   auto* stats = static_cast<RowStats*>(ws.payload());
   const auto stream = static_cast<cudaStream_t>(launch.stream);
+  const bool filter = !a.greedy && policy_may_filter(a.policy, a.vocab);
   dispatch_dtype(a.target_logits_dtype, a.target_logits, [&](const auto* logits) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
     const auto positions = static_cast<unsigned>(a.batch * (a.num_spec + 1));
-    verify_policy_kernel<T, kBlock><<<positions, kBlock, 0, stream>>>(a, stats, ws.record());
+    if (filter) {
+      verify_policy_kernel<T, kBlock, true><<<positions, kBlock, 0, stream>>>(a, stats, ws.record());
+    } else {
+      verify_policy_kernel<T, kBlock, false><<<positions, kBlock, 0, stream>>>(a, stats, ws.record());
+    }
     verify_sample_kernel<T, kBlock>
         <<<static_cast<unsigned>(a.batch), kBlock, 0, stream>>>(a, stats, ws.record());
   });
