@@ -65,7 +65,7 @@ def describe(returncode: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("files", nargs="+", help="test files")
     parser.add_argument("-m", dest="markexpr", default=None, help="pytest -m expression")
     parser.add_argument("--per-test-timeout", type=float, default=120.0,
