@@ -7,20 +7,12 @@
 #include <random>
 #include <vector>
 
+#include "native_check.h"
 #include "verispec/block_allocator.h"
 #include "verispec/errors.h"
 #include "verispec/slot_mapping.h"
 
 namespace {
-
-int g_failures = 0;
-#define CHECK(cond)                                                       \
-  do {                                                                    \
-    if (!(cond)) {                                                        \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++g_failures;                                                       \
-    }                                                                     \
-  } while (0)
 
 using verispec::BlockAllocator;
 
@@ -189,10 +181,5 @@ int main() {
   test_copy_on_write();
   test_batch_fills();
   for (uint32_t seed = 0; seed < 8; ++seed) test_random_ops(seed);
-  if (g_failures != 0) {
-    std::fprintf(stderr, "test_allocator: %d check(s) failed\n", g_failures);
-    return 1;
-  }
-  std::printf("test_allocator: all checks passed\n");
-  return 0;
+  return native_check::check_summary("test_allocator");
 }

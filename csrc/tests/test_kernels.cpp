@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../kernels/cpu/cpu_policy.h"
+#include "native_check.h"
 #include "../kernels/threshold_search.h"
 #include "verispec/linear.h"
 #include "verispec/norm.h"
@@ -23,29 +24,6 @@
 using namespace verispec;
 
 namespace {
-
-int g_failures = 0;
-int g_checks = 0;
-
-#define CHECK(cond)                                                        \
-  do {                                                                     \
-    ++g_checks;                                                            \
-    if (!(cond)) {                                                         \
-      ++g_failures;                                                        \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-    }                                                                      \
-  } while (0)
-
-#define CHECK_NEAR(a, b, tol)                                                         \
-  do {                                                                                \
-    ++g_checks;                                                                       \
-    const double va_ = (a), vb_ = (b);                                                \
-    if (!(std::fabs(va_ - vb_) <= (tol))) {                                           \
-      ++g_failures;                                                                   \
-      std::fprintf(stderr, "%s:%d: CHECK_NEAR failed: %s = %.9g, %s = %.9g (tol %g)\n", \
-                   __FILE__, __LINE__, #a, va_, #b, vb_, static_cast<double>(tol));   \
-    }                                                                                 \
-  } while (0)
 
 constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -1246,6 +1224,5 @@ int main() {
   test_decode_device_error();
   test_linear();
   test_rms_norm();
-  std::printf("test_kernels: %d checks, %d failures\n", g_checks, g_failures);
-  return g_failures == 0 ? 0 : 1;
+  return native_check::check_summary("test_kernels");
 }
