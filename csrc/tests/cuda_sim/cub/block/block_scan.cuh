@@ -1,0 +1,3 @@
+// CUB's BlockScan, simulated on the host: see ../../cub_stand_in.h.
+#pragma once
+#include "../../cub_stand_in.h"

@@ -1,0 +1,259 @@
+// The CUDA block algorithms of cuda/block_ops.cuh, run on the host in the simulation of
+// cuda_sim/ (one std::thread per GPU thread, real barriers and warp shuffles, stand-ins
+// for the two CUB classes used): the policy of a row (max, normaliser, the filter
+// threshold by 8-way search), the per-warp block sums, and the inverse-CDF pick. Checked
+// against the CPU kernels, which share the rules (sampling_math.h) but not the code.
+// This is the device code itself, compiled for the host: a GPU run checks the rest
+// (memory, launch, the real CUB), but a logic error shows here, without a GPU.
+#include "cuda_sim.h"  // first: __device__, threadIdx, __syncthreads, ...
+
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "../kernels/cpu/cpu_policy.h"
+#include "../kernels/cuda/block_ops.cuh"
+#include "native_check.h"
+
+using namespace verispec;
+using namespace verispec::kernels;
+using namespace verispec::kernels::cuda;
+
+namespace {
+
+constexpr int kSimBlock = 64;  // two warps: small enough to simulate, large enough to split
+
+using Ops = BlockOps<kSimBlock>;
+
+RowPolicy make_policy(float temperature, int32_t top_k, float top_p, float min_p) {
+  RowPolicy p;
+  p.temperature = temperature;
+  p.top_k = top_k;
+  p.top_p = top_p;
+  p.min_p = min_p;
+  return p;
+}
+
+struct SimStats {
+  int verdict;
+  RowStats stats;
+  bool same_in_every_thread;
+};
+
+template <bool FILTER>
+SimStats sim_row_stats(const std::vector<float>& x, const RowPolicy& pol) {
+  auto ops = std::make_unique<Ops>();
+  std::vector<RowStats> per_thread(kSimBlock);
+  std::vector<int> verdicts(kSimBlock);
+  const int V = static_cast<int>(x.size());
+  cuda_sim::run_block(kSimBlock, [&] {
+    RowStats s{};
+    const int r = compute_row_stats<float, kSimBlock, FILTER>(x.data(), V, pol, pol.greedy(), *ops, &s);
+    per_thread[threadIdx.x] = s;
+    verdicts[threadIdx.x] = r;
+  });
+  SimStats out{verdicts[0], per_thread[0], true};
+  for (int t = 1; t < kSimBlock; ++t) {
+    out.same_in_every_thread &= verdicts[t] == verdicts[0];
+    if (verdicts[0] == kLogitsOk) {
+      out.same_in_every_thread &=
+          std::memcmp(&per_thread[t], &per_thread[0], sizeof(RowStats)) == 0;
+    }
+  }
+  return out;
+}
+
+std::vector<float> probs_from(const std::vector<float>& x, const RowStats& s, const RowPolicy& pol) {
+  std::vector<float> p(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    p[i] = policy_prob(x[i], static_cast<int>(i), s, pol.temperature, pol.greedy());
+  }
+  return p;
+}
+
+std::vector<float> random_logits(std::mt19937& rng, int V, float scale) {
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> x(static_cast<size_t>(V));
+  for (auto& v : x) v = normal(rng);
+  return x;
+}
+
+void test_row_stats_match_the_cpu_policy() {
+  std::mt19937 rng(21);
+  const RowPolicy policies[] = {
+      make_policy(1.0f, 0, 1.0f, 0.0f),     make_policy(0.6f, 0, 1.0f, 0.0f),
+      make_policy(0.0f, 0, 1.0f, 0.0f),     make_policy(1.0f, 20, 1.0f, 0.0f),
+      make_policy(1.0f, 1, 1.0f, 0.0f),     make_policy(1.0f, 0, 0.8f, 0.0f),
+      make_policy(1.0f, 0, 0.999f, 0.0f),   make_policy(1.0f, 0, 1.0f, 0.05f),
+      make_policy(1.3f, 50, 0.9f, 0.02f),   make_policy(0.7f, 3, 0.95f, 0.3f),
+  };
+  for (int V : {1, 2, 63, 64, 65, 700, 3001}) {
+    const std::vector<float> x = random_logits(rng, V, 3.0f);
+    for (const RowPolicy& pol : policies) {
+      const SimStats sim = sim_row_stats<true>(x, pol);
+      CHECK(sim.verdict == kLogitsOk);
+      CHECK(sim.same_in_every_thread);
+      const std::vector<float> got = probs_from(x, sim.stats, pol);
+      std::vector<float> want(x.size());
+      cpu::PolicyScratch scratch(V);
+      CHECK(cpu::policy_row(x.data(), V, pol, want.data(), scratch) == kLogitsOk);
+      int kept_differs = 0;
+      double worst = 0.0;
+      for (int i = 0; i < V; ++i) {
+        kept_differs += (got[i] > 0.0f) != (want[i] > 0.0f);
+        worst = std::max(worst, std::fabs(static_cast<double>(got[i]) - want[i]) /
+                                    (1e-6 + 1e-4 * std::fabs(static_cast<double>(want[i]))));
+      }
+      CHECK(kept_differs == 0);  // continuous logits: no rounding ties at a threshold
+      CHECK(worst <= 1.0);
+      if (pol.top_k > 0 && pol.top_k < V && pol.top_p >= 1.0f && pol.min_p == 0.0f &&
+          !pol.greedy()) {
+        int kept = 0;
+        for (float v : got) kept += v > 0.0f;
+        CHECK(kept == pol.top_k);
+      }
+      if (!top_k_active(pol.top_k, V) && !top_p_active(pol.top_p) && !min_p_active(pol.min_p)) {
+        // Without a filter, the kernels compiled without one give the same bits.
+        const SimStats plain = sim_row_stats<false>(x, pol);
+        CHECK(plain.verdict == kLogitsOk && plain.same_in_every_thread);
+        CHECK(std::memcmp(&plain.stats, &sim.stats, sizeof(RowStats)) == 0);
+      }
+    }
+  }
+}
+
+void test_row_stats_ties_and_bad_logits() {
+  // Ties at the top-k threshold are kept (as on the CPU): 5 logits equal to the 3rd largest.
+  std::vector<float> x = {0.0f, 2.0f, 1.0f, 1.0f, -1.0f, 1.0f, 1.0f, 3.0f, 1.0f, -4.0f};
+  const RowPolicy top3 = make_policy(1.0f, 3, 1.0f, 0.0f);
+  const SimStats sim = sim_row_stats<true>(x, top3);
+  const std::vector<float> p = probs_from(x, sim.stats, top3);
+  int kept = 0;
+  for (float v : p) kept += v > 0.0f;
+  CHECK(kept == 7);  // 3.0, 2.0 and the five 1.0s
+  // NaN / +Inf: the lowest bad index; all -Inf: kLogitsAllMasked.
+  x[6] = std::nanf("");
+  x[8] = INFINITY;
+  CHECK(sim_row_stats<true>(x, top3).verdict == 6);
+  CHECK(sim_row_stats<false>(x, make_policy(1.0f, 0, 1.0f, 0.0f)).verdict == 6);
+  const std::vector<float> masked(100, -INFINITY);
+  CHECK(sim_row_stats<true>(masked, top3).verdict == static_cast<int>(kLogitsAllMasked));
+}
+
+void test_sum_each() {
+  std::mt19937 rng(8);
+  std::vector<int> ints(kSimBlock * kSearchCandidates);
+  for (auto& v : ints) v = static_cast<int>(rng() % 1000) - 500;
+  std::vector<float> floats(ints.begin(), ints.end());
+  auto ops = std::make_unique<Ops>();
+  std::vector<int> int_sums(kSimBlock * kSearchCandidates);
+  std::vector<float> float_sums(kSimBlock * kSearchCandidates);
+  cuda_sim::run_block(kSimBlock, [&] {
+    int a[kSearchCandidates];
+    float b[kSearchCandidates];
+    for (int c = 0; c < kSearchCandidates; ++c) {
+      a[c] = ints[threadIdx.x * kSearchCandidates + c];
+      b[c] = floats[threadIdx.x * kSearchCandidates + c];
+    }
+    ops->sum_each(a);
+    ops->sum_each(b);  // the scratch is reused at once
+    for (int c = 0; c < kSearchCandidates; ++c) {
+      int_sums[threadIdx.x * kSearchCandidates + c] = a[c];
+      float_sums[threadIdx.x * kSearchCandidates + c] = b[c];
+    }
+  });
+  for (int c = 0; c < kSearchCandidates; ++c) {
+    int want = 0;
+    for (int t = 0; t < kSimBlock; ++t) want += ints[t * kSearchCandidates + c];
+    for (int t = 0; t < kSimBlock; ++t) {  // every thread holds every sum
+      CHECK(int_sums[t * kSearchCandidates + c] == want);
+      CHECK(float_sums[t * kSearchCandidates + c] == static_cast<float>(want));  // small ints: exact
+    }
+  }
+}
+
+struct SimPick {
+  int token;
+  float total;
+  int last;
+};
+
+SimPick sim_pick(const std::vector<float>& w, float u) {
+  auto ops = std::make_unique<Ops>();
+  const int V = static_cast<int>(w.size());
+  std::vector<SimPick> per_thread(kSimBlock);
+  cuda_sim::run_block(kSimBlock, [&] {
+    auto weight = [&w](int i) { return w[static_cast<size_t>(i)]; };
+    const WeightTotal t = block_total<kSimBlock>(weight, V, *ops);
+    const int token = block_pick<kSimBlock>(weight, V, u, t, *ops);
+    per_thread[threadIdx.x] = SimPick{token, t.total, t.last};
+  });
+  for (int t = 1; t < kSimBlock; ++t) {
+    CHECK(per_thread[t].token == per_thread[0].token);
+    CHECK(per_thread[t].total == per_thread[0].total && per_thread[t].last == per_thread[0].last);
+  }
+  return per_thread[0];
+}
+
+void test_pick_is_the_inverse_cdf() {
+  std::mt19937 rng(13);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  int trials = 0, differs = 0;
+  for (int V : {1, 5, 63, 64, 65, 130, 1000, 4099}) {
+    for (int rep = 0; rep < 12; ++rep) {
+      std::vector<float> w(static_cast<size_t>(V));
+      for (auto& v : w) v = unit(rng);
+      if (rep % 3 == 1) {  // leading zeros: the first chunks have no mass
+        for (int i = 0; i < V * 3 / 4; ++i) w[static_cast<size_t>(i)] = 0.0f;
+      }
+      if (rep % 3 == 2) {  // sparse
+        for (auto& v : w) v = unit(rng) < 0.9f ? 0.0f : v;
+      }
+      double total = 0.0;
+      int last = -1;
+      for (int i = 0; i < V; ++i) {
+        total += w[static_cast<size_t>(i)];
+        if (w[static_cast<size_t>(i)] > 0.0f) last = i;
+      }
+      for (float u : {0.0f, unit(rng), unit(rng), unit(rng), 0.99999994f}) {
+        const SimPick sim = sim_pick(w, u);
+        if (last < 0) {
+          CHECK(sim.token == -1 && sim.last == -1);
+          continue;
+        }
+        ++trials;
+        CHECK(sim.last == last);
+        CHECK(std::fabs(sim.total - total) <= 1e-5 * total);
+        CHECK(sim.token >= 0 && sim.token < V && w[static_cast<size_t>(sim.token)] > 0.0f);
+        if (sim.token < 0 || sim.token >= V) continue;
+        // Inverse CDF within rounding: the mass before the pick is at most the target,
+        // and with the pick it passes the target.
+        double before = 0.0;
+        for (int i = 0; i < sim.token; ++i) before += w[static_cast<size_t>(i)];
+        const double target = static_cast<double>(u) * total;
+        const double slack = 1e-5 * total;
+        CHECK(before <= target + slack);
+        CHECK(before + w[static_cast<size_t>(sim.token)] >= target - slack);
+        const int64_t want = pick_inverse_cdf<double>(
+            [&w](int64_t i) { return w[static_cast<size_t>(i)]; }, V, u, total);
+        differs += sim.token != want;
+      }
+    }
+  }
+  CHECK(trials > 200);
+  CHECK(differs <= trials / 100);  // float vs double running sums: rare boundary cases
+  // All zero: -1.
+  CHECK(sim_pick(std::vector<float>(70, 0.0f), 0.5f).token == -1);
+}
+
+}  // namespace
+
+int main() {
+  test_sum_each();
+  test_row_stats_match_the_cpu_policy();
+  test_row_stats_ties_and_bad_logits();
+  test_pick_is_the_inverse_cdf();
+  return native_check::check_summary("test_cuda_sim");
+}
