@@ -431,6 +431,125 @@ void test_search_survives_unordered_verdicts() {
   }
 }
 
+// ---- the row checks of verify (vectorised) against their scalar definitions -----------
+
+template <typename T>
+int64_t naive_check_row(const T* x, int64_t n) {
+  bool any_finite = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_float(x[i]);
+    if (!logit_valid(v)) return i;
+    any_finite |= is_finite(v);
+  }
+  return any_finite ? kernels::kLogitsOk : kernels::kLogitsAllMasked;
+}
+
+template <typename T>
+int64_t naive_argmax(const T* x, int64_t n) {
+  float best = to_float(x[0]);
+  int64_t arg = 0;
+  for (int64_t i = 1; i < n; ++i) {
+    if (to_float(x[i]) > best) {
+      best = to_float(x[i]);
+      arg = i;
+    }
+  }
+  return arg;
+}
+
+template <typename T>
+void check_rows_of(std::vector<T> (*make)(const std::vector<float>&), const char* name) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  int argmax_checked = 0;
+  for (int64_t n : {1, 2, 15, 16, 17, 2047, 2048, 2049, 5000}) {
+    for (int kind = 0; kind < 8; ++kind) {
+      std::vector<float> f(static_cast<size_t>(n));
+      for (auto& v : f) v = normal(rng);
+      const size_t at = rng() % static_cast<size_t>(n), at2 = rng() % static_cast<size_t>(n);
+      switch (kind) {
+        case 1: for (auto& v : f) v = static_cast<float>(rng() % 3); break;  // ties of the max
+        case 2: f[at] = kNan; break;
+        case 3: f[at] = kInf; f[at2] = kNan; break;
+        case 4: std::fill(f.begin(), f.end(), -kInf); break;  // all masked
+        case 5: for (auto& v : f) v = rng() % 2 ? -kInf : v; f[at] = -kInf; break;
+        case 6: for (auto& v : f) v = rng() % 2 ? 0.0f : -0.0f; break;  // signed zeros
+        case 7: std::fill(f.begin(), f.end(), -kInf); f[at] = 1.0f; f[at2] = 1.0f; break;
+        default: break;
+      }
+      const std::vector<T> x = make(f);
+      const int64_t want = naive_check_row(x.data(), n);
+      const int64_t got = kernels::cpu::check_logits_row(x.data(), n);
+      if (got != want) std::fprintf(stderr, "%s n=%lld kind=%d\n", name, (long long)n, kind);
+      CHECK(got == want);
+      if (want == kernels::kLogitsOk) {
+        CHECK(kernels::cpu::argmax_row(x.data(), n) == naive_argmax(x.data(), n));
+        ++argmax_checked;
+      }
+    }
+  }
+  CHECK(argmax_checked > 30);
+}
+
+std::vector<float> as_float32(const std::vector<float>& f) { return f; }
+std::vector<BFloat16> as_bfloat16(const std::vector<float>& f) {
+  std::vector<BFloat16> out(f.size());
+  for (size_t i = 0; i < f.size(); ++i) out[i].bits = static_cast<uint16_t>(float_bits(f[i]) >> 16);
+  return out;
+}
+std::vector<Float16> as_float16(const std::vector<float>& f) {  // some values overflow to Inf
+  std::vector<Float16> out(f.size());
+  for (size_t i = 0; i < f.size(); ++i) {
+    const float v = f[i];
+    uint16_t h;
+    if (std::isnan(v)) h = 0x7e00;
+    else if (std::isinf(v)) h = v > 0 ? 0x7c00 : 0xfc00;
+    else if (v == 0.0f) h = std::signbit(v) ? 0x8000 : 0;
+    else {  // nearest-below representable half of a normal value in range
+      const float a = std::min(std::fabs(v), 65504.0f);
+      int e;
+      const float m = std::frexp(a, &e);  // a = m 2^e, m in [0.5, 1)
+      e = std::max(e, -13);
+      const auto mant = static_cast<uint16_t>(std::ldexp(m, 11) - 1024.0f);  // 10 bits
+      h = static_cast<uint16_t>(((e + 14) << 10) | (mant & 0x3ff));
+      if (v < 0) h |= 0x8000;
+    }
+    out[i].bits = h;
+  }
+  return out;
+}
+
+void test_row_checks_and_argmax() {
+  check_rows_of<float>(as_float32, "float32");
+  check_rows_of<BFloat16>(as_bfloat16, "bfloat16");
+  check_rows_of<Float16>(as_float16, "float16");
+}
+
+void test_row_sums() {
+  std::mt19937 rng(23);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  for (int64_t n : {0, 1, 7, 8, 9, 1000, 49157}) {
+    std::vector<float> p(static_cast<size_t>(n)), q(static_cast<size_t>(n));
+    for (auto& v : p) v = unit(rng) / static_cast<float>(n);
+    for (auto& v : q) v = unit(rng) / static_cast<float>(n);
+    double sum = 0.0, residual = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      sum += p[i];
+      residual += residual_weight(p[i], q[i]);
+    }
+    CHECK_NEAR(kernels::cpu::row_sum(p.data(), n), sum, 1e-12);
+    const kernels::cpu::ResidualMass r = kernels::cpu::residual_mass(p.data(), q.data(), n);
+    CHECK(r.q_valid);
+    CHECK_NEAR(r.mass, residual, 1e-12);
+    if (n == 0) continue;
+    for (float bad : {-1e-9f, kNan, kInf}) {  // any q that is not a probability
+      std::vector<float> qb = q;
+      qb[static_cast<size_t>(rng() % static_cast<uint32_t>(n))] = bad;
+      CHECK(!kernels::cpu::residual_mass(p.data(), qb.data(), n).q_valid);
+    }
+  }
+}
+
 // ---- apply_policy ---------------------------------------------------------------------
 
 void test_policy_hand_cases() {
@@ -1208,6 +1327,8 @@ int main() {
   test_search_candidates();
   test_search_largest_enough();
   test_search_survives_unordered_verdicts();
+  test_row_checks_and_argmax();
+  test_row_sums();
   test_policy_hand_cases();
   test_policy_against_brute_force();
   test_policy_dtypes_strides_and_rows();

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -32,33 +33,6 @@ auto dispatch_dtype(LogitsDType dtype, const void* ptr, Fn&& fn) {
   return fn(static_cast<const float*>(ptr));
 }
 
-// Checks a logits row x[0, n): kLogitsOk, the first NaN / +Inf, or kLogitsAllMasked.
-template <typename T>
-int64_t check_logits_row(const T* x, int64_t n) {
-  bool any_finite = false;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = to_float(x[i]);
-    if (!logit_valid(v)) return i;
-    any_finite |= is_finite(v);
-  }
-  return any_finite ? kLogitsOk : kLogitsAllMasked;
-}
-
-// argmax of x[0, n) (n >= 1, valid, one finite), ties to the lowest index.
-template <typename T>
-int64_t argmax_row(const T* x, int64_t n) {
-  float best = to_float(x[0]);
-  int64_t arg = 0;
-  for (int64_t i = 1; i < n; ++i) {
-    const float v = to_float(x[i]);
-    if (v > best) {
-      best = v;
-      arg = i;
-    }
-  }
-  return arg;
-}
-
 // ---- row loops (row_loops.cpp) ----------------------------------------------------------
 // The passes over a whole row, compiled apart: vectorised, with AVX2 / AVX-512 clones
 // picked at load time where the toolchain supports it, and without FMA contraction so
@@ -72,8 +46,71 @@ void to_float_row(const Float16* x, int64_t n, float* out);
 // Whether every v[0, n) is a valid logit (logit_valid: no NaN, no +Inf).
 bool row_logits_valid(const float* v, int64_t n);
 
+// Whether every v[0, n) is a valid logit, and whether any is finite.
+struct RowCheck {
+  bool valid;
+  bool any_finite;
+};
+RowCheck check_row(const float* v, int64_t n);
+
 // max of v[0, n), n >= 1.
 float row_max(const float* v, int64_t n);
+
+// The first i with v[i] == value, or n.
+int64_t find_first(const float* v, int64_t n, float value);
+
+// Calls fn(const float* v, int64_t len, int64_t start) on x[0, n) as float, in order: the
+// row itself for float32, else chunks converted into a buffer on the stack. Stops early
+// when fn returns false.
+template <typename T, typename Fn>
+void for_float_chunks(const T* x, int64_t n, Fn&& fn) {
+  if constexpr (std::is_same_v<T, float>) {
+    fn(x, n, int64_t{0});
+  } else {
+    constexpr int64_t kChunk = 2048;
+    float buffer[kChunk];
+    for (int64_t start = 0; start < n; start += kChunk) {
+      const int64_t len = std::min(kChunk, n - start);
+      to_float_row(x + start, len, buffer);
+      if (!fn(static_cast<const float*>(buffer), len, start)) return;
+    }
+  }
+}
+
+// Checks a logits row x[0, n): kLogitsOk, the first NaN / +Inf, or kLogitsAllMasked.
+template <typename T>
+int64_t check_logits_row(const T* x, int64_t n) {
+  RowCheck all{true, false};
+  for_float_chunks(x, n, [&all](const float* v, int64_t len, int64_t) {
+    const RowCheck c = check_row(v, len);
+    all.valid &= c.valid;
+    all.any_finite |= c.any_finite;
+    return all.valid;
+  });
+  if (!all.valid) {  // the first bad index
+    for (int64_t i = 0; i < n; ++i) {
+      if (!logit_valid(to_float(x[i]))) return i;
+    }
+  }
+  return all.any_finite ? kLogitsOk : kLogitsAllMasked;
+}
+
+// argmax of x[0, n) (n >= 1, valid, one finite), ties to the lowest index: the first
+// index of the maximum.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  float best = 0.0f;
+  int64_t arg = -1;
+  for_float_chunks(x, n, [&](const float* v, int64_t len, int64_t start) {
+    const float m = row_max(v, len);
+    if (arg < 0 || m > best) {  // an equal maximum in a later chunk is not first
+      best = m;
+      arg = start + find_first(v, len, m);
+    }
+    return true;
+  });
+  return arg;
+}
 
 // How many of v[0, n) are >= a threshold, and their sum: 16 float lanes over blocks of 1024
 // values, the block sums in double (a few ulp of the total).
@@ -82,6 +119,17 @@ struct Tally {
   double mass;
 };
 Tally tally_at_least(const float* v, int64_t n, float threshold);
+
+// sum of v[0, n) in double: 8 double lanes, then the lanes in order.
+double row_sum(const float* v, int64_t n);
+
+// The residual of verify: the sum of max(p[i] - q[i], 0) in double (8 lanes, as row_sum),
+// and whether every q[i] is a probability (>= 0 and finite); mass is meaningless if not.
+struct ResidualMass {
+  double mass;
+  bool q_valid;
+};
+ResidualMass residual_mass(const float* p, const float* q, int64_t n);
 
 // v[i] = softmax_weight(v[i], row_max, temperature); returns their sum.
 double softmax_weights_inplace(float* v, int64_t n, float row_max, float temperature);

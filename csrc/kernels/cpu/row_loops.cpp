@@ -49,6 +49,31 @@ VERISPEC_CPU_CLONES bool row_logits_valid(const float* v, int64_t n) {
   return bad == 0;
 }
 
+VERISPEC_CPU_CLONES RowCheck check_row(const float* v, int64_t n) {
+  uint32_t bad = 0, finite = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    bad |= !logit_valid(v[i]);
+    finite |= is_finite(v[i]);
+  }
+  return RowCheck{bad == 0, finite != 0};
+}
+
+// Chunks of 16 without the value (all but one) cost one vectorised test.
+VERISPEC_CPU_CLONES int64_t find_first(const float* v, int64_t n, float value) {
+  constexpr int64_t kChunk = 16;
+  for (int64_t start = 0; start < n; start += kChunk) {
+    const int64_t len = std::min(kChunk, n - start);
+    const float* b = v + start;
+    int any = 0;
+    for (int64_t i = 0; i < len; ++i) any |= b[i] == value;
+    if (!any) continue;
+    for (int64_t i = 0; i < len; ++i) {
+      if (b[i] == value) return start + i;
+    }
+  }
+  return n;
+}
+
 VERISPEC_CPU_CLONES float row_max(const float* v, int64_t n) {
   float m[kLanes];
   for (int64_t l = 0; l < kLanes; ++l) m[l] = v[0];  // n >= 1
@@ -83,6 +108,44 @@ VERISPEC_CPU_CLONES Tally tally_at_least(const float* v, int64_t n, float thresh
     for (int64_t l = 0; l < kLanes; ++l) t.mass += m[l];
   }
   return t;
+}
+
+namespace {
+constexpr int64_t kDoubleLanes = 8;  // one AVX-512 register of doubles
+
+double sum_lanes(const double* lanes) {
+  double r = 0.0;
+  for (int64_t l = 0; l < kDoubleLanes; ++l) r += lanes[l];
+  return r;
+}
+}  // namespace
+
+VERISPEC_CPU_CLONES double row_sum(const float* v, int64_t n) {
+  double lanes[kDoubleLanes] = {};
+  const int64_t body = n - n % kDoubleLanes;
+  for (int64_t i = 0; i < body; i += kDoubleLanes) {
+    for (int64_t l = 0; l < kDoubleLanes; ++l) lanes[l] += v[i + l];
+  }
+  for (int64_t i = body; i < n; ++i) lanes[i - body] += v[i];
+  return sum_lanes(lanes);
+}
+
+VERISPEC_CPU_CLONES ResidualMass residual_mass(const float* p, const float* q, int64_t n) {
+  double lanes[kDoubleLanes] = {};
+  uint32_t bad = 0;
+  const int64_t body = n - n % kDoubleLanes;
+  for (int64_t i = 0; i < body; i += kDoubleLanes) {
+    for (int64_t l = 0; l < kDoubleLanes; ++l) {
+      const float qi = q[i + l];
+      bad |= !(qi >= 0.0f) | !is_finite(qi);
+      lanes[l] += residual_weight(p[i + l], qi);
+    }
+  }
+  for (int64_t i = body; i < n; ++i) {
+    bad |= !(q[i] >= 0.0f) | !is_finite(q[i]);
+    lanes[i - body] += residual_weight(p[i], q[i]);
+  }
+  return ResidualMass{sum_lanes(lanes), bad == 0};
 }
 
 // Two loops, so that the clamp in softmax_exponent stays branch-free and both vectorise.

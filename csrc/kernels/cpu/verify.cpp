@@ -35,8 +35,7 @@ struct VerifyRow {
   }
   int32_t pick_from_p(int64_t b, int64_t j) const {
     const float* pp = p;
-    double total = 0.0;
-    for (int64_t i = 0; i < a.vocab; ++i) total += pp[i];
+    const double total = cpu::row_sum(pp, a.vocab);
     return static_cast<int32_t>(pick_inverse_cdf<double>(
         [pp](int64_t i) { return pp[i]; }, a.vocab, coin(b, j, Purpose::kCorrection), total));
   }
@@ -108,18 +107,18 @@ struct VerifyRow {
       // First rejection: sample the residual max(p - q, 0) (roundoff rule: p).
       *accepted = j;
       const float* pp = p;
-      double residual = 0.0;
       if (a.draft_probs) {
         const float* q = q_at(b, j);  // [vocab]
-        for (int64_t i = 0; i < a.vocab; ++i) {
-          if (!(q[i] >= 0.0f) || !is_finite(q[i])) {
-            OpStatus s = make_status(OpKind::kVerify, StatusCode::kInvalidProbs, b, j);
-            s.has_value = true;
-            s.value = q[i];
-            return s;
-          }
-          residual += residual_weight(pp[i], q[i]);
+        const cpu::ResidualMass r = cpu::residual_mass(pp, q, a.vocab);
+        if (!r.q_valid) {
+          const float* bad = std::find_if(
+              q, q + a.vocab, [](float v) { return !(v >= 0.0f) || !is_finite(v); });
+          OpStatus s = make_status(OpKind::kVerify, StatusCode::kInvalidProbs, b, j);
+          s.has_value = true;
+          s.value = *bad;
+          return s;
         }
+        const double residual = r.mass;
         if (residual_usable(static_cast<float>(residual))) {
           out[j] = static_cast<int32_t>(pick_inverse_cdf<double>(
               [pp, q](int64_t i) { return residual_weight(pp[i], q[i]); }, a.vocab,
@@ -127,8 +126,8 @@ struct VerifyRow {
           return OpStatus{};
         }
       } else {
-        const int64_t yj = y[j];
-        for (int64_t i = 0; i < a.vocab; ++i) residual += i == yj ? 0.0f : pp[i];
+        const int64_t yj = y[j];  // p without y: the sums before and after it
+        const double residual = cpu::row_sum(pp, yj) + cpu::row_sum(pp + yj + 1, a.vocab - yj - 1);
         if (residual_usable(static_cast<float>(residual))) {
           out[j] = static_cast<int32_t>(pick_inverse_cdf<double>(
               [pp, yj](int64_t i) { return i == yj ? 0.0f : pp[i]; }, a.vocab,
