@@ -5,6 +5,7 @@
 #include <string>
 
 #include "bindings.h"
+#include "tensor_view.h"
 #include "verispec/errors.h"
 #include "verispec/linear.h"
 #include "verispec/nvtx.h"
@@ -68,6 +69,9 @@ py::dict build_info() {
   info["num_gpus"] = 0;
   info["gpu_available"] = false;
 #endif
+  // Tensors whose type offers a DLPack C exchange API (torch >= 2.10) are imported
+  // without calling __dlpack__ (DLPack header >= 1.3).
+  info["dlpack_c_exchange_api"] = TensorView::exchange_api_compiled();
   info["nvtx"] = kNvtxCompiled;  // NVTX3 ranges around the decoder's phases
   // The instruction set of the CPU linear kernel on this machine (verispec.ops.linear).
   info["cpu_linear_isa"] = linear_isa_name(linear_best_isa());
@@ -84,6 +88,8 @@ PYBIND11_MODULE(_C, m) {
   verispec::register_decoder(m);
   verispec::register_ops(m);
   verispec::register_linear(m);
+  m.def("_dlpack_import_path", &verispec::TensorView::import_path, py::arg("obj"),
+        "How the ops import obj: 'c_exchange_api' or '__dlpack__'.");
   m.def("build_info", &verispec::build_info,
         "Version, whether CUDA was compiled in (and for which architectures), and "
         "whether a GPU is usable now.");

@@ -3,6 +3,7 @@
 #include <Python.h>
 
 #include <string>
+#include <unordered_map>
 #include <utility>
 
 namespace verispec {
@@ -52,6 +53,42 @@ std::string join(const std::vector<int64_t>& v) {
   return s + "]";
 }
 
+// The DLPack C exchange API of a tensor type (DLPack >= 1.3: `__dlpack_c_exchange_api__`,
+// a "dlpack_exchange_api" capsule on the type; torch >= 2.10 has one), or null. It turns a
+// tensor into a DLManagedTensorVersioned in C, without the Python-level __dlpack__ and
+// __dlpack_device__ calls (~13 us a tensor with torch, most of a small op's call).
+// Looked up once per type (under the GIL); the cache holds a reference to each type so
+// that a key's address is never reused by another.
+#if DLPACK_MAJOR_VERSION == 1 && DLPACK_MINOR_VERSION >= 3
+#define VERISPEC_DLPACK_EXCHANGE_API 1
+const DLPackExchangeAPI* exchange_api(PyTypeObject* type) {
+  static std::unordered_map<PyTypeObject*, const DLPackExchangeAPI*> cache;
+  const auto found = cache.find(type);
+  if (found != cache.end()) return found->second;
+  const DLPackExchangeAPI* api = nullptr;
+  PyObject* capsule = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type),
+                                             "__dlpack_c_exchange_api__");
+  if (capsule == nullptr) {
+    PyErr_Clear();
+  } else {
+    if (PyCapsule_IsValid(capsule, "dlpack_exchange_api")) {
+      const auto* a = static_cast<const DLPackExchangeAPI*>(
+          PyCapsule_GetPointer(capsule, "dlpack_exchange_api"));
+      if (a != nullptr && a->header.version.major == DLPACK_MAJOR_VERSION &&
+          a->managed_tensor_from_py_object_no_sync != nullptr) {
+        api = a;  // the producer keeps the table alive for the whole process
+      }
+    }
+    Py_DECREF(capsule);
+  }
+  Py_INCREF(reinterpret_cast<PyObject*>(type));
+  cache.emplace(type, api);
+  return api;
+}
+#else
+#define VERISPEC_DLPACK_EXCHANGE_API 0  // a pre-1.3 header: __dlpack__ only
+#endif
+
 }  // namespace
 
 const char* dtype_name(DType d) {
@@ -73,6 +110,36 @@ TensorView TensorView::from(const py::handle& obj, const char* op, const char* a
   TensorView v;
   v.op_ = op;
   v.arg_ = arg;
+  DLTensor* t = nullptr;
+#if VERISPEC_DLPACK_EXCHANGE_API
+  if (const DLPackExchangeAPI* api = exchange_api(Py_TYPE(obj.ptr()))) {
+    // What __dlpack__ refuses, refused here too: the ops are not differentiable, and an
+    // output written behind autograd's back would be wrong.
+    PyObject* grad = PyObject_GetAttrString(obj.ptr(), "requires_grad");
+    if (grad == nullptr) PyErr_Clear();
+    const int needs_grad = grad != nullptr ? PyObject_IsTrue(grad) : 0;
+    Py_XDECREF(grad);
+    if (needs_grad != 0) {
+      if (needs_grad < 0) PyErr_Clear();
+      PyErr_SetString(PyExc_BufferError,
+                      (std::string(op) + ": " + arg +
+                       " requires grad; the ops are not differentiable: pass tensor.detach()")
+                          .c_str());
+      throw py::error_already_set();
+    }
+    // No stream synchronisation, as with stream=-1 below.
+    DLManagedTensorVersioned* m = nullptr;
+    if (api->managed_tensor_from_py_object_no_sync(obj.ptr(), &m) != 0 || m == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      throw py::type_error(std::string(op) + ": " + arg + " could not be exported through DLPack");
+    }
+    v.versioned_ = m;
+    t = &m->dl_tensor;
+    v.check_versioned(writable);
+    v.describe_from(*t);
+    return v;
+  }
+#endif
   if (!py::hasattr(obj, "__dlpack__") || !py::hasattr(obj, "__dlpack_device__")) {
     throw py::type_error(std::string(op) + ": " + arg +
                          " must be a tensor supporting __dlpack__ (e.g. torch.Tensor), "
@@ -92,18 +159,11 @@ TensorView TensorView::from(const py::handle& obj, const char* op, const char* a
     capsule = obj.attr("__dlpack__")(py::arg("stream") = stream);  // pre-1.0 producer
   }
   PyObject* cap = capsule.ptr();
-  DLTensor* t = nullptr;
   if (PyCapsule_IsValid(cap, kVersionedName)) {
     v.versioned_ = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(cap, kVersionedName));
     PyCapsule_SetName(cap, "used_dltensor_versioned");
     t = &v.versioned_->dl_tensor;
-    if (v.versioned_->version.major != DLPACK_MAJOR_VERSION) {
-      v.fail("uses DLPack major version " + std::to_string(v.versioned_->version.major) +
-             ", verispec understands " + std::to_string(DLPACK_MAJOR_VERSION));
-    }
-    if (writable && (v.versioned_->flags & DLPACK_FLAG_BITMASK_READ_ONLY)) {
-      v.fail("must be writable, got a read-only tensor");
-    }
+    v.check_versioned(writable);
   } else if (PyCapsule_IsValid(cap, kLegacyName)) {
     v.legacy_ = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, kLegacyName));
     PyCapsule_SetName(cap, "used_dltensor");
@@ -112,6 +172,34 @@ TensorView TensorView::from(const py::handle& obj, const char* op, const char* a
     throw py::type_error(std::string(op) + ": " + arg +
                          ".__dlpack__() returned something that is not a DLPack capsule");
   }
+  v.describe_from(*t);
+  return v;
+}
+
+const char* TensorView::import_path(const py::handle& obj) {
+#if VERISPEC_DLPACK_EXCHANGE_API
+  if (exchange_api(Py_TYPE(obj.ptr())) != nullptr) return "c_exchange_api";
+#else
+  (void)obj;
+#endif
+  return "__dlpack__";
+}
+
+bool TensorView::exchange_api_compiled() { return VERISPEC_DLPACK_EXCHANGE_API != 0; }
+
+void TensorView::check_versioned(bool writable) const {
+  if (versioned_->version.major != DLPACK_MAJOR_VERSION) {
+    fail("uses DLPack major version " + std::to_string(versioned_->version.major) +
+         ", verispec understands " + std::to_string(DLPACK_MAJOR_VERSION));
+  }
+  if (writable && (versioned_->flags & DLPACK_FLAG_BITMASK_READ_ONLY)) {
+    fail("must be writable, got a read-only tensor");
+  }
+}
+
+void TensorView::describe_from(const DLTensor& dl) {
+  const DLTensor* t = &dl;
+  TensorView& v = *this;
   v.data_ = static_cast<char*>(t->data) + t->byte_offset;
   v.dtype_ = to_dtype(t->dtype);
   v.dtype_desc_ = v.dtype_ == DType::kOther ? describe(t->dtype) : dtype_name(v.dtype_);
@@ -134,7 +222,6 @@ TensorView TensorView::from(const py::handle& obj, const char* op, const char* a
     v.fail("must be on cpu or cuda, got DLPack device type " +
            std::to_string(int(t->device.device_type)));
   }
-  return v;
 }
 
 TensorView::TensorView(TensorView&& o) noexcept

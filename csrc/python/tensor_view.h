@@ -37,6 +37,11 @@ class TensorView {
   // (read-only versioned tensors are rejected).
   static TensorView from(const py::handle& obj, const char* op, const char* arg,
                          bool writable = false);
+  // How `from` imports obj: "c_exchange_api" (the type's DLPack C exchange API, no
+  // Python call) or "__dlpack__".
+  static const char* import_path(const py::handle& obj);
+  // Whether the build's DLPack header (>= 1.3) lets `from` use C exchange APIs at all.
+  static bool exchange_api_compiled();
   TensorView(TensorView&& other) noexcept;
   TensorView& operator=(TensorView&&) = delete;
   TensorView(const TensorView&) = delete;
@@ -74,6 +79,10 @@ class TensorView {
   TensorView() = default;
   [[noreturn]] void fail(const std::string& what) const;
   void release() noexcept;
+  // The checks of a versioned import (major version; writable when asked).
+  void check_versioned(bool writable) const;
+  // Fills data, dtype, device, shape and strides from the imported DLTensor.
+  void describe_from(const DLTensor& t);
 
   const char* op_ = "";
   const char* arg_ = "";

@@ -710,7 +710,9 @@ def collect_info() -> dict:
         info["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda,
                          "cuda_available": cuda, "num_threads": torch.get_num_threads(),
                          "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-                         if cuda else []}
+                         if cuda else [],
+                         # how the ops take torch tensors: the DLPack C exchange API or __dlpack__
+                         "tensor_import": verispec._C._dlpack_import_path(torch.empty(0))}
     info["packages"] = {name: importlib.util.find_spec(name) is not None
                         for name in ("gguf", "safetensors", "tokenizers", "jinja2", "matplotlib",
                                      "scipy", "transformers")}
@@ -750,6 +752,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         gpus = ", ".join(t["gpus"]) if t["gpus"] else "none"
         lines.append(f"torch         {t['version']} (CUDA {t['cuda'] or '-'}; "
                      f"available: {t['cuda_available']}; GPUs: {gpus}; {t['num_threads']} threads)")
+        lines.append(f"tensor import {t['tensor_import']} (how the ops take torch tensors)")
     lines += [
         f"python        {info['python']} ({info['python_executable']})",
         f"platform      {info['platform']}, {info['cpu_count']} CPUs",
