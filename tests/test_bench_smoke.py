@@ -32,3 +32,14 @@ def test_bench_kernels_quick(tmp_path):
     assert set(result["apply_policy"]["ms"]) == {"native", "reference", "torch_sort"}
     assert result["apply_policy"]["max_abs_diff_vs_native"]["reference"] < 1e-5
     assert result["copy_bandwidth_gbps"]["cpu"] > 0
+
+
+def test_bench_overhead_quick(tmp_path):
+    out = tmp_path / "overhead.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "bench_overhead.py"), "--quick", "--out", str(out)],
+                   check=True, capture_output=True, text=True)
+    result = json.loads(out.read_text())
+    assert result["quick"] is True
+    assert {r["op"]: r["tensors"] for r in result["ops"]} == {
+        "verify": 6, "apply_policy": 2, "sample": 2, "linear": 3}
+    assert all(r["c_exchange_api_us"] > 0 and r["dlpack_us"] > 0 for r in result["ops"])
