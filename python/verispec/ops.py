@@ -334,6 +334,8 @@ def _row_values(op, name, value, n, device, integer):
         if integer and value.dtype == torch.int64:
             value = value.clamp(_INT32_MIN, _INT32_MAX)
         return (0 if integer else 0.0), value.to(device=device, dtype=dtype).contiguous()
+    if type(value) is int or (type(value) is float and not integer):  # the common case,
+        return (int(value) if integer else float(value)), None        # without ABC checks
     kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind):
         expected = "an int" if integer else "a number"
@@ -387,7 +389,8 @@ def _random(op, device, seed, offset):
                 raise ValueError(f"{op}: {name} must be an int or a one-element int64 tensor, "
                                  f"got {_describe(value)}")
             out.append((0, value.reshape(1).to(device)))
-        elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        elif type(value) is int or (isinstance(value, numbers.Integral)
+                                    and not isinstance(value, bool)):
             value = int(value)
             if not 0 <= value < limit:
                 bits = limit.bit_length() - 1
