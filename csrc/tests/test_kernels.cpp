@@ -538,14 +538,18 @@ void test_row_sums() {
       residual += residual_weight(p[i], q[i]);
     }
     CHECK_NEAR(kernels::cpu::row_sum(p.data(), n), sum, 1e-12);
+    const kernels::cpu::ProbSum ps = kernels::cpu::prob_sum(p.data(), n);
+    CHECK(ps.valid);
+    CHECK_NEAR(ps.total, sum, 1e-12);
     const kernels::cpu::ResidualMass r = kernels::cpu::residual_mass(p.data(), q.data(), n);
     CHECK(r.q_valid);
-    CHECK_NEAR(r.mass, residual, 1e-12);
+    CHECK_NEAR(r.mass, residual, 1e-6 * residual);  // float lanes within blocks of 1024
     if (n == 0) continue;
     for (float bad : {-1e-9f, kNan, kInf}) {  // any q that is not a probability
       std::vector<float> qb = q;
       qb[static_cast<size_t>(rng() % static_cast<uint32_t>(n))] = bad;
       CHECK(!kernels::cpu::residual_mass(p.data(), qb.data(), n).q_valid);
+      CHECK(!kernels::cpu::prob_sum(qb.data(), n).valid);
     }
   }
 }

@@ -123,8 +123,16 @@ Tally tally_at_least(const float* v, int64_t n, float threshold);
 // sum of v[0, n) in double: 8 double lanes, then the lanes in order.
 double row_sum(const float* v, int64_t n);
 
-// The residual of verify: the sum of max(p[i] - q[i], 0) in double (8 lanes, as row_sum),
-// and whether every q[i] is a probability (>= 0 and finite); mass is meaningless if not.
+// The sum of probabilities w[0, n) in double (8 lanes, as row_sum), and whether every
+// w[i] is a probability (>= 0 and finite); total is 0 if not.
+struct ProbSum {
+  double total;
+  bool valid;
+};
+ProbSum prob_sum(const float* w, int64_t n);
+
+// The residual of verify: the sum of max(p[i] - q[i], 0) (lanes as tally_at_least), and
+// whether every q[i] is a probability (>= 0 and finite); mass is 0 if not.
 struct ResidualMass {
   double mass;
   bool q_valid;

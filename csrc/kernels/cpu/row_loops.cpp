@@ -130,22 +130,39 @@ VERISPEC_CPU_CLONES double row_sum(const float* v, int64_t n) {
   return sum_lanes(lanes);
 }
 
-VERISPEC_CPU_CLONES ResidualMass residual_mass(const float* p, const float* q, int64_t n) {
-  double lanes[kDoubleLanes] = {};
+namespace {
+// Whether every c[0, n) is a probability (>= 0 and finite). Inlined into the clones below;
+// a loop of its own, so that it and the double sums each vectorise.
+__attribute__((always_inline)) inline bool all_probabilities(const float* c, int64_t n) {
   uint32_t bad = 0;
-  const int64_t body = n - n % kDoubleLanes;
-  for (int64_t i = 0; i < body; i += kDoubleLanes) {
-    for (int64_t l = 0; l < kDoubleLanes; ++l) {
-      const float qi = q[i + l];
-      bad |= !(qi >= 0.0f) | !is_finite(qi);
-      lanes[l] += residual_weight(p[i + l], qi);
+  for (int64_t i = 0; i < n; ++i) bad |= !(c[i] >= 0.0f) | !is_finite(c[i]);
+  return bad == 0;
+}
+}  // namespace
+
+VERISPEC_CPU_CLONES ProbSum prob_sum(const float* w, int64_t n) {
+  if (!all_probabilities(w, n)) return ProbSum{0.0, false};
+  return ProbSum{row_sum(w, n), true};
+}
+
+// 16 float lanes over blocks of 1024, the block sums in double, as tally_at_least: the
+// clamp at 0 keeps a loop with double lanes from vectorising.
+VERISPEC_CPU_CLONES ResidualMass residual_mass(const float* p, const float* q, int64_t n) {
+  if (!all_probabilities(q, n)) return ResidualMass{0.0, false};
+  double mass = 0.0;
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t len = std::min(kBlock, n - start);
+    const float* pb = p + start;
+    const float* qb = q + start;
+    float m[kLanes] = {};
+    const int64_t body = len - len % kLanes;
+    for (int64_t i = 0; i < body; i += kLanes) {
+      for (int64_t l = 0; l < kLanes; ++l) m[l] += residual_weight(pb[i + l], qb[i + l]);
     }
+    for (int64_t i = body; i < len; ++i) m[0] += residual_weight(pb[i], qb[i]);
+    for (int64_t l = 0; l < kLanes; ++l) mass += m[l];
   }
-  for (int64_t i = body; i < n; ++i) {
-    bad |= !(q[i] >= 0.0f) | !is_finite(q[i]);
-    lanes[i - body] += residual_weight(p[i], q[i]);
-  }
-  return ResidualMass{sum_lanes(lanes), bad == 0};
+  return ResidualMass{mass, true};
 }
 
 // Two loops, so that the clamp in softmax_exponent stays branch-free and both vectorise.

@@ -1,4 +1,7 @@
-// sample on the CPU: validate and sum a row (double), then one inverse-CDF walk.
+// sample on the CPU: validate and sum a row (one vectorised pass, double lanes), then one
+// inverse-CDF walk.
+#include <algorithm>
+
 #include "cpu_policy.h"
 
 namespace verispec {
@@ -11,16 +14,12 @@ OpStatus sample_cpu(const SampleArgs& a) {
   const uint64_t offset = resolve_offset(a.rng);
   for (int64_t r = 0; r < a.rows; ++r) {
     const float* w = a.probs + r * a.probs_row_stride;  // [vocab]
-    double total = 0.0;
+    const cpu::ProbSum sum = cpu::prob_sum(w, a.vocab);
     int64_t bad = -1;
-    for (int64_t i = 0; i < a.vocab; ++i) {
-      const float v = w[i];
-      if (!(v >= 0.0f) || !is_finite(v)) {  // negative, NaN or Inf
-        bad = i;
-        break;
-      }
-      total += v;
+    if (!sum.valid) {  // the first negative, NaN or Inf
+      bad = std::find_if(w, w + a.vocab, [](float v) { return !(v >= 0.0f) || !is_finite(v); }) - w;
     }
+    const double total = sum.total;
     if (bad >= 0 || total <= 0.0) {
       OpStatus s = make_status(OpKind::kSample, StatusCode::kInvalidProbs, r, bad);
       if (bad >= 0) {
