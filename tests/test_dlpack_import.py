@@ -3,6 +3,8 @@
 same tensors and refuse the same things."""
 
 import contextlib
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,18 +13,8 @@ import torch
 import verispec
 from verispec import _C, ops
 
-
-class DlpackOnly:
-    """A producer with __dlpack__ but no C exchange API: forces the Python-level path."""
-
-    def __init__(self, t):
-        self.t = t
-
-    def __dlpack_device__(self):
-        return self.t.__dlpack_device__()
-
-    def __dlpack__(self, stream=None, max_version=None):
-        return self.t.__dlpack__(stream=stream, max_version=max_version)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_overhead import DlpackOnly, through  # noqa: E402  (one wrapper for bench and tests)
 
 
 def header_and_torch_have_the_api():
@@ -54,22 +46,11 @@ def verify_inputs(dtype):
 
 @contextlib.contextmanager
 def through_dlpack_only(*names):
-    """Within: the named _C entry points get every tensor argument wrapped in DlpackOnly."""
-    real = {name: getattr(_C, name) for name in names}
-
-    def wrapping(fn):
-        def wrapped(*args, **kwargs):
-            wrap = lambda a: DlpackOnly(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
-            return fn(*map(wrap, args), **{k: wrap(v) for k, v in kwargs.items()})
-        return wrapped
-
-    for name, fn in real.items():
-        setattr(_C, name, wrapping(fn))
-    try:
+    """Within: the named _C entry points get every tensor argument through __dlpack__."""
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(through("__dlpack__", name, [0]))
         yield
-    finally:
-        for name, fn in real.items():
-            setattr(_C, name, fn)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
