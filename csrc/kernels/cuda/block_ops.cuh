@@ -218,6 +218,23 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
     }
     return ops.sum(m);
   };
+  // One pass for the threshold search: acc[c] = the block's sum of weigh(p) over the p >=
+  // candidate c of [lo, hi) (weigh 1: a count; weigh p: a mass).
+  auto tally_pass = [&](uint32_t lo, uint32_t hi, auto& acc, auto weigh) {
+    float t[kSearchCandidates];
+    VERISPEC_UNROLL
+    for (int c = 0; c < kSearchCandidates; ++c) {
+      t[c] = bits_float(search_candidate(lo, hi, c));
+      acc[c] = 0;
+    }
+    for (int i = tid; i < V; i += BLOCK) {
+      const float p = p_raw(i);
+      const auto w = weigh(p);
+      VERISPEC_UNROLL
+      for (int c = 0; c < kSearchCandidates; ++c) acc[c] += p >= t[c] ? w : decltype(w)(0);
+    }
+    ops.sum_each(acc);
+  };
   const float p_max = 1.0f / norm;  // the argmax has weight exp(0) = 1
 
   float threshold = 0.0f;
@@ -229,19 +246,8 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
       threshold = p_max;
     } else {
       auto tally = [&](uint32_t lo, uint32_t hi) {
-        float t[kSearchCandidates];
         int count[kSearchCandidates];
-        VERISPEC_UNROLL
-        for (int c = 0; c < kSearchCandidates; ++c) {
-          t[c] = bits_float(search_candidate(lo, hi, c));
-          count[c] = 0;
-        }
-        for (int i = tid; i < V; i += BLOCK) {
-          const float p = p_raw(i);
-          VERISPEC_UNROLL
-          for (int c = 0; c < kSearchCandidates; ++c) count[c] += p >= t[c];
-        }
-        ops.sum_each(count);
+        tally_pass(lo, hi, count, [](float) { return 1; });
         SearchVerdicts v{0u, 0u};
         VERISPEC_UNROLL
         for (int c = 0; c < kSearchCandidates; ++c) {
@@ -261,19 +267,8 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
       threshold = p_max;
     } else {
       auto tally = [&](uint32_t lo, uint32_t hi) {
-        float t[kSearchCandidates];
         float mass[kSearchCandidates];
-        VERISPEC_UNROLL
-        for (int c = 0; c < kSearchCandidates; ++c) {
-          t[c] = bits_float(search_candidate(lo, hi, c));
-          mass[c] = 0.0f;
-        }
-        for (int i = tid; i < V; i += BLOCK) {
-          const float p = p_raw(i);
-          VERISPEC_UNROLL
-          for (int c = 0; c < kSearchCandidates; ++c) mass[c] += p >= t[c] ? p : 0.0f;
-        }
-        ops.sum_each(mass);
+        tally_pass(lo, hi, mass, [](float p) { return p; });
         SearchVerdicts v{0u, 0u};
         VERISPEC_UNROLL
         for (int c = 0; c < kSearchCandidates; ++c) {
