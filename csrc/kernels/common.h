@@ -53,6 +53,11 @@ inline bool policy_may_filter(const PolicyParams& p, int64_t vocab) {
   return top_k_active(p.top_k, vocab) || top_p_active(p.top_p) || min_p_active(p.min_p);
 }
 
+// verify: the greedy flag makes every row greedy, and a greedy row is never filtered.
+inline bool verify_may_filter(const VerifyArgs& a) {
+  return !a.greedy && policy_may_filter(a.policy, a.vocab);
+}
+
 // What a check of one logits row found: every value usable (kLogitsOk), the index of
 // the first NaN / +Inf (>= 0), or no finite value at all (kLogitsAllMasked: all -Inf).
 constexpr int64_t kLogitsOk = -1;

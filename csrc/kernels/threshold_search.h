@@ -19,7 +19,8 @@
 
 #include "verispec/philox.h"  // VERISPEC_HD
 
-#if defined(__CUDACC__)
+// Device passes only: the host compiler of a .cu file would warn about an unknown pragma.
+#if defined(__CUDA_ARCH__)
 #define VERISPEC_UNROLL _Pragma("unroll")
 #else
 #define VERISPEC_UNROLL
