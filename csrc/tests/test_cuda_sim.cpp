@@ -1,5 +1,5 @@
 // The CUDA block algorithms of cuda/block_ops.cuh, run on the host in the simulation of
-// cuda_sim/ (one std::thread per GPU thread, real barriers and warp shuffles, stand-ins
+// cuda_sim/ (a fiber per GPU thread, real barriers and warp shuffles, stand-ins
 // for the two CUB classes used): the policy of a row (max, normaliser, the filter
 // threshold by 8-way search), the per-warp block sums, and the inverse-CDF pick. Checked
 // against the CPU kernels, which share the rules (sampling_math.h) but not the code.
@@ -7,7 +7,11 @@
 // (memory, launch, the real CUB), but a logic error shows here, without a GPU.
 #include "cuda_sim.h"  // first: __device__, threadIdx, __syncthreads, ...
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -248,9 +252,51 @@ void test_pick_is_the_inverse_cdf() {
   CHECK(sim_pick(std::vector<float>(70, 0.0f), 0.5f).token == -1);
 }
 
+// The simulation itself. A read of shared memory without its barrier must be seen to go
+// wrong (fibers resume in a shuffled order at each release), and with the barrier never.
+int stale_reads(bool with_barrier) {
+  int stale = 0;
+  for (int round = 0; round < 20; ++round) {
+    static int shared_value;
+    shared_value = -1;
+    cuda_sim::run_block(kSimBlock, [&] {
+      __syncthreads();
+      if (threadIdx.x == 0) shared_value = round;
+      if (with_barrier) __syncthreads();
+      stale += shared_value != round;
+    });
+  }
+  return stale;
+}
+
+void test_simulation_exposes_a_missing_barrier() {
+  CHECK(stale_reads(true) == 0);
+  CHECK(stale_reads(false) > 20 * kSimBlock / 4);  // ~half the threads run before thread 0
+}
+
+// A barrier that some thread never reaches: on a GPU a hang (or worse), in the simulation
+// an abort with a message, never a hang. Checked in a child process.
+void test_simulation_reports_a_deadlock() {
+  std::fflush(nullptr);
+  const pid_t child = fork();
+  if (child == 0) {
+    std::freopen("/dev/null", "w", stderr);  // the expected message
+    cuda_sim::run_block(kSimBlock, [] {
+      if (threadIdx.x == 3) return;  // the bug: an early return before a barrier
+      __syncthreads();
+    });
+    _exit(0);  // not reached if the deadlock is reported
+  }
+  int status = 0;
+  CHECK(child > 0 && waitpid(child, &status, 0) == child);
+  CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT);
+}
+
 }  // namespace
 
 int main() {
+  test_simulation_exposes_a_missing_barrier();
+  test_simulation_reports_a_deadlock();
   test_sum_each();
   test_row_stats_match_the_cpu_policy();
   test_row_stats_ties_and_bad_logits();

@@ -1,96 +1,217 @@
-// A host simulation of the CUDA features the block kernels use (cuda/block_ops.cuh), so
-// their device code runs and is tested on a machine without a GPU: every simulated thread
-// of a block is a std::thread; __syncthreads is a barrier of the block, warp shuffles
-// exchange through a buffer between two barriers of the warp. Slow (a barrier costs tens
-// of microseconds) and meant for small blocks; it checks logic, not speed or memory
-// ordering on a real GPU. The CUB stand-ins are in cub_stand_in.h.
+// A host simulation of the CUDA features the kernels use (cuda/block_ops.cuh,
+// cuda/row_kernels.cuh), so their device code runs and is tested on a machine without a
+// GPU. Every simulated thread of a block is a fiber on the calling thread;
+// __syncthreads parks a fiber until every thread of the block has arrived, a warp shuffle
+// exchanges through a buffer between two barriers of the warp. At each release the
+// waiting fibers resume in a fresh pseudo-random order (fixed seed), so a read of shared
+// memory that is missing its barrier sees a stale value in some rounds instead of always
+// running after the write. A barrier that can never be released (a thread returned while
+// the others wait, or a warp split at a shuffle) aborts with a message rather than hang.
+// It checks logic, not speed or the memory ordering of a real GPU. The CUB stand-ins are
+// in cub_stand_in.h.
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <mutex>
-#include <thread>
+#include <memory>
+#include <random>
 #include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define CUDA_SIM_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define CUDA_SIM_ASAN 1
+#endif
+#endif
+#ifdef CUDA_SIM_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+namespace cuda_sim {
+
+// ---- context switch: a fiber's registers and stack ------------------------------------
+// x86-64: a switch of the callee-saved registers and the stack pointer (no system call;
+// glibc's swapcontext saves the signal mask with one, which cost most of the time).
+// Elsewhere: ucontext.
+#if defined(__x86_64__)
+extern "C" void cuda_sim_switch(void** save_sp, void* load_sp);
+extern "C" void cuda_sim_trampoline();
+// cuda_sim_switch: push the callee-saved registers and the x87/SSE control words, save
+// rsp, load the other rsp, pop the same. cuda_sim_trampoline: the first return of a new
+// fiber lands here with its entry function in r12 and the argument in rbx.
+asm(R"(
+  .text
+  .globl cuda_sim_switch
+  .type cuda_sim_switch, @function
+cuda_sim_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size cuda_sim_switch, .-cuda_sim_switch
+
+  .globl cuda_sim_trampoline
+  .type cuda_sim_trampoline, @function
+cuda_sim_trampoline:
+  movq %rbx, %rdi
+  callq *%r12
+  ud2
+  .size cuda_sim_trampoline, .-cuda_sim_trampoline
+)");
+
+struct Context {
+  void* sp = nullptr;
+};
+
+// A context that starts fn(arg) on the stack [stack, stack + bytes).
+inline void make_context(Context* c, char* stack, size_t bytes, void (*fn)(void*), void* arg) {
+  auto top = reinterpret_cast<uintptr_t>(stack + bytes) & ~uintptr_t{15};
+  auto* frame = reinterpret_cast<uint64_t*>(top - 80);  // 16-aligned after the pops and ret
+  frame[0] = 0x1F80 | (uint64_t{0x037F} << 32);         // default MXCSR, x87 control word
+  frame[1] = 0;                                         // r15
+  frame[2] = 0;                                         // r14
+  frame[3] = 0;                                         // r13
+  frame[4] = reinterpret_cast<uint64_t>(fn);            // r12
+  frame[5] = reinterpret_cast<uint64_t>(arg);           // rbx
+  frame[6] = 0;                                         // rbp
+  frame[7] = reinterpret_cast<uint64_t>(&cuda_sim_trampoline);
+  c->sp = frame;
+}
+
+inline void jump(Context* from, Context* to) { cuda_sim_switch(&from->sp, to->sp); }
+#else
+}  // namespace cuda_sim
+#include <ucontext.h>
+namespace cuda_sim {
+struct Context {
+  ucontext_t uc;
+};
+
+inline void make_context(Context* c, char* stack, size_t bytes, void (*fn)(void*), void* arg) {
+  getcontext(&c->uc);
+  c->uc.uc_stack.ss_sp = stack;
+  c->uc.uc_stack.ss_size = bytes;
+  c->uc.uc_link = nullptr;
+  const auto a = reinterpret_cast<uintptr_t>(arg);
+  static void (*target)(void*) = nullptr;
+  target = fn;
+  makecontext(&c->uc, reinterpret_cast<void (*)()>(+[](unsigned lo, unsigned hi) {
+                target(reinterpret_cast<void*>((static_cast<uintptr_t>(hi) << 32) | lo));
+              }), 2, static_cast<unsigned>(a & 0xffffffffu), static_cast<unsigned>(a >> 32));
+}
+
+inline void jump(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
+#endif
+
+}  // namespace cuda_sim
 
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __global__
+#define __launch_bounds__(...)
+// Shared memory: one object per kernel for every simulated thread. Blocks run one after
+// another (run_grid), so a block has it to itself, as on the GPU.
+#define __shared__ static
 
 namespace cuda_sim {
-
-// A reusable barrier for a fixed number of threads.
-class Barrier {
- public:
-  explicit Barrier(int count) : count_(count) {}
-  void wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    const uint64_t generation = generation_;
-    if (++arrived_ == count_) {
-      arrived_ = 0;
-      ++generation_;
-      cv_.notify_all();
-      return;
-    }
-    cv_.wait(lock, [&] { return generation_ != generation; });
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  const int count_;
-  int arrived_ = 0;
-  uint64_t generation_ = 0;
-};
-
-struct Block {
-  explicit Block(int threads)
-      : threads(threads), block_barrier(threads), exchange(static_cast<size_t>(threads)) {
-    for (int w = 0; w < (threads + 31) / 32; ++w) {
-      warp_barriers.emplace_back(new Barrier(std::min(32, threads - 32 * w)));
-    }
-  }
-  ~Block() {
-    for (Barrier* b : warp_barriers) delete b;
-  }
-  int threads;
-  Barrier block_barrier;
-  std::vector<Barrier*> warp_barriers;
-  std::vector<uint64_t> exchange;  // one slot per thread for shuffles
-  int or_flag = 0;                 // __syncthreads_or
-};
 
 struct Dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
 
-inline thread_local Block* current_block = nullptr;
+enum class State { kRunnable, kAtBlockBarrier, kAtWarpBarrier, kDone };
 
-// Runs fn() on `threads` simulated threads of one block; returns when all have finished.
-inline void run_block(int threads, const std::function<void()>& fn);
+struct Fiber {
+  Context context;
+  std::unique_ptr<char[]> stack;
+  State state = State::kRunnable;
+};
+
+// The fibers of one block and the scheduler that runs them.
+class Block {
+ public:
+  static constexpr size_t kStackBytes = 256 * 1024;  // debug + ASan frames are large
+
+  explicit Block(int threads) : threads_(threads), fibers_(static_cast<size_t>(threads)),
+                                exchange_(static_cast<size_t>(threads)) {
+    for (auto& f : fibers_) f.stack.reset(new char[kStackBytes]);
+  }
+
+  // Runs fn() on every thread of block `block_index` until all have returned.
+  void run(const std::function<void()>& fn, unsigned block_index);
+
+  // Called by the running fiber.
+  void wait_block() { park(State::kAtBlockBarrier); }
+  void wait_warp() { park(State::kAtWarpBarrier); }
+  int threads() const { return threads_; }
+  uint64_t* exchange() { return exchange_.data(); }
+  int or_pending = 0;   // __syncthreads_or: predicates of this round
+  int or_released = 0;  // ... and of the last released round
+
+ private:
+  static void entry(void* block);
+  void park(State s);
+  void switch_to_scheduler();
+  bool release();  // releases what can be; false if nothing could (deadlock)
+
+  int threads_;
+  std::vector<Fiber> fibers_;
+  std::vector<uint64_t> exchange_;  // one slot per thread for shuffles
+  Context scheduler_;
+  int current_ = -1;
+  const std::function<void()>* fn_ = nullptr;
+  std::mt19937 order_rng_{12345};
+#ifdef CUDA_SIM_ASAN
+  const void* scheduler_stack_bottom_ = nullptr;
+  size_t scheduler_stack_size_ = 0;
+#endif
+};
+
+inline Block* current_block = nullptr;
+
+// Runs fn() on `threads` simulated threads of block `block_index` (blockIdx.x).
+inline void run_block(int threads, const std::function<void()>& fn, unsigned block_index = 0);
+
+// Runs the blocks 0 .. grid - 1 of a launch one after another.
+inline void run_grid(unsigned grid, int threads, const std::function<void()>& fn);
 
 }  // namespace cuda_sim
 
-inline thread_local cuda_sim::Dim3 threadIdx;
+// One OS thread runs every fiber, and the scheduler sets these before resuming one.
+inline cuda_sim::Dim3 threadIdx;
+inline cuda_sim::Dim3 blockIdx;
 
-inline void __syncthreads() { cuda_sim::current_block->block_barrier.wait(); }
+inline void __syncthreads() { cuda_sim::current_block->wait_block(); }
 
 inline int __syncthreads_or(int predicate) {
   cuda_sim::Block* b = cuda_sim::current_block;
-  b->block_barrier.wait();  // the previous use of or_flag is over
-  if (threadIdx.x == 0) b->or_flag = 0;
-  b->block_barrier.wait();
-  if (predicate) {
-    static std::mutex m;
-    std::lock_guard<std::mutex> lock(m);
-    b->or_flag = 1;
-  }
-  b->block_barrier.wait();
-  return b->or_flag;
+  if (predicate) b->or_pending = 1;
+  b->wait_block();  // the release moves or_pending to or_released
+  return b->or_released;
 }
 
 template <typename T>
@@ -98,38 +219,136 @@ T __shfl_down_sync(unsigned mask, T value, unsigned delta) {
   static_assert(sizeof(T) <= sizeof(uint64_t), "shuffle of a wide type");
   (void)mask;  // every lane takes part in the kernels' shuffles
   cuda_sim::Block* b = cuda_sim::current_block;
-  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const unsigned warp_size = static_cast<unsigned>(std::min(32, b->threads - 32 * static_cast<int>(warp)));
+  const unsigned self = threadIdx.x;
+  const unsigned lane = self % 32, warp = self / 32;
+  const unsigned warp_size = static_cast<unsigned>(std::min(32, b->threads() - 32 * static_cast<int>(warp)));
   uint64_t slot = 0;
   std::memcpy(&slot, &value, sizeof(T));
-  b->exchange[threadIdx.x] = slot;
-  b->warp_barriers[warp]->wait();
+  b->exchange()[self] = slot;
+  b->wait_warp();
   T out = value;  // a lane past the warp's end reads its own value, as on the GPU
-  if (lane + delta < warp_size) std::memcpy(&out, &b->exchange[threadIdx.x + delta], sizeof(T));
-  b->warp_barriers[warp]->wait();
+  if (lane + delta < warp_size) std::memcpy(&out, &b->exchange()[self + delta], sizeof(T));
+  b->wait_warp();
   return out;
 }
 
 inline unsigned long long atomicMin(unsigned long long* address, unsigned long long value) {
-  static std::mutex m;
-  std::lock_guard<std::mutex> lock(m);
-  const unsigned long long old = *address;
+  const unsigned long long old = *address;  // fibers: no other thread runs meanwhile
   if (value < old) *address = value;
   return old;
 }
 
 using std::min;
 
-inline void cuda_sim::run_block(int threads, const std::function<void()>& fn) {
-  Block block(threads);
-  std::vector<std::thread> pool;
-  pool.reserve(static_cast<size_t>(threads));
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([&block, &fn, t] {
-      current_block = &block;
-      threadIdx.x = static_cast<unsigned>(t);
-      fn();
-    });
-  }
-  for (auto& th : pool) th.join();
+namespace cuda_sim {
+
+inline void Block::entry(void* block) {
+  Block* self = static_cast<Block*>(block);
+#ifdef CUDA_SIM_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &self->scheduler_stack_bottom_,
+                                  &self->scheduler_stack_size_);
+#endif
+  (*self->fn_)();
+  self->fibers_[static_cast<size_t>(self->current_)].state = State::kDone;
+  self->switch_to_scheduler();  // never returns: the fiber is not resumed
 }
+
+inline void Block::switch_to_scheduler() {
+  Fiber& f = fibers_[static_cast<size_t>(current_)];
+#ifdef CUDA_SIM_ASAN
+  void* fake_stack = nullptr;
+  const bool done = f.state == State::kDone;
+  __sanitizer_start_switch_fiber(done ? nullptr : &fake_stack, scheduler_stack_bottom_,
+                                 scheduler_stack_size_);
+  jump(&f.context, &scheduler_);
+  __sanitizer_finish_switch_fiber(fake_stack, &scheduler_stack_bottom_, &scheduler_stack_size_);
+#else
+  jump(&f.context, &scheduler_);
+#endif
+}
+
+inline void Block::park(State s) {
+  fibers_[static_cast<size_t>(current_)].state = s;
+  switch_to_scheduler();
+}
+
+inline bool Block::release() {
+  bool released = false;
+  // A warp whose every lane waits at a shuffle goes on.
+  for (int w = 0; w * 32 < threads_; ++w) {
+    const int end = std::min(threads_, 32 * (w + 1));
+    bool all = true;
+    for (int t = 32 * w; t < end; ++t) all &= fibers_[static_cast<size_t>(t)].state == State::kAtWarpBarrier;
+    if (!all) continue;
+    for (int t = 32 * w; t < end; ++t) fibers_[static_cast<size_t>(t)].state = State::kRunnable;
+    released = true;
+  }
+  if (released) return true;
+  // The block barrier: every thread, none returned.
+  for (const Fiber& f : fibers_) {
+    if (f.state != State::kAtBlockBarrier) return false;
+  }
+  for (Fiber& f : fibers_) f.state = State::kRunnable;
+  or_released = or_pending;
+  or_pending = 0;
+  return true;
+}
+
+inline void Block::run(const std::function<void()>& fn, unsigned block_index) {
+  fn_ = &fn;
+  blockIdx.x = block_index;
+  or_pending = or_released = 0;
+  for (Fiber& f : fibers_) {
+    make_context(&f.context, f.stack.get(), kStackBytes, &Block::entry, this);
+    f.state = State::kRunnable;
+  }
+  Block* outer = current_block;
+  current_block = this;
+  std::vector<int> order(static_cast<size_t>(threads_));
+  for (;;) {
+    order.clear();
+    for (int t = 0; t < threads_; ++t) {
+      if (fibers_[static_cast<size_t>(t)].state == State::kRunnable) order.push_back(t);
+    }
+    if (order.empty()) {
+      bool all_done = true;
+      for (const Fiber& f : fibers_) all_done &= f.state == State::kDone;
+      if (all_done) break;
+      if (!release()) {
+        std::fprintf(stderr, "cuda_sim: block %u deadlocks: a barrier that not every thread "
+                             "reaches (a thread returned, or a warp split at a shuffle)\n",
+                     block_index);
+        std::abort();
+      }
+      continue;
+    }
+    std::shuffle(order.begin(), order.end(), order_rng_);
+    for (int t : order) {
+      current_ = t;
+      threadIdx.x = static_cast<unsigned>(t);
+      Fiber& f = fibers_[static_cast<size_t>(t)];
+#ifdef CUDA_SIM_ASAN
+      void* fake_stack = nullptr;
+      __sanitizer_start_switch_fiber(&fake_stack, f.stack.get(), kStackBytes);
+      jump(&scheduler_, &f.context);
+      __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#else
+      jump(&scheduler_, &f.context);
+#endif
+    }
+  }
+  current_block = outer;
+  current_ = -1;
+}
+
+inline void run_block(int threads, const std::function<void()>& fn, unsigned block_index) {
+  Block block(threads);
+  block.run(fn, block_index);
+}
+
+inline void run_grid(unsigned grid, int threads, const std::function<void()>& fn) {
+  Block block(threads);  // stacks allocated once for the grid
+  for (unsigned b = 0; b < grid; ++b) block.run(fn, b);
+}
+
+}  // namespace cuda_sim

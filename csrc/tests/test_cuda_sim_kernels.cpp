@@ -1,0 +1,474 @@
+// The CUDA kernels of the sampling ops (cuda/row_kernels.cuh), whole, run on the host in
+// the simulation of cuda_sim/ and compared with the CPU launchers on the same inputs,
+// seed and offset: apply_policy (per-row policies, both kernel variants, bf16 logits),
+// sample, and verify (both kernels: per-position policy, then the walk and the
+// correction or bonus), including rows at fault and the error record. What a GPU run
+// adds is the real hardware: memory, launches, CUB; the kernels' logic is checked here.
+//
+// Tokens: the kernels sum in float32 in block order, the CPU in double, so a coin that
+// falls within rounding of a CDF boundary or of an acceptance threshold may go the other
+// way; sampled rows may differ on a few rows in a hundred (bound stated at each check).
+// Greedy rows, statuses, padding and every structural invariant must match exactly.
+#include "cuda_sim.h"  // first: __device__, threadIdx, __syncthreads, ...
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "../kernels/cuda/row_kernels.cuh"
+#include "native_check.h"
+
+using namespace verispec;
+using namespace verispec::kernels;
+using namespace verispec::kernels::cuda;
+
+namespace {
+
+constexpr int kSimBlock = 64;  // two warps
+
+BFloat16 to_bf16(float x) { return BFloat16{static_cast<uint16_t>(float_bits(x) >> 16)}; }
+
+template <typename T>
+std::vector<T> convert(const std::vector<float>& x);
+template <>
+std::vector<float> convert<float>(const std::vector<float>& x) {
+  return x;
+}
+template <>
+std::vector<BFloat16> convert<BFloat16>(const std::vector<float>& x) {
+  std::vector<BFloat16> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = to_bf16(x[i]);
+  return out;
+}
+
+std::vector<float> normal_values(std::mt19937& rng, size_t n, float scale) {
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> x(n);
+  for (auto& v : x) v = normal(rng);
+  return x;
+}
+
+// The status the launchers make of an error record (the value is filled on the host).
+OpStatus record_status(OpKind op, unsigned long long record) {
+  return decode_device_error(op, static_cast<uint64_t>(record));
+}
+
+bool same_fault(const OpStatus& a, const OpStatus& b) {
+  return a.code == b.code && a.row == b.row && a.col == b.col;
+}
+
+// ---- launches in the simulation, with the launchers' kernel choice -------------------
+
+template <typename T>
+OpStatus sim_apply_policy(const ApplyPolicyArgs& a) {
+  unsigned long long record = kNoDeviceError;
+  const bool filter = policy_may_filter(a.policy, a.vocab);
+  cuda_sim::run_grid(static_cast<unsigned>(a.rows), kSimBlock, [&] {
+    if (filter) {
+      apply_policy_kernel<T, kSimBlock, true>(a, &record);
+    } else {
+      apply_policy_kernel<T, kSimBlock, false>(a, &record);
+    }
+  });
+  return record_status(OpKind::kApplyPolicy, record);
+}
+
+OpStatus sim_sample(const SampleArgs& a) {
+  unsigned long long record = kNoDeviceError;
+  cuda_sim::run_grid(static_cast<unsigned>(a.rows), kSimBlock,
+                     [&] { sample_kernel<kSimBlock>(a, &record); });
+  return record_status(OpKind::kSample, record);
+}
+
+template <typename T>
+OpStatus sim_verify(const VerifyArgs& a) {
+  unsigned long long record = kNoDeviceError;
+  const bool filter = verify_may_filter(a);
+  std::vector<RowStats> stats(static_cast<size_t>(a.batch * (a.num_spec + 1)));
+  cuda_sim::run_grid(static_cast<unsigned>(stats.size()), kSimBlock, [&] {
+    if (filter) {
+      verify_policy_kernel<T, kSimBlock, true>(a, stats.data(), &record);
+    } else {
+      verify_policy_kernel<T, kSimBlock, false>(a, stats.data(), &record);
+    }
+  });
+  cuda_sim::run_grid(static_cast<unsigned>(a.batch), kSimBlock,
+                     [&] { verify_sample_kernel<T, kSimBlock>(a, stats.data(), &record); });
+  return record_status(OpKind::kVerify, record);
+}
+
+// ---- apply_policy --------------------------------------------------------------------
+
+// Kept sets equal and values within 1e-4 relative (continuous logits: no rounding ties
+// at a threshold). Returns the number of rows that differ.
+int policy_rows_differ(const std::vector<float>& got, const std::vector<float>& want, int rows,
+                       int V) {
+  int differ = 0;
+  for (int r = 0; r < rows; ++r) {
+    bool bad = false;
+    for (int i = 0; i < V; ++i) {
+      const float g = got[static_cast<size_t>(r * V + i)], w = want[static_cast<size_t>(r * V + i)];
+      bad |= (g > 0.0f) != (w > 0.0f);
+      bad |= !(std::fabs(g - w) <= 1e-6f + 1e-4f * std::fabs(w));
+    }
+    differ += bad;
+  }
+  return differ;
+}
+
+template <typename T>
+void check_apply_policy(int V, uint32_t seed) {
+  std::mt19937 rng(seed);
+  constexpr int kRows = 8;
+  const std::vector<float> x = normal_values(rng, static_cast<size_t>(kRows * V), 3.0f);
+  const std::vector<T> xt = convert<T>(x);
+  // Per-row: plain, cooled, greedy, top-k, top-1, top-p, min-p, everything at once.
+  std::vector<float> temperature = {1.0f, 0.5f, 0.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.3f};
+  std::vector<int32_t> top_k = {0, 0, 0, 10, 1, 0, 0, 50};
+  std::vector<float> top_p = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 0.8f, 1.0f, 0.9f};
+  std::vector<float> min_p = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.1f, 0.02f};
+  ApplyPolicyArgs a;
+  a.logits = xt.data();
+  a.logits_dtype = std::is_same<T, float>::value ? LogitsDType::kFloat32 : LogitsDType::kBFloat16;
+  a.logits_row_stride = V;
+  a.rows = kRows;
+  a.vocab = V;
+  a.policy.temperature_per_row = temperature.data();
+  a.policy.top_k_per_row = top_k.data();
+  a.policy.top_p_per_row = top_p.data();
+  a.policy.min_p_per_row = min_p.data();
+  a.probs_row_stride = V;
+  std::vector<float> got(static_cast<size_t>(kRows * V), -1.0f), want(got.size(), -1.0f);
+  a.probs = got.data();
+  const OpStatus sim = sim_apply_policy<T>(a);
+  a.probs = want.data();
+  const OpStatus cpu = apply_policy_cpu(a);
+  CHECK(sim.ok() && cpu.ok());
+  CHECK(policy_rows_differ(got, want, kRows, V) == 0);
+
+  // Scalars without a filter: the kernel compiled without the filter code.
+  ApplyPolicyArgs plain = a;
+  plain.policy = PolicyParams();
+  plain.policy.temperature = 0.8f;
+  plain.probs = got.data();
+  CHECK(sim_apply_policy<T>(plain).ok());
+  plain.probs = want.data();
+  CHECK(apply_policy_cpu(plain).ok());
+  CHECK(policy_rows_differ(got, want, kRows, V) == 0);
+
+  // Faults: an out-of-range top_p in row 2, NaN in row 5. The lowest row is reported,
+  // rows at fault are 0, the others are unaffected.
+  std::vector<float> bad_x = x;
+  bad_x[static_cast<size_t>(5 * V + V / 2)] = std::nanf("");
+  const std::vector<T> bad_xt = convert<T>(bad_x);
+  top_p[2] = 1.5f;
+  a.logits = bad_xt.data();
+  std::fill(got.begin(), got.end(), -1.0f);
+  std::fill(want.begin(), want.end(), -1.0f);
+  a.probs = got.data();
+  const OpStatus sim_bad = sim_apply_policy<T>(a);
+  a.probs = want.data();
+  const OpStatus cpu_bad = apply_policy_cpu(a);
+  CHECK(sim_bad.code == StatusCode::kInvalidPolicy && sim_bad.row == 2 &&
+        sim_bad.col == static_cast<int64_t>(PolicyField::kTopP));
+  CHECK(same_fault(sim_bad, cpu_bad));
+  for (int r : {2, 5}) {
+    for (int i = 0; i < V; ++i) CHECK(got[static_cast<size_t>(r * V + i)] == 0.0f);
+  }
+  int differ = policy_rows_differ(got, want, kRows, V);
+  CHECK(differ == 0);
+  // The NaN alone: its row and column.
+  top_p[2] = 1.0f;
+  a.probs = got.data();
+  const OpStatus sim_nan = sim_apply_policy<T>(a);
+  CHECK(sim_nan.code == StatusCode::kNanOrInfLogits && sim_nan.row == 5 && sim_nan.col == V / 2);
+  a.probs = want.data();
+  CHECK(same_fault(sim_nan, apply_policy_cpu(a)));
+}
+
+void test_apply_policy() {
+  for (int V : {1, 70, 1000}) {
+    check_apply_policy<float>(V, 100u + static_cast<uint32_t>(V));
+    check_apply_policy<BFloat16>(V, 200u + static_cast<uint32_t>(V));
+  }
+}
+
+// ---- sample ----------------------------------------------------------------------------
+
+void test_sample() {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  int rows_total = 0, differ = 0;
+  for (int V : {1, 7, 65, 300}) {
+    constexpr int kRows = 40;
+    std::vector<float> w(static_cast<size_t>(kRows * V));
+    for (auto& v : w) v = unit(rng);
+    for (int r = 0; r < kRows; r += 3) {  // leading zeros: empty chunks before the mass
+      for (int i = 0; i < V - 1 - V / 4; ++i) w[static_cast<size_t>(r * V + i)] = 0.0f;
+    }
+    SampleArgs a;
+    a.probs = w.data();
+    a.probs_row_stride = V;
+    a.rows = kRows;
+    a.vocab = V;
+    a.rng.seed = 17;
+    a.rng.offset = static_cast<uint64_t>(V);
+    std::vector<int32_t> got(kRows, -2), want(kRows, -2);
+    a.tokens = got.data();
+    CHECK(sim_sample(a).ok());
+    a.tokens = want.data();
+    CHECK(sample_cpu(a).ok());
+    for (int r = 0; r < kRows; ++r) {
+      CHECK(got[r] >= 0 && got[r] < V && w[static_cast<size_t>(r * V + got[r])] > 0.0f);
+      differ += got[r] != want[r];
+    }
+    rows_total += kRows;
+
+    if (V < 7) continue;
+    // Faults: all zero in row 1, a negative value in row 3: the lowest row, -1 padding.
+    std::vector<float> bad = w;
+    for (int i = 0; i < V; ++i) bad[static_cast<size_t>(V + i)] = 0.0f;
+    bad[static_cast<size_t>(3 * V + 4)] = -0.25f;
+    a.probs = bad.data();
+    a.tokens = got.data();
+    const OpStatus sim_bad = sim_sample(a);
+    a.tokens = want.data();
+    const OpStatus cpu_bad = sample_cpu(a);
+    CHECK(sim_bad.code == StatusCode::kInvalidProbs && sim_bad.row == 1 && sim_bad.col == -1);
+    CHECK(same_fault(sim_bad, cpu_bad));
+    CHECK(got[1] == -1 && got[3] == -1 && want[1] == -1 && want[3] == -1);
+    for (int r : {0, 2, 4}) CHECK(got[r] >= 0);
+  }
+  CHECK(differ * 50 <= rows_total);  // rounding at CDF boundaries: at most 2 %
+}
+
+// ---- verify ----------------------------------------------------------------------------
+
+constexpr int kBatch = 8;
+constexpr int kSpec = 3;
+
+// Target logits, and drafts drawn from q = softmax(target + noise) (so that some
+// proposals pass and some fail), or one-hot proposals (q null).
+struct VerifyCase {
+  int V;
+  std::vector<float> target;  // [kBatch, kSpec + 1, V]
+  std::vector<float> q;       // [kBatch, kSpec, V]
+  std::vector<int32_t> drafts;
+  std::vector<int32_t> num_draft;
+
+  VerifyCase(int vocab, uint32_t seed, float noise) : V(vocab) {
+    std::mt19937 rng(seed);
+    target = normal_values(rng, static_cast<size_t>(kBatch * (kSpec + 1) * V), 2.0f);
+    q.resize(static_cast<size_t>(kBatch * kSpec * V));
+    drafts.resize(kBatch * kSpec);
+    std::normal_distribution<float> normal(0.0f, noise);
+    for (int b = 0; b < kBatch; ++b) {
+      for (int j = 0; j < kSpec; ++j) {
+        float* qr = &q[static_cast<size_t>((b * kSpec + j) * V)];
+        const float* t = &target[static_cast<size_t>((b * (kSpec + 1) + j) * V)];
+        double total = 0.0;
+        for (int i = 0; i < V; ++i) total += qr[i] = std::exp(t[i] + normal(rng));
+        for (int i = 0; i < V; ++i) qr[i] = static_cast<float>(qr[i] / total);
+        std::discrete_distribution<int> draw(qr, qr + V);
+        drafts[static_cast<size_t>(b * kSpec + j)] = draw(rng);
+      }
+    }
+    num_draft = {3, 0, 2, 3, 1, 3, 3, 2};  // ragged
+  }
+};
+
+struct VerifyOut {
+  std::vector<int32_t> tokens = std::vector<int32_t>(kBatch * (kSpec + 1), -7);
+  std::vector<int32_t> emitted = std::vector<int32_t>(kBatch, -7);
+  std::vector<int32_t> accepted = std::vector<int32_t>(kBatch, -7);
+  OpStatus status;
+};
+
+template <typename T>
+VerifyArgs verify_args(const VerifyCase& c, const std::vector<T>& target, bool with_q) {
+  VerifyArgs a;
+  a.target_logits = target.data();
+  a.target_logits_dtype =
+      std::is_same<T, float>::value ? LogitsDType::kFloat32 : LogitsDType::kBFloat16;
+  a.target_logits_stride_b = (kSpec + 1) * c.V;
+  a.target_logits_stride_k = c.V;
+  a.batch = kBatch;
+  a.num_spec = kSpec;
+  a.vocab = c.V;
+  a.draft_tokens = c.drafts.data();
+  a.draft_tokens_stride_b = kSpec;
+  if (with_q) {
+    a.draft_probs = c.q.data();
+    a.draft_probs_stride_b = kSpec * c.V;
+    a.draft_probs_stride_k = c.V;
+  }
+  a.num_draft = c.num_draft.data();
+  a.tokens_stride_b = kSpec + 1;
+  return a;
+}
+
+template <typename T>
+void run_both(VerifyArgs a, VerifyOut* sim, VerifyOut* cpu) {
+  a.tokens = sim->tokens.data();
+  a.num_emitted = sim->emitted.data();
+  a.num_accepted = sim->accepted.data();
+  sim->status = sim_verify<T>(a);
+  a.tokens = cpu->tokens.data();
+  a.num_emitted = cpu->emitted.data();
+  a.num_accepted = cpu->accepted.data();
+  cpu->status = verify_cpu(a);
+}
+
+bool row_equal(const VerifyOut& x, const VerifyOut& y, int b) {
+  for (int j = 0; j <= kSpec; ++j) {
+    if (x.tokens[static_cast<size_t>(b * (kSpec + 1) + j)] != y.tokens[static_cast<size_t>(b * (kSpec + 1) + j)]) {
+      return false;
+    }
+  }
+  return x.emitted[b] == y.emitted[b] && x.accepted[b] == y.accepted[b];
+}
+
+// The structure of a row's output: the accepted proposals, one emitted token in range,
+// -1 after, num_emitted = accepted + 1 (0 and all -1 for a row at fault).
+void check_row_structure(const VerifyOut& o, const VerifyCase& c, int b, bool at_fault) {
+  const int32_t* t = &o.tokens[static_cast<size_t>(b * (kSpec + 1))];
+  if (at_fault) {
+    CHECK(o.emitted[b] == 0 && o.accepted[b] == 0);
+    for (int j = 0; j <= kSpec; ++j) CHECK(t[j] == -1);
+    return;
+  }
+  const int acc = o.accepted[b];
+  CHECK(acc >= 0 && acc <= c.num_draft[static_cast<size_t>(b)] && o.emitted[b] == acc + 1);
+  for (int j = 0; j <= kSpec; ++j) {
+    if (j < acc) CHECK(t[j] == c.drafts[static_cast<size_t>(b * kSpec + j)]);
+    if (j == acc) CHECK(t[j] >= 0 && t[j] < c.V);
+    if (j > acc) CHECK(t[j] == -1);
+  }
+}
+
+struct Tally {
+  int rows = 0, differ = 0, rejected = 0, bonus = 0;
+};
+
+template <typename T>
+void compare_verify(const VerifyCase& c, const std::vector<T>& target, bool with_q,
+                    const PolicyParams& policy, bool greedy, uint64_t seed, Tally* tally) {
+  VerifyArgs a = verify_args<T>(c, target, with_q);
+  a.policy = policy;
+  a.greedy = greedy;
+  a.rng.seed = seed;
+  a.rng.offset = seed * 3;
+  VerifyOut sim, cpu;
+  run_both<T>(a, &sim, &cpu);
+  CHECK(sim.status.ok() && cpu.status.ok());
+  for (int b = 0; b < kBatch; ++b) {
+    check_row_structure(sim, c, b, false);
+    const bool same = row_equal(sim, cpu, b);
+    if (greedy) CHECK(same);  // argmax: no rounding
+    tally->differ += !same;
+    ++tally->rows;
+    tally->rejected += sim.accepted[b] < c.num_draft[static_cast<size_t>(b)];
+    tally->bonus += sim.accepted[b] == c.num_draft[static_cast<size_t>(b)];
+  }
+}
+
+PolicyParams scalar_policy(float temperature, int32_t top_k, float top_p, float min_p) {
+  PolicyParams p;
+  p.temperature = temperature;
+  p.top_k = top_k;
+  p.top_p = top_p;
+  p.min_p = min_p;
+  return p;
+}
+
+void test_verify_matches_the_cpu() {
+  Tally tally;
+  const float row_temperature[kBatch] = {1.0f, 0.0f, 0.7f, 1.0f, 0.0f, 1.5f, 1.0f, 0.9f};
+  const int32_t row_top_k[kBatch] = {0, 0, 5, 0, 0, 0, 2, 0};
+  const float row_top_p[kBatch] = {1.0f, 1.0f, 1.0f, 0.8f, 1.0f, 0.95f, 1.0f, 1.0f};
+  const float row_min_p[kBatch] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.05f, 0.0f, 0.2f};
+  PolicyParams per_row;
+  per_row.temperature_per_row = row_temperature;
+  per_row.top_k_per_row = row_top_k;
+  per_row.top_p_per_row = row_top_p;
+  per_row.min_p_per_row = row_min_p;
+  const PolicyParams policies[] = {
+      scalar_policy(1.0f, 0, 1.0f, 0.0f),   scalar_policy(0.6f, 0, 1.0f, 0.0f),
+      scalar_policy(1.0f, 8, 1.0f, 0.0f),   scalar_policy(1.0f, 0, 0.85f, 0.0f),
+      scalar_policy(1.2f, 20, 0.9f, 0.05f), per_row,
+  };
+  for (int V : {40, 130}) {
+    const VerifyCase c(V, 31u + static_cast<uint32_t>(V), 1.0f);
+    const std::vector<BFloat16> target_bf16 = convert<BFloat16>(c.target);
+    for (uint64_t seed = 1; seed <= 3; ++seed) {
+      for (const PolicyParams& pol : policies) {
+        for (bool with_q : {true, false}) {
+          compare_verify<float>(c, c.target, with_q, pol, false, seed, &tally);
+        }
+      }
+      compare_verify<float>(c, c.target, true, PolicyParams(), true, seed, &tally);  // greedy flag
+      compare_verify<BFloat16>(c, target_bf16, true, policies[4], false, seed, &tally);
+      compare_verify<BFloat16>(c, target_bf16, false, PolicyParams(), true, seed, &tally);
+    }
+  }
+  std::printf("verify: %d rows, %d differ from the CPU, %d rejected, %d bonus\n", tally.rows,
+              tally.differ, tally.rejected, tally.bonus);
+  CHECK(tally.rejected * 5 >= tally.rows && tally.bonus * 5 >= tally.rows);  // both paths ran
+  CHECK(tally.differ * 50 <= tally.rows);  // rounding at boundaries: at most 2 %
+}
+
+void test_verify_faults() {
+  const int V = 40;
+  VerifyCase c(V, 77, 1.0f);
+  // Faults: row 1 num_draft 5 > K; row 3 a proposal out of range; row 4 NaN at position
+  // 1 <= n; row 6 a NaN draft probability at its first proposal. Row 0 has +Inf in the
+  // padding (position 3 > n = 2): not read, no fault.
+  c.num_draft = {2, 5, 2, 3, 1, 3, 3, 2};
+  c.drafts[static_cast<size_t>(3 * kSpec + 2)] = V + 3;
+  c.target[static_cast<size_t>((4 * (kSpec + 1) + 1) * V + 9)] = std::nanf("");
+  c.target[static_cast<size_t>((0 * (kSpec + 1) + 3) * V + 1)] = INFINITY;
+  c.q[static_cast<size_t>((6 * kSpec + 0) * V + c.drafts[6 * kSpec])] = std::nanf("");
+  const bool fault[kBatch] = {false, true, false, true, true, false, true, false};
+  for (bool with_q : {true, false}) {
+    VerifyArgs a = verify_args<float>(c, c.target, with_q);
+    a.rng.seed = 4;
+    VerifyOut sim, cpu;
+    run_both<float>(a, &sim, &cpu);
+    CHECK(sim.status.code == StatusCode::kNumDraftOutOfRange && sim.status.row == 1);
+    CHECK(same_fault(sim.status, cpu.status));
+    int differ = 0;
+    for (int b = 0; b < kBatch; ++b) {
+      const bool at_fault = fault[b] && (b != 6 || with_q);
+      check_row_structure(sim, c, b, at_fault);
+      check_row_structure(cpu, c, b, at_fault);
+      differ += !row_equal(sim, cpu, b);
+    }
+    CHECK(differ <= 1);
+    // One fault at a time: each reports its own code and column, as on the CPU.
+    VerifyCase one(V, 77, 1.0f);
+    one.num_draft = c.num_draft;
+    one.num_draft[1] = 1;
+    one.drafts[static_cast<size_t>(3 * kSpec + 2)] = V + 3;
+    VerifyOut s1, c1;
+    run_both<float>(verify_args<float>(one, one.target, with_q), &s1, &c1);
+    CHECK(s1.status.code == StatusCode::kTokenOutOfRange && s1.status.row == 3 && s1.status.col == 2);
+    CHECK(same_fault(s1.status, c1.status));
+    one.drafts[static_cast<size_t>(3 * kSpec + 2)] = 0;
+    one.target[static_cast<size_t>((4 * (kSpec + 1) + 1) * V + 9)] = std::nanf("");
+    VerifyOut s2, c2;
+    run_both<float>(verify_args<float>(one, one.target, with_q), &s2, &c2);
+    CHECK(s2.status.code == StatusCode::kNanOrInfLogits && s2.status.row == 4 && s2.status.col == 1);
+    CHECK(same_fault(s2.status, c2.status));
+  }
+}
+
+}  // namespace
+
+int main() {
+  test_apply_policy();
+  test_sample();
+  test_verify_matches_the_cpu();
+  test_verify_faults();
+  return native_check::check_summary("test_cuda_sim_kernels");
+}
