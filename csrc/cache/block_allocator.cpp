@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "verispec/errors.h"
+#include "verispec/slot_mapping.h"
 
 namespace verispec {
 namespace {
@@ -112,9 +113,7 @@ void BlockAllocator::grow(Sequence& s, int64_t n, int32_t* slots_out) {
   if (slots_out != nullptr) {
     for (int64_t i = 0; i < n; ++i) {
       int64_t pos = s.length + i;
-      slots_out[i] = static_cast<int32_t>(
-          static_cast<int64_t>(s.blocks[static_cast<size_t>(pos / block_size_)]) *
-              block_size_ + pos % block_size_);
+      slots_out[i] = slot_id(s.blocks[static_cast<size_t>(pos / block_size_)], pos, block_size_);
     }
   }
   s.length += n;
@@ -289,9 +288,7 @@ void BlockAllocator::fill_slot_mapping(const int64_t* seqs, const int64_t* start
   for (int64_t i = 0; i < batch; ++i) {
     const Sequence& s = get(seqs[i]);
     for (int64_t pos = starts[i]; pos < starts[i] + counts[i]; ++pos) {
-      out[o++] = static_cast<int32_t>(
-          static_cast<int64_t>(s.blocks[static_cast<size_t>(pos / block_size_)]) *
-              block_size_ + pos % block_size_);
+      out[o++] = slot_id(s.blocks[static_cast<size_t>(pos / block_size_)], pos, block_size_);
     }
   }
   std::fill(out + o, out + out_size, -1);

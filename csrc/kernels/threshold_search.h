@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-#include "verispec/philox.h"  // VERISPEC_HD
+#include "verispec/host_device.h"
 
 // Device passes only: the host compiler of a .cu file would warn about an unknown pragma.
 #if defined(__CUDA_ARCH__)

@@ -26,11 +26,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define VERISPEC_HD __host__ __device__
-#else
-#define VERISPEC_HD
-#endif
+#include "verispec/host_device.h"
 
 namespace verispec {
 

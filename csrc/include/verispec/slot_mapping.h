@@ -8,7 +8,31 @@
 
 #include <cstdint>
 
+#include "verispec/host_device.h"
+
 namespace verispec {
+
+// The slot of the token at `position` whose block (table[row][position / block_size])
+// is `block` >= 0.
+VERISPEC_HD inline int32_t slot_id(int32_t block, int64_t position, int64_t block_size) {
+  return static_cast<int32_t>(static_cast<int64_t>(block) * block_size + position % block_size);
+}
+
+// What table_slot returns for a token whose row or block falls outside the table, or
+// whose table entry is padding (an error: the token is not padding itself).
+constexpr int32_t kSlotOutsideTable = -2;
+
+// The slot of one token through the block tables (layout below): -1 for a padding token
+// (row or position < 0), kSlotOutsideTable if it has no block, else slot_id().
+VERISPEC_HD inline int32_t table_slot(const int32_t* block_tables, int64_t batch,
+                                      int64_t max_blocks, int64_t row_stride, int64_t row,
+                                      int64_t position, int64_t block_size) {
+  if (row < 0 || position < 0) return -1;
+  const int64_t col = position / block_size;
+  const int32_t block =
+      row < batch && col < max_blocks ? block_tables[row * row_stride + col] : -1;
+  return block < 0 ? kSlotOutsideTable : slot_id(block, position, block_size);
+}
 
 // block_tables: [batch, max_blocks] int32, row stride `row_stride` (elements);
 //               entries < 0 are padding.

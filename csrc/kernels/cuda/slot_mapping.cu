@@ -17,18 +17,9 @@ __global__ void slot_mapping_kernel(const int32_t* __restrict__ block_tables,
                                     int32_t* __restrict__ out) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= num_tokens) return;
-  const int64_t row = row_index[t];
-  const int64_t pos = positions[t];
-  int32_t slot = -1;
-  if (row >= 0 && pos >= 0 && row < batch) {
-    const int64_t col = pos / block_size;
-    const int32_t block = col < max_blocks ? block_tables[row * row_stride + col] : -1;
-    if (block >= 0) {
-      slot = static_cast<int32_t>(static_cast<int64_t>(block) * block_size +
-                                  pos % block_size);
-    }
-  }
-  out[t] = slot;
+  const int32_t slot = table_slot(block_tables, batch, max_blocks, row_stride, row_index[t],
+                                  positions[t], block_size);
+  out[t] = slot < 0 ? -1 : slot;
 }
 
 }  // namespace
