@@ -463,6 +463,51 @@ void test_verify_faults() {
   }
 }
 
+// Seed and offset read through pointers (how a CUDA graph replays with new values) draw
+// the coins of the scalars; K = 0 (no draft tokens at all) emits one token from p.
+void test_verify_seed_pointers_and_no_drafts() {
+  const VerifyCase c(60, 91, 1.0f);
+  VerifyArgs a = verify_args<float>(c, c.target, true);
+  a.policy = scalar_policy(0.9f, 12, 1.0f, 0.0f);
+  a.rng.seed = 8;
+  a.rng.offset = 21;
+  VerifyOut by_value, unused;
+  run_both<float>(a, &by_value, &unused);
+  const int64_t seed = 8, offset = 21;
+  a.rng = RandomParams();
+  a.rng.seed_ptr = &seed;
+  a.rng.offset_ptr = &offset;
+  VerifyOut by_pointer, cpu;
+  run_both<float>(a, &by_pointer, &cpu);
+  CHECK(by_value.status.ok() && by_pointer.status.ok() && cpu.status.ok());
+  int differ = 0;
+  for (int b = 0; b < kBatch; ++b) {
+    CHECK(row_equal(by_value, by_pointer, b));
+    differ += !row_equal(by_pointer, cpu, b);
+  }
+  CHECK(differ <= 1);
+
+  VerifyArgs k0 = verify_args<float>(c, c.target, false);
+  k0.num_spec = 0;
+  k0.draft_tokens = nullptr;
+  k0.draft_tokens_stride_b = 0;
+  k0.num_draft = nullptr;
+  k0.target_logits_stride_b = c.V;  // [batch, 1, V]: the first V logits of each row
+  k0.tokens_stride_b = 1;
+  k0.rng.seed = 3;
+  std::vector<int32_t> got(kBatch, -7), want(kBatch, -7), emitted(kBatch), accepted(kBatch);
+  k0.tokens = got.data();
+  k0.num_emitted = emitted.data();
+  k0.num_accepted = accepted.data();
+  CHECK(sim_verify<float>(k0).ok());
+  for (int b = 0; b < kBatch; ++b) CHECK(emitted[b] == 1 && accepted[b] == 0 && got[b] >= 0);
+  k0.tokens = want.data();
+  CHECK(verify_cpu(k0).ok());
+  differ = 0;
+  for (int b = 0; b < kBatch; ++b) differ += got[b] != want[b];
+  CHECK(differ <= 1);
+}
+
 }  // namespace
 
 int main() {
@@ -470,5 +515,6 @@ int main() {
   test_sample();
   test_verify_matches_the_cpu();
   test_verify_faults();
+  test_verify_seed_pointers_and_no_drafts();
   return native_check::check_summary("test_cuda_sim_kernels");
 }
