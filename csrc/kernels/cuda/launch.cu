@@ -17,29 +17,30 @@ OpStatus cuda_error_status(cudaError_t e) {
   return s;
 }
 
-DeviceGuard::DeviceGuard(int device) {
-  error_ = cudaGetDevice(&previous_);
-  if (error_ == cudaSuccess && previous_ != device) error_ = cudaSetDevice(device);
-}
-
-DeviceGuard::~DeviceGuard() {
-  int current = -1;
-  if (previous_ >= 0 && cudaGetDevice(&current) == cudaSuccess && current != previous_) {
-    cudaSetDevice(previous_);
+OpLaunch::OpLaunch(const CudaLaunch& launch)
+    : launch_(launch), stream_(static_cast<cudaStream_t>(launch.stream)) {
+  device_error_ = cudaGetDevice(&previous_device_);
+  if (device_error_ == cudaSuccess && previous_device_ != launch.device) {
+    device_error_ = cudaSetDevice(launch.device);
   }
 }
 
-OpWorkspace::~OpWorkspace() {
+OpLaunch::~OpLaunch() {
   if (owned_ && ptr_) cudaFreeAsync(ptr_, stream_);
+  int current = -1;
+  if (previous_device_ >= 0 && cudaGetDevice(&current) == cudaSuccess &&
+      current != previous_device_) {
+    cudaSetDevice(previous_device_);
+  }
 }
 
-OpStatus OpWorkspace::acquire(const CudaLaunch& launch, size_t bytes) {
-  stream_ = static_cast<cudaStream_t>(launch.stream);
-  if (launch.workspace) {
-    if (launch.workspace_bytes < bytes) {
+OpStatus OpLaunch::start(size_t bytes) {
+  if (device_error_ != cudaSuccess) return cuda_error_status(device_error_);
+  if (launch_.workspace) {
+    if (launch_.workspace_bytes < bytes) {
       return invalid_argument("workspace is smaller than *_cuda_workspace_bytes()");
     }
-    ptr_ = launch.workspace;
+    ptr_ = launch_.workspace;
   } else {
     const cudaError_t e = cudaMallocAsync(&ptr_, bytes, stream_);
     if (e != cudaSuccess) return cuda_error_status(e);
@@ -50,17 +51,15 @@ OpStatus OpWorkspace::acquire(const CudaLaunch& launch, size_t bytes) {
   return e == cudaSuccess ? OpStatus{} : cuda_error_status(e);
 }
 
-OpStatus OpWorkspace::finish(const CudaLaunch& launch, uint64_t* record) {
-  *record = kNoDeviceError;
+OpStatus OpLaunch::finish(OpKind op) {
   cudaError_t e = cudaGetLastError();  // launch configuration errors
   if (e != cudaSuccess) return cuda_error_status(e);
-  if (!launch.check_errors) return OpStatus{};
+  if (!launch_.check_errors) return OpStatus{};
   unsigned long long host = kNoDeviceError;
   e = cudaMemcpyAsync(&host, ptr_, sizeof host, cudaMemcpyDeviceToHost, stream_);
   if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
   if (e != cudaSuccess) return cuda_error_status(e);
-  *record = host;
-  return OpStatus{};
+  return decode_device_error(op, host);
 }
 
 void fill_logit_value(const void* logits, LogitsDType dtype, int64_t index, OpStatus* s) {

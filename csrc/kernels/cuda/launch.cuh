@@ -12,41 +12,33 @@ namespace cuda {
 
 OpStatus cuda_error_status(cudaError_t e);
 
-// Makes `device` current for the scope of one launcher call.
-class DeviceGuard {
+// One launcher call: makes launch.device current for its scope, takes the caller's
+// workspace or allocates one stream-ordered, and turns the error record into a status.
+// Workspace layout: [error record: kCudaErrorRecordBytes][op-specific payload].
+class OpLaunch {
  public:
-  explicit DeviceGuard(int device);
-  ~DeviceGuard();
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-  cudaError_t error() const { return error_; }
+  explicit OpLaunch(const CudaLaunch& launch);
+  ~OpLaunch();  // frees an allocated workspace (stream-ordered), then restores the device
+  OpLaunch(const OpLaunch&) = delete;
+  OpLaunch& operator=(const OpLaunch&) = delete;
 
- private:
-  int previous_ = -1;
-  cudaError_t error_ = cudaSuccess;
-};
-
-// One launcher call's workspace: the caller's, or a stream-ordered allocation.
-// Layout: [error record: kCudaErrorRecordBytes][op-specific].
-class OpWorkspace {
- public:
-  OpWorkspace() = default;
-  ~OpWorkspace();
-  OpWorkspace(const OpWorkspace&) = delete;
-  OpWorkspace& operator=(const OpWorkspace&) = delete;
-
-  // Takes launch.workspace (checking its size) or allocates `bytes`, and resets the record.
-  OpStatus acquire(const CudaLaunch& launch, size_t bytes);
+  // The device switch's status, then the workspace of `bytes` (the caller's, its size
+  // checked, or allocated) with the record reset.
+  OpStatus start(size_t bytes);
+  cudaStream_t stream() const { return stream_; }
   unsigned long long* record() const { return static_cast<unsigned long long*>(ptr_); }
   void* payload() const { return static_cast<char*>(ptr_) + kCudaErrorRecordBytes; }
 
-  // After the kernels: checks the launch, then (check_errors) reads the record back,
-  // synchronising the stream. *record = kNoDeviceError if nothing was read.
-  OpStatus finish(const CudaLaunch& launch, uint64_t* record);
+  // After the kernels: the launch's status, then (check_errors) the record read back,
+  // which synchronises the stream, decoded for `op`; kOk if it was not read.
+  OpStatus finish(OpKind op);
 
  private:
+  const CudaLaunch& launch_;
+  cudaStream_t stream_;
+  int previous_device_ = -1;
+  cudaError_t device_error_ = cudaSuccess;
   void* ptr_ = nullptr;
-  cudaStream_t stream_ = nullptr;
   bool owned_ = false;
 };
 

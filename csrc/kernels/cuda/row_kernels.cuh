@@ -1,8 +1,8 @@
 // The CUDA kernels of the sampling ops, one block per row (or per row position), as
-// templates over the logits type and the block size. The launchers (policy.cu, sample.cu,
-// verify.cu) instantiate them with 512 threads; csrc/tests/test_cuda_sim_kernels.cpp runs
-// the same code on the host in the simulation of csrc/tests/cuda_sim/, with small blocks,
-// against the CPU launchers. Device code only: no CUDA runtime call here.
+// templates over the logits type and the block size. The launchers (ops.cu) instantiate
+// them with 512 threads; csrc/tests/test_cuda_sim_kernels.cpp runs the same code on the
+// host in the simulation of csrc/tests/cuda_sim/, with small blocks, against the CPU
+// launchers. Device code only: no CUDA runtime call here.
 #pragma once
 
 #include <climits>

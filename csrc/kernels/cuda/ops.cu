@@ -1,0 +1,102 @@
+// The CUDA launchers of the sampling ops: host checks, the device and workspace of the
+// call (OpLaunch, launch.cuh), the kernels of row_kernels.cuh with 512 threads a block on
+// the caller's stream, and the error record turned into a status with the bad value.
+#include <climits>
+#include <type_traits>
+
+#include "launch.cuh"
+#include "row_kernels.cuh"
+
+namespace verispec {
+
+namespace {
+
+using namespace kernels;
+using namespace kernels::cuda;
+
+constexpr int kBlock = 512;
+
+}  // namespace
+
+// apply_policy: one block per row, compiled with or without the filter code
+// (policy_may_filter). Napkin math (V = 32000, bf16, no filter): 3 reads of 64 KB + one
+// 128 KB write per row; each active top-k / top-p search adds up to 10 read passes
+// (8-way, see threshold_search.h).
+OpStatus apply_policy_cuda(const ApplyPolicyArgs& a, const CudaLaunch& launch) {
+  OpStatus s = check_apply_policy_args(a);
+  if (!s.ok() || a.rows == 0) return s;
+  OpLaunch op(launch);
+  s = op.start(apply_policy_cuda_workspace_bytes());
+  if (!s.ok()) return s;
+  const bool filter = policy_may_filter(a.policy, a.vocab);
+  dispatch_dtype(a.logits_dtype, a.logits, [&](const auto* logits) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
+    const auto grid = static_cast<unsigned>(a.rows);
+    if (filter) {
+      apply_policy_kernel<T, kBlock, true><<<grid, kBlock, 0, op.stream()>>>(a, op.record());
+    } else {
+      apply_policy_kernel<T, kBlock, false><<<grid, kBlock, 0, op.stream()>>>(a, op.record());
+    }
+  });
+  s = op.finish(OpKind::kApplyPolicy);
+  if (s.code == StatusCode::kInvalidPolicy) fill_policy_value(a.policy, &s);
+  if (s.code == StatusCode::kNanOrInfLogits && s.col >= 0) {
+    fill_logit_value(a.logits, a.logits_dtype, s.row * a.logits_row_stride + s.col, &s);
+  }
+  return s;
+}
+
+// sample: one block per row.
+OpStatus sample_cuda(const SampleArgs& a, const CudaLaunch& launch) {
+  OpStatus s = check_sample_args(a);
+  if (!s.ok() || a.rows == 0) return s;
+  OpLaunch op(launch);
+  s = op.start(sample_cuda_workspace_bytes());
+  if (!s.ok()) return s;
+  sample_kernel<kBlock><<<static_cast<unsigned>(a.rows), kBlock, 0, op.stream()>>>(a, op.record());
+  s = op.finish(OpKind::kSample);
+  if (s.code == StatusCode::kInvalidProbs && s.col >= 0) {
+    fill_value(a.probs, s.row * a.probs_row_stride + s.col, &s);
+  }
+  return s;
+}
+
+// verify: verify_policy_kernel, one block per row position, into the RowStats of the
+// workspace payload; then verify_sample_kernel, one block per row.
+OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
+  OpStatus s = check_verify_args(a);
+  if (!s.ok() || a.batch == 0) return s;
+  if (a.batch * (a.num_spec + 1) > INT_MAX) {
+    return invalid_argument("batch * (K + 1) must be < 2^31 on CUDA");
+  }
+  OpLaunch op(launch);
+  s = op.start(verify_cuda_workspace_bytes(a.batch, a.num_spec));
+  if (!s.ok()) return s;
+  auto* stats = static_cast<RowStats*>(op.payload());
+  const bool filter = verify_may_filter(a);
+  dispatch_dtype(a.target_logits_dtype, a.target_logits, [&](const auto* logits) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
+    const auto positions = static_cast<unsigned>(a.batch * (a.num_spec + 1));
+    if (filter) {
+      verify_policy_kernel<T, kBlock, true>
+          <<<positions, kBlock, 0, op.stream()>>>(a, stats, op.record());
+    } else {
+      verify_policy_kernel<T, kBlock, false>
+          <<<positions, kBlock, 0, op.stream()>>>(a, stats, op.record());
+    }
+    verify_sample_kernel<T, kBlock>
+        <<<static_cast<unsigned>(a.batch), kBlock, 0, op.stream()>>>(a, stats, op.record());
+  });
+  s = op.finish(OpKind::kVerify);
+  switch (s.code) {
+    case StatusCode::kInvalidPolicy: fill_policy_value(a.policy, &s); break;
+    case StatusCode::kNumDraftOutOfRange: fill_value(a.num_draft, s.row, &s); break;
+    case StatusCode::kTokenOutOfRange:
+      fill_value(a.draft_tokens, s.row * a.draft_tokens_stride_b + s.col, &s);
+      break;
+    default: break;
+  }
+  return s;
+}
+
+}  // namespace verispec
