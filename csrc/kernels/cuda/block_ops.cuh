@@ -63,30 +63,11 @@ struct BlockOps {
   __device__ int* each_sums(int) { return each_i; }
 
   // Each reduction ends with the result in every thread and `temp` free for reuse.
-  __device__ float sum(float v) {
-    const float r = ReduceF(temp.f).Sum(v);
-    if (threadIdx.x == 0) bcast_f = r;
-    __syncthreads();
-    const float out = bcast_f;
-    __syncthreads();
-    return out;
-  }
-  __device__ int sum_int(int v) {
-    const int r = ReduceI(temp.i).Sum(v);
-    if (threadIdx.x == 0) bcast_i = r;
-    __syncthreads();
-    const int out = bcast_i;
-    __syncthreads();
-    return out;
-  }
+  __device__ float sum(float v) { return broadcast(ReduceF(temp.f).Sum(v), bcast_f); }
+  __device__ int sum_int(int v) { return broadcast(ReduceI(temp.i).Sum(v), bcast_i); }
   template <typename Op>
   __device__ int reduce_int(int v, Op op) {
-    const int r = ReduceI(temp.i).Reduce(v, op);
-    if (threadIdx.x == 0) bcast_i = r;
-    __syncthreads();
-    const int out = bcast_i;
-    __syncthreads();
-    return out;
+    return broadcast(ReduceI(temp.i).Reduce(v, op), bcast_i);
   }
   __device__ int min_int(int v) { return reduce_int(v, MinInt()); }
   __device__ int max_int(int v) { return reduce_int(v, MaxInt()); }
@@ -118,10 +99,17 @@ struct BlockOps {
     __syncthreads();  // scratch free for the next call
   }
   __device__ ArgMax argmax(ArgMax v) {
-    const ArgMax r = ReduceA(temp.a).Reduce(v, ArgMaxOp());
-    if (threadIdx.x == 0) bcast_a = r;
+    return broadcast(ReduceA(temp.a).Reduce(v, ArgMaxOp()), bcast_a);
+  }
+
+ private:
+  // A CUB result (valid in thread 0) handed to every thread through `slot`; the second
+  // barrier frees `slot` and `temp` for the next reduction.
+  template <typename T>
+  __device__ T broadcast(const T& r, T& slot) {
+    if (threadIdx.x == 0) slot = r;
     __syncthreads();
-    const ArgMax out = bcast_a;
+    const T out = slot;
     __syncthreads();
     return out;
   }
