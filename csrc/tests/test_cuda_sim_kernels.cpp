@@ -18,10 +18,12 @@
 
 #include "../kernels/cuda/row_kernels.cuh"
 #include "native_check.h"
+#include "verify_case.h"
 
 using namespace verispec;
 using namespace verispec::kernels;
 using namespace verispec::kernels::cuda;
+using namespace verify_case;
 
 namespace {
 
@@ -42,12 +44,6 @@ std::vector<BFloat16> convert<BFloat16>(const std::vector<float>& x) {
   return out;
 }
 
-std::vector<float> normal_values(std::mt19937& rng, size_t n, float scale) {
-  std::normal_distribution<float> normal(0.0f, scale);
-  std::vector<float> x(n);
-  for (auto& v : x) v = normal(rng);
-  return x;
-}
 
 // The status the launchers make of an error record (the value is filled on the host).
 OpStatus record_status(OpKind op, unsigned long long record) {
@@ -82,7 +78,7 @@ OpStatus sim_sample(const SampleArgs& a) {
 }
 
 template <typename T>
-OpStatus sim_verify(const VerifyArgs& a) {
+OpStatus sim_verify_as(const VerifyArgs& a) {
   unsigned long long record = kNoDeviceError;
   const bool filter = verify_may_filter(a);
   std::vector<RowStats> stats(static_cast<size_t>(a.batch * (a.num_spec + 1)));
@@ -96,6 +92,11 @@ OpStatus sim_verify(const VerifyArgs& a) {
   cuda_sim::run_grid(static_cast<unsigned>(a.batch), kSimBlock,
                      [&] { verify_sample_kernel<T, kSimBlock>(a, stats.data(), &record); });
   return record_status(OpKind::kVerify, record);
+}
+
+OpStatus sim_verify(const VerifyArgs& a) {
+  return a.target_logits_dtype == LogitsDType::kBFloat16 ? sim_verify_as<BFloat16>(a)
+                                                          : sim_verify_as<float>(a);
 }
 
 // ---- apply_policy --------------------------------------------------------------------
@@ -121,7 +122,7 @@ template <typename T>
 void check_apply_policy(int V, uint32_t seed) {
   std::mt19937 rng(seed);
   constexpr int kRows = 8;
-  const std::vector<float> x = normal_values(rng, static_cast<size_t>(kRows * V), 3.0f);
+  const std::vector<float> x = random_logits(rng, static_cast<size_t>(kRows * V), 3.0f);
   const std::vector<T> xt = convert<T>(x);
   // Per-row: plain, cooled, greedy, top-k, top-1, top-p, min-p, everything at once.
   std::vector<float> temperature = {1.0f, 0.5f, 0.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.3f};
@@ -245,149 +246,65 @@ void test_sample() {
 
 // ---- verify ----------------------------------------------------------------------------
 
-constexpr int kBatch = 8;
-constexpr int kSpec = 3;
-
 // Target logits, and drafts drawn from q = softmax(target + noise) (so that some
-// proposals pass and some fail), or one-hot proposals (q null).
-struct VerifyCase {
-  int V;
-  std::vector<float> target;  // [kBatch, kSpec + 1, V]
-  std::vector<float> q;       // [kBatch, kSpec, V]
-  std::vector<int32_t> drafts;
-  std::vector<int32_t> num_draft;
-
-  VerifyCase(int vocab, uint32_t seed, float noise) : V(vocab) {
-    std::mt19937 rng(seed);
-    target = normal_values(rng, static_cast<size_t>(kBatch * (kSpec + 1) * V), 2.0f);
-    q.resize(static_cast<size_t>(kBatch * kSpec * V));
-    drafts.resize(kBatch * kSpec);
-    std::normal_distribution<float> normal(0.0f, noise);
-    for (int b = 0; b < kBatch; ++b) {
-      for (int j = 0; j < kSpec; ++j) {
-        float* qr = &q[static_cast<size_t>((b * kSpec + j) * V)];
-        const float* t = &target[static_cast<size_t>((b * (kSpec + 1) + j) * V)];
-        double total = 0.0;
-        for (int i = 0; i < V; ++i) total += qr[i] = std::exp(t[i] + normal(rng));
-        for (int i = 0; i < V; ++i) qr[i] = static_cast<float>(qr[i] / total);
-        std::discrete_distribution<int> draw(qr, qr + V);
-        drafts[static_cast<size_t>(b * kSpec + j)] = draw(rng);
-      }
-    }
-    num_draft = {3, 0, 2, 3, 1, 3, 3, 2};  // ragged
-  }
-};
-
-struct VerifyOut {
-  std::vector<int32_t> tokens = std::vector<int32_t>(kBatch * (kSpec + 1), -7);
-  std::vector<int32_t> emitted = std::vector<int32_t>(kBatch, -7);
-  std::vector<int32_t> accepted = std::vector<int32_t>(kBatch, -7);
-  OpStatus status;
-};
-
-template <typename T>
-VerifyArgs verify_args(const VerifyCase& c, const std::vector<T>& target, bool with_q) {
-  VerifyArgs a;
-  a.target_logits = target.data();
-  a.target_logits_dtype =
-      std::is_same<T, float>::value ? LogitsDType::kFloat32 : LogitsDType::kBFloat16;
-  a.target_logits_stride_b = (kSpec + 1) * c.V;
-  a.target_logits_stride_k = c.V;
-  a.batch = kBatch;
-  a.num_spec = kSpec;
-  a.vocab = c.V;
-  a.draft_tokens = c.drafts.data();
-  a.draft_tokens_stride_b = kSpec;
-  if (with_q) {
-    a.draft_probs = c.q.data();
-    a.draft_probs_stride_b = kSpec * c.V;
-    a.draft_probs_stride_k = c.V;
-  }
-  a.num_draft = c.num_draft.data();
-  a.tokens_stride_b = kSpec + 1;
-  return a;
-}
-
-template <typename T>
-void run_both(VerifyArgs a, VerifyOut* sim, VerifyOut* cpu) {
-  a.tokens = sim->tokens.data();
-  a.num_emitted = sim->emitted.data();
-  a.num_accepted = sim->accepted.data();
-  sim->status = sim_verify<T>(a);
-  a.tokens = cpu->tokens.data();
-  a.num_emitted = cpu->emitted.data();
-  a.num_accepted = cpu->accepted.data();
-  cpu->status = verify_cpu(a);
-}
-
-bool row_equal(const VerifyOut& x, const VerifyOut& y, int b) {
-  for (int j = 0; j <= kSpec; ++j) {
-    if (x.tokens[static_cast<size_t>(b * (kSpec + 1) + j)] != y.tokens[static_cast<size_t>(b * (kSpec + 1) + j)]) {
-      return false;
+// proposals pass and some fail); ragged num_draft.
+VerifyCase perturbed_case(int64_t vocab, uint32_t seed, float noise) {
+  std::mt19937 rng(seed);
+  VerifyCase c;
+  c.batch = 8;
+  c.k = 3;
+  c.vocab = vocab;
+  c.logits = random_logits(rng, static_cast<size_t>(c.batch * (c.k + 1) * vocab), 2.0f);
+  c.draft_probs.resize(static_cast<size_t>(c.batch * c.k * vocab));
+  c.drafts.resize(static_cast<size_t>(c.batch * c.k));
+  std::normal_distribution<float> normal(0.0f, noise);
+  for (int64_t b = 0; b < c.batch; ++b) {
+    for (int64_t j = 0; j < c.k; ++j) {
+      float* q = &c.draft_probs[static_cast<size_t>((b * c.k + j) * vocab)];
+      const float* t = &c.logits[static_cast<size_t>((b * (c.k + 1) + j) * vocab)];
+      double total = 0.0;
+      for (int64_t i = 0; i < vocab; ++i) total += q[i] = std::exp(t[i] + normal(rng));
+      for (int64_t i = 0; i < vocab; ++i) q[i] = static_cast<float>(q[i] / total);
+      std::discrete_distribution<int> draw(q, q + vocab);
+      c.drafts[static_cast<size_t>(b * c.k + j)] = draw(rng);
     }
   }
-  return x.emitted[b] == y.emitted[b] && x.accepted[b] == y.accepted[b];
-}
-
-// The structure of a row's output: the accepted proposals, one emitted token in range,
-// -1 after, num_emitted = accepted + 1 (0 and all -1 for a row at fault).
-void check_row_structure(const VerifyOut& o, const VerifyCase& c, int b, bool at_fault) {
-  const int32_t* t = &o.tokens[static_cast<size_t>(b * (kSpec + 1))];
-  if (at_fault) {
-    CHECK(o.emitted[b] == 0 && o.accepted[b] == 0);
-    for (int j = 0; j <= kSpec; ++j) CHECK(t[j] == -1);
-    return;
-  }
-  const int acc = o.accepted[b];
-  CHECK(acc >= 0 && acc <= c.num_draft[static_cast<size_t>(b)] && o.emitted[b] == acc + 1);
-  for (int j = 0; j <= kSpec; ++j) {
-    if (j < acc) CHECK(t[j] == c.drafts[static_cast<size_t>(b * kSpec + j)]);
-    if (j == acc) CHECK(t[j] >= 0 && t[j] < c.V);
-    if (j > acc) CHECK(t[j] == -1);
-  }
+  c.num_draft = {3, 0, 2, 3, 1, 3, 3, 2};
+  return c;
 }
 
 struct Tally {
   int rows = 0, differ = 0, rejected = 0, bonus = 0;
 };
 
-template <typename T>
-void compare_verify(const VerifyCase& c, const std::vector<T>& target, bool with_q,
-                    const PolicyParams& policy, bool greedy, uint64_t seed, Tally* tally) {
-  VerifyArgs a = verify_args<T>(c, target, with_q);
-  a.policy = policy;
-  a.greedy = greedy;
-  a.rng.seed = seed;
-  a.rng.offset = seed * 3;
-  VerifyOut sim, cpu;
-  run_both<T>(a, &sim, &cpu);
+// The simulated kernels and the CPU on case c: both OK, every row well formed, greedy
+// rows identical; the rest counted.
+void compare_verify(const VerifyCase& c, Tally* tally) {
+  const VerifyOut sim = c.run_with(sim_verify), cpu = c.run();
   CHECK(sim.status.ok() && cpu.status.ok());
-  for (int b = 0; b < kBatch; ++b) {
-    check_row_structure(sim, c, b, false);
-    const bool same = row_equal(sim, cpu, b);
-    if (greedy) CHECK(same);  // argmax: no rounding
+  for (int64_t b = 0; b < c.batch; ++b) {
+    c.check_row(sim, b);
+    const bool same = sim.row_equal(cpu, b, c.k);
+    if (c.greedy) CHECK(same);  // argmax: no rounding
     tally->differ += !same;
     ++tally->rows;
-    tally->rejected += sim.accepted[b] < c.num_draft[static_cast<size_t>(b)];
-    tally->bonus += sim.accepted[b] == c.num_draft[static_cast<size_t>(b)];
+    tally->rejected += sim.accepted[static_cast<size_t>(b)] < c.n(b);
+    tally->bonus += sim.accepted[static_cast<size_t>(b)] == c.n(b);
   }
 }
 
 PolicyParams scalar_policy(float temperature, int32_t top_k, float top_p, float min_p) {
   PolicyParams p;
-  p.temperature = temperature;
-  p.top_k = top_k;
-  p.top_p = top_p;
-  p.min_p = min_p;
+  p.temperature = temperature, p.top_k = top_k, p.top_p = top_p, p.min_p = min_p;
   return p;
 }
 
 void test_verify_matches_the_cpu() {
   Tally tally;
-  const float row_temperature[kBatch] = {1.0f, 0.0f, 0.7f, 1.0f, 0.0f, 1.5f, 1.0f, 0.9f};
-  const int32_t row_top_k[kBatch] = {0, 0, 5, 0, 0, 0, 2, 0};
-  const float row_top_p[kBatch] = {1.0f, 1.0f, 1.0f, 0.8f, 1.0f, 0.95f, 1.0f, 1.0f};
-  const float row_min_p[kBatch] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.05f, 0.0f, 0.2f};
+  const float row_temperature[] = {1.0f, 0.0f, 0.7f, 1.0f, 0.0f, 1.5f, 1.0f, 0.9f};
+  const int32_t row_top_k[] = {0, 0, 5, 0, 0, 0, 2, 0};
+  const float row_top_p[] = {1.0f, 1.0f, 1.0f, 0.8f, 1.0f, 0.95f, 1.0f, 1.0f};
+  const float row_min_p[] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.05f, 0.0f, 0.2f};
   PolicyParams per_row;
   per_row.temperature_per_row = row_temperature;
   per_row.top_k_per_row = row_top_k;
@@ -398,18 +315,32 @@ void test_verify_matches_the_cpu() {
       scalar_policy(1.0f, 8, 1.0f, 0.0f),   scalar_policy(1.0f, 0, 0.85f, 0.0f),
       scalar_policy(1.2f, 20, 0.9f, 0.05f), per_row,
   };
-  for (int V : {40, 130}) {
-    const VerifyCase c(V, 31u + static_cast<uint32_t>(V), 1.0f);
-    const std::vector<BFloat16> target_bf16 = convert<BFloat16>(c.target);
+  for (int64_t V : {40, 130}) {
+    VerifyCase c = perturbed_case(V, 31u + static_cast<uint32_t>(V), 1.0f);
+    const std::vector<float> q = c.draft_probs;
     for (uint64_t seed = 1; seed <= 3; ++seed) {
+      c.seed = seed;
+      c.offset = seed * 3;
+      c.greedy = false;
       for (const PolicyParams& pol : policies) {
-        for (bool with_q : {true, false}) {
-          compare_verify<float>(c, c.target, with_q, pol, false, seed, &tally);
-        }
+        c.policy = pol;
+        c.draft_probs = q;
+        compare_verify(c, &tally);
+        c.draft_probs.clear();  // one-hot proposals
+        compare_verify(c, &tally);
       }
-      compare_verify<float>(c, c.target, true, PolicyParams(), true, seed, &tally);  // greedy flag
-      compare_verify<BFloat16>(c, target_bf16, true, policies[4], false, seed, &tally);
-      compare_verify<BFloat16>(c, target_bf16, false, PolicyParams(), true, seed, &tally);
+      c.draft_probs = q;
+      c.policy = PolicyParams();
+      c.greedy = true;  // the flag
+      compare_verify(c, &tally);
+      c.logits_bf16 = convert<BFloat16>(c.logits);
+      c.greedy = false;
+      c.policy = policies[4];
+      compare_verify(c, &tally);
+      c.greedy = true;
+      c.draft_probs.clear();
+      compare_verify(c, &tally);
+      c.logits_bf16.clear();
     }
   }
   std::printf("verify: %d rows, %d differ from the CPU, %d rejected, %d bonus\n", tally.rows,
@@ -419,45 +350,43 @@ void test_verify_matches_the_cpu() {
 }
 
 void test_verify_faults() {
-  const int V = 40;
-  VerifyCase c(V, 77, 1.0f);
+  const int64_t V = 40;
   // Faults: row 1 num_draft 5 > K; row 3 a proposal out of range; row 4 NaN at position
   // 1 <= n; row 6 a NaN draft probability at its first proposal. Row 0 has +Inf in the
   // padding (position 3 > n = 2): not read, no fault.
+  VerifyCase c = perturbed_case(V, 77, 1.0f);
+  c.seed = 4;
   c.num_draft = {2, 5, 2, 3, 1, 3, 3, 2};
-  c.drafts[static_cast<size_t>(3 * kSpec + 2)] = V + 3;
-  c.target[static_cast<size_t>((4 * (kSpec + 1) + 1) * V + 9)] = std::nanf("");
-  c.target[static_cast<size_t>((0 * (kSpec + 1) + 3) * V + 1)] = INFINITY;
-  c.q[static_cast<size_t>((6 * kSpec + 0) * V + c.drafts[6 * kSpec])] = std::nanf("");
-  const bool fault[kBatch] = {false, true, false, true, true, false, true, false};
+  c.drafts[3 * 3 + 2] = V + 3;
+  c.logits[static_cast<size_t>((4 * 4 + 1) * V + 9)] = std::nanf("");
+  c.logits[static_cast<size_t>((0 * 4 + 3) * V + 1)] = INFINITY;
+  c.draft_probs[static_cast<size_t>((6 * 3 + 0) * V + c.drafts[6 * 3])] = std::nanf("");
+  const bool fault[] = {false, true, false, true, true, false, true, false};
+  const std::vector<float> q = c.draft_probs;
   for (bool with_q : {true, false}) {
-    VerifyArgs a = verify_args<float>(c, c.target, with_q);
-    a.rng.seed = 4;
-    VerifyOut sim, cpu;
-    run_both<float>(a, &sim, &cpu);
+    c.draft_probs = with_q ? q : std::vector<float>();
+    const VerifyOut sim = c.run_with(sim_verify), cpu = c.run();
     CHECK(sim.status.code == StatusCode::kNumDraftOutOfRange && sim.status.row == 1);
     CHECK(same_fault(sim.status, cpu.status));
     int differ = 0;
-    for (int b = 0; b < kBatch; ++b) {
+    for (int64_t b = 0; b < c.batch; ++b) {
       const bool at_fault = fault[b] && (b != 6 || with_q);
-      check_row_structure(sim, c, b, at_fault);
-      check_row_structure(cpu, c, b, at_fault);
-      differ += !row_equal(sim, cpu, b);
+      c.check_row(sim, b, at_fault);
+      c.check_row(cpu, b, at_fault);
+      differ += !sim.row_equal(cpu, b, c.k);
     }
     CHECK(differ <= 1);
     // One fault at a time: each reports its own code and column, as on the CPU.
-    VerifyCase one(V, 77, 1.0f);
-    one.num_draft = c.num_draft;
-    one.num_draft[1] = 1;
-    one.drafts[static_cast<size_t>(3 * kSpec + 2)] = V + 3;
-    VerifyOut s1, c1;
-    run_both<float>(verify_args<float>(one, one.target, with_q), &s1, &c1);
+    VerifyCase one = perturbed_case(V, 77, 1.0f);
+    one.draft_probs = c.draft_probs.empty() ? std::vector<float>() : one.draft_probs;
+    one.drafts[3 * 3 + 2] = V + 3;
+    const VerifyOut s1 = one.run_with(sim_verify), c1 = one.run();
     CHECK(s1.status.code == StatusCode::kTokenOutOfRange && s1.status.row == 3 && s1.status.col == 2);
     CHECK(same_fault(s1.status, c1.status));
-    one.drafts[static_cast<size_t>(3 * kSpec + 2)] = 0;
-    one.target[static_cast<size_t>((4 * (kSpec + 1) + 1) * V + 9)] = std::nanf("");
-    VerifyOut s2, c2;
-    run_both<float>(verify_args<float>(one, one.target, with_q), &s2, &c2);
+    one.drafts[3 * 3 + 2] = 0;
+    one.num_draft[4] = 1;
+    one.logits[static_cast<size_t>((4 * 4 + 1) * V + 9)] = std::nanf("");
+    const VerifyOut s2 = one.run_with(sim_verify), c2 = one.run();
     CHECK(s2.status.code == StatusCode::kNanOrInfLogits && s2.status.row == 4 && s2.status.col == 1);
     CHECK(same_fault(s2.status, c2.status));
   }
@@ -466,45 +395,40 @@ void test_verify_faults() {
 // Seed and offset read through pointers (how a CUDA graph replays with new values) draw
 // the coins of the scalars; K = 0 (no draft tokens at all) emits one token from p.
 void test_verify_seed_pointers_and_no_drafts() {
-  const VerifyCase c(60, 91, 1.0f);
-  VerifyArgs a = verify_args<float>(c, c.target, true);
-  a.policy = scalar_policy(0.9f, 12, 1.0f, 0.0f);
-  a.rng.seed = 8;
-  a.rng.offset = 21;
-  VerifyOut by_value, unused;
-  run_both<float>(a, &by_value, &unused);
+  VerifyCase c = perturbed_case(60, 91, 1.0f);
+  c.policy = scalar_policy(0.9f, 12, 1.0f, 0.0f);
+  c.seed = 8;
+  c.offset = 21;
+  const VerifyOut by_value = c.run_with(sim_verify), cpu = c.run();
   const int64_t seed = 8, offset = 21;
-  a.rng = RandomParams();
-  a.rng.seed_ptr = &seed;
-  a.rng.offset_ptr = &offset;
-  VerifyOut by_pointer, cpu;
-  run_both<float>(a, &by_pointer, &cpu);
+  const VerifyOut by_pointer = c.run_with([&](VerifyArgs a) {
+    a.rng = RandomParams();
+    a.rng.seed_ptr = &seed;
+    a.rng.offset_ptr = &offset;
+    return sim_verify(a);
+  });
   CHECK(by_value.status.ok() && by_pointer.status.ok() && cpu.status.ok());
   int differ = 0;
-  for (int b = 0; b < kBatch; ++b) {
-    CHECK(row_equal(by_value, by_pointer, b));
-    differ += !row_equal(by_pointer, cpu, b);
+  for (int64_t b = 0; b < c.batch; ++b) {
+    CHECK(by_value.row_equal(by_pointer, b, c.k));
+    differ += !by_pointer.row_equal(cpu, b, c.k);
   }
   CHECK(differ <= 1);
 
-  VerifyArgs k0 = verify_args<float>(c, c.target, false);
-  k0.num_spec = 0;
-  k0.draft_tokens = nullptr;
-  k0.draft_tokens_stride_b = 0;
-  k0.num_draft = nullptr;
-  k0.target_logits_stride_b = c.V;  // [batch, 1, V]: the first V logits of each row
-  k0.tokens_stride_b = 1;
-  k0.rng.seed = 3;
-  std::vector<int32_t> got(kBatch, -7), want(kBatch, -7), emitted(kBatch), accepted(kBatch);
-  k0.tokens = got.data();
-  k0.num_emitted = emitted.data();
-  k0.num_accepted = accepted.data();
-  CHECK(sim_verify<float>(k0).ok());
-  for (int b = 0; b < kBatch; ++b) CHECK(emitted[b] == 1 && accepted[b] == 0 && got[b] >= 0);
-  k0.tokens = want.data();
-  CHECK(verify_cpu(k0).ok());
+  VerifyCase k0;
+  k0.batch = 8;
+  k0.k = 0;
+  k0.vocab = 60;
+  k0.logits = c.logits;  // the first 8 * 60 logits: [8, 1, 60]
+  k0.logits.resize(8 * 60);
+  k0.seed = 3;
+  const VerifyOut s0 = k0.run_with(sim_verify), c0 = k0.run();
+  CHECK(s0.status.ok() && c0.status.ok());
   differ = 0;
-  for (int b = 0; b < kBatch; ++b) differ += got[b] != want[b];
+  for (int64_t b = 0; b < k0.batch; ++b) {
+    k0.check_row(s0, b);
+    differ += !s0.row_equal(c0, b, 0);
+  }
   CHECK(differ <= 1);
 }
 

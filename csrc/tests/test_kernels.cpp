@@ -13,8 +13,9 @@
 #include <vector>
 
 #include "../kernels/cpu/cpu_policy.h"
-#include "native_check.h"
 #include "../kernels/threshold_search.h"
+#include "native_check.h"
+#include "verify_case.h"
 #include "verispec/linear.h"
 #include "verispec/norm.h"
 #include "verispec/ops.h"
@@ -22,6 +23,7 @@
 #include "verispec/sampling_math.h"
 
 using namespace verispec;
+using namespace verify_case;
 
 namespace {
 
@@ -88,60 +90,6 @@ std::vector<float> brute_policy(const std::vector<float>& p, int32_t top_k, floa
   return out;
 }
 
-struct VerifyOut {
-  std::vector<int32_t> tokens;
-  std::vector<int32_t> emitted;
-  std::vector<int32_t> accepted;
-  OpStatus status;
-};
-
-struct VerifyCase {
-  int64_t batch = 1, k = 1, vocab = 4;
-  std::vector<float> logits;       // [batch, k + 1, vocab]
-  std::vector<int32_t> drafts;     // [batch, k]
-  std::vector<float> draft_probs;  // [batch, k, vocab] or empty (one-hot)
-  std::vector<int32_t> num_draft;  // [batch] or empty
-  PolicyParams policy;
-  bool greedy = false;
-  uint64_t seed = 1, offset = 0;
-
-  VerifyOut run() const {
-    VerifyOut o;
-    o.tokens.assign(static_cast<size_t>(batch * (k + 1)), 12345);
-    o.emitted.assign(static_cast<size_t>(batch), 12345);
-    o.accepted.assign(static_cast<size_t>(batch), 12345);
-    VerifyArgs a;
-    a.target_logits = logits.data();
-    a.target_logits_stride_b = (k + 1) * vocab;
-    a.target_logits_stride_k = vocab;
-    a.batch = batch;
-    a.num_spec = k;
-    a.vocab = vocab;
-    a.draft_tokens = drafts.empty() ? nullptr : drafts.data();
-    a.draft_tokens_stride_b = k;
-    a.draft_probs = draft_probs.empty() ? nullptr : draft_probs.data();
-    a.draft_probs_stride_b = k * vocab;
-    a.draft_probs_stride_k = vocab;
-    a.num_draft = num_draft.empty() ? nullptr : num_draft.data();
-    a.policy = policy;
-    a.greedy = greedy;
-    a.rng.seed = seed;
-    a.rng.offset = offset;
-    a.tokens = o.tokens.data();
-    a.tokens_stride_b = k + 1;
-    a.num_emitted = o.emitted.data();
-    a.num_accepted = o.accepted.data();
-    o.status = verify_cpu(a);
-    return o;
-  }
-};
-
-std::vector<float> random_logits(std::mt19937& rng, size_t n, float scale = 2.0f) {
-  std::normal_distribution<float> d(0.0f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
 
 // ---- Philox & coins -------------------------------------------------------------------
 
@@ -1016,16 +964,7 @@ void test_verify_ragged_and_padding() {
     c.offset = off;
     const VerifyOut o = c.run();
     CHECK(o.status.ok());
-    for (int64_t b = 0; b < c.batch; ++b) {
-      CHECK(o.accepted[b] >= 0 && o.accepted[b] <= c.num_draft[b]);
-      CHECK(o.emitted[b] == o.accepted[b] + 1);
-      for (int64_t j = 0; j <= c.k; ++j) {
-        const int32_t t = o.tokens[static_cast<size_t>(b * (c.k + 1) + j)];
-        if (j < o.emitted[b]) CHECK(t >= 0 && t < c.vocab);
-        else CHECK(t == -1);
-        if (j < o.accepted[b]) CHECK(t == c.drafts[static_cast<size_t>(b * c.k + j)]);
-      }
-    }
+    for (int64_t b = 0; b < c.batch; ++b) c.check_row(o, b);
   }
   // num_draft 0 everywhere, K = 0 and no draft tokens at all: plain sampling.
   VerifyCase z;
