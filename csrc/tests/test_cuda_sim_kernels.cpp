@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "../kernels/cuda/row_kernels.cuh"
@@ -29,21 +30,31 @@ namespace {
 
 constexpr int kSimBlock = 64;  // two warps
 
-BFloat16 to_bf16(float x) { return BFloat16{static_cast<uint16_t>(float_bits(x) >> 16)}; }
+// Logits in their storage types (truncating; the CPU and the simulation read the same bits).
+float to_storage(float x, float) { return x; }
+BFloat16 to_storage(float x, BFloat16) { return BFloat16{static_cast<uint16_t>(float_bits(x) >> 16)}; }
+Float16 to_storage(float x, Float16) {
+  const uint32_t f = float_bits(x);
+  const auto sign = static_cast<uint16_t>((f >> 16) & 0x8000u);
+  if ((f & 0x7fffffffu) > 0x7f800000u) return Float16{static_cast<uint16_t>(sign | 0x7e00u)};  // NaN
+  const int exponent = static_cast<int>((f >> 23) & 0xffu) - 127 + 15;
+  if (exponent <= 0) return Float16{sign};                                      // to zero
+  if (exponent >= 31) return Float16{static_cast<uint16_t>(sign | 0x7c00u)};   // to Inf
+  return Float16{static_cast<uint16_t>(sign | (exponent << 10) | ((f >> 13) & 0x3ffu))};
+}
 
 template <typename T>
-std::vector<T> convert(const std::vector<float>& x);
-template <>
-std::vector<float> convert<float>(const std::vector<float>& x) {
-  return x;
-}
-template <>
-std::vector<BFloat16> convert<BFloat16>(const std::vector<float>& x) {
-  std::vector<BFloat16> out(x.size());
-  for (size_t i = 0; i < x.size(); ++i) out[i] = to_bf16(x[i]);
+std::vector<T> convert(const std::vector<float>& x) {
+  std::vector<T> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = to_storage(x[i], T{});
   return out;
 }
 
+template <typename T>
+LogitsDType dtype_of() {
+  if (std::is_same<T, BFloat16>::value) return LogitsDType::kBFloat16;
+  return std::is_same<T, Float16>::value ? LogitsDType::kFloat16 : LogitsDType::kFloat32;
+}
 
 // The status the launchers make of an error record (the value is filled on the host).
 OpStatus record_status(OpKind op, unsigned long long record) {
@@ -131,7 +142,7 @@ void check_apply_policy(int V, uint32_t seed) {
   std::vector<float> min_p = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.1f, 0.02f};
   ApplyPolicyArgs a;
   a.logits = xt.data();
-  a.logits_dtype = std::is_same<T, float>::value ? LogitsDType::kFloat32 : LogitsDType::kBFloat16;
+  a.logits_dtype = dtype_of<T>();
   a.logits_row_stride = V;
   a.rows = kRows;
   a.vocab = V;
@@ -192,6 +203,7 @@ void test_apply_policy() {
   for (int V : {1, 70, 1000}) {
     check_apply_policy<float>(V, 100u + static_cast<uint32_t>(V));
     check_apply_policy<BFloat16>(V, 200u + static_cast<uint32_t>(V));
+    check_apply_policy<Float16>(V, 300u + static_cast<uint32_t>(V));
   }
 }
 
