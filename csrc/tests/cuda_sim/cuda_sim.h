@@ -39,7 +39,7 @@ namespace cuda_sim {
 // x86-64: a switch of the callee-saved registers and the stack pointer (no system call;
 // glibc's swapcontext saves the signal mask with one, which cost most of the time).
 // Elsewhere: ucontext.
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(CUDA_SIM_UCONTEXT)  // the define: test the fallback
 extern "C" void cuda_sim_switch(void** save_sp, void* load_sp);
 extern "C" void cuda_sim_trampoline();
 // cuda_sim_switch: push the callee-saved registers and the x87/SSE control words, save
