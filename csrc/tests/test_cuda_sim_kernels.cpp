@@ -67,15 +67,15 @@ bool same_fault(const OpStatus& a, const OpStatus& b) {
 
 // ---- launches in the simulation, with the launchers' kernel choice -------------------
 
-template <typename T>
+template <typename T, int BLOCK = kSimBlock>
 OpStatus sim_apply_policy(const ApplyPolicyArgs& a) {
   unsigned long long record = kNoDeviceError;
   const bool filter = policy_may_filter(a.policy, a.vocab);
-  cuda_sim::run_grid(static_cast<unsigned>(a.rows), kSimBlock, [&] {
+  cuda_sim::run_grid(static_cast<unsigned>(a.rows), BLOCK, [&] {
     if (filter) {
-      apply_policy_kernel<T, kSimBlock, true>(a, &record);
+      apply_policy_kernel<T, BLOCK, true>(a, &record);
     } else {
-      apply_policy_kernel<T, kSimBlock, false>(a, &record);
+      apply_policy_kernel<T, BLOCK, false>(a, &record);
     }
   });
   return record_status(OpKind::kApplyPolicy, record);
@@ -88,26 +88,27 @@ OpStatus sim_sample(const SampleArgs& a) {
   return record_status(OpKind::kSample, record);
 }
 
-template <typename T>
+template <typename T, int BLOCK>
 OpStatus sim_verify_as(const VerifyArgs& a) {
   unsigned long long record = kNoDeviceError;
   const bool filter = verify_may_filter(a);
   std::vector<RowStats> stats(static_cast<size_t>(a.batch * (a.num_spec + 1)));
-  cuda_sim::run_grid(static_cast<unsigned>(stats.size()), kSimBlock, [&] {
+  cuda_sim::run_grid(static_cast<unsigned>(stats.size()), BLOCK, [&] {
     if (filter) {
-      verify_policy_kernel<T, kSimBlock, true>(a, stats.data(), &record);
+      verify_policy_kernel<T, BLOCK, true>(a, stats.data(), &record);
     } else {
-      verify_policy_kernel<T, kSimBlock, false>(a, stats.data(), &record);
+      verify_policy_kernel<T, BLOCK, false>(a, stats.data(), &record);
     }
   });
-  cuda_sim::run_grid(static_cast<unsigned>(a.batch), kSimBlock,
-                     [&] { verify_sample_kernel<T, kSimBlock>(a, stats.data(), &record); });
+  cuda_sim::run_grid(static_cast<unsigned>(a.batch), BLOCK,
+                     [&] { verify_sample_kernel<T, BLOCK>(a, stats.data(), &record); });
   return record_status(OpKind::kVerify, record);
 }
 
+template <int BLOCK = kSimBlock>
 OpStatus sim_verify(const VerifyArgs& a) {
-  return a.target_logits_dtype == LogitsDType::kBFloat16 ? sim_verify_as<BFloat16>(a)
-                                                          : sim_verify_as<float>(a);
+  return a.target_logits_dtype == LogitsDType::kBFloat16 ? sim_verify_as<BFloat16, BLOCK>(a)
+                                                          : sim_verify_as<float, BLOCK>(a);
 }
 
 // ---- apply_policy --------------------------------------------------------------------
@@ -292,7 +293,7 @@ struct Tally {
 // The simulated kernels and the CPU on case c: both OK, every row well formed, greedy
 // rows identical; the rest counted.
 void compare_verify(const VerifyCase& c, Tally* tally) {
-  const VerifyOut sim = c.run_with(sim_verify), cpu = c.run();
+  const VerifyOut sim = c.run_with(sim_verify<>), cpu = c.run();
   CHECK(sim.status.ok() && cpu.status.ok());
   for (int64_t b = 0; b < c.batch; ++b) {
     c.check_row(sim, b);
@@ -377,7 +378,7 @@ void test_verify_faults() {
   const std::vector<float> q = c.draft_probs;
   for (bool with_q : {true, false}) {
     c.draft_probs = with_q ? q : std::vector<float>();
-    const VerifyOut sim = c.run_with(sim_verify), cpu = c.run();
+    const VerifyOut sim = c.run_with(sim_verify<>), cpu = c.run();
     CHECK(sim.status.code == StatusCode::kNumDraftOutOfRange && sim.status.row == 1);
     CHECK(same_fault(sim.status, cpu.status));
     int differ = 0;
@@ -392,13 +393,13 @@ void test_verify_faults() {
     VerifyCase one = perturbed_case(V, 77, 1.0f);
     one.draft_probs = c.draft_probs.empty() ? std::vector<float>() : one.draft_probs;
     one.drafts[3 * 3 + 2] = V + 3;
-    const VerifyOut s1 = one.run_with(sim_verify), c1 = one.run();
+    const VerifyOut s1 = one.run_with(sim_verify<>), c1 = one.run();
     CHECK(s1.status.code == StatusCode::kTokenOutOfRange && s1.status.row == 3 && s1.status.col == 2);
     CHECK(same_fault(s1.status, c1.status));
     one.drafts[3 * 3 + 2] = 0;
     one.num_draft[4] = 1;
     one.logits[static_cast<size_t>((4 * 4 + 1) * V + 9)] = std::nanf("");
-    const VerifyOut s2 = one.run_with(sim_verify), c2 = one.run();
+    const VerifyOut s2 = one.run_with(sim_verify<>), c2 = one.run();
     CHECK(s2.status.code == StatusCode::kNanOrInfLogits && s2.status.row == 4 && s2.status.col == 1);
     CHECK(same_fault(s2.status, c2.status));
   }
@@ -411,13 +412,13 @@ void test_verify_seed_pointers_and_no_drafts() {
   c.policy = scalar_policy(0.9f, 12, 1.0f, 0.0f);
   c.seed = 8;
   c.offset = 21;
-  const VerifyOut by_value = c.run_with(sim_verify), cpu = c.run();
+  const VerifyOut by_value = c.run_with(sim_verify<>), cpu = c.run();
   const int64_t seed = 8, offset = 21;
   const VerifyOut by_pointer = c.run_with([&](VerifyArgs a) {
     a.rng = RandomParams();
     a.rng.seed_ptr = &seed;
     a.rng.offset_ptr = &offset;
-    return sim_verify(a);
+    return sim_verify<>(a);
   });
   CHECK(by_value.status.ok() && by_pointer.status.ok() && cpu.status.ok());
   int differ = 0;
@@ -434,7 +435,7 @@ void test_verify_seed_pointers_and_no_drafts() {
   k0.logits = c.logits;  // the first 8 * 60 logits: [8, 1, 60]
   k0.logits.resize(8 * 60);
   k0.seed = 3;
-  const VerifyOut s0 = k0.run_with(sim_verify), c0 = k0.run();
+  const VerifyOut s0 = k0.run_with(sim_verify<>), c0 = k0.run();
   CHECK(s0.status.ok() && c0.status.ok());
   differ = 0;
   for (int64_t b = 0; b < k0.batch; ++b) {
@@ -442,6 +443,49 @@ void test_verify_seed_pointers_and_no_drafts() {
     differ += !s0.row_equal(c0, b, 0);
   }
   CHECK(differ <= 1);
+}
+
+// The launchers' block size (16 warps) at a 128k vocabulary, with filters: the shapes
+// of a real launch (251 values a thread, a 16-warp sum_each and scan).
+void test_launch_block_size_at_a_large_vocabulary() {
+  const int64_t V = 128256;
+  VerifyCase c = perturbed_case(V, 5, 0.5f);
+  c.batch = 2;  // the first two rows of the case
+  c.num_draft = {2, 3};
+  const float temperature[] = {1.0f, 0.7f};
+  const int32_t top_k[] = {50, 0};
+  const float top_p[] = {0.9f, 1.0f};
+  const float min_p[] = {0.0f, 0.05f};
+  c.policy.temperature_per_row = temperature;
+  c.policy.top_k_per_row = top_k;
+  c.policy.top_p_per_row = top_p;
+  c.policy.min_p_per_row = min_p;
+  for (uint64_t seed : {1, 2}) {
+    c.seed = seed;
+    const VerifyOut sim = c.run_with(sim_verify<kLaunchBlock>), cpu = c.run();
+    CHECK(sim.status.ok() && cpu.status.ok());
+    for (int64_t b = 0; b < c.batch; ++b) {
+      c.check_row(sim, b);
+      CHECK(sim.row_equal(cpu, b, c.k));
+    }
+  }
+  // apply_policy on the same rows (positions 0 of both rows).
+  ApplyPolicyArgs a;
+  a.logits = c.logits.data();
+  a.logits_row_stride = (c.k + 1) * V;
+  a.rows = 2;
+  a.vocab = V;
+  a.policy = c.policy;
+  a.probs_row_stride = V;
+  std::vector<float> got(static_cast<size_t>(2 * V)), want(got.size());
+  a.probs = got.data();
+  CHECK((sim_apply_policy<float, kLaunchBlock>(a).ok()));
+  a.probs = want.data();
+  CHECK(apply_policy_cpu(a).ok());
+  CHECK(policy_rows_differ(got, want, 2, static_cast<int>(V)) == 0);
+  int kept = 0;
+  for (int64_t i = 0; i < V; ++i) kept += got[static_cast<size_t>(i)] > 0.0f;
+  CHECK(kept >= 1 && kept <= 50);  // top-k 50, then top-p 0.9
 }
 
 }  // namespace
@@ -452,5 +496,6 @@ int main() {
   test_verify_matches_the_cpu();
   test_verify_faults();
   test_verify_seed_pointers_and_no_drafts();
+  test_launch_block_size_at_a_large_vocabulary();
   return native_check::check_summary("test_cuda_sim_kernels");
 }

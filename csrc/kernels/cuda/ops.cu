@@ -14,7 +14,7 @@ namespace {
 using namespace kernels;
 using namespace kernels::cuda;
 
-constexpr int kBlock = 512;
+constexpr int kBlock = kLaunchBlock;
 
 }  // namespace
 

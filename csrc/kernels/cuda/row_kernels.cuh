@@ -13,6 +13,10 @@ namespace verispec {
 namespace kernels {
 namespace cuda {
 
+// Threads per block of every launch of these kernels (ops.cu); the simulation test runs
+// one case at this size too.
+constexpr int kLaunchBlock = 512;
+
 // ---- apply_policy ------------------------------------------------------------------
 // grid: rows blocks. compute_row_stats finds the max, the softmax normaliser and the
 // filter threshold by block-wide threshold search (no sort of the vocabulary); one more
