@@ -115,6 +115,8 @@ inline void make_context(Context* c, char* stack, size_t bytes, void (*fn)(void*
   c->uc.uc_stack.ss_sp = stack;
   c->uc.uc_stack.ss_size = bytes;
   c->uc.uc_link = nullptr;
+  // makecontext passes int arguments only: the pointer goes in two halves, the function
+  // through a static (every fiber starts the same one, Block::entry).
   const auto a = reinterpret_cast<uintptr_t>(arg);
   static void (*target)(void*) = nullptr;
   target = fn;
