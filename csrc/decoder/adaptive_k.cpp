@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+
+#include "verispec/errors.h"
 
 namespace verispec {
 
@@ -25,9 +28,20 @@ int64_t best_k(double a, double draft_pass, const std::vector<double>& target_pa
   return best;
 }
 
+namespace {
+// The table size, validated before anything is allocated.
+size_t cost_table_size(int64_t max_tokens_per_row) {
+  if (max_tokens_per_row > kMaxTokensPerRow) {
+    throw InvalidArgumentError("CostModel: max_tokens_per_row must be <= " +
+                               std::to_string(kMaxTokensPerRow) + ", got " +
+                               std::to_string(max_tokens_per_row));
+  }
+  return static_cast<size_t>(std::max<int64_t>(max_tokens_per_row, 1));
+}
+}  // namespace
+
 CostModel::CostModel(int64_t max_tokens_per_row)
-    : target_(static_cast<size_t>(std::max<int64_t>(max_tokens_per_row, 1)), 0.0),
-      seen_(target_.size(), false) {}
+    : target_(cost_table_size(max_tokens_per_row), 0.0), seen_(target_.size(), false) {}
 
 void CostModel::observe_draft(double s) {
   draft_ = draft_seen_ ? (1 - kWeight) * draft_ + kWeight * s : s;

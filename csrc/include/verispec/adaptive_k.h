@@ -26,6 +26,11 @@ int64_t best_k(double a, double draft_pass, const std::vector<double>& target_pa
 // the target pass cost by tokens per row. Unmeasured target sizes are extrapolated
 // from the measured ones with a linear fit (one point: the prior slope, a 5-token pass
 // costing 1.8x a 1-token pass, as measured for SmolLM2 on CPU).
+//
+// max_tokens_per_row is at most kMaxTokensPerRow (InvalidArgumentError beyond): a
+// verify pass carries k + 1 tokens per row, and no useful k comes near it, while an
+// absurd size (10^12) would otherwise try to allocate terabytes; below 1 it is 1.
+constexpr int64_t kMaxTokensPerRow = 1024;
 class CostModel {
  public:
   explicit CostModel(int64_t max_tokens_per_row);
