@@ -42,6 +42,13 @@ void NGramIndex::append(int32_t token) {
 }
 
 void NGramIndex::extend(const int32_t* tokens, int64_t n) {
+  if (n < 0) {
+    throw InvalidArgumentError("NGram.extend: n must be >= 0, got " + std::to_string(n));
+  }
+  if (tokens == nullptr && n > 0) {
+    throw InvalidArgumentError("NGram.extend: tokens must not be null when n = " +
+                               std::to_string(n) + " > 0");
+  }
   for (int64_t i = 0; i < n; ++i) append(tokens[i]);
 }
 
