@@ -81,7 +81,7 @@ std::vector<int32_t> NGramIndex::propose(int64_t k, int64_t* matched_n) const {
     for (auto e = ends.rbegin(); e != ends.rend(); ++e) {
       if (*e >= len - 1 || !same(*e, len - 1, n)) continue;
       const int64_t from = *e + 1;
-      const int64_t to = std::min(from + k, len);
+      const int64_t to = from + std::min(k, len - from);  // from + k may overflow
       if (matched_n != nullptr) *matched_n = n;
       return std::vector<int32_t>(tokens_.begin() + from, tokens_.begin() + to);
     }
