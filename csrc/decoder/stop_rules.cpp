@@ -1,6 +1,8 @@
 // The stop rules, applied in this one place (DESIGN.md: one place for each rule).
 #include <algorithm>
+#include <string>
 
+#include "verispec/errors.h"
 #include "verispec/spec_decoder.h"
 
 namespace verispec {
@@ -20,6 +22,16 @@ const char* finish_reason_name(FinishReason r) {
 int64_t apply_stop_rules(const StopParams& stop, const std::vector<int32_t>& generated,
                          const int32_t* tokens, int64_t n, int64_t prompt_len,
                          int64_t max_context, FinishReason* reason) {
+  if (n < 0) {
+    throw InvalidArgumentError("apply_stop_rules: n must be >= 0, got " + std::to_string(n));
+  }
+  if (tokens == nullptr && n > 0) {
+    throw InvalidArgumentError("apply_stop_rules: tokens must not be null when n = " +
+                               std::to_string(n) + " > 0");
+  }
+  if (reason == nullptr) {
+    throw InvalidArgumentError("apply_stop_rules: reason must not be null");
+  }
   *reason = FinishReason::kNone;
   // The generated tail plus the candidates, to match stop sequences that straddle
   // the step boundary.
