@@ -41,6 +41,16 @@ int64_t apply_stop_rules(const StopParams& stop, const std::vector<int32_t>& gen
       generated.end() - static_cast<std::ptrdiff_t>(std::min(generated.size(), longest)),
       generated.end());
   int64_t total = static_cast<int64_t>(generated.size());
+  // Already at a limit (a caller that did not stop in time, max_new_tokens <= 0): the
+  // limits cut exactly, so not one more token is kept.
+  if (n > 0 && total >= stop.max_new_tokens) {
+    *reason = FinishReason::kLength;
+    return 0;
+  }
+  if (n > 0 && prompt_len + total >= max_context) {
+    *reason = FinishReason::kContext;
+    return 0;
+  }
   for (int64_t i = 0; i < n; ++i) {
     const int32_t t = tokens[i];
     ++total;
