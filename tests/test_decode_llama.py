@@ -171,15 +171,13 @@ def test_self_speculation_samples_the_target_distribution(tiny5, wrong, monkeypa
     dec = SpecDecoder(tiny5, EarlyExit(tiny5, num_layers=1), k=2, num_blocks=2000, block_size=4)
     assert dec.shares_target_cache
     if wrong:
-        real = type(dec._runner).sample_draft
+        real = SpecDecoder._sample_draft
 
-        def wrong_q(self, batch, num_spec, position, rows, pol, seed, offset):
-            tokens = real(self, batch, num_spec, position, rows, pol, seed, offset)
-            logits = self.logits[_C.ModelRole.draft].float()
-            self.draft_probs[torch.tensor(rows), position] = torch.softmax(logits * 3, dim=-1)
-            return tokens
+        def wrong_q(self, logits, pol, seed, offset):
+            tokens, _ = real(self, logits, pol, seed, offset)
+            return tokens, torch.softmax(logits.float() * 3, dim=-1)
 
-        monkeypatch.setattr(type(dec._runner), "sample_draft", wrong_q)
+        monkeypatch.setattr(SpecDecoder, "_sample_draft", wrong_q)
     probs = _llama_continuations(tiny5, [1, 2], policy)
     counts = _sampled_continuations(dec, [1, 2], 8000, policy, seed=300)
     stats_ok = chi_square_pvalue(counts, probs) > ALPHA

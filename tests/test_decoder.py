@@ -209,7 +209,7 @@ def test_bad_input_is_refused_clearly():
         dec.generate([[1]], max_new_tokens=0)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
         dec.generate([[1]], max_new_tokens=3, top_p=1.5)
-    with pytest.raises(ValueError, match="temperature must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="temperature must be finite and >= 0, got -1"):
         dec.generate([[1]], max_new_tokens=3, temperature=-1.0)
     with pytest.raises(TypeError, match="prompts must be a list of token-id lists"):
         dec.generate("hello", max_new_tokens=3)
@@ -337,15 +337,13 @@ def test_end_to_end_test_has_power(monkeypatch):
     target = CacheModel(SV, seed=3, table_rows=53, scale=1.5)
     draft = CacheModel(SV, seed=4, table_rows=53, scale=1.5)
     dec = SpecDecoder(target, draft, k=2, num_blocks=3000, block_size=2, ops=ops)
-    real_sample_draft = type(dec._runner).sample_draft
+    real_sample_draft = SpecDecoder._sample_draft
 
-    def wrong_q(self, batch, num_spec, position, rows, pol, seed, offset):
-        tokens = real_sample_draft(self, batch, num_spec, position, rows, pol, seed, offset)
-        logits = self.logits[_C.ModelRole.draft].float()
-        self.draft_probs[torch.tensor(rows), position] = torch.softmax(logits, dim=-1)
-        return tokens
+    def wrong_q(self, logits, pol, seed, offset):
+        tokens, _ = real_sample_draft(self, logits, pol, seed, offset)
+        return tokens, torch.softmax(logits.float(), dim=-1)
 
-    monkeypatch.setattr(type(dec._runner), "sample_draft", wrong_q)
+    monkeypatch.setattr(SpecDecoder, "_sample_draft", wrong_q)
     probs = exact_continuations(target, [1, 2], policy)
     counts = sampled_continuations(dec, [1, 2], 8000, policy, seed=100)
     assert chi_square_pvalue(counts, probs) < ALPHA

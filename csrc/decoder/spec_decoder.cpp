@@ -1,11 +1,13 @@
 #include "verispec/spec_decoder.h"
 
 #include <algorithm>
-#include <chrono>
+#include <cmath>
+#include <cstring>
 #include <string>
 
 #include "verispec/errors.h"
 #include "verispec/nvtx.h"
+#include "verispec/sampling_math.h"
 
 namespace verispec {
 
@@ -18,6 +20,7 @@ struct SpecDecoder::Sequence {
   int64_t target_seq = -1;      // allocator sequence ids (-1 once freed)
   int64_t draft_seq = -1;
   FinishReason finish = FinishReason::kNone;
+  bool in_step = false;         // a row of the open step
   SequenceStats stats;
   std::unique_ptr<NGramIndex> ngram;  // n-gram drafter state: the committed tokens
   // Adaptive k: acceptance of a draft model in trackers[0]; of n-gram proposals by
@@ -30,27 +33,73 @@ struct SpecDecoder::Sequence {
   int64_t num_generated() const { return committed() - prompt_len; }
 };
 
-namespace {
-
-// Everything a step must restore when it fails halfway.
-struct CacheMark {
-  int64_t target_len;
-  int64_t draft_len;
-  std::vector<AcceptanceTracker> trackers;  // choose_k moves probe counters
+// One forward pass as it is built, before packing.
+struct Pass {
+  ModelRole role = ModelRole::kTarget;
+  std::vector<int64_t> input_ids, positions, query_start, logits_indices, rows, draft_index,
+      prev_index, fill_positions, fill_sources;
+  std::vector<int32_t> slot_mapping, block_tables, context_lens;
+  int64_t max_blocks = 1;
+  bool steady = false;  // one new token per row: what the cost model learns from
 };
 
-float row_temperature(const SamplingParams& p) { return p.greedy ? 0.0f : p.temperature; }
+// Everything a step must restore when it fails, and what it decided.
+struct SpecDecoder::OpenStep {
+  uint64_t id = 0;
+  std::vector<Sequence*> rows;        // stable: a row's release is queued until the step ends
+  std::vector<int64_t> k;             // per row
+  int64_t K = 0;
+  std::vector<int64_t> target_mark, draft_mark;
+  std::vector<std::vector<AcceptanceTracker>> tracker_mark;  // choose_k moves probe counters
+  std::vector<std::vector<int32_t>> proposals;  // n-gram proposals (known on the host)
+  uint64_t base_offset = 0;
+  std::vector<Pass> passes;           // draft passes, then the verify pass
+  int64_t verify_tokens = 0, verify_steady_tokens = 0;
+  // filled by check_outputs, used by commit_row
+  std::vector<int64_t> keep;
+  std::vector<FinishReason> reason;
+  std::vector<int32_t> drafts;        // [B, K] the proposals verified
+  // calls queued while the step is open
+  std::vector<int64_t> pending_abort, pending_release;
+};
 
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
+namespace {
+
+std::string num(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  std::string s = std::to_string(v);
+  s.erase(s.find_last_not_of('0') + 1);
+  if (!s.empty() && s.back() == '.') s.pop_back();
+  return s;
 }
 
-void push_policy(RowPolicy* policy, const SamplingParams& p) {
-  policy->temperature.push_back(row_temperature(p));
-  policy->top_k.push_back(p.top_k);
-  policy->top_p.push_back(p.top_p);
-  policy->min_p.push_back(p.min_p);
+void check_sampling(const SamplingParams& p) {
+  if (!temperature_valid(p.temperature)) {
+    throw InvalidArgumentError("add: temperature must be finite and >= 0, got " + num(p.temperature));
+  }
+  if (!top_k_valid(p.top_k)) {
+    throw InvalidArgumentError("add: top_k must be >= 0, got " + std::to_string(p.top_k));
+  }
+  if (!top_p_valid(p.top_p)) {
+    throw InvalidArgumentError("add: top_p must be in (0, 1], got " + num(p.top_p));
+  }
+  if (!min_p_valid(p.min_p)) {
+    throw InvalidArgumentError("add: min_p must be in [0, 1], got " + num(p.min_p));
+  }
+}
+
+// Appends `v` to the byte buffer at an 8-byte aligned offset; returns that offset.
+template <typename T>
+int64_t put(std::vector<uint8_t>* buf, const std::vector<T>& v) {
+  const size_t at = (buf->size() + 7) / 8 * 8;
+  buf->resize(at + v.size() * sizeof(T));
+  if (!v.empty()) std::memcpy(buf->data() + at, v.data(), v.size() * sizeof(T));
+  return static_cast<int64_t>(at);
+}
+
+std::string row_at(int64_t b, int64_t i) {
+  return "[" + std::to_string(b) + ", " + std::to_string(i) + "]";
 }
 
 }  // namespace
@@ -58,14 +107,22 @@ void push_policy(RowPolicy* policy, const SamplingParams& p) {
 SpecDecoder::SpecDecoder(const DecoderConfig& config)
     : config_(config),
       target_alloc_(config.target_num_blocks, config.block_size),
-      cost_(config.num_spec + 1) {
-  if (config.num_spec < 0) {
-    throw InvalidArgumentError("SpecDecoder: k must be >= 0, got " +
-                               std::to_string(config.num_spec));
+      cost_(std::min<int64_t>(std::max<int64_t>(config.k, 0), kMaxK) + 1) {
+  if (config.k < 0 || config.k > kMaxK) {
+    throw InvalidArgumentError("SpecDecoder: k must be in [0, " + std::to_string(kMaxK) +
+                               "], got " + std::to_string(config.k));
   }
   if (config.max_context <= 0) {
     throw InvalidArgumentError("SpecDecoder: max_context must be > 0, got " +
                                std::to_string(config.max_context));
+  }
+  if (config.draft_max_context < 0) {
+    throw InvalidArgumentError("SpecDecoder: draft_max_context must be >= 0, got " +
+                               std::to_string(config.draft_max_context));
+  }
+  if (config.vocab_size < 1 || config.vocab_size > (int64_t{1} << 31) - 1) {
+    throw InvalidArgumentError("SpecDecoder: vocab_size must be in [1, 2^31), got " +
+                               std::to_string(config.vocab_size));
   }
   const bool ngram = config.ngram_min_n > 0;
   if (config.has_draft_model && ngram) {
@@ -79,13 +136,16 @@ SpecDecoder::SpecDecoder(const DecoderConfig& config)
     draft_alloc_ = std::make_unique<BlockAllocator>(config.draft_num_blocks, config.block_size);
   } else if (config.has_draft_model) {
     // shared: the draft uses the target's allocator and sequences
-  } else if (!ngram && config.num_spec > 0) {
-    throw InvalidArgumentError("SpecDecoder: k = " + std::to_string(config.num_spec) +
+  } else if (!ngram && config.k > 0) {
+    throw InvalidArgumentError("SpecDecoder: k = " + std::to_string(config.k) +
                                " needs a draft; without one k must be 0 (plain decoding)");
   }
+  if (config_.draft_max_context == 0) config_.draft_max_context = config_.max_context;
 }
 
 SpecDecoder::~SpecDecoder() = default;
+
+// ---- sequences --------------------------------------------------------------------
 
 SpecDecoder::Sequence& SpecDecoder::get(int64_t seq) {
   return const_cast<Sequence&>(static_cast<const SpecDecoder*>(this)->get(seq));
@@ -99,12 +159,13 @@ const SpecDecoder::Sequence& SpecDecoder::get(int64_t seq) const {
 }
 
 int64_t SpecDecoder::add(const std::vector<int32_t>& prompt, const SamplingParams& sampling,
-                         const StopParams& stop, int64_t vocab_size) {
+                         const StopParams& stop) {
+  std::lock_guard<std::mutex> lock(mu_);
   if (prompt.empty()) throw InvalidArgumentError("add: prompt must hold at least 1 token, got 0");
   for (size_t i = 0; i < prompt.size(); ++i) {
-    if (prompt[i] < 0 || prompt[i] >= vocab_size) {
+    if (prompt[i] < 0 || prompt[i] >= config_.vocab_size) {
       throw InvalidArgumentError("add: prompt[" + std::to_string(i) + "] must be in [0, " +
-                                 std::to_string(vocab_size) + "), got " +
+                                 std::to_string(config_.vocab_size) + "), got " +
                                  std::to_string(prompt[i]));
     }
   }
@@ -117,37 +178,41 @@ int64_t SpecDecoder::add(const std::vector<int32_t>& prompt, const SamplingParam
     throw InvalidArgumentError("add: max_new_tokens must be > 0, got " +
                                std::to_string(stop.max_new_tokens));
   }
-  if (!sampling.greedy && !(sampling.temperature >= 0.0f)) {
-    throw InvalidArgumentError("add: temperature must be >= 0, got " +
-                               std::to_string(sampling.temperature));
+  for (size_t i = 0; i < stop.eos_ids.size(); ++i) {
+    if (stop.eos_ids[i] < 0) {  // an id past the vocabulary is allowed: it never matches
+      throw InvalidArgumentError("add: eos_token_id[" + std::to_string(i) + "] must be >= 0, got " +
+                                 std::to_string(stop.eos_ids[i]));
+    }
   }
-  if (sampling.top_k < 0) {
-    throw InvalidArgumentError("add: top_k must be >= 0, got " + std::to_string(sampling.top_k));
+  for (size_t i = 0; i < stop.stop_sequences.size(); ++i) {
+    if (stop.stop_sequences[i].empty()) {
+      throw InvalidArgumentError("add: stop[" + std::to_string(i) + "] must hold at least 1 token, got 0");
+    }
   }
-  if (!(sampling.top_p > 0.0f && sampling.top_p <= 1.0f)) {
-    throw InvalidArgumentError("add: top_p must be in (0, 1], got " +
-                               std::to_string(sampling.top_p));
-  }
-  if (!(sampling.min_p >= 0.0f && sampling.min_p <= 1.0f)) {
-    throw InvalidArgumentError("add: min_p must be in [0, 1], got " +
-                               std::to_string(sampling.min_p));
-  }
+  check_sampling(sampling);
   auto s = std::make_unique<Sequence>();
-  s->id = static_cast<int64_t>(seqs_.size());
   s->tokens = prompt;
   s->prompt_len = static_cast<int64_t>(prompt.size());
   s->sampling = sampling;
   s->stop = stop;
-  s->target_seq = target_alloc_.add_sequence();
-  if (draft_alloc_) s->draft_seq = draft_alloc_->add_sequence();
   if (config_.ngram_min_n > 0) {
     s->ngram = std::make_unique<NGramIndex>(config_.ngram_min_n, config_.ngram_max_n);
     s->ngram->extend(prompt.data(), static_cast<int64_t>(prompt.size()));
   }
   s->trackers.resize(s->ngram ? static_cast<size_t>(config_.ngram_max_n - config_.ngram_min_n + 1)
                               : 1);
-  seqs_.push_back(std::move(s));
-  return seqs_.back()->id;
+  // Reserve the id slot and the running entry before touching the allocators, so that
+  // nothing below can fail after an allocator sequence exists.
+  if (free_ids_.empty()) seqs_.emplace_back();
+  running_.reserve(running_.size() + 1);
+  const int64_t id = free_ids_.empty() ? static_cast<int64_t>(seqs_.size()) - 1 : free_ids_.back();
+  s->id = id;
+  s->target_seq = target_alloc_.add_sequence();
+  if (draft_alloc_) s->draft_seq = draft_alloc_->add_sequence();
+  if (!free_ids_.empty()) free_ids_.pop_back();
+  seqs_[static_cast<size_t>(id)] = std::move(s);
+  running_.push_back(id);
+  return id;
 }
 
 void SpecDecoder::finish(Sequence& s, FinishReason reason) {
@@ -155,62 +220,143 @@ void SpecDecoder::finish(Sequence& s, FinishReason reason) {
   if (s.target_seq >= 0) target_alloc_.free(s.target_seq);
   if (s.draft_seq >= 0) draft_alloc_->free(s.draft_seq);
   s.target_seq = s.draft_seq = -1;
+  auto it = std::find(running_.begin(), running_.end(), s.id);
+  if (it != running_.end()) running_.erase(it);
 }
 
-void SpecDecoder::abort(int64_t seq) {
+bool SpecDecoder::in_open_step(int64_t seq) const { return open_ && get(seq).in_step; }
+
+void SpecDecoder::abort_now(int64_t seq) {
   Sequence& s = get(seq);
   if (s.finish == FinishReason::kNone) finish(s, FinishReason::kAborted);
 }
 
-void SpecDecoder::release(int64_t seq) {
-  abort(seq);
+void SpecDecoder::release_now(int64_t seq) {
+  abort_now(seq);
   seqs_[static_cast<size_t>(seq)].reset();
+  free_ids_.push_back(seq);
+}
+
+void SpecDecoder::abort(int64_t seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  get(seq);  // unknown ids fail now, not when the step ends
+  if (in_open_step(seq)) {
+    open_->pending_abort.push_back(seq);
+  } else {
+    abort_now(seq);
+  }
+}
+
+void SpecDecoder::release(int64_t seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  get(seq);
+  if (in_open_step(seq)) {
+    auto& q = open_->pending_release;
+    if (std::find(q.begin(), q.end(), seq) == q.end()) q.push_back(seq);
+  } else {
+    release_now(seq);
+  }
+}
+
+void SpecDecoder::reseed(uint64_t seed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (open_) throw StepInProgressError("reseed: a step is open; reseed between steps");
+  config_.seed = seed;
+  offset_ = 0;
 }
 
 bool SpecDecoder::has_running() const {
-  for (const auto& s : seqs_) {
-    if (s && s->finish == FinishReason::kNone) return true;
-  }
-  return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  return !running_.empty();
 }
 
-std::vector<int64_t> SpecDecoder::running() const {
-  std::vector<int64_t> ids;
-  for (const auto& s : seqs_) {
-    if (s && s->finish == FinishReason::kNone) ids.push_back(s->id);
-  }
-  return ids;
+int64_t SpecDecoder::num_running() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(running_.size());
+}
+
+int64_t SpecDecoder::num_sequences() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(seqs_.size() - free_ids_.size());
+}
+
+bool SpecDecoder::step_open() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<bool>(open_);
 }
 
 std::vector<int32_t> SpecDecoder::generated(int64_t seq) const {
+  std::lock_guard<std::mutex> lock(mu_);
   const Sequence& s = get(seq);
   return std::vector<int32_t>(s.tokens.begin() + s.prompt_len, s.tokens.end());
 }
 
-FinishReason SpecDecoder::finish_reason(int64_t seq) const { return get(seq).finish; }
-const SequenceStats& SpecDecoder::stats(int64_t seq) const { return get(seq).stats; }
-int64_t SpecDecoder::committed_len(int64_t seq) const { return get(seq).committed(); }
-const std::vector<int32_t>& SpecDecoder::committed(int64_t seq) const { return get(seq).tokens; }
+FinishReason SpecDecoder::finish_reason(int64_t seq) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return get(seq).finish;
+}
+
+SequenceStats SpecDecoder::stats(int64_t seq) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return get(seq).stats;
+}
+
+int64_t SpecDecoder::committed_len(int64_t seq) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return get(seq).committed();
+}
+
+std::vector<int32_t> SpecDecoder::committed(int64_t seq) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return get(seq).tokens;
+}
 
 std::vector<int32_t> SpecDecoder::block_table(int64_t seq, ModelRole role) const {
+  std::lock_guard<std::mutex> lock(mu_);
   const Sequence& s = get(seq);
   const int64_t id = seq_for(s, role);
   if (id < 0) return {};
-  return allocator(role).block_table(id);
+  return alloc(role).block_table(id);
 }
 
 int64_t SpecDecoder::cache_len(int64_t seq, ModelRole role) const {
+  std::lock_guard<std::mutex> lock(mu_);
   const Sequence& s = get(seq);
   if (role == ModelRole::kDraft && !config_.has_draft_model) return 0;
   const int64_t id = seq_for(s, role);
-  return id >= 0 ? allocator(role).length(id) : 0;
+  return id >= 0 ? alloc(role).length(id) : 0;
+}
+
+int64_t SpecDecoder::num_free_blocks(ModelRole role) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return alloc(role).num_free_blocks();
+}
+
+int64_t SpecDecoder::num_blocks(ModelRole role) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return alloc(role).num_blocks();
+}
+
+uint64_t SpecDecoder::offset() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return offset_;
+}
+
+PhaseTimes SpecDecoder::times() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return times_;
+}
+
+CostModel SpecDecoder::cost_model() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cost_;
 }
 
 int64_t SpecDecoder::seq_for(const Sequence& s, ModelRole role) const {
   return role == ModelRole::kDraft && draft_alloc_ ? s.draft_seq : s.target_seq;
 }
 
-const BlockAllocator& SpecDecoder::allocator(ModelRole role) const {
+const BlockAllocator& SpecDecoder::alloc(ModelRole role) const {
   if (role == ModelRole::kDraft) {
     if (!config_.has_draft_model) {
       throw InvalidArgumentError("allocator: this decoder has no draft model");
@@ -220,15 +366,26 @@ const BlockAllocator& SpecDecoder::allocator(ModelRole role) const {
   return target_alloc_;
 }
 
+BlockAllocator& SpecDecoder::alloc(ModelRole role) {
+  return const_cast<BlockAllocator&>(static_cast<const SpecDecoder*>(this)->alloc(role));
+}
+
+// ---- begin_step -------------------------------------------------------------------
+
 int64_t SpecDecoder::choose_k(Sequence& s, std::vector<int32_t>* ngram_proposals) {
   ngram_proposals->clear();
   s.tracker = 0;
   if (!config_.has_draft_model && !s.ngram) return 0;
   // Never propose what could not be emitted: a step emits at most k + 1 tokens, and
-  // the verify pass writes positions up to C - 1 + k.
+  // the verify pass writes positions up to C - 1 + k. A draft model writes positions up
+  // to C + k - 2 (and its catch-up up to C - 1): keep them inside its context.
   const int64_t remaining = s.stop.max_new_tokens - s.num_generated();
   const int64_t room = config_.max_context - s.committed();
-  int64_t cap = std::max<int64_t>(0, std::min({config_.num_spec, remaining - 1, room - 1}));
+  int64_t cap = std::max<int64_t>(0, std::min({config_.k, remaining - 1, room - 1}));
+  if (config_.has_draft_model) {
+    const int64_t draft_room = config_.draft_max_context - s.committed();
+    cap = draft_room < 1 ? 0 : std::min(cap, draft_room + 1);
+  }
   if (s.ngram && cap > 0) {  // deterministic proposals: at most what the lookup found
     int64_t matched_n = 0;
     *ngram_proposals = s.ngram->propose(cap, &matched_n);
@@ -236,15 +393,16 @@ int64_t SpecDecoder::choose_k(Sequence& s, std::vector<int32_t>* ngram_proposals
     if (matched_n > 0) s.tracker = matched_n - config_.ngram_min_n;
   }
   if (!config_.adaptive_k || cap == 0) return cap;
+  const bool shared = config_.draft_shares_target_cache;
   int64_t k = cap;
-  if (shared_cache() && s.committed() - target_alloc_.length(s.target_seq) > 1) {
+  if (shared && s.committed() - target_alloc_.length(s.target_seq) > 1) {
     // The prompt is not cached yet: the target's prefill fills the shared cache for
     // free, where drafting now would make the draft prefill the prompt itself.
     k = 0;
   } else if (!s.ngram && !cost_.has_draft()) {
     // Measure the draft first: one steady draft pass (one token per row) is enough,
     // the second pass when the first catches the draft's own cache up.
-    k = std::min<int64_t>(cap, shared_cache() ? 1 : 2);
+    k = std::min<int64_t>(cap, shared ? 1 : 2);
   } else {
     // n-gram lookups cost nothing next to a model pass; a draft model is measured.
     const double draft_pass = s.ngram ? 0.0 : cost_.draft_pass();
@@ -262,266 +420,444 @@ int64_t SpecDecoder::choose_k(Sequence& s, std::vector<int32_t>* ngram_proposals
   return k;
 }
 
-void SpecDecoder::build_batch(ModelRole role, const std::vector<Sequence*>& rows,
-                              const std::vector<int64_t>& starts,
-                              const std::vector<std::vector<int32_t>>& inputs,
-                              ForwardBatch* out) {
-  BlockAllocator& alloc = alloc_for(role);
-  const int64_t B = static_cast<int64_t>(rows.size());
-  std::vector<int64_t> seqs(static_cast<size_t>(B)), counts(static_cast<size_t>(B));
-  int64_t total = 0;
+namespace {
+
+// Allocates the pass's tokens in `alloc` (all or nothing) and fills its slots, context
+// lengths and block tables; the inputs, positions and query starts are already set.
+void allocate_pass(BlockAllocator& alloc, const std::vector<int64_t>& seqs, Pass* p) {
+  const int64_t B = static_cast<int64_t>(seqs.size());
+  std::vector<int64_t> counts(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
-    const Sequence& s = *rows[static_cast<size_t>(b)];
-    seqs[static_cast<size_t>(b)] = seq_for(s, role);
-    counts[static_cast<size_t>(b)] = static_cast<int64_t>(inputs[static_cast<size_t>(b)].size());
-    total += counts[static_cast<size_t>(b)];
+    counts[static_cast<size_t>(b)] = p->query_start[static_cast<size_t>(b + 1)] -
+                                     p->query_start[static_cast<size_t>(b)];
   }
-  out->role = role;
-  out->num_rows = B;
-  out->slot_mapping.assign(static_cast<size_t>(total), -1);
-  alloc.append_batch(seqs.data(), counts.data(), B, out->slot_mapping.data(), total);
-  out->input_ids.clear();
-  out->positions.clear();
-  out->query_start.assign(1, 0);
-  out->context_lens.resize(static_cast<size_t>(B));
-  int64_t max_blocks = 1;
+  const int64_t T = static_cast<int64_t>(p->input_ids.size());
+  p->slot_mapping.assign(static_cast<size_t>(T), -1);
+  alloc.append_batch(seqs.data(), counts.data(), B, p->slot_mapping.data(), T);
+  p->context_lens.resize(static_cast<size_t>(B));
+  p->max_blocks = 1;
   for (int64_t b = 0; b < B; ++b) {
-    const auto& in = inputs[static_cast<size_t>(b)];
-    for (size_t i = 0; i < in.size(); ++i) {
-      out->input_ids.push_back(in[i]);
-      out->positions.push_back(starts[static_cast<size_t>(b)] + static_cast<int64_t>(i));
-    }
-    out->query_start.push_back(static_cast<int64_t>(out->input_ids.size()));
-    const int64_t len = alloc.length(seqs[static_cast<size_t>(b)]);
-    out->context_lens[static_cast<size_t>(b)] = static_cast<int32_t>(len);
-    max_blocks = std::max<int64_t>(
-        max_blocks, static_cast<int64_t>(alloc.block_table(seqs[static_cast<size_t>(b)]).size()));
+    const int64_t id = seqs[static_cast<size_t>(b)];
+    p->context_lens[static_cast<size_t>(b)] = static_cast<int32_t>(alloc.length(id));
+    p->max_blocks = std::max<int64_t>(p->max_blocks, static_cast<int64_t>(alloc.block_table(id).size()));
   }
-  out->max_blocks = max_blocks;
-  out->block_tables.assign(static_cast<size_t>(B * max_blocks), -1);
-  alloc.fill_block_tables(seqs.data(), B, out->block_tables.data(), max_blocks, max_blocks);
+  p->block_tables.assign(static_cast<size_t>(B * p->max_blocks), -1);
+  alloc.fill_block_tables(seqs.data(), B, p->block_tables.data(), p->max_blocks, p->max_blocks);
+  p->steady = T == B;
 }
 
-std::vector<StepOutput> SpecDecoder::step(StepRunner& runner) {
-  std::vector<Sequence*> rows;
-  for (auto& s : seqs_) {
-    if (s && s->finish == FinishReason::kNone) rows.push_back(s.get());
-  }
-  const int64_t B = static_cast<int64_t>(rows.size());
-  if (B == 0) return {};
-  NvtxRange step_range("verispec.step");
-  const auto step_start = Clock::now();
-  double t_draft_forward = 0, t_draft_sample = 0, t_target_forward = 0, t_verify = 0;
-  double t_draft_steady = 0;         // draft passes j >= 1: one token per row
-  int64_t t_draft_steady_passes = 0;
-  int64_t verify_tokens = 0, verify_steady_tokens = 0;  // steady: one pending token per row
+}  // namespace
 
-  std::vector<int64_t> k(static_cast<size_t>(B));
-  std::vector<CacheMark> marks(static_cast<size_t>(B));
-  int64_t K = 0;
-  std::vector<std::vector<int32_t>> proposals(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) {
-    Sequence& s = *rows[static_cast<size_t>(b)];
-    const int64_t target_len = target_alloc_.length(s.target_seq);
-    marks[static_cast<size_t>(b)] = {
-        target_len, draft_alloc_ ? draft_alloc_->length(s.draft_seq) : target_len, s.trackers};
-    k[static_cast<size_t>(b)] = choose_k(s, &proposals[static_cast<size_t>(b)]);
-    K = std::max(K, k[static_cast<size_t>(b)]);
-  }
-  // One offset per kernel call of this step: verify at base, draft position j at
-  // base + 1 + j (the Philox layout itself lives in philox.h).
-  const uint64_t base_offset = offset_;
-  VerifyResult result;
-  try {
-    // ---- draft phase: K passes; row b takes part in the first k[b] of them.
-    ForwardBatch batch;
-    const bool draft_model = config_.has_draft_model;
-    for (int64_t j = 0; draft_model && j < K; ++j) {
-      std::vector<Sequence*> active;
-      std::vector<int32_t> verify_rows;
-      std::vector<int64_t> starts;
-      std::vector<std::vector<int32_t>> inputs;
-      RowPolicy policy;
-      for (int64_t b = 0; b < B; ++b) {
-        if (k[static_cast<size_t>(b)] <= j) continue;
-        Sequence& s = *rows[static_cast<size_t>(b)];
-        active.push_back(&s);
-        verify_rows.push_back(static_cast<int32_t>(b));
-        push_policy(&policy, s.sampling);
-        if (j == 0) {  // catch up: committed[draft cache_len:]
-          const int64_t from = marks[static_cast<size_t>(b)].draft_len;
-          starts.push_back(from);
-          inputs.emplace_back(s.tokens.begin() + from, s.tokens.end());
-        } else {
-          starts.push_back(s.committed() + j - 1);
-          inputs.push_back({proposals[static_cast<size_t>(b)].back()});
-        }
-      }
-      build_batch(ModelRole::kDraft, active, starts, inputs, &batch);
-      const bool steady = static_cast<int64_t>(batch.input_ids.size()) ==
-                          static_cast<int64_t>(active.size());  // one input per row
-      runner.copy_blocks(ModelRole::kDraft, alloc_for(ModelRole::kDraft).take_block_copies());
-      batch.logits_indices.assign(batch.query_start.begin() + 1, batch.query_start.end());
-      for (auto& idx : batch.logits_indices) idx -= 1;  // last input of each row
-      auto t0 = Clock::now();
-      {
-        NvtxRange range("verispec.draft_forward");
-        runner.forward(batch);
-      }
-      const double t_fwd = seconds_since(t0);
-      t0 = Clock::now();
-      std::vector<int32_t> drawn;
-      {
-        NvtxRange range("verispec.draft_sample");
-        drawn = runner.sample_draft(B, K, j, verify_rows, policy, config_.seed,
-                                    base_offset + 1 + j);
-      }
-      const double t_smp = seconds_since(t0);
-      t_draft_forward += t_fwd;
-      t_draft_sample += t_smp;
-      if (steady) {
-        t_draft_steady += t_fwd + t_smp;
-        ++t_draft_steady_passes;
-      }
-      for (size_t r = 0; r < active.size(); ++r) {
-        proposals[static_cast<size_t>(verify_rows[r])].push_back(drawn[r]);
-      }
-    }
-
-    // ---- verify phase: one target pass over committed[target cache_len:] ++ proposals.
-    if (shared_cache() && K > 0) {  // drop the draft's K/V: the target rewrites them
-      for (int64_t b = 0; b < B; ++b) {
-        target_alloc_.rollback(rows[static_cast<size_t>(b)]->target_seq,
-                               marks[static_cast<size_t>(b)].target_len);
-      }
-    }
-    std::vector<int64_t> starts(static_cast<size_t>(B));
-    std::vector<std::vector<int32_t>> inputs(static_cast<size_t>(B));
-    VerifyRequest req;
-    req.batch = B;
-    req.num_spec = K;
-    req.draft_tokens.assign(static_cast<size_t>(B * K), -1);
-    req.num_draft.resize(static_cast<size_t>(B));
-    req.use_draft_probs = K > 0 && config_.has_draft_model;
-    req.seed = config_.seed;
-    req.offset = base_offset;
+void SpecDecoder::plan_draft_passes(OpenStep& st) {
+  if (!config_.has_draft_model) return;
+  const int64_t B = static_cast<int64_t>(st.rows.size());
+  std::vector<int64_t> prev_pos(static_cast<size_t>(B), -1);  // row -> index in the last pass
+  for (int64_t j = 0; j < st.K; ++j) {
+    Pass p;
+    p.role = ModelRole::kDraft;
+    p.query_start.push_back(0);
+    std::vector<int64_t> seqs;
     for (int64_t b = 0; b < B; ++b) {
-      Sequence& s = *rows[static_cast<size_t>(b)];
-      const int64_t from = marks[static_cast<size_t>(b)].target_len;
-      starts[static_cast<size_t>(b)] = from;
-      auto& in = inputs[static_cast<size_t>(b)];
-      in.assign(s.tokens.begin() + from, s.tokens.end());
-      const auto& p = proposals[static_cast<size_t>(b)];
-      in.insert(in.end(), p.begin(), p.end());
-      std::copy(p.begin(), p.end(), req.draft_tokens.begin() + b * K);
-      req.num_draft[static_cast<size_t>(b)] = static_cast<int32_t>(p.size());
-      push_policy(&req.policy, s.sampling);
+      if (st.k[static_cast<size_t>(b)] <= j) continue;
+      const Sequence& s = *st.rows[static_cast<size_t>(b)];
+      if (j == 0) {  // catch up: committed[draft cache_len:]
+        for (int64_t pos = st.draft_mark[static_cast<size_t>(b)]; pos < s.committed(); ++pos) {
+          p.input_ids.push_back(s.tokens[static_cast<size_t>(pos)]);
+          p.positions.push_back(pos);
+        }
+      } else {  // the previous proposal, on the device
+        p.input_ids.push_back(-1);
+        p.positions.push_back(s.committed() + j - 1);
+        p.prev_index.push_back(prev_pos[static_cast<size_t>(b)]);
+      }
+      p.query_start.push_back(static_cast<int64_t>(p.input_ids.size()));
+      p.logits_indices.push_back(p.query_start.back() - 1);
+      p.rows.push_back(b);
+      p.draft_index.push_back(b * st.K + j);
+      seqs.push_back(seq_for(s, ModelRole::kDraft));
     }
-    build_batch(ModelRole::kTarget, rows, starts, inputs, &batch);
-    verify_tokens = static_cast<int64_t>(batch.input_ids.size());
-    for (int64_t b = 0; b < B; ++b) verify_steady_tokens += k[static_cast<size_t>(b)] + 1;
-    runner.copy_blocks(ModelRole::kTarget, target_alloc_.take_block_copies());
+    for (size_t i = 0; i < p.rows.size(); ++i) prev_pos[static_cast<size_t>(p.rows[i])] = static_cast<int64_t>(i);
+    allocate_pass(alloc(ModelRole::kDraft), seqs, &p);
+    st.passes.push_back(std::move(p));
+  }
+  if (config_.draft_shares_target_cache && st.K > 0) {
+    // Drop the draft's K/V: the verify pass rewrites those positions.
+    for (int64_t b = 0; b < B; ++b) {
+      target_alloc_.rollback(st.rows[static_cast<size_t>(b)]->target_seq,
+                             st.target_mark[static_cast<size_t>(b)]);
+    }
+  }
+}
+
+void SpecDecoder::plan_verify_pass(OpenStep& st) {
+  const int64_t B = static_cast<int64_t>(st.rows.size());
+  const int64_t K = st.K;
+  Pass p;
+  p.role = ModelRole::kTarget;
+  p.query_start.push_back(0);
+  std::vector<int64_t> seqs;
+  for (int64_t b = 0; b < B; ++b) {
+    const Sequence& s = *st.rows[static_cast<size_t>(b)];
+    const int64_t kb = st.k[static_cast<size_t>(b)];
+    for (int64_t pos = st.target_mark[static_cast<size_t>(b)]; pos < s.committed(); ++pos) {
+      p.input_ids.push_back(s.tokens[static_cast<size_t>(pos)]);
+      p.positions.push_back(pos);
+    }
+    const auto& ngram = st.proposals[static_cast<size_t>(b)];
+    for (int64_t j = 0; j < kb; ++j) {
+      if (config_.has_draft_model) {
+        p.fill_positions.push_back(static_cast<int64_t>(p.input_ids.size()));
+        p.fill_sources.push_back(b * K + j);
+        p.input_ids.push_back(-1);
+      } else {
+        p.input_ids.push_back(ngram[static_cast<size_t>(j)]);
+      }
+      p.positions.push_back(s.committed() + j);
+    }
+    p.query_start.push_back(static_cast<int64_t>(p.input_ids.size()));
     // Logits rows laid out [B, K + 1]: row b's position i is its (pending - 1 + i)-th
     // input; positions past k[b] repeat the last one (padding the kernel never reads).
-    batch.logits_indices.clear();
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t first = batch.query_start[static_cast<size_t>(b + 1)] - 1 -
-                            k[static_cast<size_t>(b)];
-      for (int64_t i = 0; i <= K; ++i) {
-        batch.logits_indices.push_back(first + std::min(i, k[static_cast<size_t>(b)]));
-      }
-    }
-    auto t0 = Clock::now();
-    {
-      NvtxRange range("verispec.target_forward");
-      runner.forward(batch);
-    }
-    t_target_forward = seconds_since(t0);
-    t0 = Clock::now();
-    {
-      NvtxRange range("verispec.verify");
-      result = runner.verify(req);
-    }
-    t_verify = seconds_since(t0);
+    const int64_t first = p.query_start.back() - 1 - kb;
+    for (int64_t i = 0; i <= K; ++i) p.logits_indices.push_back(first + std::min(i, kb));
+    p.rows.push_back(b);
+    seqs.push_back(s.target_seq);
+    st.verify_steady_tokens += kb + 1;
+  }
+  allocate_pass(target_alloc_, seqs, &p);
+  st.verify_tokens = static_cast<int64_t>(p.input_ids.size());
+  st.passes.push_back(std::move(p));
+}
+
+void SpecDecoder::pack_inputs(OpenStep& st, StepPlan* plan) {
+  const int64_t B = static_cast<int64_t>(st.rows.size());
+  const int64_t K = st.K;
+  std::vector<uint8_t>& buf = plan->inputs;
+  for (const Pass& p : st.passes) {
+    PassLayout l;
+    l.role = p.role;
+    l.num_rows = static_cast<int64_t>(p.rows.size());
+    l.num_tokens = static_cast<int64_t>(p.input_ids.size());
+    l.max_blocks = p.max_blocks;
+    l.num_logits = static_cast<int64_t>(p.logits_indices.size());
+    l.input_ids = put(&buf, p.input_ids);
+    l.positions = put(&buf, p.positions);
+    l.query_start = put(&buf, p.query_start);
+    l.logits_indices = put(&buf, p.logits_indices);
+    l.rows = put(&buf, p.rows);
+    l.draft_index = put(&buf, p.draft_index);
+    l.prev_index = put(&buf, p.prev_index);
+    l.fill_positions = put(&buf, p.fill_positions);
+    l.fill_sources = put(&buf, p.fill_sources);
+    l.num_fill = static_cast<int64_t>(p.fill_positions.size());
+    l.slot_mapping = put(&buf, p.slot_mapping);
+    l.block_tables = put(&buf, p.block_tables);
+    l.context_lens = put(&buf, p.context_lens);
+    plan->passes.push_back(l);
+  }
+  std::vector<int32_t> drafts(static_cast<size_t>(B * K), -1), num_draft(static_cast<size_t>(B));
+  std::vector<float> temperature(static_cast<size_t>(B)), top_p(static_cast<size_t>(B)),
+      min_p(static_cast<size_t>(B));
+  std::vector<int32_t> top_k(static_cast<size_t>(B));
+  PolicyLayout& pol = plan->policy;
+  for (int64_t b = 0; b < B; ++b) {
+    const auto& ngram = st.proposals[static_cast<size_t>(b)];
+    std::copy(ngram.begin(), ngram.end(), drafts.begin() + b * K);
+    num_draft[static_cast<size_t>(b)] = static_cast<int32_t>(st.k[static_cast<size_t>(b)]);
+    const SamplingParams& sp = st.rows[static_cast<size_t>(b)]->sampling;
+    temperature[static_cast<size_t>(b)] = sp.temperature;
+    top_k[static_cast<size_t>(b)] = sp.top_k;
+    top_p[static_cast<size_t>(b)] = sp.top_p;
+    min_p[static_cast<size_t>(b)] = sp.min_p;
+    const SamplingParams& s0 = st.rows[0]->sampling;
+    pol.uniform = pol.uniform && sp.temperature == s0.temperature && sp.top_k == s0.top_k &&
+                  sp.top_p == s0.top_p && sp.min_p == s0.min_p;
+  }
+  const SamplingParams& s0 = st.rows[0]->sampling;
+  pol.temperature = s0.temperature;
+  pol.top_k = s0.top_k;
+  pol.top_p = s0.top_p;
+  pol.min_p = s0.min_p;
+  pol.temperature_rows = put(&buf, temperature);
+  pol.top_k_rows = put(&buf, top_k);
+  pol.top_p_rows = put(&buf, top_p);
+  pol.min_p_rows = put(&buf, min_p);
+  plan->draft_tokens = put(&buf, drafts);
+  plan->num_draft = put(&buf, num_draft);
+  buf.resize((buf.size() + 7) / 8 * 8);
+  plan->step_id = st.id;
+  plan->batch = B;
+  plan->k = K;
+  plan->draft_model = config_.has_draft_model && K > 0;
+  plan->seed = config_.seed;
+  plan->offset = st.base_offset;
+  for (int64_t b = 0; b < B; ++b) {
+    plan->seqs.push_back(st.rows[static_cast<size_t>(b)]->id);
+    plan->row_k.push_back(static_cast<int32_t>(st.k[static_cast<size_t>(b)]));
+  }
+  // The decoder never forks, so these are empty today; a caller performs them anyway.
+  plan->target_copies = target_alloc_.take_block_copies();
+  if (draft_alloc_) plan->draft_copies = draft_alloc_->take_block_copies();
+}
+
+StepPlan SpecDecoder::begin_step() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (open_) {
+    throw StepInProgressError("begin_step: step " + std::to_string(open_->id) +
+                              " is still open; one step at a time (commit or cancel it first)");
+  }
+  StepPlan plan;
+  if (running_.empty()) return plan;
+  NvtxRange range("verispec.plan");
+  auto st = std::make_unique<OpenStep>();
+  st->id = next_step_id_++;
+  st->base_offset = offset_;
+  const size_t B = running_.size();
+  st->k.resize(B);
+  st->target_mark.resize(B);
+  st->draft_mark.resize(B);
+  st->proposals.resize(B);
+  for (size_t b = 0; b < B; ++b) {
+    Sequence& s = *seqs_[static_cast<size_t>(running_[b])];
+    st->rows.push_back(&s);
+    st->target_mark[b] = target_alloc_.length(s.target_seq);
+    st->draft_mark[b] = draft_alloc_ ? draft_alloc_->length(s.draft_seq) : st->target_mark[b];
+    st->tracker_mark.push_back(s.trackers);
+  }
+  for (size_t b = 0; b < B; ++b) {
+    st->k[b] = choose_k(*st->rows[b], &st->proposals[b]);
+    st->K = std::max(st->K, st->k[b]);
+  }
+  try {
+    plan_draft_passes(*st);
+    plan_verify_pass(*st);
+    pack_inputs(*st, &plan);
   } catch (...) {
-    // Leave every sequence as it was: only cache lengths and the adaptive-k probe
-    // counters moved (neither restore can fail).
-    for (int64_t b = 0; b < B; ++b) {
-      Sequence& s = *rows[static_cast<size_t>(b)];
-      s.trackers = std::move(marks[static_cast<size_t>(b)].trackers);
-      target_alloc_.rollback(s.target_seq, marks[static_cast<size_t>(b)].target_len);
-      if (draft_alloc_) draft_alloc_->rollback(s.draft_seq, marks[static_cast<size_t>(b)].draft_len);
-    }
+    open_ = std::move(st);
+    end_step(/*restore=*/true);
     throw;
   }
-  offset_ = base_offset + static_cast<uint64_t>(K) + 1;
-  // Feed the cost model steady-state passes only: a prefill or a catch-up of many
-  // tokens would make a pass look far dearer than the decode passes k is chosen for.
-  if (config_.has_draft_model && t_draft_steady_passes > 0) {
-    cost_.observe_draft(t_draft_steady / static_cast<double>(t_draft_steady_passes));
+  for (Sequence* s : st->rows) s->in_step = true;
+  open_ = std::move(st);
+  return plan;
+}
+
+// ---- commit -----------------------------------------------------------------------
+
+void SpecDecoder::check_outputs(const OpenStep& st, const VerifyOutputs& out) const {
+  const int64_t B = static_cast<int64_t>(st.rows.size());
+  const int64_t K = st.K;
+  const int64_t V = config_.vocab_size;
+  auto size_error = [&](const char* name, const std::string& dims, int64_t want, int64_t got) {
+    return InvalidArgumentError("commit: " + std::string(name) + " must hold " + dims + " = " +
+                                std::to_string(want) + " values, got " + std::to_string(got));
+  };
+  const std::string bk1 = "[B, K + 1] = [" + std::to_string(B) + ", " + std::to_string(K + 1) + "]";
+  if (!out.tokens || out.tokens_len != B * (K + 1)) throw size_error("tokens", bk1, B * (K + 1), out.tokens_len);
+  if (!out.num_emitted || out.num_emitted_len != B) throw size_error("num_emitted", "[B]", B, out.num_emitted_len);
+  if (!out.num_accepted || out.num_accepted_len != B) throw size_error("num_accepted", "[B]", B, out.num_accepted_len);
+  const bool model = config_.has_draft_model && K > 0;
+  if (model || out.draft_tokens) {
+    const std::string bk = "[B, K] = [" + std::to_string(B) + ", " + std::to_string(K) + "]";
+    if (!out.draft_tokens || out.draft_tokens_len != B * K) {
+      throw size_error("draft_tokens", bk, B * K, out.draft_tokens_len);
+    }
   }
-  if (verify_tokens == verify_steady_tokens) cost_.observe_target(K + 1, t_target_forward + t_verify);
-
-  // ---- commit
-  NvtxRange commit_range("verispec.commit");
-  std::vector<StepOutput> outputs(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
-    Sequence& s = *rows[static_cast<size_t>(b)];
-    const int64_t C = s.committed();
-    const int64_t kb = k[static_cast<size_t>(b)];
-    const int64_t a = result.num_accepted[static_cast<size_t>(b)];
-    const int64_t n = result.num_emitted[static_cast<size_t>(b)];
-    const int32_t* emitted = result.tokens.data() + b * (K + 1);
-    FinishReason reason;
-    const std::vector<int32_t> generated(s.tokens.begin() + s.prompt_len, s.tokens.end());
-    const int64_t keep = apply_stop_rules(s.stop, generated, emitted, n, s.prompt_len,
-                                          config_.max_context, &reason);
-    s.tokens.insert(s.tokens.end(), emitted, emitted + keep);
-    if (s.ngram) s.ngram->extend(emitted, keep);
-
-    SequenceStats& st = s.stats;
-    st.steps += 1;
-    if (config_.has_draft_model) st.draft_forwards += kb;
-    st.proposed += kb;
-    st.accepted += a;
-    st.emitted += keep;
-    st.k_history.push_back(static_cast<int32_t>(kb));
-    if (static_cast<int64_t>(st.proposed_at.size()) < kb) {
-      st.proposed_at.resize(static_cast<size_t>(kb), 0);
-      st.accepted_at.resize(static_cast<size_t>(kb), 0);
-    }
-    for (int64_t j = 0; j < kb; ++j) {
-      st.proposed_at[static_cast<size_t>(j)] += 1;
-      if (j < a) st.accepted_at[static_cast<size_t>(j)] += 1;
-    }
-
-    s.trackers[static_cast<size_t>(s.tracker)].update(kb, a);
-    st.acceptance_estimate.resize(s.trackers.size());
-    for (size_t i = 0; i < s.trackers.size(); ++i) st.acceptance_estimate[i] = s.trackers[i].rate;
-
-    StepOutput& o = outputs[static_cast<size_t>(b)];
-    o.seq = s.id;
-    o.new_tokens.assign(emitted, emitted + keep);
-    if (reason != FinishReason::kNone) {
-      finish(s, reason);
-    } else {
-      // What the committed tokens justify: the target cached C + k positions, of which
-      // C + a hold accepted tokens; the draft cached up to C + k - 1.
-      target_alloc_.rollback(s.target_seq, C + a);
-      if (draft_alloc_) {
-        draft_alloc_->rollback(s.draft_seq, std::min(draft_alloc_->length(s.draft_seq), C + a));
+    const int64_t kb = st.k[static_cast<size_t>(b)];
+    for (int64_t j = 0; j < kb && out.draft_tokens; ++j) {
+      const int32_t d = out.draft_tokens[b * K + j];
+      if (d < 0 || d >= V) {
+        throw InvalidArgumentError("commit: draft_tokens" + row_at(b, j) + " must be in [0, " +
+                                   std::to_string(V) + "), got " + std::to_string(d));
+      }
+      if (!model && d != st.proposals[static_cast<size_t>(b)][static_cast<size_t>(j)]) {
+        throw InvalidArgumentError("commit: draft_tokens" + row_at(b, j) +
+                                   " must be the n-gram proposal " +
+                                   std::to_string(st.proposals[static_cast<size_t>(b)][static_cast<size_t>(j)]) +
+                                   ", got " + std::to_string(d));
       }
     }
-    o.finish = s.finish;
+    const int64_t a = out.num_accepted[b];
+    if (a < 0 || a > kb) {
+      throw InvalidArgumentError("commit: num_accepted[" + std::to_string(b) + "] must be in [0, " +
+                                 std::to_string(kb) + "] (the row's drafts), got " + std::to_string(a));
+    }
+    const int64_t n = out.num_emitted[b];
+    if (n != a + 1) {
+      throw InvalidArgumentError("commit: num_emitted[" + std::to_string(b) + "] must be num_accepted + 1 = " +
+                                 std::to_string(a + 1) + ", got " + std::to_string(n));
+    }
+    const int32_t* row = out.tokens + b * (K + 1);
+    for (int64_t i = 0; i < n; ++i) {
+      if (row[i] < 0 || row[i] >= V) {
+        throw InvalidArgumentError("commit: tokens" + row_at(b, i) + " must be in [0, " +
+                                   std::to_string(V) + "), got " + std::to_string(row[i]));
+      }
+      const int32_t d = i < a ? (out.draft_tokens ? out.draft_tokens[b * K + i]
+                                                  : st.proposals[static_cast<size_t>(b)][static_cast<size_t>(i)])
+                              : -1;
+      if (i < a && row[i] != d) {
+        throw InvalidArgumentError("commit: tokens" + row_at(b, i) + " is accepted, so it must equal the draft " +
+                                   std::to_string(d) + ", got " + std::to_string(row[i]));
+      }
+    }
   }
-  const double total = seconds_since(step_start);
-  times_.draft_forward += t_draft_forward;
-  times_.draft_sample += t_draft_sample;
-  times_.target_forward += t_target_forward;
-  times_.verify += t_verify;
-  times_.bookkeeping += total - t_draft_forward - t_draft_sample - t_target_forward - t_verify;
+}
+
+CommitOutput SpecDecoder::commit_row(OpenStep& st, int64_t b, const VerifyOutputs& out) {
+  Sequence& s = *st.rows[static_cast<size_t>(b)];
+  const int64_t K = st.K;
+  const int64_t C = s.committed();
+  const int64_t kb = st.k[static_cast<size_t>(b)];
+  const int64_t a = out.num_accepted[b];
+  const int32_t* emitted = out.tokens + b * (K + 1);
+  const int64_t keep = st.keep[static_cast<size_t>(b)];
+  const FinishReason reason = st.reason[static_cast<size_t>(b)];
+  s.tokens.insert(s.tokens.end(), emitted, emitted + keep);
+  if (s.ngram) s.ngram->extend(emitted, keep);
+
+  SequenceStats& stats = s.stats;
+  stats.steps += 1;
+  if (config_.has_draft_model) stats.draft_forwards += kb;
+  stats.proposed += kb;
+  stats.accepted += a;
+  stats.emitted += keep;
+  stats.k_history.push_back(static_cast<int32_t>(kb));
+  if (static_cast<int64_t>(stats.proposed_at.size()) < kb) {
+    stats.proposed_at.resize(static_cast<size_t>(kb), 0);
+    stats.accepted_at.resize(static_cast<size_t>(kb), 0);
+  }
+  for (int64_t j = 0; j < kb; ++j) {
+    stats.proposed_at[static_cast<size_t>(j)] += 1;
+    if (j < a) stats.accepted_at[static_cast<size_t>(j)] += 1;
+  }
+  s.trackers[static_cast<size_t>(s.tracker)].update(kb, a);
+  stats.acceptance_estimate.resize(s.trackers.size());
+  for (size_t i = 0; i < s.trackers.size(); ++i) stats.acceptance_estimate[i] = s.trackers[i].rate;
+
+  CommitOutput o;
+  o.seq = s.id;
+  o.new_tokens.assign(emitted, emitted + keep);
+  if (reason != FinishReason::kNone) {
+    finish(s, reason);
+  } else {
+    // What the committed tokens justify: the target cached C + k positions, of which
+    // C + a hold accepted tokens; the draft cached up to C + k - 1.
+    target_alloc_.rollback(s.target_seq, C + a);
+    if (draft_alloc_) {
+      draft_alloc_->rollback(s.draft_seq, std::min(draft_alloc_->length(s.draft_seq), C + a));
+    }
+  }
+  return o;
+}
+
+void SpecDecoder::record_times(const OpenStep& st, const StepTimes& times) {
+  double draft_forward = 0, draft_sample = 0, steady = 0;
+  int64_t steady_passes = 0;
+  for (size_t j = 0; j < times.draft_forward.size(); ++j) {
+    draft_forward += times.draft_forward[j];
+    draft_sample += times.draft_sample[j];
+    if (st.passes[j].steady) {
+      steady += times.draft_forward[j] + times.draft_sample[j];
+      ++steady_passes;
+    }
+  }
+  // Feed the cost model steady-state passes only: a prefill or a catch-up of many
+  // tokens would make a pass look far dearer than the decode passes k is chosen for.
+  if (config_.has_draft_model && steady_passes > 0) {
+    cost_.observe_draft(steady / static_cast<double>(steady_passes));
+  }
+  if (st.verify_tokens == st.verify_steady_tokens) {
+    cost_.observe_target(st.K + 1, times.target_forward + times.verify);
+  }
+  times_.draft_forward += draft_forward;
+  times_.draft_sample += draft_sample;
+  times_.target_forward += times.target_forward;
+  times_.verify += times.verify;
+  times_.bookkeeping += std::max(0.0, times.total - draft_forward - draft_sample -
+                                          times.target_forward - times.verify);
   times_.steps += 1;
-  return outputs;
+}
+
+std::vector<CommitOutput> SpecDecoder::commit(uint64_t step_id, const VerifyOutputs& out,
+                                              const StepTimes& times) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!open_ || open_->id != step_id) {
+    throw StepInProgressError("commit: step " + std::to_string(step_id) + " is not the open step (" +
+                              (open_ ? std::to_string(open_->id) : std::string("none")) + ")");
+  }
+  NvtxRange range("verispec.commit");
+  OpenStep& st = *open_;
+  const int64_t B = static_cast<int64_t>(st.rows.size());
+  const size_t draft_passes = st.passes.size() - 1;
+  try {
+    check_outputs(st, out);
+    if (!times.draft_forward.empty() &&
+        (times.draft_forward.size() != draft_passes || times.draft_sample.size() != draft_passes)) {
+      throw InvalidArgumentError("commit: times must hold one draft_forward and one draft_sample per draft pass (" +
+                                 std::to_string(draft_passes) + "), got " +
+                                 std::to_string(times.draft_forward.size()) + " and " +
+                                 std::to_string(times.draft_sample.size()));
+    }
+    // The stop rules are pure: decide every row before changing any.
+    st.keep.resize(static_cast<size_t>(B));
+    st.reason.resize(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b) {
+      const Sequence& s = *st.rows[static_cast<size_t>(b)];
+      const std::vector<int32_t> generated(s.tokens.begin() + s.prompt_len, s.tokens.end());
+      st.keep[static_cast<size_t>(b)] =
+          apply_stop_rules(s.stop, generated, out.tokens + b * (st.K + 1), out.num_emitted[b],
+                           s.prompt_len, config_.max_context, &st.reason[static_cast<size_t>(b)]);
+    }
+  } catch (...) {
+    end_step(/*restore=*/true);
+    throw;
+  }
+  std::vector<CommitOutput> outputs;
+  outputs.reserve(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) outputs.push_back(commit_row(st, b, out));
+  record_times(st, times);
+  offset_ = st.base_offset + static_cast<uint64_t>(st.K) + 1;
+  end_step(/*restore=*/false);
+  // Queued aborts finished some rows; released rows are gone.
+  std::vector<CommitOutput> kept;
+  kept.reserve(outputs.size());
+  for (CommitOutput& o : outputs) {
+    const auto& slot = seqs_[static_cast<size_t>(o.seq)];
+    if (!slot) continue;
+    o.finish = slot->finish;
+    kept.push_back(std::move(o));
+  }
+  return kept;
+}
+
+void SpecDecoder::cancel_step(uint64_t step_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!open_ || open_->id != step_id) return;  // already ended (commit restores on its own failures)
+  end_step(/*restore=*/true);
+}
+
+void SpecDecoder::end_step(bool restore) {
+  std::unique_ptr<OpenStep> st = std::move(open_);
+  for (size_t b = 0; b < st->rows.size(); ++b) {
+    Sequence& s = *st->rows[b];
+    s.in_step = false;
+    if (!restore) continue;
+    // Only cache lengths and the adaptive-k probe counters moved (no restore can fail).
+    if (b < st->tracker_mark.size()) s.trackers = std::move(st->tracker_mark[b]);
+    if (s.target_seq >= 0) target_alloc_.rollback(s.target_seq, st->target_mark[b]);
+    if (draft_alloc_ && s.draft_seq >= 0) draft_alloc_->rollback(s.draft_seq, st->draft_mark[b]);
+  }
+  if (restore) {  // copies of blocks a failed plan allocated: nothing will write them
+    target_alloc_.take_block_copies();
+    if (draft_alloc_) draft_alloc_->take_block_copies();
+  }
+  for (int64_t id : st->pending_abort) {
+    if (seqs_[static_cast<size_t>(id)]) abort_now(id);
+  }
+  for (int64_t id : st->pending_release) {
+    if (seqs_[static_cast<size_t>(id)]) release_now(id);
+  }
 }
 
 }  // namespace verispec

@@ -1,6 +1,8 @@
-// Bindings of the native SpecDecoder. The StepRunner is subclassed in Python
-// (python/verispec/decoder.py): it runs the models and the sampling ops on tensors,
-// while the loop, the bookkeeping and the stop rules stay native.
+// Bindings of the native SpecDecoder. Every call goes down: python/verispec/decoder.py
+// drives a step through begin_step / commit / cancel_step and runs the models and the
+// sampling ops itself; the decisions stay native (csrc/include/verispec/spec_decoder.h).
+// The methods hold the GIL for their whole (short, never blocking) duration; the
+// decoder's own mutex serialises C++ callers.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -15,37 +17,100 @@ namespace py = pybind11;
 namespace verispec {
 namespace {
 
-class PyStepRunner : public StepRunner {
- public:
-  using StepRunner::StepRunner;
-  void copy_blocks(ModelRole role, const std::vector<BlockCopy>& copies) override {
-    if (copies.empty()) return;
-    std::vector<std::tuple<int32_t, int32_t, int32_t>> list;
-    for (const auto& c : copies) list.emplace_back(c.src, c.dst, c.num_tokens);
-    py::gil_scoped_acquire gil;
-    py::function f = py::get_override(static_cast<const StepRunner*>(this), "copy_blocks");
-    if (!f) throw std::runtime_error("StepRunner.copy_blocks is not implemented");
-    f(role, list);
-  }
-  void forward(const ForwardBatch& batch) override {
-    PYBIND11_OVERRIDE_PURE(void, StepRunner, forward, std::cref(batch));
-  }
-  std::vector<int32_t> sample_draft(int64_t batch, int64_t num_spec, int64_t position,
-                                    const std::vector<int32_t>& rows, const RowPolicy& policy,
-                                    uint64_t seed, uint64_t offset) override {
-    PYBIND11_OVERRIDE_PURE(std::vector<int32_t>, StepRunner, sample_draft, batch, num_spec,
-                           position, rows, std::cref(policy), seed, offset);
-  }
-  VerifyResult verify(const VerifyRequest& request) override {
-    PYBIND11_OVERRIDE_PURE(VerifyResult, StepRunner, verify, std::cref(request));
-  }
+// A host int32 array handed back by the caller (a numpy view of the step's results).
+struct Int32Array {
+  const int32_t* data = nullptr;
+  int64_t size = 0;
+  py::buffer_info info;  // keeps the view alive
 };
 
-// A writable memoryview over a vector owned by the batch (valid during the call).
-template <typename T>
-py::memoryview view_of(const std::vector<T>& v) {
-  return py::memoryview::from_buffer(const_cast<T*>(v.data()), {static_cast<py::ssize_t>(v.size())},
-                                     {static_cast<py::ssize_t>(sizeof(T))}, /*readonly=*/false);
+Int32Array int32_array(const py::object& obj, const char* name) {
+  Int32Array a;
+  if (obj.is_none()) return a;
+  if (!py::isinstance<py::buffer>(obj)) {
+    throw InvalidArgumentError(std::string("commit: ") + name +
+                               " must be an int32 buffer (a numpy array), got " +
+                               std::string(py::str(py::type::of(obj).attr("__name__"))));
+  }
+  a.info = py::reinterpret_borrow<py::buffer>(obj).request();
+  if (a.info.itemsize != 4 || (a.info.format != "i" && a.info.format != "=i" && a.info.format != "<i" &&
+                               a.info.format != "l")) {
+    throw InvalidArgumentError(std::string("commit: ") + name + " must hold int32 values, got format '" +
+                               a.info.format + "' of " + std::to_string(a.info.itemsize) + " bytes");
+  }
+  int64_t expect_stride = a.info.itemsize;
+  for (int64_t d = a.info.ndim - 1; d >= 0; --d) {
+    if (a.info.shape[static_cast<size_t>(d)] > 1 && a.info.strides[static_cast<size_t>(d)] != expect_stride) {
+      throw InvalidArgumentError(std::string("commit: ") + name + " must be C-contiguous");
+    }
+    expect_stride *= a.info.shape[static_cast<size_t>(d)];
+  }
+  a.data = static_cast<const int32_t*>(a.info.ptr);
+  a.size = a.info.size;
+  return a;
+}
+
+py::list copies_list(const std::vector<BlockCopy>& copies) {
+  py::list out;
+  for (const auto& c : copies) out.append(py::make_tuple(c.src, c.dst, c.num_tokens));
+  return out;
+}
+
+py::dict pass_dict(const PassLayout& l) {
+  py::dict d;
+  d["role"] = l.role;
+  d["num_rows"] = l.num_rows;
+  d["num_tokens"] = l.num_tokens;
+  d["max_blocks"] = l.max_blocks;
+  d["num_logits"] = l.num_logits;
+  d["input_ids"] = l.input_ids;
+  d["positions"] = l.positions;
+  d["query_start"] = l.query_start;
+  d["logits_indices"] = l.logits_indices;
+  d["rows"] = l.rows;
+  d["draft_index"] = l.draft_index;
+  d["prev_index"] = l.prev_index;
+  d["fill_positions"] = l.fill_positions;
+  d["fill_sources"] = l.fill_sources;
+  d["num_fill"] = l.num_fill;
+  d["slot_mapping"] = l.slot_mapping;
+  d["block_tables"] = l.block_tables;
+  d["context_lens"] = l.context_lens;
+  return d;
+}
+
+// The plan as plain Python values, built in one call (no property reads per field).
+py::object plan_dict(const StepPlan& p) {
+  if (p.batch == 0) return py::none();
+  py::dict d;
+  d["step_id"] = p.step_id;
+  d["batch"] = p.batch;
+  d["k"] = p.k;
+  d["seqs"] = p.seqs;
+  d["row_k"] = p.row_k;
+  d["draft_model"] = p.draft_model;
+  d["seed"] = p.seed;
+  d["offset"] = p.offset;
+  py::list passes;
+  for (const auto& l : p.passes) passes.append(pass_dict(l));
+  d["passes"] = passes;
+  d["draft_tokens"] = p.draft_tokens;
+  d["num_draft"] = p.num_draft;
+  py::dict pol;
+  pol["uniform"] = p.policy.uniform;
+  pol["temperature"] = p.policy.temperature;
+  pol["top_k"] = p.policy.top_k;
+  pol["top_p"] = p.policy.top_p;
+  pol["min_p"] = p.policy.min_p;
+  pol["temperature_rows"] = p.policy.temperature_rows;
+  pol["top_k_rows"] = p.policy.top_k_rows;
+  pol["top_p_rows"] = p.policy.top_p_rows;
+  pol["min_p_rows"] = p.policy.min_p_rows;
+  d["policy"] = pol;
+  d["inputs"] = py::bytearray(reinterpret_cast<const char*>(p.inputs.data()), p.inputs.size());
+  d["target_copies"] = copies_list(p.target_copies);
+  d["draft_copies"] = copies_list(p.draft_copies);
+  return d;
 }
 
 py::dict stats_dict(const SequenceStats& s) {
@@ -78,98 +143,79 @@ void register_decoder(py::module_& m) {
       .value("target", ModelRole::kTarget)
       .value("draft", ModelRole::kDraft);
 
-  py::class_<ForwardBatch>(m, "ForwardBatch")
-      .def_readonly("role", &ForwardBatch::role)
-      .def_readonly("num_rows", &ForwardBatch::num_rows)
-      .def_readonly("max_blocks", &ForwardBatch::max_blocks)
-      .def_property_readonly("input_ids", [](const ForwardBatch& b) { return view_of(b.input_ids); })
-      .def_property_readonly("positions", [](const ForwardBatch& b) { return view_of(b.positions); })
-      .def_property_readonly("slot_mapping", [](const ForwardBatch& b) { return view_of(b.slot_mapping); })
-      .def_property_readonly("block_tables", [](const ForwardBatch& b) { return view_of(b.block_tables); })
-      .def_property_readonly("context_lens", [](const ForwardBatch& b) { return view_of(b.context_lens); })
-      .def_property_readonly("query_start", [](const ForwardBatch& b) { return view_of(b.query_start); })
-      .def_property_readonly("logits_indices", [](const ForwardBatch& b) { return view_of(b.logits_indices); });
-
-  py::class_<RowPolicy>(m, "RowPolicy")
-      .def_readonly("temperature", &RowPolicy::temperature)
-      .def_readonly("top_k", &RowPolicy::top_k)
-      .def_readonly("top_p", &RowPolicy::top_p)
-      .def_readonly("min_p", &RowPolicy::min_p);
-
-  py::class_<VerifyRequest>(m, "VerifyRequest")
-      .def_readonly("batch", &VerifyRequest::batch)
-      .def_readonly("num_spec", &VerifyRequest::num_spec)
-      .def_readonly("draft_tokens", &VerifyRequest::draft_tokens)
-      .def_readonly("num_draft", &VerifyRequest::num_draft)
-      .def_readonly("use_draft_probs", &VerifyRequest::use_draft_probs)
-      .def_readonly("policy", &VerifyRequest::policy)
-      .def_readonly("seed", &VerifyRequest::seed)
-      .def_readonly("offset", &VerifyRequest::offset);
-
-  py::class_<VerifyResult>(m, "VerifyResult")
-      .def(py::init([](std::vector<int32_t> tokens, std::vector<int32_t> num_emitted,
-                       std::vector<int32_t> num_accepted) {
-             return VerifyResult{std::move(tokens), std::move(num_emitted), std::move(num_accepted)};
-           }),
-           py::arg("tokens"), py::arg("num_emitted"), py::arg("num_accepted"));
-
-  py::class_<StepRunner, PyStepRunner>(m, "StepRunner")
-      .def(py::init<>())
-      .def("forward", &StepRunner::forward)
-      .def("sample_draft", &StepRunner::sample_draft)
-      .def("verify", &StepRunner::verify);
-
-  py::class_<SpecDecoder>(m, "SpecDecoderCore")
-      .def(py::init([](int64_t num_spec, bool has_draft_model, int64_t target_num_blocks,
-                       int64_t draft_num_blocks, int64_t block_size, int64_t max_context,
-                       uint64_t seed, int64_t ngram_min_n, int64_t ngram_max_n,
-                       bool adaptive_k, bool draft_shares_target_cache) {
+  py::class_<SpecDecoder>(m, "SpecDecoder",
+                          "The native decoder: sequences, and the decisions of each step.")
+      .def(py::init([](int64_t k, bool has_draft_model, int64_t target_num_blocks,
+                       int64_t draft_num_blocks, int64_t block_size, int64_t vocab_size,
+                       int64_t max_context, uint64_t seed, int64_t ngram_min_n,
+                       int64_t ngram_max_n, bool adaptive_k, bool draft_shares_target_cache,
+                       int64_t draft_max_context) {
              DecoderConfig c;
-             c.num_spec = num_spec;
+             c.k = k;
              c.has_draft_model = has_draft_model;
              c.target_num_blocks = target_num_blocks;
              c.draft_num_blocks = draft_num_blocks;
              c.block_size = block_size;
+             c.vocab_size = vocab_size;
              c.max_context = max_context;
              c.seed = seed;
              c.ngram_min_n = ngram_min_n;
              c.ngram_max_n = ngram_max_n;
              c.adaptive_k = adaptive_k;
              c.draft_shares_target_cache = draft_shares_target_cache;
+             c.draft_max_context = draft_max_context;
              return std::make_unique<SpecDecoder>(c);
            }),
-           py::arg("num_spec"), py::arg("has_draft_model"), py::arg("target_num_blocks"),
-           py::arg("draft_num_blocks"), py::arg("block_size"), py::arg("max_context"),
-           py::arg("seed"), py::arg("ngram_min_n") = 0, py::arg("ngram_max_n") = 0,
-           py::arg("adaptive_k") = false, py::arg("draft_shares_target_cache") = false)
+           py::arg("k"), py::arg("has_draft_model"), py::arg("target_num_blocks"),
+           py::arg("draft_num_blocks"), py::arg("block_size"), py::arg("vocab_size"),
+           py::arg("max_context"), py::arg("seed"), py::arg("ngram_min_n") = 0,
+           py::arg("ngram_max_n") = 0, py::arg("adaptive_k") = false,
+           py::arg("draft_shares_target_cache") = false, py::arg("draft_max_context") = 0)
       .def(
           "add",
-          [](SpecDecoder& d, const std::vector<int32_t>& prompt, int64_t vocab_size,
-             int64_t max_new_tokens, bool greedy, float temperature, int32_t top_k, float top_p,
-             float min_p, std::vector<int32_t> eos_ids,
-             std::vector<std::vector<int32_t>> stop_sequences) {
-            SamplingParams sp{greedy, temperature, top_k, top_p, min_p};
+          [](SpecDecoder& d, const std::vector<int32_t>& prompt, int64_t max_new_tokens,
+             float temperature, int32_t top_k, float top_p, float min_p,
+             std::vector<int32_t> eos_ids, std::vector<std::vector<int32_t>> stop_sequences) {
+            SamplingParams sp{temperature, top_k, top_p, min_p};
             StopParams st{max_new_tokens, std::move(eos_ids), std::move(stop_sequences)};
-            return d.add(prompt, sp, st, vocab_size);
+            return d.add(prompt, sp, st);
           },
-          py::arg("prompt"), py::arg("vocab_size"), py::arg("max_new_tokens"), py::arg("greedy"),
-          py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
-          py::arg("eos_ids"), py::arg("stop_sequences"))
+          py::arg("prompt"), py::arg("max_new_tokens"), py::arg("temperature"), py::arg("top_k"),
+          py::arg("top_p"), py::arg("min_p"), py::arg("eos_ids"), py::arg("stop_sequences"))
       .def("abort", &SpecDecoder::abort, py::arg("seq"))
       .def("release", &SpecDecoder::release, py::arg("seq"))
+      .def("begin_step", [](SpecDecoder& d) { return plan_dict(d.begin_step()); },
+           "Opens a step: a dict (rows, k, passes, packed inputs), or None if nothing runs.")
       .def(
-          "step",
-          [](SpecDecoder& d, StepRunner& runner) {
-            py::list out;
-            for (const StepOutput& o : d.step(runner)) {
-              out.append(py::make_tuple(o.seq, o.new_tokens, finish_reason_name(o.finish)));
+          "commit",
+          [](SpecDecoder& d, uint64_t step_id, const py::object& tokens,
+             const py::object& num_emitted, const py::object& num_accepted,
+             const py::object& draft_tokens, std::vector<double> draft_forward,
+             std::vector<double> draft_sample, double target_forward, double verify,
+             double total) {
+            const Int32Array t = int32_array(tokens, "tokens");
+            const Int32Array e = int32_array(num_emitted, "num_emitted");
+            const Int32Array a = int32_array(num_accepted, "num_accepted");
+            const Int32Array q = int32_array(draft_tokens, "draft_tokens");
+            VerifyOutputs out{t.data, t.size, e.data, e.size, a.data, a.size, q.data, q.size};
+            StepTimes times{std::move(draft_forward), std::move(draft_sample), target_forward,
+                            verify, total};
+            py::list result;
+            for (const CommitOutput& o : d.commit(step_id, out, times)) {
+              result.append(py::make_tuple(o.seq, o.new_tokens, finish_reason_name(o.finish)));
             }
-            return out;
+            return result;
           },
-          py::arg("runner"))
+          py::arg("step_id"), py::arg("tokens"), py::arg("num_emitted"), py::arg("num_accepted"),
+          py::arg("draft_tokens"), py::arg("draft_forward"), py::arg("draft_sample"),
+          py::arg("target_forward"), py::arg("verify"), py::arg("total"),
+          "Checks the step's outputs and commits them: [(seq, new tokens, finish reason)].")
+      .def("cancel_step", &SpecDecoder::cancel_step, py::arg("step_id"))
+      .def_property_readonly("step_open", &SpecDecoder::step_open)
       .def("reseed", &SpecDecoder::reseed, py::arg("seed"))
       .def("has_running", &SpecDecoder::has_running)
-      .def("running", &SpecDecoder::running)
+      .def("num_running", &SpecDecoder::num_running)
+      .def("num_sequences", &SpecDecoder::num_sequences)
       .def("generated", &SpecDecoder::generated, py::arg("seq"))
       .def("finish_reason",
            [](const SpecDecoder& d, int64_t seq) { return finish_reason_name(d.finish_reason(seq)); },
@@ -180,15 +226,11 @@ void register_decoder(py::module_& m) {
       .def("committed_len", &SpecDecoder::committed_len, py::arg("seq"))
       .def("committed", &SpecDecoder::committed, py::arg("seq"))
       .def("block_table", &SpecDecoder::block_table, py::arg("seq"), py::arg("role"))
-      .def("num_free_blocks",
-           [](const SpecDecoder& d, ModelRole role) { return d.allocator(role).num_free_blocks(); },
-           py::arg("role"))
-      .def("num_blocks",
-           [](const SpecDecoder& d, ModelRole role) { return d.allocator(role).num_blocks(); },
-           py::arg("role"))
+      .def("num_free_blocks", &SpecDecoder::num_free_blocks, py::arg("role"))
+      .def("num_blocks", &SpecDecoder::num_blocks, py::arg("role"))
       .def_property_readonly("offset", &SpecDecoder::offset)
       .def("times", [](const SpecDecoder& d) {
-        const PhaseTimes& t = d.times();
+        const PhaseTimes t = d.times();
         py::dict out;
         out["draft_forward_s"] = t.draft_forward;
         out["draft_sample_s"] = t.draft_sample;
@@ -199,12 +241,13 @@ void register_decoder(py::module_& m) {
         return out;
       }, "Wall time by phase, summed over all steps so far.")
       .def("cost_model", [](const SpecDecoder& d) {
+        const CostModel c = d.cost_model();
         py::dict out;
-        out["draft_pass_s"] = d.cost_model().has_draft() ? py::object(py::float_(d.cost_model().draft_pass()))
-                                                          : py::object(py::none());
-        out["target_pass_s"] = d.cost_model().target_passes();
+        out["draft_pass_s"] = c.has_draft() ? py::object(py::float_(c.draft_pass())) : py::object(py::none());
+        out["target_pass_s"] = c.target_passes();
         return out;
       }, "The adaptive-k cost model as measured: draft pass and target pass by tokens per row.");
+  m.attr("MAX_K") = kMaxK;
 
   py::class_<NGramIndex>(m, "NGramIndex", "The n-gram prompt-lookup index of one sequence.")
       .def(py::init<int64_t, int64_t>(), py::arg("min_n"), py::arg("max_n"))
@@ -214,12 +257,7 @@ void register_decoder(py::module_& m) {
         g.extend(t.data(), static_cast<int64_t>(t.size()));
       }, py::arg("tokens"))
       .def("rollback", &NGramIndex::rollback, py::arg("new_len"))
-      .def("propose", [](const NGramIndex& g, int64_t k) { return g.propose(k); }, py::arg("k"))
-      .def("propose_matched", [](const NGramIndex& g, int64_t k) {
-        int64_t n = 0;
-        auto tokens = g.propose(k, &n);
-        return py::make_tuple(tokens, n);
-      }, py::arg("k"), "(proposal, length of the matched suffix; 0: no match)");
+      .def("propose", [](const NGramIndex& g, int64_t k) { return g.propose(k); }, py::arg("k"));
 
   m.def("expected_tokens", &expected_tokens, py::arg("a"), py::arg("k"),
         "(1 - a^(k+1)) / (1 - a): mean tokens per verify step at acceptance rate a.");

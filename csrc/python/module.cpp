@@ -28,11 +28,17 @@ void register_errors(py::module_& m) {
   static py::exception<CacheFullError> cache_full(m, "CacheFullError", PyExc_RuntimeError);
   cache_full.doc() =
       "The KV block pool has too few free blocks for the request; nothing was changed.";
+  static py::exception<StepInProgressError> step_in_progress(m, "StepInProgressError",
+                                                             PyExc_RuntimeError);
+  step_in_progress.doc() =
+      "SpecDecoder: a step was started while another is running (one step at a time).";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const CacheFullError& e) {
       py::set_error(cache_full, e.what());
+    } catch (const StepInProgressError& e) {
+      py::set_error(step_in_progress, e.what());
     } catch (const UnknownSequenceError& e) {
       py::set_error(PyExc_KeyError, e.what());
     } catch (const InvalidArgumentError& e) {

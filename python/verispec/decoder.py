@@ -1,13 +1,26 @@
 """SpecDecoder: speculative decoding over paged KV caches, exact for the target.
 
-The loop lives in the native core (``verispec._C.SpecDecoderCore``): it picks k,
-prepares each model's batch, commits tokens, applies the stop rules and rolls the
-caches back. This module supplies what the core cannot do without tensors: the
-models' forwards, the KV pools, and the sampling ops (``verispec.ops``).
+The decisions live in the native core (``verispec._C.SpecDecoder``): which sequences
+run, k, every forward pass of a step with its cache slots, what is committed, the stop
+rules, rollback. This module drives a step through the core's three calls, every call
+going down (docs/design.md):
+
+    plan = core.begin_step()            # rows, k, all passes, inputs in one buffer
+    for each draft pass:  forward -> apply_policy -> sample   (proposals stay on the device)
+    verify pass:          forward -> ops.verify
+    core.commit(results)                # checked, then committed; any failure: cancel_step
+
+Thread rule: ``add``, ``abort`` and ``release`` may be called from any thread at any
+time, also while ``step`` runs (abort and release of a sequence in the running step take
+effect when that step ends); a second ``step`` while one runs raises
+``verispec.StepInProgressError``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import numbers
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -18,6 +31,8 @@ from verispec.drafters import EarlyExit, NGram
 from verispec.models.base import KVPools, Model, PagedBatch
 
 __all__ = ["GenerateResult", "SpecDecoder", "StepOutput"]
+
+_TARGET, _DRAFT = _C.ModelRole.target, _C.ModelRole.draft
 
 
 @dataclass
@@ -36,120 +51,45 @@ class GenerateResult:
     stats: dict = field(default_factory=dict)
 
 
-class _NoRange:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NO_RANGE = _NoRange()
-
-
-def _nvtx_ranges(device: torch.device):
-    """Python-side NVTX ranges (torch.cuda.nvtx) for a CUDA model; no-ops otherwise.
-
-    The native loop marks the phases (verispec.step, .draft_forward, .target_forward,
-    .verify, .commit); these mark what Python does inside them.
-    """
+def _nvtx_range(device: torch.device):
+    """NVTX ranges (torch.cuda.nvtx) for a CUDA model; no-ops otherwise."""
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.nvtx.range
-    return lambda name: _NO_RANGE
+    return lambda name: contextlib.nullcontext()
 
 
-def _as_tensor(view: memoryview, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if len(view) == 0:
-        return torch.empty(0, dtype=dtype, device=device)
-    # frombuffer shares the native buffer, which lives only during the call: copy.
-    return torch.frombuffer(view, dtype=dtype).to(device=device, copy=True)
+class _Timer:
+    """Wall time of the step's phases: host clocks on CPU, CUDA events on a GPU (read
+    after the step's one wait for its results, so timing adds no wait of its own)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: dict[str, list] = {"draft_forward": [], "draft_sample": [],
+                                       "target_forward": [], "verify": []}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self.spans[name].append((start, end))
+
+    def seconds(self, name: str) -> list[float]:
+        if self.cuda:
+            return [s.elapsed_time(e) / 1e3 for s, e in self.spans[name]]
+        return [e - s for s, e in self.spans[name]]
 
 
-def _policy_arg(values: Sequence[Any], dtype: torch.dtype, device: torch.device):
-    """A scalar when every row agrees (cheaper kernels), else a per-row tensor."""
-    first = values[0]
-    if all(v == first for v in values):
-        return first
-    return torch.tensor(list(values), dtype=dtype, device=device)
-
-
-class _Runner(_C.StepRunner):
-    """Runs the models and the sampling ops for the native loop."""
-
-    def __init__(self, decoder: "SpecDecoder") -> None:
-        super().__init__()
-        self.d = decoder
-        self.logits: dict[Any, torch.Tensor] = {}
-        self.draft_probs: torch.Tensor | None = None
-        self.nvtx = _nvtx_ranges(decoder.target.geometry.device)
-
-    def copy_blocks(self, role, copies) -> None:
-        if copies:  # a draft sharing the target's cache copies in the target's pools
-            shared = self.d.shares_target_cache
-            self.d._pools[_C.ModelRole.target if shared else role].copy_blocks(copies)
-
-    def forward(self, batch) -> None:
-        model = self.d._models[batch.role]
-        dev = model.geometry.device
-        with self.nvtx("verispec.py.batch_to_device"):
-            paged = self._paged_batch(batch, dev)
-        with self.nvtx(f"verispec.py.{batch.role.name}_model"), torch.inference_mode():
-            logits = model.forward(paged)
-        expect = (len(batch.logits_indices), self.d.vocab_size)
-        if tuple(logits.shape) != expect:
-            raise ValueError(f"{batch.role.name} model: forward must return logits [R, V] = "
-                             f"{list(expect)}, got {list(logits.shape)}")
-        self.logits[batch.role] = logits
-
-    def _paged_batch(self, batch, dev) -> PagedBatch:
-        return PagedBatch(
-            input_ids=_as_tensor(batch.input_ids, torch.int64, dev),
-            positions=_as_tensor(batch.positions, torch.int64, dev),
-            slot_mapping=_as_tensor(batch.slot_mapping, torch.int32, dev),
-            block_tables=_as_tensor(batch.block_tables, torch.int32, dev).view(batch.num_rows, batch.max_blocks),
-            context_lens=_as_tensor(batch.context_lens, torch.int32, dev),
-            query_start=_as_tensor(batch.query_start, torch.int64, dev),
-            logits_indices=_as_tensor(batch.logits_indices, torch.int64, dev),
-            kv=self.d._pools[batch.role],
-        )
-
-    def _policy(self, policy, device) -> dict:
-        return dict(
-            temperature=_policy_arg(policy.temperature, torch.float32, device),
-            top_k=_policy_arg(policy.top_k, torch.int32, device),
-            top_p=_policy_arg(policy.top_p, torch.float32, device),
-            min_p=_policy_arg(policy.min_p, torch.float32, device),
-        )
-
-    def sample_draft(self, batch, num_spec, position, rows, policy, seed, offset):
-        ops = self.d._ops
-        logits = self.logits[_C.ModelRole.draft]
-        probs = ops.apply_policy(logits, **self._policy(policy, logits.device))
-        tokens = ops.sample(probs, seed=seed, offset=offset)
-        if position == 0:
-            self.draft_probs = torch.zeros(batch, num_spec, probs.shape[-1], dtype=torch.float32,
-                                           device=probs.device)
-        index = torch.tensor(rows, dtype=torch.int64, device=probs.device)
-        self.draft_probs[index, position] = probs
-        return tokens.tolist()
-
-    def verify(self, req):
-        ops = self.d._ops
-        logits = self.logits[_C.ModelRole.target]
-        B, K = req.batch, req.num_spec
-        dev = logits.device
-        out = ops.verify(
-            logits.view(B, K + 1, -1),
-            torch.tensor(req.draft_tokens, dtype=torch.int32, device=dev).view(B, K),
-            self.draft_probs if req.use_draft_probs else None,
-            num_draft=torch.tensor(req.num_draft, dtype=torch.int32, device=dev),
-            seed=req.seed,
-            offset=req.offset,
-            **self._policy(req.policy, dev),
-        )
-        tokens, num_emitted, num_accepted = out
-        self.draft_probs = None
-        return _C.VerifyResult(tokens.flatten().tolist(), num_emitted.tolist(), num_accepted.tolist())
+def _view(buf: torch.Tensor, offset: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """n values of `dtype` at byte `offset` of the step's inputs buffer."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return buf[offset:offset + n * size].view(dtype)
 
 
 class SpecDecoder:
@@ -169,6 +109,10 @@ class SpecDecoder:
     Sampled output is distributed exactly as sampling the target under the same policy
     (temperature, top-k, top-p, min-p, applied identically to target and draft).
     Greedy output is the target's greedy output token for token.
+
+    ``ops`` (default :mod:`verispec.ops`) is any object with ``apply_policy``, ``sample``
+    and ``verify`` of those signatures (e.g. :mod:`verispec.reference`); whatever it
+    returns is checked by the core before anything is committed.
     """
 
     def __init__(self, target: Model, draft: Model | NGram | None = None, *, k: int | str = 4,
@@ -183,79 +127,262 @@ class SpecDecoder:
                                 f"(a .geometry and .forward(batch)), got {type(m).__name__}")
         adaptive = k == "auto"
         if adaptive:
-            if not isinstance(max_k, int) or max_k < 1:
-                raise ValueError(f"SpecDecoder: max_k must be an int >= 1, got {max_k!r}")
+            if isinstance(max_k, bool) or not isinstance(max_k, int) or not 1 <= max_k <= _C.MAX_K:
+                raise ValueError(f"SpecDecoder: max_k must be an int in [1, {_C.MAX_K}], got {max_k!r}")
             k = max_k
-        if draft is None and ngram is None and k != 0:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= _C.MAX_K:
+            raise ValueError(f"SpecDecoder: k must be an int in [0, {_C.MAX_K}] or 'auto', got {k!r}")
+        if draft is None and ngram is None:
             k, adaptive = 0, False  # no draft: plain decoding through the same loop
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise ValueError(f"SpecDecoder: k must be an int >= 0 or 'auto', got {k!r}")
         g = target.geometry
-        if draft is not None and draft.geometry.vocab_size != g.vocab_size:
-            raise ValueError(f"SpecDecoder: draft vocab_size must equal the target's {g.vocab_size}, "
-                             f"got {draft.geometry.vocab_size}")
+        if draft is not None:
+            dg = draft.geometry
+            if dg.vocab_size != g.vocab_size:
+                raise ValueError(f"SpecDecoder: draft vocab_size must equal the target's "
+                                 f"{g.vocab_size}, got {dg.vocab_size}")
+            if torch.device(dg.device) != torch.device(g.device):
+                raise ValueError(f"SpecDecoder: draft device must be the target's {g.device}, "
+                                 f"got {dg.device}")
         if ops is None:
             from verispec import ops
         self._ops = ops
         self.target, self.draft, self.ngram, self.k = target, draft, ngram, k
         self.vocab_size = g.vocab_size
+        self.device = torch.device(g.device)
         draft_num_blocks = num_blocks if draft_num_blocks is None else draft_num_blocks
         # An early-exit draft is the target's first layers: it reads the K/V the target
         # wrote for them, so it shares the target's cache (no draft cache, no catch-up).
         shared = isinstance(draft, EarlyExit) and draft.target is target
-        self._core = _C.SpecDecoderCore(
-            num_spec=k, has_draft_model=draft is not None, target_num_blocks=num_blocks,
+        self._core = _C.SpecDecoder(
+            k=k, has_draft_model=draft is not None, target_num_blocks=num_blocks,
             draft_num_blocks=draft_num_blocks if draft is not None and not shared else 0,
-            block_size=block_size, max_context=g.max_context, seed=seed,
-            ngram_min_n=ngram.min_n if ngram else 0, ngram_max_n=ngram.max_n if ngram else 0,
-            adaptive_k=adaptive, draft_shares_target_cache=shared)
+            block_size=block_size, vocab_size=g.vocab_size, max_context=g.max_context,
+            seed=seed, ngram_min_n=ngram.min_n if ngram else 0,
+            ngram_max_n=ngram.max_n if ngram else 0, adaptive_k=adaptive,
+            draft_shares_target_cache=shared,
+            draft_max_context=draft.geometry.max_context if draft is not None else 0)
         self.adaptive = adaptive
         self.shares_target_cache = shared
-        self._models = {_C.ModelRole.target: target}
+        self._models = {_TARGET: target}
         target_pools = KVPools.allocate(g, num_blocks, block_size)
-        self._pools = {_C.ModelRole.target: target_pools}
+        self._pools = {_TARGET: target_pools}
         if draft is not None:
-            self._models[_C.ModelRole.draft] = draft
+            self._models[_DRAFT] = draft
             if shared:
                 n = draft.num_layers
-                self._pools[_C.ModelRole.draft] = KVPools(
-                    k=target_pools.k[:n], v=target_pools.v[:n], block_size=block_size)
+                self._pools[_DRAFT] = KVPools(k=target_pools.k[:n], v=target_pools.v[:n],
+                                              block_size=block_size)
             else:
-                self._pools[_C.ModelRole.draft] = KVPools.allocate(draft.geometry, draft_num_blocks,
-                                                                   block_size)
-        self._runner = _Runner(self)
+                self._pools[_DRAFT] = KVPools.allocate(draft.geometry, draft_num_blocks, block_size)
+        self._nvtx = _nvtx_range(self.device)
+        self._q: torch.Tensor | None = None        # draft probabilities, reused across steps
+        self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs
+        self._staging_done: Any = None             # event: the last upload has read it
 
     # -- continuous batching -------------------------------------------------------
     def add(self, prompt: Sequence[int], *, max_new_tokens: int, greedy: bool = False,
             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
             eos_token_id: int | Sequence[int] | None = None,
             stop: Sequence[Sequence[int]] | None = None) -> int:
-        """Adds a sequence (between steps at any time); returns its id."""
+        """Adds a sequence (any time, from any thread); returns its id. ``greedy=True``
+        is temperature 0. Ids of released sequences are reused."""
         if eos_token_id is None:
             eos = []
-        elif isinstance(eos_token_id, int):
-            eos = [eos_token_id]
+        elif isinstance(eos_token_id, numbers.Integral) and not isinstance(eos_token_id, bool):
+            eos = [int(eos_token_id)]
         else:
-            eos = list(eos_token_id)
-        if temperature == 0:
-            greedy = True
-        return self._core.add(list(prompt), self.vocab_size, max_new_tokens, greedy,
-                              float(temperature), top_k, float(top_p), float(min_p), eos,
-                              [list(s) for s in (stop or [])])
+            eos = [int(e) for e in eos_token_id]
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"add: {name} must be a number, got {value!r}")
+        for name, value in (("top_k", top_k), ("max_new_tokens", max_new_tokens)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"add: {name} must be an int, got {value!r}")
+        if not isinstance(greedy, bool):
+            raise TypeError(f"add: greedy must be a bool, got {greedy!r}")
+        return self._core.add(list(prompt), int(max_new_tokens),
+                              0.0 if greedy else float(temperature), int(top_k), float(top_p),
+                              float(min_p), eos, [list(s) for s in (stop or [])])
 
     def step(self) -> list[StepOutput]:
-        """One speculative step of every running sequence: the tokens each committed."""
-        out = []
-        for seq, tokens, reason in self._core.step(self._runner):
-            out.append(StepOutput(seq, tokens, None if reason == "running" else reason))
+        """One speculative step of every running sequence: the tokens each committed.
+
+        On any exception (cache full, a model or ops error, an out-of-contract result)
+        every sequence, both caches and the n-gram indexes are exactly as before.
+        """
+        start = time.perf_counter()
+        plan = self._core.begin_step()
+        if plan is None:
+            return []
+        try:
+            with self._nvtx("verispec.step"):
+                committed = self._run(plan, start)
+        except BaseException:
+            self._core.cancel_step(plan["step_id"])
+            raise
+        return [StepOutput(seq, tokens, None if reason == "running" else reason)
+                for seq, tokens, reason in committed]
+
+    # -- the step's phases ---------------------------------------------------------
+    def _run(self, plan: dict, start: float) -> list:
+        inputs = self._upload(plan["inputs"])
+        for role, key in ((_TARGET, "target_copies"), (_DRAFT, "draft_copies")):
+            if plan[key]:
+                self._pools[_TARGET if self.shares_target_cache else role].copy_blocks(plan[key])
+        B, K = plan["batch"], plan["k"]
+        draft_tokens = _view(inputs, plan["draft_tokens"], B * K, torch.int32).view(B, K)
+        policy = self._policy(plan["policy"], inputs, B)
+        timer = _Timer(self.device)
+        deferred = getattr(self._ops, "deferred_errors", None)
+        with deferred() if deferred is not None else contextlib.nullcontext() as errors:
+            q = self._draft_passes(plan, inputs, draft_tokens, policy, timer)
+            result = self._verify_pass(plan, inputs, draft_tokens, q, policy, timer)
+            host = self._download(result, draft_tokens if plan["draft_model"] else None)
+            if errors is not None:
+                errors.check()
+        tokens, emitted, accepted, drafts = host
+        return self._core.commit(
+            plan["step_id"], tokens, emitted, accepted, drafts,
+            timer.seconds("draft_forward"), timer.seconds("draft_sample"),
+            sum(timer.seconds("target_forward")), sum(timer.seconds("verify")),
+            time.perf_counter() - start)
+
+    def _draft_passes(self, plan, inputs, draft_tokens, policy, timer):
+        """K draft passes; each row's proposals go to draft_tokens[row, j] and q[row, j]
+        on the device (pass j >= 1 reads its input from pass j - 1's proposals)."""
+        if not plan["draft_model"]:
+            return None
+        B, K = plan["batch"], plan["k"]
+        q = self._draft_probs(B, K)
+        flat_tokens, flat_q = draft_tokens.view(-1), q.view(B * K, -1)
+        previous = None
+        for j, p in enumerate(plan["passes"][:-1]):
+            ids = None
+            if j > 0:
+                ids = previous.index_select(0, _view(inputs, p["prev_index"], p["num_rows"],
+                                                     torch.int64)).long()
+            with timer("draft_forward"), self._nvtx("verispec.draft_forward"):
+                logits = self._forward(_DRAFT, p, inputs, ids)
+            rows = _view(inputs, p["rows"], p["num_rows"], torch.int64)
+            with timer("draft_sample"), self._nvtx("verispec.draft_sample"):
+                tokens, probs = self._sample_draft(logits, self._rows_policy(policy, rows, B),
+                                                   plan["seed"], plan["offset"] + 1 + j)
+            where = _view(inputs, p["draft_index"], p["num_rows"], torch.int64)
+            flat_tokens.index_copy_(0, where, tokens.to(torch.int32))
+            flat_q.index_copy_(0, where, probs.float())
+            previous = tokens
+        return q
+
+    def _sample_draft(self, logits, policy, seed, offset):
+        """Proposals from the draft's logits: (tokens [R], the distribution q [R, V] they
+        were drawn from)."""
+        probs = self._ops.apply_policy(logits, **policy)
+        return self._ops.sample(probs, seed=seed, offset=offset), probs
+
+    def _verify_pass(self, plan, inputs, draft_tokens, q, policy, timer):
+        B, K = plan["batch"], plan["k"]
+        p = plan["passes"][-1]
+        ids = None
+        if p["num_fill"]:
+            ids = _view(inputs, p["input_ids"], p["num_tokens"], torch.int64).clone()
+            fill = _view(inputs, p["fill_positions"], p["num_fill"], torch.int64)
+            src = _view(inputs, p["fill_sources"], p["num_fill"], torch.int64)
+            ids.index_copy_(0, fill, draft_tokens.view(-1).index_select(0, src).long())
+        with timer("target_forward"), self._nvtx("verispec.target_forward"):
+            logits = self._forward(_TARGET, p, inputs, ids)
+        with timer("verify"), self._nvtx("verispec.verify"):
+            return self._ops.verify(
+                logits.view(B, K + 1, -1), draft_tokens, q,
+                num_draft=_view(inputs, plan["num_draft"], B, torch.int32),
+                seed=plan["seed"], offset=plan["offset"], **policy)
+
+    def _forward(self, role, p, inputs, input_ids=None) -> torch.Tensor:
+        B, T, M = p["num_rows"], p["num_tokens"], p["max_blocks"]
+        batch = PagedBatch(
+            input_ids=input_ids if input_ids is not None
+            else _view(inputs, p["input_ids"], T, torch.int64),
+            positions=_view(inputs, p["positions"], T, torch.int64),
+            slot_mapping=_view(inputs, p["slot_mapping"], T, torch.int32),
+            block_tables=_view(inputs, p["block_tables"], B * M, torch.int32).view(B, M),
+            context_lens=_view(inputs, p["context_lens"], B, torch.int32),
+            query_start=_view(inputs, p["query_start"], B + 1, torch.int64),
+            logits_indices=_view(inputs, p["logits_indices"], p["num_logits"], torch.int64),
+            kv=self._pools[role])
+        with torch.inference_mode():
+            logits = self._models[role].forward(batch)
+        expect = (p["num_logits"], self.vocab_size)
+        if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != expect:
+            got = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(f"{role.name} model: forward must return logits [R, V] = "
+                             f"{list(expect)}, got {got}")
+        if logits.device != self.device:
+            raise ValueError(f"{role.name} model: forward must return logits on {self.device}, "
+                             f"got {logits.device}")
+        return logits
+
+    def _upload(self, data: bytearray) -> torch.Tensor:
+        """The step's packed inputs on the model's device: one copy (through a pinned
+        buffer on CUDA, asynchronous)."""
+        host = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+        if self.device.type != "cuda":
+            return host if self.device.type == "cpu" else host.to(self.device)
+        n = host.numel()
+        if self._staging is None or self._staging.numel() < n:
+            self._staging = torch.empty(max(n, 1 << 16), dtype=torch.uint8, pin_memory=True)
+        elif self._staging_done is not None:
+            self._staging_done.synchronize()  # the previous upload has read the buffer
+        self._staging[:n].copy_(host)
+        out = self._staging[:n].to(self.device, non_blocking=True)
+        self._staging_done = torch.cuda.Event()
+        self._staging_done.record()
         return out
 
+    @staticmethod
+    def _download(result, draft_tokens):
+        """verify's results (and a draft model's proposals) on the host: one copy."""
+        tokens, emitted, accepted = result
+        parts = [tokens.reshape(-1), emitted.reshape(-1), accepted.reshape(-1)]
+        if draft_tokens is not None:
+            parts.append(draft_tokens.reshape(-1))
+        flat = torch.cat([t.to(torch.int32) for t in parts]).cpu().numpy()
+        n0, n1, n2 = parts[0].numel(), parts[1].numel(), parts[2].numel()
+        drafts = flat[n0 + n1 + n2:] if draft_tokens is not None else None
+        return flat[:n0], flat[n0:n0 + n1], flat[n0 + n1:n0 + n1 + n2], drafts
+
+    def _draft_probs(self, B: int, K: int) -> torch.Tensor:
+        """The [B, K, V] float32 draft-probability buffer, reused across steps (rows past
+        a row's k are never read by verify, so it is never cleared)."""
+        n = B * K * self.vocab_size
+        if self._q is None or self._q.numel() < n:
+            self._q = torch.empty(n, dtype=torch.float32, device=self.device)
+        return self._q[:n].view(B, K, self.vocab_size)
+
+    def _policy(self, pol: dict, inputs: torch.Tensor, B: int) -> dict:
+        """Scalars when every row agrees (cheaper kernels), else per-row device tensors."""
+        if pol["uniform"]:
+            return dict(temperature=pol["temperature"], top_k=pol["top_k"], top_p=pol["top_p"],
+                        min_p=pol["min_p"])
+        return dict(temperature=_view(inputs, pol["temperature_rows"], B, torch.float32),
+                    top_k=_view(inputs, pol["top_k_rows"], B, torch.int32),
+                    top_p=_view(inputs, pol["top_p_rows"], B, torch.float32),
+                    min_p=_view(inputs, pol["min_p_rows"], B, torch.float32))
+
+    @staticmethod
+    def _rows_policy(policy: dict, rows: torch.Tensor, B: int) -> dict:
+        if rows.numel() == B:  # every row takes part (rows are 0..B-1 in order)
+            return policy
+        return {name: v.index_select(0, rows) if isinstance(v, torch.Tensor) else v
+                for name, v in policy.items()}
+
+    # -- sequences -------------------------------------------------------------------
     def abort(self, seq: int) -> None:
-        """Stops a sequence now (finish reason "aborted") and frees its cache blocks."""
+        """Stops a sequence (finish reason "aborted") and frees its cache blocks; from
+        any thread (during a step: when that step ends)."""
         self._core.abort(seq)
 
     def release(self, seq: int) -> None:
-        """Forgets a sequence (aborting it if it runs); KeyError for an unknown id."""
+        """Forgets a sequence (aborting it if it runs) and frees its id; KeyError for an
+        unknown id. From any thread (during a step: when that step ends)."""
         self._core.release(seq)
 
     def result(self, seq: int) -> GenerateResult:
@@ -269,7 +396,7 @@ class SpecDecoder:
 
     def timings(self) -> dict:
         """Wall time by phase summed over all steps: draft_forward_s, draft_sample_s,
-        target_forward_s, verify_s, bookkeeping_s (batches, commit, rollback), steps."""
+        target_forward_s, verify_s, bookkeeping_s (plan, commit, rollback, glue), steps."""
         return self._core.times()
 
     def cost_model(self) -> dict:
@@ -302,7 +429,10 @@ class SpecDecoder:
         if self._core.has_running():
             raise RuntimeError("generate: sequences added with add() are still running; "
                                "finish them with step() (or abort them) first")
-        if isinstance(prompts, (str, bytes)) or not all(isinstance(p, (list, tuple)) for p in prompts):
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError("generate: prompts must be a list of token-id lists")
+        prompts = list(prompts)  # a generator is read once, here
+        if not all(isinstance(p, (list, tuple)) for p in prompts):
             raise TypeError("generate: prompts must be a list of token-id lists")
         self._core.reseed(seed)
         ids = []

@@ -20,14 +20,16 @@ vocabulary. What differs from the reference:
   padding outputs: tokens -1, probabilities 0).
 """
 
+import contextlib
 import numbers
+import threading
 from typing import Optional, Tuple
 
 import torch
 
 from verispec import _C
 
-__all__ = ["apply_policy", "linear", "sample", "verify"]
+__all__ = ["DeferredErrors", "apply_policy", "deferred_errors", "linear", "sample", "verify"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -185,7 +187,7 @@ def _apply_policy_eager(logits, temperature, top_k, top_p, min_p, temperature_ro
     _C.apply_policy(_last_dim_contiguous(logits), probs,
                     _pick(temperature, temperature_rows), _pick(top_k, top_k_rows),
                     _pick(top_p, top_p_rows), _pick(min_p, min_p_rows),
-                    **_launch(logits, _C.apply_policy_workspace_bytes()))
+                    **_launch(logits, _C.apply_policy_workspace_bytes(), "apply_policy"))
     return probs
 
 
@@ -207,7 +209,7 @@ def _(logits, temperature, top_k, top_p, min_p, *rows):
 def _sample_eager(probs, seed, offset, seed_t, offset_t):
     tokens = torch.empty(probs.shape[0], dtype=torch.int32, device=probs.device)
     _C.sample(_last_dim_contiguous(probs), tokens, _unsigned(seed, seed_t), _unsigned(offset, offset_t),
-              **_launch(probs, _C.sample_workspace_bytes()))
+              **_launch(probs, _C.sample_workspace_bytes(), "sample"))
     return tokens
 
 
@@ -235,7 +237,7 @@ def _verify_eager(target_logits, draft_tokens, draft_probs, num_draft, temperatu
               _pick(temperature, temperature_rows), _pick(top_k, top_k_rows),
               _pick(top_p, top_p_rows), _pick(min_p, min_p_rows), greedy,
               _unsigned(seed, seed_t), _unsigned(offset, offset_t),
-              **_launch(target_logits, _C.verify_workspace_bytes(b, k1 - 1)))
+              **_launch(target_logits, _C.verify_workspace_bytes(b, k1 - 1), "verify"))
     return tokens, num_emitted, num_accepted
 
 
@@ -268,16 +270,60 @@ def _unsigned(value, tensor):
     return (value % _SEED_LIMIT) if tensor is None else tensor
 
 
-def _launch(like, workspace_bytes):
+class DeferredErrors:
+    """Error records of CUDA op calls made inside ``deferred_errors()``, checked together.
+
+    A CUDA op normally reads its error record back right after the launch, which waits
+    for the GPU. Inside the context the calls do not wait; ``check()`` reads every record
+    in one copy (one wait) and raises the first error, as the call itself would have.
+    """
+
+    def __init__(self) -> None:
+        self._records: list = []  # (op, workspace)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def check(self) -> None:
+        if not self._records:
+            return
+        records = torch.stack([w[:8] for _, w in self._records]).cpu()  # one wait
+        ops = [op for op, _ in self._records]
+        self._records.clear()
+        for op, record in zip(ops, records):
+            _C.raise_device_error(op, int.from_bytes(bytes(record.tolist()), "little"))
+
+
+_DEFERRED = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_errors():
+    """Defers the error checks of the CUDA op calls made in this thread (see
+    :class:`DeferredErrors`); call ``check()`` on the yielded object once the results are
+    needed. CPU calls raise at once, as always."""
+    previous = getattr(_DEFERRED, "errors", None)
+    errors = _DEFERRED.errors = DeferredErrors()
+    try:
+        yield errors
+    finally:
+        _DEFERRED.errors = previous
+
+
+def _launch(like, workspace_bytes, op):
     """Stream, error checking and workspace of a CUDA launch (nothing for CPU tensors)."""
     if like.device.type != "cuda":
         return {}
-    return dict(
-        stream=torch.cuda.current_stream(like.device).cuda_stream,
+    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=like.device)
+    deferred = getattr(_DEFERRED, "errors", None)
+    if deferred is not None and not torch.cuda.is_current_stream_capturing():
+        deferred._records.append((op, workspace))
+        check = False
+    else:
         # Reading the error record back synchronises: not allowed while capturing a graph.
-        check_errors=not torch.cuda.is_current_stream_capturing(),
-        workspace=torch.empty(workspace_bytes, dtype=torch.uint8, device=like.device),
-    )
+        check = not torch.cuda.is_current_stream_capturing()
+    return dict(stream=torch.cuda.current_stream(like.device).cuda_stream, check_errors=check,
+                workspace=workspace)
 
 
 def _last_dim_contiguous(t):

@@ -1,10 +1,27 @@
-// SpecDecoder: sequences, the draft -> verify -> commit loop, stop rules, statistics.
+// SpecDecoder: sequences, the decisions of the draft -> verify -> commit step, stop rules,
+// statistics.
 //
-// Pure C++: the decoder never touches a tensor. It prepares each model's batch as host
-// integer buffers, and asks a StepRunner (implemented by the binding layer, which
-// owns the models, the KV pools and the kernels) to run forwards, sample draft
-// proposals and verify. The decisions are all here: how far to speculate, what each
-// model reads next, what is committed, where sequences stop, how the caches roll back.
+// Pure C++: the decoder never touches a tensor and never calls out. A step is three
+// calls, all made by the caller (python/verispec/decoder.py drives them):
+//
+//   begin_step()   decides everything that does not depend on model outputs: which
+//                  sequences run, k per row, n-gram proposals, and every forward pass of
+//                  the step (K draft passes, then the verify pass), with their cache
+//                  slots allocated and their inputs packed into ONE host buffer (so a
+//                  GPU caller copies the step's metadata to the device once).
+//   commit(...)    takes what the models and the verify op produced, checks all of it
+//                  (shapes, token ids in [0, V), counts within [0, k], accepted tokens
+//                  equal to the proposals), and only then commits tokens, stops, caches,
+//                  n-gram indexes, statistics and the cost model.
+//   cancel_step()  puts every sequence, both caches and the n-gram indexes back as they
+//                  were before begin_step. commit() does the same itself when its inputs
+//                  fail a check.
+//
+// Threads: every public method takes one mutex, so calls from several threads are
+// serialised. A step spans calls, so begin_step() of a second step while one is open
+// throws StepInProgressError. abort() and release() of a sequence that belongs to the
+// open step are queued and applied when the step ends (commit or cancel); add() takes
+// effect at once (the new sequence joins the next step).
 //
 // Per sequence, per model:   committed = prompt + generated tokens
 //                            cache_len = how many of them the model's KV cache holds
@@ -22,20 +39,22 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "verispec/adaptive_k.h"
 #include "verispec/block_allocator.h"
+#include "verispec/errors.h"
 #include "verispec/ngram.h"
 
 namespace verispec {
 
 enum class ModelRole : int32_t { kTarget = 0, kDraft = 1 };
 
-// How a sequence samples; identical for target and draft (DESIGN.md).
+// How a sequence samples; identical for target and draft (docs/design.md). Greedy is
+// temperature 0, the one representation inside the library.
 struct SamplingParams {
-  bool greedy = false;        // argmax decoding (also implied by temperature == 0)
   float temperature = 1.0f;
   int32_t top_k = 0;
   float top_p = 1.0f;
@@ -81,69 +100,94 @@ struct SequenceStats {
   std::vector<double> acceptance_estimate;
 };
 
-// One model forward: T new tokens of B rows, flattened; host buffers.
-struct ForwardBatch {
+// One forward pass of a step: T new tokens of B rows, flattened. The arrays live in
+// StepPlan::inputs; each offset below is a BYTE offset into it (8-byte aligned), so a
+// caller views them after one copy of the whole buffer.
+struct PassLayout {
   ModelRole role = ModelRole::kTarget;
-  int64_t num_rows = 0;
-  std::vector<int64_t> input_ids;       // [T]
-  std::vector<int64_t> positions;       // [T]
-  std::vector<int32_t> slot_mapping;    // [T]
-  int64_t max_blocks = 0;
-  std::vector<int32_t> block_tables;    // [B, max_blocks], -1 padded
-  std::vector<int32_t> context_lens;    // [B] cached length after this forward
-  std::vector<int64_t> query_start;     // [B + 1]
-  std::vector<int64_t> logits_indices;  // [R] flattened token index per logits row
+  int64_t num_rows = 0;        // B of this pass
+  int64_t num_tokens = 0;      // T
+  int64_t max_blocks = 0;      // M
+  int64_t num_logits = 0;      // R
+  // int64 arrays
+  int64_t input_ids = 0;       // [T]; draft passes j >= 1 and a draft model's proposals
+                               //      in the verify pass hold -1: filled on the device
+  int64_t positions = 0;       // [T]
+  int64_t query_start = 0;     // [B + 1]
+  int64_t logits_indices = 0;  // [R] flattened token index per logits row
+  int64_t rows = 0;            // [B] the step row (verify row) of each of this pass's rows
+  int64_t draft_index = 0;     // [B] draft passes: rows[i] * K + j, where this pass's
+                               //      proposals go in the [B, K] draft tokens
+  int64_t prev_index = 0;      // [B] draft passes j >= 1: index of each row in the
+                               //      previous pass's proposals (its input token)
+  int64_t fill_positions = 0;  // [P] verify pass: flattened input indices that take
+  int64_t fill_sources = 0;    // [P]   draft_tokens.view(-1)[fill_sources] (draft model)
+  int64_t num_fill = 0;        // P
+  // int32 arrays
+  int64_t slot_mapping = 0;    // [T]
+  int64_t block_tables = 0;    // [B, M], -1 padded
+  int64_t context_lens = 0;    // [B] cached length after this forward
 };
 
-// Per-row policy of a verify or draft-sampling call.
-struct RowPolicy {
-  std::vector<float> temperature;  // 0 for greedy rows
-  std::vector<int32_t> top_k;
-  std::vector<float> top_p;
-  std::vector<float> min_p;
+// Per-row sampling policy of the step's rows (float arrays in the inputs buffer); when
+// every row agrees, uniform is true and the scalars hold the common value.
+struct PolicyLayout {
+  bool uniform = true;
+  float temperature = 1.0f;
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  int64_t temperature_rows = 0;  // float32 [B]
+  int64_t top_k_rows = 0;        // int32 [B]
+  int64_t top_p_rows = 0;        // float32 [B]
+  int64_t min_p_rows = 0;        // float32 [B]
 };
 
-struct VerifyRequest {
-  int64_t batch = 0;
-  int64_t num_spec = 0;                 // K: logits are [batch, K + 1] rows, padded
-  std::vector<int32_t> draft_tokens;    // [batch, K], -1 padded
-  std::vector<int32_t> num_draft;       // [batch]
-  bool use_draft_probs = false;         // q from sampled drafts; false: one-hot q
-  RowPolicy policy;
+// What begin_step decided: the rows, k, every pass, and their inputs in one buffer.
+struct StepPlan {
+  uint64_t step_id = 0;          // pass it back to commit / cancel_step
+  int64_t batch = 0;             // B rows (0: nothing runs, no step was opened)
+  int64_t k = 0;                 // K = the largest k of the step
+  std::vector<int64_t> seqs;     // [B] sequence id of each row
+  std::vector<int32_t> row_k;    // [B] k of each row
+  bool draft_model = false;      // the draft passes sample proposals (q kept)
   uint64_t seed = 0;
-  uint64_t offset = 0;
+  uint64_t offset = 0;           // the verify call's Philox offset; draft pass j: offset + 1 + j
+  std::vector<PassLayout> passes;  // draft passes (role kDraft), then the verify pass
+  int64_t draft_tokens = 0;      // int32 [B, K] proposals, -1 padded (n-gram: filled;
+                                 // draft model: -1, filled by the caller's passes)
+  int64_t num_draft = 0;         // int32 [B] = row_k
+  PolicyLayout policy;
+  std::vector<uint8_t> inputs;   // the packed arrays above
+  // Copy-on-write copies to perform on each model's pools before the first pass.
+  std::vector<BlockCopy> target_copies;
+  std::vector<BlockCopy> draft_copies;
 };
 
-struct VerifyResult {
-  std::vector<int32_t> tokens;          // [batch, K + 1], -1 padded
-  std::vector<int32_t> num_emitted;     // [batch]
-  std::vector<int32_t> num_accepted;    // [batch]
+// Time a step spent where the caller ran things (seconds). The cost model learns from
+// the steady passes (one new token per row); the rest only feeds the phase totals.
+struct StepTimes {
+  std::vector<double> draft_forward;  // per draft pass
+  std::vector<double> draft_sample;   // per draft pass
+  double target_forward = 0;
+  double verify = 0;
+  double total = 0;                   // the whole step, begin to commit
 };
 
-// What the decoder needs from the world of tensors (implemented by the binding).
-class StepRunner {
- public:
-  virtual ~StepRunner() = default;
-  // Performs the allocator's copy-on-write copies on model `role`'s KV pools. Called
-  // before any forward that writes the copied blocks.
-  virtual void copy_blocks(ModelRole role, const std::vector<BlockCopy>& copies) = 0;
-  // Runs model `batch.role` on the batch, keeping its logits ([R, V] rows in
-  // batch.logits_indices order) until the next forward of that role.
-  virtual void forward(const ForwardBatch& batch) = 0;
-  // From the draft's last logits (row r belongs to verify row rows[r]), applies the
-  // policy, samples one proposal per row with (seed, offset), stores the draft
-  // distribution q at [rows[r], position] of a [batch, K, V] buffer for verify, and
-  // returns the proposals.
-  virtual std::vector<int32_t> sample_draft(int64_t batch, int64_t num_spec, int64_t position,
-                                            const std::vector<int32_t>& rows,
-                                            const RowPolicy& policy, uint64_t seed,
-                                            uint64_t offset) = 0;
-  // Verifies with the target's last logits laid out as [batch, K + 1].
-  virtual VerifyResult verify(const VerifyRequest& request) = 0;
+// What the caller's verify produced (ops.verify's outputs), host int32.
+struct VerifyOutputs {
+  const int32_t* tokens = nullptr;        // [B, K + 1]
+  int64_t tokens_len = 0;
+  const int32_t* num_emitted = nullptr;   // [B]
+  int64_t num_emitted_len = 0;
+  const int32_t* num_accepted = nullptr;  // [B]
+  int64_t num_accepted_len = 0;
+  const int32_t* draft_tokens = nullptr;  // [B, K] the proposals (a draft model's; n-gram: may be null)
+  int64_t draft_tokens_len = 0;
 };
 
 struct DecoderConfig {
-  int64_t num_spec = 4;             // fixed k (0: plain decoding), or the largest k
+  int64_t k = 4;                    // fixed k (0: plain decoding), or the largest k
   bool adaptive_k = false;          // choose k per sequence and step (adaptive_k.h)
   bool has_draft_model = false;     // a draft model proposes (sampled, q kept)
   // The draft model reads and writes the target's KV cache (early-exit
@@ -157,9 +201,14 @@ struct DecoderConfig {
   int64_t target_num_blocks = 0;
   int64_t draft_num_blocks = 0;
   int64_t block_size = 16;
+  int64_t vocab_size = 0;
   int64_t max_context = 0;          // the target's context length
+  int64_t draft_max_context = 0;    // a draft model's (0: the target's); rows past it stop drafting
   uint64_t seed = 0;
 };
+
+// The largest k a decoder takes (the cost model keeps a cost per tokens-per-row).
+constexpr int64_t kMaxK = 64;
 
 // Wall time by phase, summed over steps (seconds).
 struct PhaseTimes {
@@ -167,11 +216,12 @@ struct PhaseTimes {
   double draft_sample = 0;    // policy + sampling of proposals
   double target_forward = 0;  // the verify pass of the target
   double verify = 0;          // the verify op
-  double bookkeeping = 0;     // everything else: k, batches, commit, rollback
+  double bookkeeping = 0;     // everything else: plan, commit, rollback, the caller's glue
   int64_t steps = 0;
 };
 
-struct StepOutput {
+// What one step committed for one sequence.
+struct CommitOutput {
   int64_t seq;
   std::vector<int32_t> new_tokens;
   FinishReason finish = FinishReason::kNone;
@@ -184,64 +234,81 @@ class SpecDecoder {
   SpecDecoder(const SpecDecoder&) = delete;
   SpecDecoder& operator=(const SpecDecoder&) = delete;
 
-  // Adds a sequence (continuous batching: any time between steps). Validates the
-  // prompt against the vocabulary and the context length. Returns its id.
+  // Adds a sequence (any time, also while a step is open: it joins the next one).
+  // Validates the prompt against the vocabulary and the context length, and the policy.
+  // Returns its id; ids of released sequences are reused.
   int64_t add(const std::vector<int32_t>& prompt, const SamplingParams& sampling,
-              const StopParams& stop, int64_t vocab_size);
-  // Ends a sequence now (finish reason kAborted if it was running) and frees its
-  // cache blocks; its record stays until release().
+              const StopParams& stop);
+  // Ends a sequence (finish reason kAborted if it was running) and frees its cache
+  // blocks; its record stays until release(). Queued while it takes part in an open step.
   void abort(int64_t seq);
-  // Forgets a sequence (any state); KeyError-like for an unknown id.
+  // Forgets a sequence (any state) and frees its id; UnknownSequenceError for an unknown
+  // id. Queued while it takes part in an open step (it is unknown after the step).
   void release(int64_t seq);
 
-  // One speculative step over every running sequence. Returns, for each of them, the
-  // tokens committed in this step. On an exception (cache full, runner error) every
-  // sequence and both caches are exactly as before the step.
-  std::vector<StepOutput> step(StepRunner& runner);
+  // The step's phases (see the top of this file).
+  StepPlan begin_step();
+  std::vector<CommitOutput> commit(uint64_t step_id, const VerifyOutputs& out,
+                                   const StepTimes& times);
+  void cancel_step(uint64_t step_id);
+  bool step_open() const;
 
   // Restarts the random stream: seed, and offset 0 (reproducible runs).
-  void reseed(uint64_t seed) {
-    config_.seed = seed;
-    offset_ = 0;
-  }
+  void reseed(uint64_t seed);
 
   bool has_running() const;
-  std::vector<int64_t> running() const;
+  int64_t num_running() const;
+  int64_t num_sequences() const;  // records held (running, finished, not released)
   std::vector<int32_t> generated(int64_t seq) const;
   FinishReason finish_reason(int64_t seq) const;
-  const SequenceStats& stats(int64_t seq) const;
+  SequenceStats stats(int64_t seq) const;
   int64_t cache_len(int64_t seq, ModelRole role) const;
   int64_t committed_len(int64_t seq) const;
   // The committed tokens (prompt + generated) and a model's block table.
-  const std::vector<int32_t>& committed(int64_t seq) const;
+  std::vector<int32_t> committed(int64_t seq) const;
   std::vector<int32_t> block_table(int64_t seq, ModelRole role) const;
-  const BlockAllocator& allocator(ModelRole role) const;
+  int64_t num_free_blocks(ModelRole role) const;
+  int64_t num_blocks(ModelRole role) const;
   const DecoderConfig& config() const { return config_; }
-  uint64_t offset() const { return offset_; }
-  const PhaseTimes& times() const { return times_; }
-  const CostModel& cost_model() const { return cost_; }
+  uint64_t offset() const;
+  PhaseTimes times() const;
+  CostModel cost_model() const;
 
  private:
   struct Sequence;
+  struct OpenStep;
+
   Sequence& get(int64_t seq);
   const Sequence& get(int64_t seq) const;
+  bool in_open_step(int64_t seq) const;
   void finish(Sequence& s, FinishReason reason);
-  // k for this step; n-gram proposals are looked up here too (k = their count).
-  int64_t choose_k(Sequence& s, std::vector<int32_t>* ngram_proposals);
-  bool shared_cache() const { return config_.draft_shares_target_cache; }
-  BlockAllocator& alloc_for(ModelRole role) {
-    return role == ModelRole::kDraft && draft_alloc_ ? *draft_alloc_ : target_alloc_;
-  }
+  void abort_now(int64_t seq);
+  void release_now(int64_t seq);
+  const BlockAllocator& alloc(ModelRole role) const;
+  BlockAllocator& alloc(ModelRole role);
   int64_t seq_for(const Sequence& s, ModelRole role) const;
-  void build_batch(ModelRole role, const std::vector<Sequence*>& rows,
-                   const std::vector<int64_t>& counts,
-                   const std::vector<std::vector<int32_t>>& extra_tokens,
-                   ForwardBatch* out);
+
+  // begin_step's phases.
+  int64_t choose_k(Sequence& s, std::vector<int32_t>* ngram_proposals);
+  void plan_draft_passes(OpenStep& st);
+  void plan_verify_pass(OpenStep& st);
+  void pack_inputs(OpenStep& st, StepPlan* plan);
+  // commit's phases.
+  void check_outputs(const OpenStep& st, const VerifyOutputs& out) const;
+  CommitOutput commit_row(OpenStep& st, int64_t b, const VerifyOutputs& out);
+  void record_times(const OpenStep& st, const StepTimes& times);
+  // Ends the open step: restores its marks if `restore`, then applies queued calls.
+  void end_step(bool restore);
 
   DecoderConfig config_;
+  mutable std::mutex mu_;
   BlockAllocator target_alloc_;
   std::unique_ptr<BlockAllocator> draft_alloc_;
-  std::vector<std::unique_ptr<Sequence>> seqs_;  // by id; null after release
+  std::vector<std::unique_ptr<Sequence>> seqs_;  // by id; null when free
+  std::vector<int64_t> free_ids_;                // released ids, reused by add()
+  std::vector<int64_t> running_;                 // running ids in the order they were added
+  std::unique_ptr<OpenStep> open_;               // the open step, if any
+  uint64_t next_step_id_ = 1;
   uint64_t offset_ = 0;
   PhaseTimes times_;
   CostModel cost_;
