@@ -1,7 +1,7 @@
 """Rules about the native sources that a compiler does not check.
 
-- No torch in csrc/ (DESIGN.md, layers): the extension takes tensors through DLPack and
-  must load next to any torch.
+- No torch in csrc/ (docs/design.md, Layers): the extension takes tensors through
+  DLPack and must load next to any torch.
 - No iostreams in the library (csrc/ outside csrc/tests): an ostream formats numbers
   through locale facets, and on a CUDA machine an error message built with
   std::ostringstream segfaulted inside the facet call (a process whose libstdc++ pieces

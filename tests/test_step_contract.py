@@ -354,3 +354,43 @@ def test_import_is_light_and_submodules_resolve_on_first_use():
             "try:\n    verispec.nonexistent\nexcept AttributeError as e:\n"
             "    assert 'nonexistent' in str(e)\nelse:\n    raise SystemExit('no AttributeError')\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- one copy each way -------------------------------------------------------------
+
+class TableModel:
+    """Logits from tensor ops alone (no host reads): the shape a GPU model has."""
+
+    def __init__(self, vocab: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab, 64, vocab, generator=g)
+        self.geometry = verispec.models.ModelGeometry(
+            num_layers=1, num_kv_heads=1, head_dim=2, vocab_size=vocab, max_context=64,
+            dtype=torch.float32, device=torch.device("cpu"))
+
+    def forward(self, batch):
+        t = batch.logits_indices
+        return self.table[batch.input_ids[t], batch.positions[t]]
+
+
+def test_a_step_reads_the_device_once(monkeypatch):
+    """With a model that never reads its tensors back, a whole step (K draft passes, the
+    verify pass, the ops) brings data to the host exactly once: verify's results and
+    the proposals, in one copy. Counted by wrapping every way a tensor reaches Python."""
+    target, draft = TableModel(V, 1), TableModel(V, 2)
+    dec = SpecDecoder(target, draft, k=4, num_blocks=64, block_size=4)
+    for p in ([1, 2, 3], [4, 5], [6]):
+        dec.add(p, max_new_tokens=20, temperature=0.9, top_k=5)
+    dec.step()
+    reads = []
+    for name in ("tolist", "item", "numpy", "__int__", "__index__", "__bool__", "__float__"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **kw):
+            reads.append(_name)
+            return _real(self, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    out = dec.step()
+    monkeypatch.undo()
+    assert len(out) == 3 and all(o.tokens for o in out)
+    assert reads == ["numpy"], reads

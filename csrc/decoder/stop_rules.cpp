@@ -1,4 +1,4 @@
-// The stop rules, applied in this one place (DESIGN.md: one place for each rule).
+// The stop rules, applied in this one place (docs/design.md: one place for each rule).
 #include <algorithm>
 #include <string>
 

@@ -225,7 +225,9 @@ class SpecDecoder:
 
     # -- the step's phases ---------------------------------------------------------
     def _run(self, plan: dict, start: float) -> list:
-        inputs = self._upload(plan["inputs"])
+        data = plan["inputs"]
+        host = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+        inputs = self._upload(host)
         for role, key in ((_TARGET, "target_copies"), (_DRAFT, "draft_copies")):
             if plan[key]:
                 self._pools[_TARGET if self.shares_target_cache else role].copy_blocks(plan[key])
@@ -235,19 +237,20 @@ class SpecDecoder:
         timer = _Timer(self.device)
         deferred = getattr(self._ops, "deferred_errors", None)
         with deferred() if deferred is not None else contextlib.nullcontext() as errors:
-            q = self._draft_passes(plan, inputs, draft_tokens, policy, timer)
-            result = self._verify_pass(plan, inputs, draft_tokens, q, policy, timer)
-            host = self._download(result, draft_tokens if plan["draft_model"] else None)
-            if errors is not None:
-                errors.check()
-        tokens, emitted, accepted, drafts = host
+            q = self._draft_passes(plan, host, inputs, draft_tokens, policy, timer)
+            result = self._verify_pass(plan, host, inputs, draft_tokens, q, policy, timer)
+            records = errors.records() if errors is not None else None
+            tokens, emitted, accepted, drafts, host_records = self._download(
+                result, draft_tokens if plan["draft_model"] else None, records)
+            if records is not None:
+                errors.raise_first(host_records)
         return self._core.commit(
             plan["step_id"], tokens, emitted, accepted, drafts,
             timer.seconds("draft_forward"), timer.seconds("draft_sample"),
             sum(timer.seconds("target_forward")), sum(timer.seconds("verify")),
             time.perf_counter() - start)
 
-    def _draft_passes(self, plan, inputs, draft_tokens, policy, timer):
+    def _draft_passes(self, plan, host, inputs, draft_tokens, policy, timer):
         """K draft passes; each row's proposals go to draft_tokens[row, j] and q[row, j]
         on the device (pass j >= 1 reads its input from pass j - 1's proposals)."""
         if not plan["draft_model"]:
@@ -262,7 +265,7 @@ class SpecDecoder:
                 ids = previous.index_select(0, _view(inputs, p["prev_index"], p["num_rows"],
                                                      torch.int64)).long()
             with timer("draft_forward"), self._nvtx("verispec.draft_forward"):
-                logits = self._forward(_DRAFT, p, inputs, ids)
+                logits = self._forward(_DRAFT, p, host, inputs, ids)
             rows = _view(inputs, p["rows"], p["num_rows"], torch.int64)
             with timer("draft_sample"), self._nvtx("verispec.draft_sample"):
                 tokens, probs = self._sample_draft(logits, self._rows_policy(policy, rows, B),
@@ -279,7 +282,7 @@ class SpecDecoder:
         probs = self._ops.apply_policy(logits, **policy)
         return self._ops.sample(probs, seed=seed, offset=offset), probs
 
-    def _verify_pass(self, plan, inputs, draft_tokens, q, policy, timer):
+    def _verify_pass(self, plan, host, inputs, draft_tokens, q, policy, timer):
         B, K = plan["batch"], plan["k"]
         p = plan["passes"][-1]
         ids = None
@@ -289,25 +292,31 @@ class SpecDecoder:
             src = _view(inputs, p["fill_sources"], p["num_fill"], torch.int64)
             ids.index_copy_(0, fill, draft_tokens.view(-1).index_select(0, src).long())
         with timer("target_forward"), self._nvtx("verispec.target_forward"):
-            logits = self._forward(_TARGET, p, inputs, ids)
+            logits = self._forward(_TARGET, p, host, inputs, ids)
         with timer("verify"), self._nvtx("verispec.verify"):
             return self._ops.verify(
                 logits.view(B, K + 1, -1), draft_tokens, q,
                 num_draft=_view(inputs, plan["num_draft"], B, torch.int32),
                 seed=plan["seed"], offset=plan["offset"], **policy)
 
-    def _forward(self, role, p, inputs, input_ids=None) -> torch.Tensor:
+    def _forward(self, role, p, host, inputs, input_ids=None) -> torch.Tensor:
         B, T, M = p["num_rows"], p["num_tokens"], p["max_blocks"]
+
+        def fields(buf):
+            return dict(
+                positions=_view(buf, p["positions"], T, torch.int64),
+                slot_mapping=_view(buf, p["slot_mapping"], T, torch.int32),
+                block_tables=_view(buf, p["block_tables"], B * M, torch.int32).view(B, M),
+                context_lens=_view(buf, p["context_lens"], B, torch.int32),
+                query_start=_view(buf, p["query_start"], B + 1, torch.int64),
+                logits_indices=_view(buf, p["logits_indices"], p["num_logits"], torch.int64))
+
+        on_device = fields(inputs)
         batch = PagedBatch(
             input_ids=input_ids if input_ids is not None
             else _view(inputs, p["input_ids"], T, torch.int64),
-            positions=_view(inputs, p["positions"], T, torch.int64),
-            slot_mapping=_view(inputs, p["slot_mapping"], T, torch.int32),
-            block_tables=_view(inputs, p["block_tables"], B * M, torch.int32).view(B, M),
-            context_lens=_view(inputs, p["context_lens"], B, torch.int32),
-            query_start=_view(inputs, p["query_start"], B + 1, torch.int64),
-            logits_indices=_view(inputs, p["logits_indices"], p["num_logits"], torch.int64),
-            kv=self._pools[role])
+            kv=self._pools[role], host=on_device if host is inputs else fields(host),
+            **on_device)
         with torch.inference_mode():
             logits = self._models[role].forward(batch)
         expect = (p["num_logits"], self.vocab_size)
@@ -320,10 +329,9 @@ class SpecDecoder:
                              f"got {logits.device}")
         return logits
 
-    def _upload(self, data: bytearray) -> torch.Tensor:
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """The step's packed inputs on the model's device: one copy (through a pinned
         buffer on CUDA, asynchronous)."""
-        host = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
         if self.device.type != "cuda":
             return host if self.device.type == "cpu" else host.to(self.device)
         n = host.numel()
@@ -338,16 +346,22 @@ class SpecDecoder:
         return out
 
     @staticmethod
-    def _download(result, draft_tokens):
-        """verify's results (and a draft model's proposals) on the host: one copy."""
+    def _download(result, draft_tokens, records):
+        """verify's results, a draft model's proposals and the ops' deferred error records
+        on the host: one copy (the step's one wait for the device)."""
         tokens, emitted, accepted = result
-        parts = [tokens.reshape(-1), emitted.reshape(-1), accepted.reshape(-1)]
-        if draft_tokens is not None:
-            parts.append(draft_tokens.reshape(-1))
-        flat = torch.cat([t.to(torch.int32) for t in parts]).cpu().numpy()
-        n0, n1, n2 = parts[0].numel(), parts[1].numel(), parts[2].numel()
-        drafts = flat[n0 + n1 + n2:] if draft_tokens is not None else None
-        return flat[:n0], flat[n0:n0 + n1], flat[n0 + n1:n0 + n1 + n2], drafts
+        parts = [tokens.reshape(-1), emitted.reshape(-1), accepted.reshape(-1),
+                 draft_tokens.reshape(-1) if draft_tokens is not None else None, records]
+        present = [t.to(torch.int32) for t in parts if t is not None]
+        flat = torch.cat(present).cpu().numpy()
+        out, at = [], 0
+        for t in parts:
+            if t is None:
+                out.append(None)
+                continue
+            out.append(flat[at:at + t.numel()])
+            at += t.numel()
+        return out
 
     def _draft_probs(self, B: int, K: int) -> torch.Tensor:
         """The [B, K, V] float32 draft-probability buffer, reused across steps (rows past

@@ -121,7 +121,7 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
                                                 *policy, greedy_flag, *seed_args)
 
 
-# --- custom ops: the only place that calls verispec._C ---------------------------------
+# --- the ops' entry points into verispec._C ----------------------------------------------
 # Each takes every policy value twice, as a scalar and as an optional per-row tensor
 # that wins when given, and seed/offset as int64 scalars (two's complement) plus
 # optional one-element tensors.
@@ -284,14 +284,27 @@ class DeferredErrors:
     def __len__(self) -> int:
         return len(self._records)
 
-    def check(self) -> None:
+    def records(self):
+        """The pending records as one int32 device tensor (2 values a record), or None:
+        a caller may bring them to the host with its own results, in the same copy."""
         if not self._records:
-            return
-        records = torch.stack([w[:8] for _, w in self._records]).cpu()  # one wait
+            return None
+        return torch.stack([w[:8] for _, w in self._records]).view(torch.int32).view(-1)
+
+    def raise_first(self, host_records) -> None:
+        """Raises the first error among the records (as ``records()`` gave them, on the
+        host: a numpy array or a CPU tensor), in call order; clears them."""
         ops = [op for op, _ in self._records]
         self._records.clear()
-        for op, record in zip(ops, records):
-            _C.raise_device_error(op, int.from_bytes(bytes(record.tolist()), "little"))
+        raw = bytes(memoryview(torch.as_tensor(host_records, dtype=torch.int32).numpy()))
+        for i, op in enumerate(ops):
+            _C.raise_device_error(op, int.from_bytes(raw[8 * i:8 * i + 8], "little"))
+
+    def check(self) -> None:
+        """Reads every pending record (one copy, one wait) and raises the first error."""
+        records = self.records()
+        if records is not None:
+            self.raise_first(records.cpu())
 
 
 _DEFERRED = threading.local()

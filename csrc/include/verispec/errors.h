@@ -26,8 +26,8 @@ class InvalidArgumentError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-// SpecDecoder: begin_step() while another step is open, or a phase call (commit) with
-// a step id that is not the open step's.
+// SpecDecoder: begin_step() or reseed() while a step is open, or commit() with a step
+// id that is not the open step's.
 class StepInProgressError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;

@@ -19,7 +19,8 @@
 // layer checks it; larger offsets wrap modulo 2^60).
 //
 // Convention: one op call uses one offset and addresses its coins by (row, position,
-// purpose); the caller advances `offset` by one per call (per decoding step), so a
+// purpose); the caller gives each call its own offset (SpecDecoder: verify at the step's
+// base offset, draft pass j at base + 1 + j, the next step at base + K + 1), so a
 // stream never repeats and every rank of a sharded run draws the same coins without
 // communication. Only word 0 of each Philox block is used; words 1..3 are reserved.
 #pragma once

@@ -34,7 +34,7 @@
 //     verify:        committed[Lt:C] ++ d1..dk  -> logits at C-1 .. C-1+k
 //     commit a accepted + 1 correction/bonus; then
 //       target cache = C + a                (the rest held rejected proposals)
-//       draft cache  = min(C + k - 1, C + a)
+//       draft cache  = min(C + k - 1, C + a)  (k >= 1; a row with k = 0 keeps Ld)
 #pragma once
 
 #include <cstdint>

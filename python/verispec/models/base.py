@@ -28,7 +28,7 @@ Wrapping your own module::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -91,6 +91,10 @@ class PagedBatch:
     query_start    [B + 1] int64  row b's tokens are input_ids[query_start[b]:query_start[b+1]]
     logits_indices [R] int64   flattened token indices whose logits to return
     kv             KVPools     the model's pools
+    host           dict | None the caller's CPU copies of the index tensors (every field
+                               above but input_ids and kv), when it has them: a model that
+                               plans on the host reads them through host_tensor() without
+                               waiting for the device
     """
 
     input_ids: torch.Tensor
@@ -101,10 +105,24 @@ class PagedBatch:
     query_start: torch.Tensor
     logits_indices: torch.Tensor
     kv: KVPools
+    host: Optional[dict] = None
+
+    _HOST_FIELDS = ("positions", "slot_mapping", "block_tables", "context_lens", "query_start",
+                    "logits_indices")
 
     @property
     def num_rows(self) -> int:
         return self.context_lens.shape[0]
+
+    def host_tensor(self, name: str) -> torch.Tensor:
+        """Index tensor `name` on the CPU: the caller's host copy when it gave one (no
+        wait for the device), else a copy of the field."""
+        if name not in self._HOST_FIELDS:
+            raise ValueError(f"PagedBatch.host_tensor: name must be one of {self._HOST_FIELDS}, "
+                             f"got {name!r}")
+        if self.host is not None and name in self.host:
+            return self.host[name]
+        return getattr(self, name).cpu()
 
 
 @runtime_checkable

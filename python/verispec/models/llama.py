@@ -276,12 +276,12 @@ class _AttentionPlan:
 
     def __init__(self, batch: PagedBatch, num_tokens: int, device: torch.device, *,
                  dtype: torch.dtype = torch.float32, group: int = 1):
-        starts = batch.query_start.tolist()
+        starts = batch.host_tensor("query_start").tolist()
         if starts[0] != 0 or starts[-1] != num_tokens or any(
                 a > b for a, b in zip(starts, starts[1:])):
             raise ValueError(f"LlamaModel.forward: query_start must rise from 0 to T = "
                              f"{num_tokens}, got {starts}")
-        self.ctx_lens = batch.context_lens.tolist()
+        self.ctx_lens = batch.host_tensor("context_lens").tolist()
         self.starts = starts
         self.num_rows = b = len(self.ctx_lens)
         q_lens = [starts[i + 1] - starts[i] for i in range(b)]
@@ -332,7 +332,7 @@ class _AttentionPlan:
                   bs: int, device: torch.device, dtype: torch.dtype, group: int) -> None:
         n, ctx = self.starts[1], self.ctx_lens[0]
         self.n = n
-        table = batch.block_tables[0, :-(-ctx // bs)].tolist()
+        table = batch.host_tensor("block_tables")[0, :-(-ctx // bs)].tolist()
         # Keys: a slice of the pool when the row's blocks are consecutive (the allocator
         # hands a lone sequence blocks 0, 1, 2, ...), else one index_select per layer.
         self.key_start: Optional[int] = None
@@ -452,7 +452,7 @@ class LlamaModel:
         if max(plan.ctx_lens) > g.max_context:
             raise ValueError(f"LlamaModel.forward: context_lens must be <= max_context = "
                              f"{g.max_context}, got {max(plan.ctx_lens)}")
-        write = _KVWrite(batch.slot_mapping, device)
+        write = _KVWrite(batch.host_tensor("slot_mapping"), device)
         norm = self._norm_fn()
         cos = self._cos[positions][:, None, :]                                # [T, 1, hd]
         sin = self._sin[positions][:, None, :]
