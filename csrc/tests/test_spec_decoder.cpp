@@ -273,10 +273,12 @@ struct Outputs {
 // passes the n-gram proposals back as draft_tokens too (the API allows it).
 Outputs run_models(const SpecDecoder& dec, World& w, const StepPlan& plan, bool ngram_drafts = false) {
   const int64_t B = plan.batch, K = plan.k;
+  Outputs o;
+  CHECK(B > 0 && !plan.passes.empty());
+  if (B == 0 || plan.passes.empty()) return o;
   std::vector<Tokens> seen(static_cast<size_t>(B));  // committed ++ proposals so far
   for (int64_t b = 0; b < B; ++b) seen[static_cast<size_t>(b)] = dec.committed(plan.seqs[static_cast<size_t>(b)]);
   Tokens drafts = read<int32_t>(plan, plan.draft_tokens, B * K);
-  Outputs o;
   const size_t nd = plan.passes.size() - 1;
   Tokens previous;
   for (size_t j = 0; j < nd; ++j) {
@@ -777,6 +779,547 @@ void test_greedy(const char* name, const DecoderConfig& c) {
   CHECK(dec.times().steps == steps);
 }
 
+
+// ---- commit's checks: every bad output fails, changes nothing -------------------------
+
+struct Bad {
+  const char* what;     // the message must contain this
+  Outputs out;
+};
+
+// Every corruption of good outputs that applies to this plan.
+std::vector<Bad> corruptions(const StepPlan& plan, const Outputs& good, bool ngram) {
+  const int64_t B = plan.batch, K = plan.k;
+  std::vector<Bad> v;
+  if (B == 0) return v;
+  auto add = [&](const char* what, const std::function<void(Outputs&)>& f) {
+    Bad b{what, good};
+    f(b.out);
+    v.push_back(std::move(b));
+  };
+  // a row with drafts, and one that accepted at least one
+  int64_t rk = -1, ra = -1;
+  for (int64_t b = 0; b < B; ++b) {
+    if (plan.row_k[static_cast<size_t>(b)] > 0 && rk < 0) rk = b;
+    if (good.accepted[static_cast<size_t>(b)] > 0 && ra < 0) ra = b;
+  }
+  const int64_t last = B - 1;
+  const size_t at = static_cast<size_t>(last * (K + 1) + good.accepted[static_cast<size_t>(last)]);
+  add("tokens must hold", [](Outputs& o) { o.tokens.clear(); });  // null pointer
+  add("tokens must hold", [](Outputs& o) { o.tokens.pop_back(); });
+  add("tokens must hold", [](Outputs& o) { o.tokens.push_back(0); });
+  add("num_emitted must hold", [](Outputs& o) { o.emitted.clear(); });
+  add("num_emitted must hold", [](Outputs& o) { o.emitted.pop_back(); });
+  add("num_accepted must hold", [](Outputs& o) { o.accepted.clear(); });
+  add("num_accepted must hold", [](Outputs& o) { o.accepted.push_back(0); });
+  add("must be in [0, 13), got 13", [&](Outputs& o) { o.tokens[at] = kV; });
+  add("must be in [0, 13), got -1", [&](Outputs& o) { o.tokens[at] = -1; });
+  add("must be in [0, 13), got 2147483647", [&](Outputs& o) { o.tokens[at] = std::numeric_limits<int32_t>::max(); });
+  add("num_accepted[", [&](Outputs& o) {  // k_row + 1, with a consistent num_emitted
+    o.accepted[static_cast<size_t>(last)] = plan.row_k[static_cast<size_t>(last)] + 1;
+    o.emitted[static_cast<size_t>(last)] = plan.row_k[static_cast<size_t>(last)] + 2;
+  });
+  add("num_accepted[", [&](Outputs& o) {
+    o.accepted[static_cast<size_t>(last)] = -1;
+    o.emitted[static_cast<size_t>(last)] = 0;
+  });
+  add("num_emitted[", [&](Outputs& o) { o.emitted[static_cast<size_t>(last)] += 1; });
+  add("num_emitted[", [&](Outputs& o) { o.emitted[static_cast<size_t>(last)] -= 1; });
+  if (ra >= 0) {
+    add("is accepted, so it must equal the draft", [&](Outputs& o) {
+      int32_t& t = o.tokens[static_cast<size_t>(ra * (K + 1))];
+      t = (t + 1) % kV;
+    });
+  }
+  if (plan.draft_model) {
+    add("draft_tokens must hold", [](Outputs& o) { o.pass_drafts = false; });
+    add("draft_tokens must hold", [](Outputs& o) { o.drafts.pop_back(); });
+    add("draft_tokens[", [&](Outputs& o) { o.drafts[static_cast<size_t>(rk * K)] = kV; });
+    add("draft_tokens[", [&](Outputs& o) { o.drafts[static_cast<size_t>(rk * K)] = -5; });
+  }
+  if (ngram && K > 0) {
+    add("must be the n-gram proposal", [&](Outputs& o) {
+      o.pass_drafts = true;
+      int32_t& d = o.drafts[static_cast<size_t>(rk * K + plan.row_k[static_cast<size_t>(rk)] - 1)];
+      d = (d + 1) % kV;
+    });
+    add("draft_tokens must hold", [](Outputs& o) {
+      o.pass_drafts = true;
+      o.drafts.push_back(0);
+    });
+  }
+  const size_t nd = plan.passes.size() - 1;
+  add("times must hold", [&](Outputs& o) {
+    o.times.draft_forward.assign(nd + 1, 0.001);
+    o.times.draft_sample.assign(nd + 1, 0.001);
+  });
+  add("times must hold", [&](Outputs& o) {  // no draft_forward, but draft_sample times
+    o.times.draft_forward.clear();
+    o.times.draft_sample.assign(nd + 1, 0.001);
+  });
+  if (nd > 0) {
+    add("times must hold", [](Outputs& o) { o.times.draft_sample.pop_back(); });
+    add("times must hold", [](Outputs& o) { o.times.draft_forward.pop_back(); });
+  }
+  if (nd > 1) {
+    add("times must hold", [](Outputs& o) { o.times.draft_forward.pop_back(); o.times.draft_sample.pop_back(); });
+  }
+  return v;
+}
+
+// Two decoders with the same sequences: at every step the disturbed one first gets
+// every kind of bad output (each must fail and change nothing; the failed step is over),
+// then good ones; after each step both must agree exactly.
+void test_commit_failures(const char* name, const DecoderConfig& c) {
+  SpecDecoder dec(c), twin(c);
+  World w(c), tw(c);
+  std::vector<int64_t> ids;
+  for (const auto& [prompt, stop] : workload()) {
+    ids.push_back(dec.add(prompt, greedy(), stop));
+    twin.add(prompt, greedy(), stop);
+  }
+  const bool ngram = c.ngram_min_n > 0;
+  std::map<std::string, int> tried;
+  int steps = 0;
+  while (twin.has_running() && dec.has_running() && ++steps < 500) {
+    const Snap before = snapshot(dec, ids);
+    CHECK(same(before, snapshot(twin, ids), false));
+    const StepPlan first = dec.begin_step();
+    const Outputs good = run_models(dec, w, first);
+    dec.cancel_step(first.step_id);
+    CHECK(same(snapshot(dec, ids), before, true));
+    for (const Bad& bad : corruptions(first, good, ngram)) {
+      const StepPlan plan = dec.begin_step();
+      CHECK(plan.seqs == first.seqs && plan.row_k == first.row_k && plan.offset == first.offset);
+      run_models(dec, w, plan);  // the caller ran its models (they wrote the caches)
+      const VerifyOutputs out = bad.out.view();
+      const std::string msg = error_of<InvalidArgumentError>([&] { dec.commit(plan.step_id, out, bad.out.times); });
+      const bool ok = has(msg, "commit: ") && has(msg, bad.what);
+      CHECK(ok);
+      if (!ok) std::fprintf(stderr, "  %s: wanted \"%s\", got \"%s\"\n", name, bad.what, msg.c_str());
+      if (msg == "<none>") return;  // committed: the two runs cannot be compared any more
+      CHECK(same(snapshot(dec, ids), before, true));
+      CHECK(!dec.step_open());
+      // the step is over: its id is stale now
+      CHECK(error_of<StepInProgressError>([&] { dec.commit(plan.step_id, good.view(), good.times); }) != "<none>");
+      CHECK(same(snapshot(dec, ids), before, true));
+      ++tried[bad.what];
+    }
+    const StepPlan plan = dec.begin_step();
+    const Outputs o = run_models(dec, w, plan, /*ngram_drafts=*/true);
+    const auto res = dec.commit(plan.step_id, o.view(), o.times);
+    const StepPlan tplan = twin.begin_step();
+    CHECK(tplan.seqs == plan.seqs && tplan.row_k == plan.row_k && tplan.offset == plan.offset);
+    const Outputs to = run_models(twin, tw, tplan);
+    const auto tres = twin.commit(tplan.step_id, to.view(), to.times);
+    CHECK(res.size() == tres.size());
+    for (size_t i = 0; i < res.size() && i < tres.size(); ++i) {
+      CHECK(res[i].seq == tres[i].seq && res[i].new_tokens == tres[i].new_tokens && res[i].finish == tres[i].finish);
+    }
+    CHECK(same(snapshot(dec, ids), snapshot(twin, ids), false));
+    const auto cm = dec.cost_model(), tcm = twin.cost_model();
+    CHECK(cm.has_draft() == tcm.has_draft() && cm.target_passes() == tcm.target_passes());
+  }
+  CHECK(!dec.has_running());
+  for (int64_t id : ids) {
+    const Ref ref = greedy_reference(dec.committed(id).size() ? workload()[static_cast<size_t>(id)].first : Tokens{},
+                                     workload()[static_cast<size_t>(id)].second, c.max_context);
+    CHECK(dec.generated(id) == ref.gen && dec.finish_reason(id) == ref.reason);
+  }
+  CHECK(dec.num_free_blocks(ModelRole::kTarget) == c.target_num_blocks);
+  // every kind was tried
+  CHECK(tried["tokens must hold"] > 0 && tried["num_emitted must hold"] > 0 && tried["num_accepted must hold"] > 0);
+  CHECK(tried["num_accepted["] > 0 && tried["num_emitted["] > 0 && tried["times must hold"] > 0);
+  CHECK(tried["must be in [0, 13), got 13"] > 0 && tried["must be in [0, 13), got -1"] > 0);
+  if (c.k > 0) CHECK(tried["is accepted, so it must equal the draft"] > 0);
+  if (c.has_draft_model) CHECK(tried["draft_tokens must hold"] > 0 && tried["draft_tokens["] > 0);
+  if (ngram) CHECK(tried["must be the n-gram proposal"] > 0 && tried["draft_tokens must hold"] > 0);
+}
+
+// ---- step ids, cancel, begin twice, nothing to run ----------------------------------
+
+void test_step_ids_and_cancel() {
+  const DecoderConfig c = base_config();
+  SpecDecoder dec(c);
+  World w(c);
+  // nothing running: batch 0, no step opened, nothing to commit
+  StepPlan none = dec.begin_step();
+  CHECK(none.batch == 0 && none.seqs.empty() && !dec.step_open());
+  CHECK(has(error_of<StepInProgressError>([&] { dec.commit(none.step_id, VerifyOutputs{}, StepTimes{}); }), "none"));
+  dec.cancel_step(none.step_id);  // no-op
+  std::vector<int64_t> ids = {dec.add({1, 2, 3}, greedy(), stop_after(12)), dec.add({4}, greedy(), stop_after(9))};
+  // one step first, so the caches hold something to restore to
+  std::vector<int64_t> order = ids;
+  std::map<int64_t, Tracker> tr;
+  tr[ids[0]].prompt = {1, 2, 3};
+  tr[ids[0]].stop = stop_after(12);
+  tr[ids[1]].prompt = {4};
+  tr[ids[1]].stop = stop_after(9);
+  CHECK(checked_step(dec, w, order, tr));
+  const Snap before = snapshot(dec, ids);
+  StepPlan p = dec.begin_step();
+  CHECK(p.batch == 2 && dec.step_open());
+  // begin twice: refused, the open step untouched
+  CHECK(has(error_of<StepInProgressError>([&] { dec.begin_step(); }), "still open"));
+  CHECK(dec.step_open());
+  CHECK(has(error_of<StepInProgressError>([&] { dec.reseed(3); }), "step is open"));
+  Outputs o = run_models(dec, w, p);
+  // a stale id: refused, the open step untouched; cancel of a stale id: a no-op
+  CHECK(has(error_of<StepInProgressError>([&] { dec.commit(p.step_id + 1, o.view(), o.times); }), "not the open step"));
+  CHECK(has(error_of<StepInProgressError>([&] { dec.commit(p.step_id - 1, o.view(), o.times); }), "not the open step"));
+  dec.cancel_step(p.step_id - 1);
+  CHECK(dec.step_open());
+  dec.cancel_step(p.step_id);
+  CHECK(!dec.step_open());
+  CHECK(same(snapshot(dec, ids), before, true));
+  dec.cancel_step(p.step_id);  // twice: a no-op
+  CHECK(same(snapshot(dec, ids), before, true));
+  CHECK(has(error_of<StepInProgressError>([&] { dec.commit(p.step_id, o.view(), o.times); }), "none"));
+  CHECK(same(snapshot(dec, ids), before, true));
+  // the step after a cancel is the same step, with a new id; it runs as usual
+  const StepPlan q = dec.begin_step();
+  CHECK(q.step_id > p.step_id && q.seqs == p.seqs && q.row_k == p.row_k && q.offset == p.offset);
+  dec.cancel_step(q.step_id);
+  // a caller that does not time at all: empty StepTimes are accepted (only phase totals miss it)
+  {
+    const StepPlan r = dec.begin_step();
+    const Outputs ro = run_models(dec, w, r);
+    CHECK(error_of<InvalidArgumentError>([&] { dec.commit(r.step_id, ro.view(), StepTimes{}); }) == "<none>");
+    CHECK(!dec.step_open() && dec.times().steps == before.steps + 1);
+    for (size_t b = 0; b < r.seqs.size(); ++b) {
+      const int64_t id = r.seqs[b];
+      tr[id].steps += 1;
+      if (dec.finish_reason(id) != FinishReason::kNone) order.erase(std::find(order.begin(), order.end(), id));
+    }
+  }
+  while (checked_step(dec, w, order, tr)) {
+  }
+  for (int64_t id : ids) {
+    const Ref ref = greedy_reference(tr[id].prompt, tr[id].stop, c.max_context);
+    CHECK(dec.generated(id) == ref.gen);
+  }
+  // reseed between steps: offset 0
+  dec.reseed(11);
+  CHECK(dec.offset() == 0 && dec.config().seed == 11);
+}
+
+// ---- CacheFullError inside begin_step ---------------------------------------------
+
+void test_cache_full() {
+  for (int which = 0; which < 3; ++which) {
+    DecoderConfig c = which == 2 ? ngram_config() : base_config();
+    if (which == 0) c.target_num_blocks = 6;  // the verify pass runs out
+    if (which == 1) c.draft_num_blocks = 6;   // a draft pass runs out
+    if (which == 2) c.target_num_blocks = 6;
+    SpecDecoder dec(c);
+    World w(c);
+    std::vector<int64_t> order, ids;
+    std::map<int64_t, Tracker> tr;
+    const std::vector<Tokens> prompts = {{0, 1, 6, 5}, {3, 3, 3}, {5, 0, 1, 6, 5, 0}};
+    for (const Tokens& pr : prompts) {
+      const int64_t id = dec.add(pr, greedy(), stop_after(30));
+      ids.push_back(id);
+      order.push_back(id);
+      tr[id].prompt = pr;
+      tr[id].stop = stop_after(30);
+    }
+    // run until the pool is full, checking each failed begin changes nothing
+    int fulls = 0;
+    for (int step = 0; step < 200 && !order.empty(); ++step) {
+      const Snap before = snapshot(dec, ids);
+      const uint64_t offset = dec.offset();
+      const std::string msg = error_of<CacheFullError>([&] {
+        StepPlan p = dec.begin_step();
+        dec.cancel_step(p.step_id);
+      });
+      if (msg != "<none>") {
+        ++fulls;
+        CHECK(has(msg, "free blocks"));
+        CHECK(same(snapshot(dec, ids), before, true));
+        CHECK(!dec.step_open() && dec.offset() == offset);
+        // free room: abort the last running sequence, then go on
+        const int64_t victim = order.back();
+        dec.abort(victim);
+        CHECK(dec.finish_reason(victim) == FinishReason::kAborted && dec.cache_len(victim, ModelRole::kTarget) == 0);
+        order.pop_back();
+        tr[victim].finished = true;
+        continue;
+      }
+      checked_step(dec, w, order, tr);
+    }
+    CHECK(fulls >= 1);
+    CHECK(order.empty());
+    for (int64_t id : ids) {
+      if (dec.finish_reason(id) == FinishReason::kAborted) continue;
+      const Ref ref = greedy_reference(tr[id].prompt, tr[id].stop, c.max_context);
+      CHECK(dec.generated(id) == ref.gen);
+    }
+    CHECK(dec.num_free_blocks(ModelRole::kTarget) == c.target_num_blocks);
+    if (c.has_draft_model) CHECK(dec.num_free_blocks(ModelRole::kDraft) == c.draft_num_blocks);
+  }
+}
+
+// ---- abort / release / add around an open step ------------------------------------
+
+void test_queued_calls() {
+  for (int end = 0; end < 2; ++end) {  // the step ends by commit, or by cancel
+    const DecoderConfig c = base_config();
+    SpecDecoder dec(c);
+    World w(c);
+    const int64_t a = dec.add({1, 2}, greedy(), stop_after(20));
+    const int64_t b = dec.add({3, 4}, greedy(), stop_after(20));
+    const int64_t d = dec.add({5, 6}, greedy(), stop_after(20));
+    const StepPlan p = dec.begin_step();
+    const Outputs o = run_models(dec, w, p);
+    const Tokens b_before = dec.committed(b);
+    dec.abort(b);    // queued
+    dec.release(d);  // queued
+    dec.release(d);  // queued once
+    CHECK(dec.finish_reason(b) == FinishReason::kNone && dec.finish_reason(d) == FinishReason::kNone);
+    CHECK(dec.num_running() == 3 && dec.num_sequences() == 3);
+    CHECK(dec.cache_len(b, ModelRole::kTarget) > 0);
+    // add during the step: not a row of it; a new id
+    const int64_t e = dec.add({7}, greedy(), stop_after(20));
+    CHECK(e == 3 && dec.num_running() == 4 && dec.cache_len(e, ModelRole::kTarget) == 0);
+    // release of an added-now sequence is immediate (not in the step)
+    const int64_t f = dec.add({8}, greedy(), stop_after(20));
+    dec.release(f);
+    CHECK(has(error_of<UnknownSequenceError>([&] { dec.finish_reason(f); }), "unknown sequence id 4"));
+    if (end == 0) {
+      const auto res = dec.commit(p.step_id, o.view(), o.times);
+      CHECK(res.size() == 2);  // d's row is gone
+      CHECK(res.size() == 2 && res[0].seq == a && res[1].seq == b);
+      CHECK(res.size() == 2 && res[0].finish == FinishReason::kNone && res[1].finish == FinishReason::kAborted);
+      CHECK(res.size() == 2 && dec.committed(b).size() == b_before.size() + res[1].new_tokens.size());
+    } else {
+      dec.cancel_step(p.step_id);
+      CHECK(dec.committed(b) == b_before);
+    }
+    CHECK(dec.finish_reason(b) == FinishReason::kAborted);
+    CHECK(dec.cache_len(b, ModelRole::kTarget) == 0 && dec.cache_len(b, ModelRole::kDraft) == 0);
+    CHECK(dec.block_table(b, ModelRole::kTarget).empty());
+    CHECK(has(error_of<UnknownSequenceError>([&] { dec.committed(d); }), "unknown"));
+    CHECK(dec.num_sequences() == 3 && dec.num_running() == 2);
+    // the blocks held are exactly a's
+    CHECK(dec.num_free_blocks(ModelRole::kTarget) ==
+          c.target_num_blocks - static_cast<int64_t>(dec.block_table(a, ModelRole::kTarget).size()));
+    CHECK(dec.num_free_blocks(ModelRole::kDraft) ==
+          c.draft_num_blocks - static_cast<int64_t>(dec.block_table(a, ModelRole::kDraft).size()));
+    // the next step: a, then the one added during the step
+    const StepPlan q = dec.begin_step();
+    CHECK(q.seqs == std::vector<int64_t>({a, e}));
+    dec.cancel_step(q.step_id);
+    // unknown ids
+    CHECK(has(error_of<UnknownSequenceError>([&] { dec.release(d); }), "unknown sequence id 2"));
+    CHECK(has(error_of<UnknownSequenceError>([&] { dec.release(99); }), "unknown sequence id 99"));
+    CHECK(has(error_of<UnknownSequenceError>([&] { dec.release(-1); }), "unknown sequence id -1"));
+    CHECK(has(error_of<UnknownSequenceError>([&] { dec.abort(99); }), "unknown sequence id 99"));
+    // abort of a finished sequence: no change; release of a finished one frees its id
+    dec.abort(b);
+    CHECK(dec.finish_reason(b) == FinishReason::kAborted);
+    dec.release(b);
+    CHECK(dec.num_sequences() == 2);
+    // ids are reused, and the running list keeps add order, not id order
+    const int64_t g = dec.add({9}, greedy(), stop_after(5));
+    const int64_t h = dec.add({10}, greedy(), stop_after(5));
+    CHECK((std::vector<int64_t>{g, h} == std::vector<int64_t>{b, d} ||
+           std::vector<int64_t>{g, h} == std::vector<int64_t>{d, b}));
+    const StepPlan r = dec.begin_step();
+    CHECK(r.seqs == std::vector<int64_t>({a, e, g, h}));
+    dec.cancel_step(r.step_id);
+    for (int64_t id : {a, e, g, h}) dec.release(id);
+    CHECK(dec.num_sequences() == 0 && dec.num_running() == 0);
+    CHECK(dec.num_free_blocks(ModelRole::kTarget) == c.target_num_blocks);
+    CHECK(dec.num_free_blocks(ModelRole::kDraft) == c.draft_num_blocks);
+  }
+}
+
+void test_add_release_cycles() {
+  const DecoderConfig c = base_config();
+  SpecDecoder dec(c);
+  std::vector<int64_t> live;
+  int64_t max_id = -1;
+  bool counts_ok = true;
+  for (int i = 0; i < 100000; ++i) {
+    live.push_back(dec.add({static_cast<int32_t>(i % kV)}, greedy(), stop_after(3)));
+    max_id = std::max(max_id, live.back());
+    if (live.size() > 3) {
+      dec.release(live[static_cast<size_t>(i % 4)]);
+      live.erase(live.begin() + i % 4);
+    }
+    counts_ok = counts_ok && dec.num_sequences() == static_cast<int64_t>(live.size()) &&
+                dec.num_running() == static_cast<int64_t>(live.size());
+  }
+  CHECK(counts_ok);
+  CHECK(max_id == 3);  // ids are reused
+  for (int64_t id : live) dec.release(id);
+  CHECK(dec.num_sequences() == 0);
+}
+
+// ---- threads ----------------------------------------------------------------------
+
+void test_threads() {
+  DecoderConfig c = base_config();
+  c.target_num_blocks = 512;
+  c.draft_num_blocks = 512;
+  c.max_context = 40;
+  SpecDecoder dec(c);
+  World w(c);
+  // untouched sequences: the other thread never names them
+  std::vector<std::pair<int64_t, std::pair<Tokens, StopParams>>> mine;
+  for (const auto& spec : workload()) mine.push_back({dec.add(spec.first, greedy(), spec.second), spec});
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> worker_errors{0}, worker_ops{0};
+  std::thread worker([&] {
+    std::mt19937 rng(1234);
+    std::vector<int64_t> own;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 20000; ++i) {
+      if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(20)) break;
+      try {
+        const uint32_t op = rng() % 8;
+        if (own.size() < 8 && (op < 3 || own.empty())) {
+          Tokens pr(1 + rng() % 6);
+          for (int32_t& t : pr) t = static_cast<int32_t>(rng() % kV);
+          own.push_back(dec.add(pr, greedy(), stop_after(1 + rng() % 12)));
+        } else if (op < 5) {
+          dec.abort(own[rng() % own.size()]);
+        } else {
+          const size_t at = rng() % own.size();
+          dec.release(own[at]);
+          own.erase(own.begin() + static_cast<std::ptrdiff_t>(at));
+        }
+        ++worker_ops;
+      } catch (...) {
+        ++worker_errors;
+      }
+      if (i % 64 == 0) std::this_thread::yield();
+    }
+    for (int64_t id : own) {
+      try {
+        dec.release(id);
+      } catch (...) {
+        ++worker_errors;
+      }
+    }
+    done = true;
+  });
+  int64_t steps = 0, step_errors = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  while ((!done || dec.has_running()) && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(40)) {
+    try {
+      const StepPlan p = dec.begin_step();
+      if (p.batch == 0) {
+        std::this_thread::yield();
+        continue;
+      }
+      const Outputs o = run_models(dec, w, p);
+      dec.commit(p.step_id, o.view(), o.times);
+      ++steps;
+    } catch (...) {
+      ++step_errors;
+    }
+  }
+  worker.join();
+  while (dec.has_running()) {  // if the time ran out first
+    const StepPlan p = dec.begin_step();
+    const Outputs o = run_models(dec, w, p);
+    dec.commit(p.step_id, o.view(), o.times);
+  }
+  CHECK(worker_errors == 0 && step_errors == 0);
+  CHECK(worker_ops > 0 && steps > 0);
+  for (const auto& [id, spec] : mine) {
+    const Ref ref = greedy_reference(spec.first, spec.second, c.max_context);
+    CHECK(dec.generated(id) == ref.gen && dec.finish_reason(id) == ref.reason);
+    dec.release(id);
+  }
+  CHECK(dec.num_sequences() == 0 && dec.num_running() == 0 && !dec.step_open());
+  CHECK(dec.num_free_blocks(ModelRole::kTarget) == c.target_num_blocks);
+  CHECK(dec.num_free_blocks(ModelRole::kDraft) == c.draft_num_blocks);
+}
+
+// ---- bounds -----------------------------------------------------------------------
+
+void test_bounds() {
+  auto config_error = [](const std::function<void(DecoderConfig&)>& f) {
+    DecoderConfig c = base_config();
+    f(c);
+    return error_of<InvalidArgumentError>([&] { SpecDecoder d(c); });
+  };
+  CHECK(has(config_error([](DecoderConfig& c) { c.k = -1; }), "k must be in [0, 64], got -1"));
+  CHECK(has(config_error([](DecoderConfig& c) { c.k = verispec::kMaxK + 1; }), "got 65"));
+  CHECK(config_error([](DecoderConfig& c) { c.k = verispec::kMaxK; }) == "<none>");
+  CHECK(config_error([](DecoderConfig& c) { c.k = 0; }) == "<none>");
+  CHECK(has(config_error([](DecoderConfig& c) { c.vocab_size = 0; }), "vocab_size"));
+  CHECK(has(config_error([](DecoderConfig& c) { c.vocab_size = -3; }), "vocab_size"));
+  CHECK(has(config_error([](DecoderConfig& c) { c.vocab_size = int64_t{1} << 31; }), "vocab_size"));
+  CHECK(config_error([](DecoderConfig& c) { c.vocab_size = (int64_t{1} << 31) - 1; }) == "<none>");
+  CHECK(has(config_error([](DecoderConfig& c) { c.max_context = 0; }), "max_context"));
+  CHECK(has(config_error([](DecoderConfig& c) { c.ngram_min_n = 1; c.ngram_max_n = 2; }), "one draft source"));
+  CHECK(has(config_error([](DecoderConfig& c) { c.has_draft_model = false; }), "needs a draft"));
+
+  const DecoderConfig c = base_config();
+  SpecDecoder dec(c);
+  auto add_error = [&](Tokens prompt, SamplingParams sp, StopParams st) {
+    return error_of<InvalidArgumentError>([&] { dec.add(prompt, sp, st); });
+  };
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  auto sp = [](float t, int32_t k, float p, float m) {
+    SamplingParams s;
+    s.temperature = t;
+    s.top_k = k;
+    s.top_p = p;
+    s.min_p = m;
+    return s;
+  };
+  const StopParams ok = stop_after(4);
+  CHECK(has(add_error({1}, sp(inf, 0, 1, 0), ok), "temperature"));
+  CHECK(has(add_error({1}, sp(nan, 0, 1, 0), ok), "temperature"));
+  CHECK(has(add_error({1}, sp(-1, 0, 1, 0), ok), "temperature"));
+  CHECK(has(add_error({1}, sp(1, 0, 0, 0), ok), "top_p"));
+  CHECK(has(add_error({1}, sp(1, 0, 1.5f, 0), ok), "top_p"));
+  CHECK(has(add_error({1}, sp(1, 0, 1, 2), ok), "min_p"));
+  CHECK(has(add_error({1}, sp(1, -1, 1, 0), ok), "top_k"));
+  CHECK(has(add_error({}, greedy(), ok), "prompt"));
+  CHECK(has(add_error({1, kV}, greedy(), ok), "prompt[1]"));
+  CHECK(has(add_error({1, -1}, greedy(), ok), "prompt[1]"));
+  CHECK(has(add_error(Tokens(static_cast<size_t>(c.max_context), 1), greedy(), ok), "prompt length"));
+  CHECK(has(add_error({1}, greedy(), stop_after(0)), "max_new_tokens"));
+  CHECK(has(add_error({1}, greedy(), stop_after(-2)), "max_new_tokens"));
+  CHECK(has(add_error({1}, greedy(), stop_after(4, {3, -1})), "eos_token_id[1]"));
+  CHECK(has(add_error({1}, greedy(), stop_after(4, {}, {{2}, {}})), "stop[1]"));
+  // nothing was added; valid limits pass
+  CHECK(dec.num_sequences() == 0 && dec.num_running() == 0);
+  CHECK(dec.add(Tokens(static_cast<size_t>(c.max_context - 1), kV - 1), sp(0, 0, 1, 1), stop_after(1, {kV + 5})) == 0);
+  CHECK(dec.num_sequences() == 1);
+}
+
+// The per-row sampling policy in the plan.
+void test_policy_layout() {
+  const DecoderConfig c = base_config();
+  SpecDecoder dec(c);
+  SamplingParams s1;
+  s1.temperature = 0.7f;
+  s1.top_k = 5;
+  s1.top_p = 0.9f;
+  s1.min_p = 0.1f;
+  dec.add({1}, greedy(), stop_after(4));
+  dec.add({2}, s1, stop_after(4));
+  StepPlan p = dec.begin_step();
+  CHECK(!p.policy.uniform);
+  CHECK(read<float>(p, p.policy.temperature_rows, 2) == std::vector<float>({0.0f, 0.7f}));
+  CHECK(read<int32_t>(p, p.policy.top_k_rows, 2) == std::vector<int32_t>({0, 5}));
+  CHECK(read<float>(p, p.policy.top_p_rows, 2) == std::vector<float>({1.0f, 0.9f}));
+  CHECK(read<float>(p, p.policy.min_p_rows, 2) == std::vector<float>({0.0f, 0.1f}));
+  dec.cancel_step(p.step_id);
+  dec.release(0);
+  p = dec.begin_step();
+  CHECK(p.policy.uniform && p.policy.temperature == 0.7f && p.policy.top_k == 5 && p.policy.top_p == 0.9f &&
+        p.policy.min_p == 0.1f);
+  CHECK(read<float>(p, p.policy.temperature_rows, 1) == std::vector<float>({0.7f}));
+  dec.cancel_step(p.step_id);
+}
+
 }  // namespace
 
 int main() {
@@ -795,5 +1338,22 @@ int main() {
     test_greedy("draft model adaptive", c);
   }
   test_greedy("plain", plain_config());
+  test_commit_failures("draft model", base_config());
+  test_commit_failures("ngram", ngram_config());
+  test_commit_failures("ngram adaptive", ngram_config(true));
+  test_commit_failures("shared cache", shared_config());
+  {
+    DecoderConfig c = base_config();
+    c.adaptive_k = true;
+    test_commit_failures("draft model adaptive", c);
+  }
+  test_commit_failures("plain", plain_config());
+  test_step_ids_and_cancel();
+  test_cache_full();
+  test_queued_calls();
+  test_add_release_cycles();
+  test_bounds();
+  test_policy_layout();
+  test_threads();
   return native_check::check_summary("test_spec_decoder");
 }
