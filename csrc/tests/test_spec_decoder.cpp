@@ -1328,29 +1328,40 @@ void test_policy_layout() {
   dec.cancel_step(p.step_id);
 }
 
+// Runs one test; an exception it did not expect is a failed check, not an abort.
+void guarded(const char* name, const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    ++native_check::checks;
+    ++native_check::failures;
+    std::fprintf(stderr, "%s: unexpected exception: %s\n", name, e.what());
+  }
+}
+
 }  // namespace
 
 int main() {
-  test_greedy("draft model", base_config());
-  {
+  guarded("greedy draft model", [] { test_greedy("draft model", base_config()); });
+  guarded("greedy short draft context", [] {
     DecoderConfig c = base_config();
     c.draft_max_context = 30;  // rows past it stop drafting
     test_greedy("short draft context", c);
-  }
-  test_greedy("ngram", ngram_config());
-  test_greedy("ngram adaptive", ngram_config(true));
-  test_greedy("shared cache", shared_config());
-  {
+  });
+  guarded("greedy ngram", [] { test_greedy("ngram", ngram_config()); });
+  guarded("greedy ngram adaptive", [] { test_greedy("ngram adaptive", ngram_config(true)); });
+  guarded("greedy shared cache", [] { test_greedy("shared cache", shared_config()); });
+  guarded("greedy draft model adaptive", [] {
     DecoderConfig c = base_config();
     c.adaptive_k = true;
     test_greedy("draft model adaptive", c);
-  }
-  test_greedy("plain", plain_config());
-  test_commit_failures("draft model", base_config());
-  test_commit_failures("ngram", ngram_config());
-  test_commit_failures("ngram adaptive", ngram_config(true));
-  test_commit_failures("shared cache", shared_config());
-  {
+  });
+  guarded("greedy plain", [] { test_greedy("plain", plain_config()); });
+  guarded("commit failures draft model", [] { test_commit_failures("draft model", base_config()); });
+  guarded("commit failures ngram", [] { test_commit_failures("ngram", ngram_config()); });
+  guarded("commit failures ngram adaptive", [] { test_commit_failures("ngram adaptive", ngram_config(true)); });
+  guarded("commit failures shared cache", [] { test_commit_failures("shared cache", shared_config()); });
+  guarded("commit failures draft model adaptive", [] {
     DecoderConfig c = base_config();
     c.adaptive_k = true;
     test_commit_failures("draft model adaptive", c);
@@ -1358,14 +1369,14 @@ int main() {
     g_draft_pass_s = 0.01;
     test_commit_failures("draft model adaptive, dear draft", c);
     g_draft_pass_s = 0.001;
-  }
-  test_commit_failures("plain", plain_config());
-  test_step_ids_and_cancel();
-  test_cache_full();
-  test_queued_calls();
-  test_add_release_cycles();
-  test_bounds();
-  test_policy_layout();
-  test_threads();
+  });
+  guarded("commit failures plain", [] { test_commit_failures("plain", plain_config()); });
+  guarded("step ids and cancel", test_step_ids_and_cancel);
+  guarded("cache full", test_cache_full);
+  guarded("queued calls", test_queued_calls);
+  guarded("add/release cycles", test_add_release_cycles);
+  guarded("bounds", test_bounds);
+  guarded("policy layout", test_policy_layout);
+  guarded("threads", test_threads);
   return native_check::check_summary("test_spec_decoder");
 }
