@@ -792,7 +792,8 @@ std::vector<CommitOutput> SpecDecoder::commit(uint64_t step_id, const VerifyOutp
   const size_t draft_passes = st.passes.size() - 1;
   try {
     check_outputs(st, out);
-    if (!times.draft_forward.empty() &&
+    // No draft times at all is allowed (a caller that does not time); any given must match.
+    if ((!times.draft_forward.empty() || !times.draft_sample.empty()) &&
         (times.draft_forward.size() != draft_passes || times.draft_sample.size() != draft_passes)) {
       throw InvalidArgumentError("commit: times must hold one draft_forward and one draft_sample per draft pass (" +
                                  std::to_string(draft_passes) + "), got " +
