@@ -17,6 +17,10 @@ running sequences, not to every sequence ever added).
 
     .venv/bin/python bench/bench_step.py --out bench/out/step.json
     .venv/bin/python bench/bench_step.py --device cuda --out bench/out/gpu/step.json
+
+The same script measures an older build for a before/after comparison: install that
+commit with `pip install --no-deps --target DIR .` from its checkout and run this script
+with `PYTHONPATH=DIR` (the call counts then include its runner's calls as they happen).
 """
 
 from __future__ import annotations
@@ -197,7 +201,8 @@ def lifetime(cycles: int) -> dict:
     return {"cycles": cycles, "has_running_us": [1e6 * has0, 1e6 * has1],
             "has_running_ratio": has1 / has0, "step_us": [1e6 * step0, 1e6 * step1],
             "step_ratio": step1 / step0, "add_release_us": 1e6 * churn / cycles,
-            "records_held": dec._core.num_sequences()}  # 0: every record was reclaimed
+            # 0: every record was reclaimed (None: a build without the count)
+            "records_held": getattr(dec._core, "num_sequences", lambda: None)()}
 
 
 def main(argv=None) -> int:
@@ -236,7 +241,8 @@ def main(argv=None) -> int:
           f"(x{life['has_running_ratio']:.2f}), step {life['step_us'][0]:.0f} -> "
           f"{life['step_us'][1]:.0f} us (x{life['step_ratio']:.2f}), records held "
           f"{life['records_held']}")
-    out = {"model": name, "device": args.device, "dtype": str(dtype), "k": args.k,
+    import verispec
+    out = {"model": name, "device": args.device, "verispec": verispec.__file__, "dtype": str(dtype), "k": args.k,
            "torch": torch.__version__, "python": platform.python_version(),
            "threads": torch.get_num_threads(), "rows": rows, "lifetime": life}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
