@@ -199,3 +199,52 @@ def test_gpu_kernels_waits_for_the_prebuild_verdict(tmp_path):
               "--out", str(out), env=env)
     reason = json.loads(out.read_text())["flashinfer"]["reason"]
     assert "had not written" in reason and "after 1 s" in reason, reason
+
+
+# --- bench_gpu_e2e.py ------------------------------------------------------------------------
+
+
+TIME_KEYS = ("draft_forward_s", "draft_sample_s", "target_forward_s", "verify_s", "bookkeeping_s")
+
+
+def test_gpu_e2e_cpu_quick(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "e2e.json"
+    run_bench("bench_gpu_e2e.py", "--device", "cpu", "--quick", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["complete"] is True and r["device"] == "cpu" and not r["skipped"]
+    assert r["models"]["tiny"]["loaded"] is True, r["models"]
+    rows = {(row["batch"], row["pairing"]): row for row in r["rows"]}
+    assert set(rows) == {(b, p) for b in (1, 2) for p in ("plain", "ngram", "draft")}
+    for (batch, pairing), row in rows.items():
+        ours = row["verispec"]
+        assert "error" not in row and "error" not in ours, row
+        assert positive(ours["tok_s"]) and ours["new_tokens"] == 8 * batch, ours
+        for split in (ours["timings"], ours["attributed"]):
+            assert all(split[k] >= 0 for k in TIME_KEYS) and split["steps"] >= 1, split
+            assert 0 <= split["share_outside_forwards"] <= 1, split
+        # Every native op call is counted (on CUDA each reads back: a sync).
+        assert positive(ours["syncs"]["native_op_calls_per_step"]), ours["syncs"]
+        assert ours["syncs"]["native_op_calls"]["verify"] >= 1, ours["syncs"]
+        if pairing != "plain":
+            assert row["matches_verispec_plain"] is True, row  # exact: spec == plain
+            assert ours["acceptance"] is not None
+        theirs = row["transformers"]
+        if batch == 1 or pairing == "plain":
+            assert positive(theirs["tok_s"]) and positive(row["ratio"]), row
+            assert row["greedy_identical"] is True, row["first_difference"]
+        else:  # transformers' prompt lookup and assisted generation: batch size 1 only
+            assert "batch" in theirs["error"], theirs
+            assert row["ratio"] is None
+    assert r["summary"]["all_speculative_match_plain"] is True
+
+
+def test_gpu_e2e_budget_skips_what_would_start_late(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "e2e.json"
+    run_bench("bench_gpu_e2e.py", "--device", "cpu", "--quick", "--batches", "1",
+              "--pairings", "plain,ngram", "--budget-s", "0", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["complete"] is True and r["rows"] == [] and r["models"]["tiny"]["loaded"] is False
+    assert [(s["pairing"], s["reason"].split(":")[0]) for s in r["skipped"]] == [
+        ("plain", "budget"), ("ngram", "budget")]
