@@ -248,3 +248,13 @@ def test_gpu_e2e_budget_skips_what_would_start_late(tmp_path):
     assert r["complete"] is True and r["rows"] == [] and r["models"]["tiny"]["loaded"] is False
     assert [(s["pairing"], s["reason"].split(":")[0]) for s in r["skipped"]] == [
         ("plain", "budget"), ("ngram", "budget")]
+
+
+# --- bench/ncu_verify.py (what Nsight Compute profiles) -----------------------------------
+
+
+def test_ncu_target_runs_on_cpu():
+    out = run_bench("ncu_verify.py", "--device", "cpu", "--batch", "2", "--k", "3",
+                    "--vocab", "500", "--calls", "2")
+    lines = [line for line in out.splitlines() if line.startswith("verify B=2 K=3 V=500")]
+    assert len(lines) == 4, out  # 2 policies x 2 calls
