@@ -439,6 +439,21 @@ def fi_sample(fi, logits, policy, gen):
 # --- report ---------------------------------------------------------------------------------
 
 
+def add_ratios(row: dict) -> None:
+    """row["time_over_verispec"][impl] = {"eager", "graph"}: the other's time / verispec's
+    (> 1: verispec is faster), where both were measured."""
+    ours = row.get("impls", {}).get("verispec", {})
+    ratios = {}
+    for name, impl in row.get("impls", {}).items():
+        if name == "verispec":
+            continue
+        r = {mode: impl[f"{mode}_us"] / ours[f"{mode}_us"] for mode in ("eager", "graph")
+             if f"{mode}_us" in impl and f"{mode}_us" in ours}
+        if r:
+            ratios[name] = r
+    row["time_over_verispec"] = ratios
+
+
 def fmt(x, spec=".1f"):
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
@@ -564,6 +579,9 @@ def main(argv=None) -> int:
             bench.run_op(op, "B", fi)
     else:
         print(f"FlashInfer not compared: {info['reason']}", flush=True)
+    for op in ops_wanted:
+        for row in result[op]:
+            add_ratios(row)
     result["complete"] = True
     write()
     print_report(result)

@@ -72,6 +72,7 @@ def test_gpu_kernels_cpu_quick(tmp_path):
         for name, impl in row["impls"].items():
             check_timed(impl, (row["policy"], b, v, name))
         assert 0 <= row["mean_accepted"]["verispec"] <= k
+        assert positive(row["time_over_verispec"]["torch_reference"]["eager"]), row
     for op, impls in (("apply_policy", {"verispec", "torch"}), ("sample", {"verispec", "torch"}),
                       ("policy_sample", {"verispec", "torch"})):
         rows = r[op]
@@ -169,6 +170,8 @@ def test_gpu_kernels_flashinfer_phase_against_a_standin(tmp_path):
         for name in ("flashinfer_chain", "flashinfer_pipeline"):
             check_timed(row["impls"][name], (row["policy"], row["B"], row["V"], name))
         assert 0 <= row["mean_accepted"]["flashinfer"] <= row["K"]
+        assert set(row["time_over_verispec"]) == {"torch_reference", "flashinfer_chain",
+                                                  "flashinfer_pipeline"}, row
     for op in ("apply_policy", "sample", "policy_sample"):
         for row in r[op]:
             assert "flashinfer_error" not in row, (op, row)
