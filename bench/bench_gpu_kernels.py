@@ -106,7 +106,10 @@ def flashinfer_prebuild(status: Path) -> int:
 
         info.update(version=getattr(flashinfer, "__version__", None),
                     file=getattr(flashinfer, "__file__", None),
-                    torch_dlpack_c_exchange_api_before_import=native_api)
+                    torch_dlpack_c_exchange_api_before_import=native_api,
+                    # tvm-ffi JIT-builds a torch add-on at import when torch lacks the API
+                    torch_dlpack_c_exchange_api_after_import=hasattr(
+                        torch.Tensor, "__dlpack_c_exchange_api__"))
         info["functions"] = flashinfer_warm_up(flashinfer, torch.device("cuda"))
         info["ok"] = True
     except BaseException as e:  # noqa: BLE001 - the reason is the product
@@ -137,6 +140,10 @@ def load_flashinfer(device: torch.device, status: Path | None, timeout: float,
         if not prebuilt.get("ok"):
             info["reason"] = f"the FlashInfer prebuild failed: {prebuilt.get('error')}"
             return None, info
+        if prebuilt.get("torch_dlpack_c_exchange_api_after_import") is False:
+            # tvm-ffi's torch add-on did not build there: do not spend the time again
+            os.environ.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
+            info["tvm_ffi_torch_addon"] = "failed in the prebuild: disabled"
     if importlib.util.find_spec("flashinfer") is None:
         info["reason"] = ("flashinfer is not installed: no module named 'flashinfer' "
                           "(pip install flashinfer-python; bench/gpu_check.sh installs it from "
