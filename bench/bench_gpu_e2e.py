@@ -405,6 +405,10 @@ def verispec_syncs(target, draft, k, capacity, batch, prompts, eos, device, toke
         calls = sum(counting.calls.values())
         extra.update(native_op_calls=dict(counting.calls),
                      native_op_calls_per_step=calls / steps if steps else None)
+    if found is not None:
+        extra["note"] = ("torch_syncs: the calls torch.cuda.set_sync_debug_mode('warn') flags; "
+                         "native_op_calls: verispec ops, each of which reads its error record "
+                         "back on CUDA (a stream synchronisation torch does not see)")
     return sync_report(found, steps, extra)
 
 
