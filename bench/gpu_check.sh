@@ -311,9 +311,35 @@ else
   fail nvcc "no CUDA compiler (PATH, CUDA_HOME, /usr/local/cuda*): the CUDA kernels cannot be built"
 fi
 
+# FlashInfer's JIT compiles against $CUDA_HOME (else nvcc's parent folder, wrong for a
+# wrapper such as /usr/local/bin/nvcc) and links -lcudart -lcuda from its lib64 and
+# lib64/stubs: point it at a whole toolkit, and at the driver's libcuda if no stub is there.
+if command -v nvcc >/dev/null && [[ -z ${CUDA_HOME:-} ]]; then
+  for dir in "$(dirname "$(dirname "$(command -v nvcc)")")" /usr/local/cuda /usr/local/cuda-*; do
+    if [[ -f $dir/include/cuda_runtime.h && -e $dir/lib64/libcudart.so ]]; then
+      export CUDA_HOME=$dir
+      break
+    fi
+  done
+fi
+log "CUDA_HOME (FlashInfer's JIT): ${CUDA_HOME:-not found}"
+if [[ -n ${CUDA_HOME:-} && ! -e $CUDA_HOME/lib64/stubs/libcuda.so && ! -e $CUDA_HOME/lib64/libcuda.so ]]; then
+  libcuda=$(ldconfig -p 2>/dev/null | grep -m 1 -E 'libcuda\.so(\.1)? ' | awk '{print $NF}' || true)
+  if [[ -z $libcuda ]]; then
+    libcuda=$(ls /usr/local/nvidia/lib64/libcuda.so* /usr/lib/x86_64-linux-gnu/libcuda.so* 2>/dev/null | head -n 1 || true)
+  fi
+  if [[ -n $libcuda ]]; then
+    mkdir -p "$WORK/libcuda"
+    ln -sf "$libcuda" "$WORK/libcuda/libcuda.so"
+    export FLASHINFER_EXTRA_LDFLAGS="${FLASHINFER_EXTRA_LDFLAGS:+$FLASHINFER_EXTRA_LDFLAGS }-L$WORK/libcuda"
+    log "no libcuda stub in $CUDA_HOME: FlashInfer links against $libcuda"
+  else
+    log "no libcuda stub in $CUDA_HOME and no driver libcuda found: FlashInfer's link may fail"
+  fi
+fi
 # FlashInfer's sampling kernels include curand.h. A CUDA install without cuRAND's headers
 # (a minimal toolkit) may still have them from the nvidia-curand wheel that torch pulls in.
-if command -v nvcc >/dev/null && [[ ! -f $(dirname "$(dirname "$(command -v nvcc)")")/include/curand.h ]]; then
+if [[ -n ${CUDA_HOME:-} && ! -f $CUDA_HOME/include/curand.h ]]; then
   find_curand='import glob, os, site, sys
 for root in site.getsitepackages() + sys.path:
     for header in glob.glob(os.path.join(root, "nvidia", "*", "include", "curand.h")):
