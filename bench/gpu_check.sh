@@ -316,7 +316,7 @@ fi
 # lib64/stubs: point it at a whole toolkit, and at the driver's libcuda if no stub is there.
 if command -v nvcc >/dev/null && [[ -z ${CUDA_HOME:-} ]]; then
   for dir in "$(dirname "$(dirname "$(command -v nvcc)")")" /usr/local/cuda /usr/local/cuda-*; do
-    if [[ -f $dir/include/cuda_runtime.h && -e $dir/lib64/libcudart.so ]]; then
+    if [[ -x $dir/bin/nvcc && -f $dir/include/cuda_runtime.h && -e $dir/lib64/libcudart.so ]]; then
       export CUDA_HOME=$dir
       break
     fi
