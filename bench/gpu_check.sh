@@ -11,15 +11,17 @@
 #                    carry=["build/wheelhouse"], timeout_s=540)
 #
 # With SmolLM2 too: its GGUF (94 MiB) is over what one call may carry (64 MiB in all),
-# so it travels in two parts, the first in a call of its own right before (the machine
-# stays warm 30 s after a call and keeps /tmp while warm):
+# so it travels in two parts, the first in a call of its own right before. The machine
+# stays warm 30 s after a call, and keeps ignored files of the tree between calls while
+# warm (the device tool's README); the first part is also copied to /tmp, and each part
+# is looked for in /tmp/verispec-stage and build/gpu-smollm2/*/ too:
 #
 #   here, once:  make gpu-smollm2        # build/gpu-smollm2/a/smollm2.part-a (56 MiB),
 #                                        # build/gpu-smollm2/b/smollm2.part-b + .sha256
 #   call 1:      run(command="mkdir -p /tmp/verispec-stage && cp build/gpu-smollm2/a/smollm2.part-a /tmp/verispec-stage/",
 #                    carry=["build/gpu-smollm2/a"], timeout_s=60)
 #   call 2, at once:
-#                run(command="SMOLLM2_PARTS='/tmp/verispec-stage/smollm2.part-a build/gpu-smollm2/b/smollm2.part-b' WHEELHOUSE=build/wheelhouse OUT=$OUT bash bench/gpu_check.sh",
+#                run(command="SMOLLM2_PARTS='build/gpu-smollm2/a/smollm2.part-a build/gpu-smollm2/b/smollm2.part-b' WHEELHOUSE=build/wheelhouse OUT=$OUT bash bench/gpu_check.sh",
 #                    carry=["build/wheelhouse", "build/gpu-smollm2/b"], timeout_s=540)
 #
 # If the first part is missing (the machine was given back in between), the end-to-end
@@ -372,11 +374,17 @@ if [[ -n ${SMOLLM2_PARTS:-} ]]; then
   mkdir -p "$WORK/smollm2"
   SMOLLM2_FILE=$WORK/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   parts_ok=1
-  for p in $SMOLLM2_PARTS; do [[ -f $p ]] || { log "SmolLM2: part $p is missing"; parts_ok=0; }; done
+  parts=()
+  for p in $SMOLLM2_PARTS; do
+    found=""
+    for c in "$p" "/tmp/verispec-stage/$(basename "$p")" build/gpu-smollm2/*/"$(basename "$p")"; do
+      if [[ -f $c ]]; then found=$c; break; fi
+    done
+    if [[ -n $found ]]; then parts+=("$found"); else log "SmolLM2: part $p is missing"; parts_ok=0; fi
+  done
   if ((parts_ok)); then
-    # shellcheck disable=SC2086  # the parts are a space-separated list
-    cat $SMOLLM2_PARTS >"$SMOLLM2_FILE"
-    last=${SMOLLM2_PARTS##* }
+    cat "${parts[@]}" >"$SMOLLM2_FILE"
+    last=${parts[-1]}
     sums=$(dirname "$last")/smollm2.sha256
     if [[ -f $sums ]] && [[ $(sha256sum "$SMOLLM2_FILE" | cut -d' ' -f1) != "$(cut -d' ' -f1 "$sums")" ]]; then
       log "SmolLM2: the joined parts do not match $sums"
