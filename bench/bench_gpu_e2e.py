@@ -507,6 +507,7 @@ def main(argv=None) -> int:
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF conversion bar
     import transformers
 
     transformers.logging.set_verbosity_error()
