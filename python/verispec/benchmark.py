@@ -140,20 +140,58 @@ class Measured:
                 "tokens_per_target_pass": self.tokens_per_target_pass, **self.extra}
 
 
+@dataclass
+class Generation:
+    """One generate call over a batch of prompts: the new tokens of each row (up to and
+    including its first EOS), the wall time, and acceptance figures over the batch."""
+
+    tokens: list[list[int]]
+    seconds: float
+    acceptance: Optional[float] = None
+    tokens_per_target_pass: Optional[float] = None
+    extra: dict = field(default_factory=dict)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work, so that a wall-clock time covers it (CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class _VerispecEngine:
-    def __init__(self, model, draft, k: int, capacity: int) -> None:
+    """SpecDecoder on the model's device, sized for ``batch`` rows of ``capacity`` tokens;
+    ``decoder_kwargs`` go to SpecDecoder (e.g. ``ops``)."""
+
+    def __init__(self, model, draft, k: int, capacity: int, *, batch: int = 1,
+                 **decoder_kwargs: Any) -> None:
         block_size = 16
-        num_blocks = -(-capacity // block_size) + 2
-        self.decoder = SpecDecoder(model, draft, k=k, num_blocks=num_blocks, block_size=block_size)
+        num_blocks = batch * (-(-capacity // block_size) + 2)
+        self.device = torch.device(model.geometry.device)
+        self.decoder = SpecDecoder(model, draft, k=k, num_blocks=num_blocks, block_size=block_size,
+                                   **decoder_kwargs)
+
+    def run(self, prompts: list[list[int]], n: int, eos: list[int]) -> Generation:
+        _synchronize(self.device)
+        t0 = time.perf_counter()
+        results = self.decoder.generate([list(p) for p in prompts], max_new_tokens=n, greedy=True,
+                                        eos_token_id=eos)
+        _synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        proposed = sum(r.stats["proposed"] for r in results)
+        accepted = sum(r.stats["accepted"] for r in results)
+        return Generation(
+            tokens=[list(r.tokens) for r in results], seconds=seconds,
+            acceptance=accepted / proposed if proposed > 0 else None,
+            tokens_per_target_pass=statistics.fmean(r.stats["tokens_per_target_pass"] for r in results),
+            extra={"time_split": results[0].stats.get("time_split")})
 
     def generate(self, ids: list[int], n: int, eos: list[int], into: Measured) -> None:
-        t0 = time.perf_counter()
-        (r,) = self.decoder.generate([ids], max_new_tokens=n, greedy=True, eos_token_id=eos)
-        into.seconds.append(time.perf_counter() - t0)
-        into.tokens = list(r.tokens)
-        into.acceptance = r.stats["acceptance_rate"]
-        into.tokens_per_target_pass = r.stats["tokens_per_target_pass"]
-        into.extra = {"time_split": r.stats["time_split"]}
+        g = self.run([ids], n, eos)
+        into.seconds.append(g.seconds)
+        into.tokens = g.tokens[0]
+        into.acceptance = g.acceptance
+        into.tokens_per_target_pass = g.tokens_per_target_pass
+        into.extra = g.extra
 
 
 class _PassCounter:
@@ -169,27 +207,53 @@ class _PassCounter:
             self.tokens.append(int(ids.shape[-1]))
 
 
+def _until_eos(tokens: list[int], eos: list[int]) -> list[int]:
+    """The tokens up to and including the first EOS (a finished row of a batch is padded)."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[:i + 1]
+    return tokens
+
+
 class _TransformersEngine:
+    """``generate`` of a transformers model on its own device; a batch is left-padded.
+    ``eos`` empty: no stop token (the model's generation config must name none either)."""
+
     def __init__(self, hf, counter: _PassCounter, **generate_kwargs: Any) -> None:
         self.hf, self.counter, self.kwargs = hf, counter, generate_kwargs
 
-    def generate(self, ids: list[int], n: int, eos: list[int], into: Measured) -> None:
-        input_ids = torch.tensor([ids])
+    def run(self, prompts: list[list[int]], n: int, eos: list[int]) -> Generation:
+        device = self.hf.device
+        width = max(len(p) for p in prompts)
+        pad = eos[0] if eos else 0
+        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        stop = {"eos_token_id": eos} if eos else {}
         self.counter.tokens = []
         with torch.inference_mode():
+            _synchronize(device)
             t0 = time.perf_counter()
-            out = self.hf.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                   max_new_tokens=n, do_sample=False, eos_token_id=eos,
-                                   pad_token_id=eos[0], **self.kwargs)
-            into.seconds.append(time.perf_counter() - t0)
-        into.tokens = out[0, len(ids):].tolist()
+            out = self.hf.generate(input_ids, attention_mask=mask, max_new_tokens=n,
+                                   do_sample=False, pad_token_id=pad, **stop, **self.kwargs)
+            _synchronize(device)
+            seconds = time.perf_counter() - t0
+        rows = [_until_eos(row, eos) for row in out[:, width:].tolist()]
         passes = self.counter.tokens
         # The first pass holds the prompt (+ the first draft); every later one 1 + c tokens.
-        proposed = (passes[0] - len(ids)) + sum(t - 1 for t in passes[1:])
-        into.tokens_per_target_pass = len(into.tokens) / len(passes)
-        if proposed > 0:
-            into.acceptance = max(len(into.tokens) - len(passes), 0) / proposed
-        into.extra = {"target_passes": len(passes), "proposed": proposed}
+        proposed = (passes[0] - width) + sum(t - 1 for t in passes[1:])
+        emitted = max(len(r) for r in rows)
+        acceptance = max(emitted - len(passes), 0) / proposed if proposed > 0 else None
+        return Generation(tokens=rows, seconds=seconds, acceptance=acceptance,
+                          tokens_per_target_pass=emitted / len(passes),
+                          extra={"target_passes": len(passes), "proposed": proposed})
+
+    def generate(self, ids: list[int], n: int, eos: list[int], into: Measured) -> None:
+        g = self.run([ids], n, eos)
+        into.seconds.append(g.seconds)
+        into.tokens = g.tokens[0]
+        into.acceptance = g.acceptance
+        into.tokens_per_target_pass = g.tokens_per_target_pass
+        into.extra = g.extra
 
 
 def _import_transformers():
@@ -204,10 +268,11 @@ def _import_transformers():
     return transformers
 
 
-def _load_transformers(transformers, gguf_path: str):
+def _load_transformers(transformers, gguf_path: str, *, dtype: torch.dtype = torch.float32,
+                       device: Union[str, torch.device] = "cpu"):
     return transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-        dtype=torch.float32).eval()
+        dtype=dtype).to(device).eval()
 
 
 def _transformers_prefix(hf, num_layers: int, k: int):
