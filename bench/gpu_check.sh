@@ -562,13 +562,15 @@ else
   fail e2e "not run (no CUDA build of verispec)"
 fi
 
-# --- 8. the decode-step benchmark (another engineer's bench/bench_step.py) -------------
+# --- 8. the decode-step benchmark (bench/bench_step.py) ----------------------------------
 
 if [[ ! -f bench/bench_step.py ]]; then
   skip step "bench/bench_step.py absent (not run)"
 elif ((built)); then
   phase step 60 0 "$PY" bench/bench_step.py --device cuda --out "$OUT_DIR/step.json" || true
   tail -n 30 "$LOGS/step.log"
+else
+  fail step "not run (no CUDA build of verispec)"
 fi
 
 # --- 9. the first GPU run's series: bench_kernels.py -----------------------------------
