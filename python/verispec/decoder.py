@@ -86,10 +86,12 @@ class _Timer:
         return [e - s for s, e in self.spans[name]]
 
 
+_SIZES = {torch.int64: 8, torch.int32: 4, torch.float32: 4}
+
+
 def _view(buf: torch.Tensor, offset: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     """n values of `dtype` at byte `offset` of the step's inputs buffer."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return buf[offset:offset + n * size].view(dtype)
+    return buf[offset:offset + n * _SIZES[dtype]].view(dtype)
 
 
 class SpecDecoder:
