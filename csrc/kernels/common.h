@@ -32,11 +32,7 @@ VERISPEC_HD inline RowPolicy resolve_policy(const PolicyParams& p, int64_t row) 
 
 // The first out-of-range field of a row policy (as PolicyField), or -1.
 VERISPEC_HD inline int32_t invalid_policy_field(const RowPolicy& r) {
-  if (!temperature_valid(r.temperature)) return static_cast<int32_t>(PolicyField::kTemperature);
-  if (!top_k_valid(r.top_k)) return static_cast<int32_t>(PolicyField::kTopK);
-  if (!top_p_valid(r.top_p)) return static_cast<int32_t>(PolicyField::kTopP);
-  if (!min_p_valid(r.min_p)) return static_cast<int32_t>(PolicyField::kMinP);
-  return -1;
+  return first_invalid_policy_field(r.temperature, r.top_k, r.top_p, r.min_p);
 }
 
 VERISPEC_HD inline uint64_t resolve_seed(const RandomParams& r) {
