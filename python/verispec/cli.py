@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
+from verispec._policy import policy_error
+
 PROG = "verispec"
 DEFAULT_MODEL = "smollm2"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -63,6 +65,24 @@ def _float_in(low: float, high: float, *, low_open: bool = False,
               and (value < high if high_open else value <= high))
         if not ok:
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+    return parse
+
+
+def _policy_value(name: str) -> Callable[[str], Any]:
+    """An argument type for a sampling policy option: the number, checked by the rule
+    every layer uses (the native policy_error, through verispec._policy)."""
+    integer = name == "top_k"
+
+    def parse(text: str):
+        try:
+            value = int(text) if integer else float(text)
+        except ValueError:
+            expected = "an int" if integer else "a number"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        error = policy_error(**{name: value})
+        if error:
+            raise argparse.ArgumentTypeError(error)
         return value
     return parse
 
@@ -131,11 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-k", type=_int_at_least(1), default=8, help="(default: %(default)s)")
     g.add_argument("--greedy", action="store_true",
                    help="greedy decoding (output identical to the target's greedy output)")
-    g.add_argument("--temperature", type=_float_in(0, math.inf, high_open=True),
+    g.add_argument("--temperature", type=_policy_value("temperature"),
                    help="sampling temperature, 0 = greedy (default: 1.0)")
-    g.add_argument("--top-k", type=_int_at_least(0), help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=_float_in(0, 1, low_open=True), help="nucleus mass (1 = off)")
-    g.add_argument("--min-p", type=_float_in(0, 1), help="keep p >= min_p * max p (0 = off)")
+    g.add_argument("--top-k", type=_policy_value("top_k"), help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=_policy_value("top_p"), help="nucleus mass (1 = off)")
+    g.add_argument("--min-p", type=_policy_value("min_p"), help="keep p >= min_p * max p (0 = off)")
     g.add_argument("--seed", type=_int_at_least(0), default=0, help="(default: %(default)s)")
     g.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="(default: %(default)s)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")

@@ -12,7 +12,11 @@ Every emitted token is then distributed exactly as a token sampled from ``p``, f
 have the same signatures and semantics. They draw from a Philox stream, so they
 agree with this module in distribution, not token for token.
 
-Nothing here imports ``verispec._C``.
+The math here does not use ``verispec._C``: it is the independent oracle the native
+ops are tested against. The argument ranges are not math but a contract, and they come
+from the one native rule (``policy_error`` in csrc/include/verispec/policy_rules.h,
+through ``verispec._policy``), so the oracle accepts and rejects exactly what the ops
+do, with the same messages.
 """
 
 from __future__ import annotations
@@ -227,8 +231,8 @@ def _check_probs(op, name, probs):
 
 
 def _row_values(op, name, value, n, device, integer):
-    """A scalar or a per-row 1-D tensor of length n, as a 1-D tensor of length n."""
-    dtype = torch.long if integer else torch.float32
+    """A per-row 1-D tensor of length n as a 1-D tensor of length n (an integer tensor
+    for top_k); a scalar is type-checked and returned as a Python number."""
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             value = value.reshape(1).expand(n)
@@ -237,30 +241,58 @@ def _row_values(op, name, value, n, device, integer):
                              f"{n}, got shape {list(value.shape)}")
         if integer and (value.is_floating_point() or value.is_complex()):
             raise ValueError(f"{op}: {name} must be an integer tensor, got {value.dtype}")
-        return value.to(device=device, dtype=dtype)
+        return value.to(device=device, dtype=torch.long if integer else torch.float32)
     kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind):
         expected = "an int" if integer else "a float"
         raise TypeError(f"{op}: {name} must be {expected} or a 1-D tensor, got {value!r}")
-    return torch.full((n,), int(value) if integer else float(value), dtype=dtype, device=device)
+    return int(value) if integer else float(value)
+
+
+_POLICY_NAMES = ("temperature", "top_k", "top_p", "min_p")
 
 
 def _policy_params(op, n, device, temperature, top_k, top_p, min_p):
-    temperature = _row_values(op, "temperature", temperature, n, device, integer=False)
-    top_k = _row_values(op, "top_k", top_k, n, device, integer=True)
-    top_p = _row_values(op, "top_p", top_p, n, device, integer=False)
-    min_p = _row_values(op, "min_p", min_p, n, device, integer=False)
-    checks = (
-        ("temperature", temperature, torch.isfinite(temperature) & (temperature >= 0), ">= 0"),
-        ("top_k", top_k, top_k >= 0, ">= 0 (0 disables)"),
-        ("top_p", top_p, (top_p > 0) & (top_p <= 1), "in (0, 1] (1 disables)"),
-        ("min_p", min_p, (min_p >= 0) & (min_p <= 1), "in [0, 1] (0 disables)"),
-    )
-    for name, values, ok, expected in checks:
-        if not ok.all():
-            bad = values[~ok][0].item()
-            raise ValueError(f"{op}: {name} must be {expected}, got {bad}")
-    return temperature, top_k, top_p, min_p
+    """The policy as four [n] tensors, range-checked by the rule the ops use: scalars as
+    given, per-row tensors row by row (naming the first bad row, as the kernels do)."""
+    from verispec._policy import policy_error
+
+    values = {name: _row_values(op, name, value, n, device, integer=name == "top_k")
+              for name, value in zip(_POLICY_NAMES, (temperature, top_k, top_p, min_p))}
+    error = policy_error(**{name: None if isinstance(v, torch.Tensor) else v
+                            for name, v in values.items()})
+    if error:
+        raise ValueError(f"{op}: {error}")
+    rows = {name: v for name, v in values.items() if isinstance(v, torch.Tensor)}
+    _check_rows(op, rows, policy_error)
+    out = []
+    for name, v in values.items():
+        if not isinstance(v, torch.Tensor):  # a valid scalar; top_k >= 2**63 is "off" too
+            dtype = torch.long if name == "top_k" else torch.float32
+            v = torch.full((n,), min(v, 2**63 - 1) if name == "top_k" else v, dtype=dtype,
+                           device=device)
+        out.append(v)
+    return tuple(out)
+
+
+def _check_rows(op, rows, policy_error):
+    """Per-row values {name: [n] tensor} through the scalar rule; each distinct value is
+    asked once. Raises for the first row with a bad value, for its first bad argument."""
+    if not rows:
+        return
+    bad = None
+    for name, values in rows.items():
+        distinct, inverse = torch.unique(values.cpu(), return_inverse=True)
+        for i, value in enumerate(distinct.tolist()):
+            if policy_error(**{name: value}):
+                bad = (inverse == i) if bad is None else bad | (inverse == i)
+    if bad is None:
+        return
+    row = int(bad.nonzero()[0])
+    for name, values in rows.items():
+        error = policy_error(**{name: values[row].item()})
+        if error:
+            raise ValueError(f"{op}: {error} at {name}[{row}]")
 
 
 def _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft, greedy):

@@ -1,0 +1,31 @@
+"""The sampling policy's arguments as every Python layer takes them (verispec.ops,
+verispec.reference, the CLI).
+
+- Ranges: one rule, the native ``policy_error`` (csrc/include/verispec/policy_rules.h)
+  through ``verispec._C.check_policy``; nothing here restates a range. Per-row tensors
+  are checked by the kernels (ops) or row by row with the same rule (reference).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verispec import _C
+
+# The value of each argument that leaves the policy unchanged (and always passes).
+DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+
+
+def policy_error(temperature: Any = None, top_k: Any = None, top_p: Any = None,
+                 min_p: Any = None) -> str:
+    """'' when the given scalars are in range, else the rule's message for the first bad
+    one, e.g. "temperature must be finite and >= 0, got inf" (unprefixed: the caller
+    names itself). None: not given as a scalar (a per-row tensor, or absent)."""
+    args = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    try:
+        _C.check_policy(**{name: DEFAULTS[name] if value is None else value
+                           for name, value in args.items()})
+    except ValueError as e:
+        return str(e)
+    return ""
+
