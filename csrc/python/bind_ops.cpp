@@ -233,10 +233,13 @@ void raise_status(const char* op_name, OpKind op, const OpStatus& s, int64_t k =
                             (s.has_value ? ", got " + format_value(s.value) : std::string()));
     default: {
       std::string msg = prefix;
-      if (s.code == StatusCode::kInvalidPolicy && s.has_value) {
-        // A per-row value reads as the same value given as a scalar would, plus its row.
-        const auto field = static_cast<PolicyField>(s.col);
-        msg += policy_violation(field, policy_value_text(field, s.value));
+      // A per-row value reads as the same value given as a scalar would, plus its row.
+      const std::string policy_message =
+          s.code == StatusCode::kInvalidPolicy && s.has_value
+              ? policy_value_error(static_cast<PolicyField>(s.col), s.value)
+              : std::string();
+      if (!policy_message.empty()) {
+        msg += policy_message;
       } else {
         msg += s.what;
         if (s.code == StatusCode::kNumDraftOutOfRange && k >= 0) msg += " = [0, " + std::to_string(k) + "]";
@@ -420,10 +423,10 @@ void register_ops(py::module_& m) {
         "num_emitted[B] and num_accepted[B] (int32).");
   m.def("check_policy", &check_policy, py::arg("temperature"), py::arg("top_k"),
         py::arg("top_p"), py::arg("min_p"),
-        "The sampling policy's argument rule (csrc/include/verispec/policy_rules.h): returns "
-        "None when every value is in range, else raises ValueError naming the first bad "
-        "argument, its range and the value, e.g. 'temperature must be finite and >= 0, got "
-        "inf'. The caller prefixes its own name.");
+        "The sampling policy's argument rule (policy_error, "
+        "csrc/include/verispec/policy_rules.h): returns None when every value is in range, "
+        "else raises ValueError naming the first bad argument, its range and the value. The "
+        "caller prefixes its own name.");
   m.def("apply_policy_workspace_bytes", &apply_policy_cuda_workspace_bytes,
         "Bytes of the CUDA workspace of apply_policy.");
   m.def("sample_workspace_bytes", &sample_cuda_workspace_bytes,

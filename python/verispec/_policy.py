@@ -19,8 +19,8 @@ DEFAULTS = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 def policy_error(temperature: Any = None, top_k: Any = None, top_p: Any = None,
                  min_p: Any = None) -> str:
     """'' when the given scalars are in range, else the rule's message for the first bad
-    one, e.g. "temperature must be finite and >= 0, got inf" (unprefixed: the caller
-    names itself). None: not given as a scalar (a per-row tensor, or absent)."""
+    one: its name, range and value (unprefixed: the caller names itself). None: not
+    given as a scalar (a per-row tensor, or absent)."""
     args = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     try:
         _C.check_policy(**{name: DEFAULTS[name] if value is None else value
