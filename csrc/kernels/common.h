@@ -49,9 +49,11 @@ inline bool policy_may_filter(const PolicyParams& p, int64_t vocab) {
   return top_k_active(p.top_k, vocab) || top_p_active(p.top_p) || min_p_active(p.min_p);
 }
 
-// verify: the greedy flag makes every row greedy, and a greedy row is never filtered.
+// verify: a greedy row (temperature 0) is never filtered, so a scalar temperature 0 (every
+// row greedy) needs no filter code.
 inline bool verify_may_filter(const VerifyArgs& a) {
-  return !a.greedy && policy_may_filter(a.policy, a.vocab);
+  const bool all_greedy = !a.policy.temperature_per_row && a.policy.temperature == 0.0f;
+  return !all_greedy && policy_may_filter(a.policy, a.vocab);
 }
 
 // What a check of one logits row found: every value usable (kLogitsOk), the index of

@@ -322,7 +322,7 @@ void verify(const py::handle& target_logits_obj, const py::handle& draft_tokens_
             const py::handle& tokens_obj, const py::handle& num_emitted_obj,
             const py::handle& num_accepted_obj, const py::object& temperature,
             const py::object& top_k, const py::object& top_p, const py::object& min_p,
-            bool greedy, const py::object& seed, const py::object& offset, intptr_t stream,
+            const py::object& seed, const py::object& offset, intptr_t stream,
             bool check_errors, const py::object& workspace) {
   constexpr const char* op = "verify";
   auto logits = TensorView::from(target_logits_obj, op, "target_logits");
@@ -373,7 +373,6 @@ void verify(const py::handle& target_logits_obj, const py::handle& draft_tokens_
   }
   a.num_draft = nd ? nd->data<int32_t>() : nullptr;
   a.policy = policy_params(op, b, logits, temperature, top_k, top_p, min_p, &pv);
-  a.greedy = greedy;
   a.rng = random_params(op, logits, seed, offset, &rv);
   a.tokens = tokens.data<int32_t>();
   a.tokens_stride_b = tokens.stride(0);
@@ -416,7 +415,7 @@ void register_ops(py::module_& m) {
   m.def("verify", &verify, py::arg("target_logits"), py::arg("draft_tokens"),
         py::arg("draft_probs"), py::arg("num_draft"), py::arg("tokens"), py::arg("num_emitted"),
         py::arg("num_accepted"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
-        py::arg("min_p"), py::arg("greedy"), py::arg("seed"), py::arg("offset"),
+        py::arg("min_p"), py::arg("seed"), py::arg("offset"),
         py::kw_only(), py::arg("stream") = 0, py::arg("check_errors") = true,
         py::arg("workspace") = py::none(),
         "Speculative verification (ops.h): writes tokens[B, K+1] (int32, -1 padded), "

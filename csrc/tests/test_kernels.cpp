@@ -868,8 +868,8 @@ void test_verify_greedy_contract() {
   c.k = 4;
   c.vocab = 50;
   c.logits = random_logits(rng, static_cast<size_t>(c.batch * (c.k + 1) * c.vocab));
-  c.greedy = true;
-  c.policy.top_k = 3;  // the policy never changes the argmax
+  c.policy.temperature = 0.0f;  // greedy
+  c.policy.top_k = 3;            // the filters never change the argmax
   // Row b drafts the argmax for its first b positions, then a wrong token.
   c.drafts.resize(static_cast<size_t>(c.batch * c.k));
   for (int64_t b = 0; b < c.batch; ++b) {
@@ -895,13 +895,16 @@ void test_verify_greedy_contract() {
       }
     }
   }
-  // Temperature 0 makes a row greedy without the flag.
-  c.greedy = false;
+  // Per-row temperature 0 makes just those rows greedy.
+  std::vector<float> temps(static_cast<size_t>(c.batch), 0.0f);
+  temps[1] = 1.0f;
   c.policy = PolicyParams{};
-  c.policy.temperature = 0.0f;
+  c.policy.temperature_per_row = temps.data();
   const VerifyOut o = c.run();
   CHECK(o.status.ok());
-  for (int64_t b = 0; b < c.batch; ++b) CHECK(o.accepted[b] == std::min<int64_t>(b, c.k));
+  for (int64_t b = 0; b < c.batch; ++b) {
+    if (b != 1) CHECK(o.accepted[b] == std::min<int64_t>(b, c.k));
+  }
 }
 
 // Draft probs equal to the target's p: every proposal is accepted, always.

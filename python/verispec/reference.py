@@ -106,18 +106,18 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
                                 proposals, q = one-hot(d)
     num_draft:     [B] ints     proposals per row (ragged), each <= K; None = K
     policy:        scalars or [B] tensors, as in apply_policy, per row
-    greedy:        bool or [B] bools; also implied by temperature 0. Greedy rows accept
-                   while d == argmax p and emit argmax p: the greedy output token for token.
+    greedy:        bool or [B] bools: the same as temperature 0 on those rows (a scalar
+                   temperature is still range-checked). Greedy rows accept while
+                   d == argmax p and emit argmax p: the greedy output token for token.
 
     Returns (tokens [B, K+1] int32, -1 after the emitted ones; num_emitted [B] int32 =
     num_accepted + 1; num_accepted [B] int32).
     """
-    b, k, v, num_draft, greedy = _check_verify_args(
-        target_logits, draft_tokens, draft_probs, num_draft, greedy)
+    b, k, v, num_draft = _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft)
     device = target_logits.device
     temperature, top_k, top_p, min_p = _policy_params(
-        "verify", b, device, temperature, top_k, top_p, min_p)
-    greedy = greedy | (temperature == 0)
+        "verify", b, device, temperature, top_k, top_p, min_p, greedy)
+    greedy = temperature == 0
     gen = _generator("verify", seed, offset, device)
 
     # p at every position [B, K+1, V]; greedy rows get the one-hot at the argmax.
@@ -125,7 +125,7 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
         return row_values.repeat_interleave(k + 1)
 
     p = apply_policy(target_logits.reshape(b * (k + 1), v),
-                     per_position(torch.where(greedy, 0.0, temperature)),
+                     per_position(temperature),
                      per_position(top_k), per_position(top_p), per_position(min_p),
                      ).view(b, k + 1, v)
 
@@ -252,10 +252,11 @@ def _row_values(op, name, value, n, device, integer):
 _POLICY_NAMES = ("temperature", "top_k", "top_p", "min_p")
 
 
-def _policy_params(op, n, device, temperature, top_k, top_p, min_p):
+def _policy_params(op, n, device, temperature, top_k, top_p, min_p, greedy=False):
     """The policy as four [n] tensors, range-checked by the rule the ops use: scalars as
-    given, per-row tensors row by row (naming the first bad row, as the kernels do)."""
-    from verispec._policy import policy_error
+    given, per-row tensors row by row (naming the first bad row, as the kernels do).
+    ``greedy`` (verify's) is then folded into the temperature: 0 on greedy rows."""
+    from verispec._policy import fold_greedy, policy_error
 
     values = {name: _row_values(op, name, value, n, device, integer=name == "top_k")
               for name, value in zip(_POLICY_NAMES, (temperature, top_k, top_p, min_p))}
@@ -272,6 +273,9 @@ def _policy_params(op, n, device, temperature, top_k, top_p, min_p):
             v = torch.full((n,), min(v, 2**63 - 1) if name == "top_k" else v, dtype=dtype,
                            device=device)
         out.append(v)
+    if greedy is not False:
+        t = fold_greedy(op, greedy, out[0], n, device)
+        out[0] = t if isinstance(t, torch.Tensor) else torch.full_like(out[0], t)
     return tuple(out)
 
 
@@ -295,7 +299,7 @@ def _check_rows(op, rows, policy_error):
             raise ValueError(f"{op}: {error} at {name}[{row}]")
 
 
-def _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft, greedy):
+def _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft):
     _check_logits("verify", "target_logits", target_logits, 3)
     b, k1, v = target_logits.shape
     k = k1 - 1
@@ -333,13 +337,4 @@ def _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft, gree
     if (proposed & ((tokens < 0) | (tokens >= v))).any():
         bad = tokens[proposed & ((tokens < 0) | (tokens >= v))][0].item()
         raise ValueError(f"verify: draft_tokens must be in [0, V) = [0, {v}), got {bad}")
-    if isinstance(greedy, torch.Tensor):
-        if greedy.shape != (b,) or greedy.dtype != torch.bool:
-            raise ValueError(f"verify: greedy must be a bool or a bool tensor [B] = [{b}], "
-                             f"got {_describe(greedy)}")
-        greedy = greedy.to(device)
-    elif isinstance(greedy, bool):
-        greedy = torch.full((b,), greedy, dtype=torch.bool, device=device)
-    else:
-        raise TypeError(f"verify: greedy must be a bool or a bool tensor [B], got {greedy!r}")
-    return b, k, v, num_draft, greedy
+    return b, k, v, num_draft

@@ -130,7 +130,7 @@ struct SampleArgs {
 //     at the first rejection emit a token from max(p_j - q_j, 0) (from p_j if that mass
 //     is < kResidualEps) with the coin uniform(.., b, j, kCorrection) and stop;
 //     if all n pass, emit a bonus token from p_n with uniform(.., b, n, kCorrection).
-//   greedy rows (greedy flag, or temperature 0 for the row): accept while
+//   greedy rows (temperature 0, the one spelling of greedy): accept while
 //     y == argmax target_logits[b, j]; emit the argmax where it stops (or at n).
 // Outputs: tokens[b, :num_emitted[b]] are the emitted tokens, the rest -1;
 //   num_emitted[b] = num_accepted[b] + 1.
@@ -156,7 +156,6 @@ struct VerifyArgs {
   int64_t draft_probs_stride_k = 0;
   const int32_t* num_draft = nullptr;     // [batch] int32, or null
   PolicyParams policy;                    // per-row arrays: [batch]
-  bool greedy = false;
   RandomParams rng;
   int32_t* tokens = nullptr;              // out: [batch, num_spec + 1] int32
   int64_t tokens_stride_b = 0;
