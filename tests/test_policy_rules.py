@@ -216,6 +216,18 @@ def test_greedy_still_checks_a_scalar_temperature():
             module.verify(TARGET, DRAFTS, greedy=True, temperature=math.inf)
 
 
+def test_greedy_rows_take_temperature_zero_before_per_row_checks():
+    # ops: folded, then the kernel checks rows; reference: the same order, same verdicts.
+    temperature = torch.tensor([1.0, math.inf])
+    for module in (ops, reference):
+        module.verify(TARGET, DRAFTS, greedy=True, temperature=temperature)
+        module.verify(TARGET, DRAFTS, greedy=torch.tensor([False, True]), temperature=temperature)
+        with pytest.raises(ValueError, match=re.escape(
+                "verify: temperature must be finite and >= 0, got inf at temperature[1]")):
+            module.verify(TARGET, DRAFTS, greedy=torch.tensor([True, False]),
+                          temperature=temperature)
+
+
 def test_the_native_verify_has_no_greedy_flag():
     # Inside the library greedy is spelled one way: temperature 0.
     assert "greedy" not in _C.verify.__doc__

@@ -245,7 +245,8 @@ def _verify_op(
     target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: Optional[torch.Tensor],
     num_draft: Optional[torch.Tensor], temperature: float, top_k: int, top_p: float, min_p: float,
     temperature_rows: Optional[torch.Tensor], top_k_rows: Optional[torch.Tensor],
-    top_p_rows: Optional[torch.Tensor], min_p_rows: Optional[torch.Tensor], seed: int, offset: int, seed_t: Optional[torch.Tensor], offset_t: Optional[torch.Tensor],
+    top_p_rows: Optional[torch.Tensor], min_p_rows: Optional[torch.Tensor], seed: int,
+    offset: int, seed_t: Optional[torch.Tensor], offset_t: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _verify_eager(target_logits, draft_tokens, draft_probs, num_draft, temperature, top_k,
                          top_p, min_p, temperature_rows, top_k_rows, top_p_rows, min_p_rows,

@@ -253,30 +253,33 @@ _POLICY_NAMES = ("temperature", "top_k", "top_p", "min_p")
 
 
 def _policy_params(op, n, device, temperature, top_k, top_p, min_p, greedy=False):
-    """The policy as four [n] tensors, range-checked by the rule the ops use: scalars as
-    given, per-row tensors row by row (naming the first bad row, as the kernels do).
-    ``greedy`` (verify's) is then folded into the temperature: 0 on greedy rows."""
+    """The policy as four [n] tensors, range-checked by the rule the ops use, in the ops'
+    order: scalars as given; then ``greedy`` (verify's) folded into the temperature, 0 on
+    greedy rows; then per-row tensors row by row, naming the first bad row as the
+    kernels do."""
     from verispec._policy import fold_greedy, policy_error
 
-    values = {name: _row_values(op, name, value, n, device, integer=name == "top_k")
-              for name, value in zip(_POLICY_NAMES, (temperature, top_k, top_p, min_p))}
+    given = {name: _row_values(op, name, value, n, device, integer=name == "top_k")
+             for name, value in zip(_POLICY_NAMES, (temperature, top_k, top_p, min_p))}
     error = policy_error(**{name: None if isinstance(v, torch.Tensor) else v
-                            for name, v in values.items()})
+                            for name, v in given.items()})
     if error:
         raise ValueError(f"{op}: {error}")
-    rows = {name: v for name, v in values.items() if isinstance(v, torch.Tensor)}
-    _check_rows(op, rows, policy_error)
-    out = []
-    for name, v in values.items():
-        if not isinstance(v, torch.Tensor):  # a valid scalar; top_k >= 2**63 is "off" too
+    rows = {}
+    for name, v in given.items():
+        if isinstance(v, torch.Tensor):
+            rows[name] = v
+        else:  # a valid scalar; top_k >= 2**63 is "off" too
             dtype = torch.long if name == "top_k" else torch.float32
-            v = torch.full((n,), min(v, 2**63 - 1) if name == "top_k" else v, dtype=dtype,
-                           device=device)
-        out.append(v)
+            rows[name] = torch.full((n,), min(v, 2**63 - 1) if name == "top_k" else v,
+                                    dtype=dtype, device=device)
     if greedy is not False:
-        t = fold_greedy(op, greedy, out[0], n, device)
-        out[0] = t if isinstance(t, torch.Tensor) else torch.full_like(out[0], t)
-    return tuple(out)
+        t = fold_greedy(op, greedy, rows["temperature"], n, device)
+        rows["temperature"] = t if isinstance(t, torch.Tensor) else torch.full_like(
+            rows["temperature"], t)
+    _check_rows(op, {name: rows[name] for name, v in given.items()
+                     if isinstance(v, torch.Tensor)}, policy_error)
+    return tuple(rows[name] for name in _POLICY_NAMES)
 
 
 def _check_rows(op, rows, policy_error):
