@@ -146,7 +146,7 @@ def sample(
 def verify(
     target_logits: Any, draft_tokens: Any, draft_probs: Any, num_draft: Any, tokens: Any,
     num_emitted: Any, num_accepted: Any, temperature: Any, top_k: Any, top_p: Any,
-    min_p: Any, greedy: bool, seed: Any, offset: Any, *, stream: int = 0,
+    min_p: Any, seed: Any, offset: Any, *, stream: int = 0,
     check_errors: bool = True, workspace: Any = None,
 ) -> None: ...
 def check_policy(temperature: float, top_k: int, top_p: float, min_p: float) -> None: ...
