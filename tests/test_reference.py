@@ -139,8 +139,9 @@ def test_policy_masked_logits():
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        (dict(temperature=-0.5), ValueError, "apply_policy: temperature must be >= 0, got -0.5"),
-        (dict(temperature=math.nan), ValueError, "temperature must be >= 0, got nan"),
+        (dict(temperature=-0.5), ValueError,
+         "apply_policy: temperature must be finite and >= 0, got -0.5"),
+        (dict(temperature=math.nan), ValueError, "temperature must be finite and >= 0, got nan"),
         (dict(top_k=-1), ValueError, "top_k must be >= 0"),
         (dict(top_k=2.0), TypeError, "top_k must be an int"),
         (dict(top_k=torch.tensor([1.0, 2.0])), ValueError, "top_k must be an integer tensor"),

@@ -32,11 +32,7 @@ VERISPEC_HD inline RowPolicy resolve_policy(const PolicyParams& p, int64_t row) 
 
 // The first out-of-range field of a row policy (as PolicyField), or -1.
 VERISPEC_HD inline int32_t invalid_policy_field(const RowPolicy& r) {
-  if (!temperature_valid(r.temperature)) return static_cast<int32_t>(PolicyField::kTemperature);
-  if (!top_k_valid(r.top_k)) return static_cast<int32_t>(PolicyField::kTopK);
-  if (!top_p_valid(r.top_p)) return static_cast<int32_t>(PolicyField::kTopP);
-  if (!min_p_valid(r.min_p)) return static_cast<int32_t>(PolicyField::kMinP);
-  return -1;
+  return first_invalid_policy_field(r.temperature, r.top_k, r.top_p, r.min_p);
 }
 
 VERISPEC_HD inline uint64_t resolve_seed(const RandomParams& r) {
@@ -53,9 +49,11 @@ inline bool policy_may_filter(const PolicyParams& p, int64_t vocab) {
   return top_k_active(p.top_k, vocab) || top_p_active(p.top_p) || min_p_active(p.min_p);
 }
 
-// verify: the greedy flag makes every row greedy, and a greedy row is never filtered.
+// verify: a greedy row (temperature 0) is never filtered, so a scalar temperature 0 (every
+// row greedy) needs no filter code.
 inline bool verify_may_filter(const VerifyArgs& a) {
-  return !a.greedy && policy_may_filter(a.policy, a.vocab);
+  const bool all_greedy = !a.policy.temperature_per_row && a.policy.temperature == 0.0f;
+  return !all_greedy && policy_may_filter(a.policy, a.vocab);
 }
 
 // What a check of one logits row found: every value usable (kLogitsOk), the index of

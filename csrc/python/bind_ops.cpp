@@ -7,8 +7,6 @@
 // tensors' device: CUDA kernels read them at run time, so a CUDA graph can replay them.
 #include <pybind11/pybind11.h>
 
-#include <cmath>
-#include <cstdio>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -17,7 +15,7 @@
 #include "bindings.h"
 #include "tensor_view.h"
 #include "verispec/ops.h"
-#include "verispec/sampling_math.h"
+#include "verispec/policy_rules.h"
 
 namespace py = pybind11;
 
@@ -25,17 +23,6 @@ namespace verispec {
 namespace {
 
 // ---- argument helpers ---------------------------------------------------------------
-
-std::string format_value(double v) {
-  if (std::isnan(v)) return "nan";
-  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
-  // snprintf and std::to_string, not iostreams (see tensor_view.cpp: ostream number
-  // formatting segfaulted on a CUDA machine).
-  if (v == std::floor(v) && std::fabs(v) < 1e15) return std::to_string(static_cast<int64_t>(v));
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.9g", v);
-  return buf;
-}
 
 // Launch settings shared by every op.
 struct Launch {
@@ -75,12 +62,45 @@ LogitsDType logits_dtype(const TensorView& v) {
   }
 }
 
+// A Python int as int64, saturated (sets *saturated): a top_k past int32 is "off" anyway,
+// and policy_error saturates it to int32 the same way.
+int64_t saturating_int64(const py::handle& value, bool* saturated) {
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  *saturated = overflow != 0;
+  if (overflow > 0) return std::numeric_limits<int64_t>::max();
+  if (overflow < 0) return std::numeric_limits<int64_t>::min();
+  return v;
+}
+
+// The policy rule (policy_rules.h) on scalars as the caller gave them; throws ValueError
+// with `prefix` + its message. top_k: a Python int of any size.
+void check_policy_values(const std::string& prefix, double temperature, const py::handle& top_k,
+                         double top_p, double min_p) {
+  bool saturated = false;
+  const int64_t k = saturating_int64(top_k, &saturated);
+  const int32_t field = policy_error_field(temperature, k, top_p, min_p);
+  if (field < 0) return;
+  if (static_cast<PolicyField>(field) == PolicyField::kTopK && saturated) {
+    throw py::value_error(prefix + policy_violation(PolicyField::kTopK, std::string(py::str(top_k))));
+  }
+  throw py::value_error(prefix + policy_error(temperature, k, top_p, min_p));
+}
+
+// _C.check_policy: the rule for Python callers (verispec.ops, verispec.reference, the
+// CLI), who prefix the message with their own name.
+void check_policy(double temperature, const py::int_& top_k, double top_p, double min_p) {
+  check_policy_values("", temperature, top_k, top_p, min_p);
+}
+
 // A policy parameter: a Python number, or a per-row 1-D tensor [rows] of `dtype` on the
-// op's device (kept alive in `views`).
+// op's device (kept alive in `view`). A number is also returned as given (`given`), for
+// the range check; per-row values are range-checked by the kernels.
 template <typename T>
 void policy_param(const char* op, const char* name, const py::object& value, int64_t rows,
                   DType dtype, const TensorView& like, std::optional<TensorView>* view,
-                  T* scalar, const T** per_row) {
+                  T* scalar, const T** per_row, py::object* given) {
   if (py::isinstance<py::bool_>(value)) {
     throw py::type_error(std::string(op) + ": " + name + " must be a number or a tensor [" +
                          std::to_string(rows) + "], got a bool");
@@ -91,16 +111,13 @@ void policy_param(const char* op, const char* name, const py::object& value, int
                            std::string(py::repr(value)));
     }
     if (std::is_integral<T>::value) {
-      const auto v = value.cast<int64_t>();
-      if (v < 0 || v > std::numeric_limits<int32_t>::max()) {
-        throw py::value_error(std::string(op) + ": " + name + " must be in [0, 2**31), got " +
-                              std::to_string(v));
-      }
-      *scalar = static_cast<T>(v);
+      bool saturated = false;
+      *scalar = static_cast<T>(saturate_top_k(saturating_int64(value, &saturated)));
     } else {
       *scalar = static_cast<T>(value.cast<double>());
     }
     *per_row = nullptr;
+    *given = value;
     return;
   }
   view->emplace(TensorView::from(value, op, name));
@@ -113,30 +130,23 @@ struct PolicyViews {
   std::optional<TensorView> temperature, top_k, top_p, min_p;
 };
 
-// Scalar policy values are checked here, where the value can be named.
-void check_scalar(const char* op, const char* name, bool per_row, bool ok, const char* expected,
-                  double value) {
-  if (per_row || ok) return;
-  throw py::value_error(std::string(op) + ": " + name + " must be " + expected + ", got " +
-                        format_value(value));
-}
-
 PolicyParams policy_params(const char* op, int64_t rows, const TensorView& like,
                            const py::object& temperature, const py::object& top_k,
                            const py::object& top_p, const py::object& min_p, PolicyViews* views) {
   PolicyParams p;
+  // Per-row parameters keep their defaults here: the kernels check them row by row.
+  py::object t = py::float_(p.temperature), k = py::int_(p.top_k), tp = py::float_(p.top_p),
+             mp = py::float_(p.min_p);
   policy_param<float>(op, "temperature", temperature, rows, DType::kFloat32, like,
-                      &views->temperature, &p.temperature, &p.temperature_per_row);
+                      &views->temperature, &p.temperature, &p.temperature_per_row, &t);
   policy_param<int32_t>(op, "top_k", top_k, rows, DType::kInt32, like, &views->top_k, &p.top_k,
-                        &p.top_k_per_row);
+                        &p.top_k_per_row, &k);
   policy_param<float>(op, "top_p", top_p, rows, DType::kFloat32, like, &views->top_p, &p.top_p,
-                      &p.top_p_per_row);
+                      &p.top_p_per_row, &tp);
   policy_param<float>(op, "min_p", min_p, rows, DType::kFloat32, like, &views->min_p, &p.min_p,
-                      &p.min_p_per_row);
-  check_scalar(op, "temperature", p.temperature_per_row, temperature_valid(p.temperature),
-               "finite and >= 0", p.temperature);
-  check_scalar(op, "top_p", p.top_p_per_row, top_p_valid(p.top_p), "in (0, 1]", p.top_p);
-  check_scalar(op, "min_p", p.min_p_per_row, min_p_valid(p.min_p), "in [0, 1]", p.min_p);
+                      &p.min_p_per_row, &mp);
+  check_policy_values(std::string(op) + ": ", t.cast<double>(), k, tp.cast<double>(),
+                      mp.cast<double>());
   return p;
 }
 
@@ -185,22 +195,12 @@ RandomParams random_params(const char* op, const TensorView& like, const py::obj
 
 // ---- status -> exception ---------------------------------------------------------------
 
-const char* policy_field_name(int64_t field) {
-  switch (static_cast<PolicyField>(field)) {
-    case PolicyField::kTemperature: return "temperature";
-    case PolicyField::kTopK: return "top_k";
-    case PolicyField::kTopP: return "top_p";
-    case PolicyField::kMinP: return "min_p";
-  }
-  return "policy";
-}
-
 // Where a value error sits, in the op's own terms.
 std::string location(OpKind op, const OpStatus& s) {
   const std::string row = std::to_string(s.row), col = std::to_string(s.col);
   switch (s.code) {
     case StatusCode::kInvalidPolicy:
-      return std::string(policy_field_name(s.col)) + "[" + row + "]";
+      return std::string(policy_field_name(static_cast<PolicyField>(s.col))) + "[" + row + "]";
     case StatusCode::kNumDraftOutOfRange:
       return "num_draft[" + row + "]";
     case StatusCode::kTokenOutOfRange:
@@ -229,12 +229,23 @@ void raise_status(const char* op_name, OpKind op, const OpStatus& s, int64_t k =
                                "got CUDA tensors, but this build of verispec has no CUDA "
                                "kernels (rebuild with nvcc on PATH)");
     case StatusCode::kInvalidArgument:
-      throw py::value_error(prefix + s.what);
+      throw py::value_error(prefix + s.what +
+                            (s.has_value ? ", got " + format_value(s.value) : std::string()));
     default: {
-      std::string msg = prefix + s.what;
-      if (s.code == StatusCode::kNumDraftOutOfRange && k >= 0) msg += " = [0, " + std::to_string(k) + "]";
-      if (s.code == StatusCode::kTokenOutOfRange && v >= 0) msg += " = [0, " + std::to_string(v) + ")";
-      if (s.has_value) msg += ", got " + format_value(s.value);
+      std::string msg = prefix;
+      // A per-row value reads as the same value given as a scalar would, plus its row.
+      const std::string policy_message =
+          s.code == StatusCode::kInvalidPolicy && s.has_value
+              ? policy_value_error(static_cast<PolicyField>(s.col), s.value)
+              : std::string();
+      if (!policy_message.empty()) {
+        msg += policy_message;
+      } else {
+        msg += s.what;
+        if (s.code == StatusCode::kNumDraftOutOfRange && k >= 0) msg += " = [0, " + std::to_string(k) + "]";
+        if (s.code == StatusCode::kTokenOutOfRange && v >= 0) msg += " = [0, " + std::to_string(v) + ")";
+        if (s.has_value) msg += ", got " + format_value(s.value);
+      }
       const std::string where = location(op, s);
       if (!where.empty()) msg += " at " + where;
       throw py::value_error(msg);
@@ -311,7 +322,7 @@ void verify(const py::handle& target_logits_obj, const py::handle& draft_tokens_
             const py::handle& tokens_obj, const py::handle& num_emitted_obj,
             const py::handle& num_accepted_obj, const py::object& temperature,
             const py::object& top_k, const py::object& top_p, const py::object& min_p,
-            bool greedy, const py::object& seed, const py::object& offset, intptr_t stream,
+            const py::object& seed, const py::object& offset, intptr_t stream,
             bool check_errors, const py::object& workspace) {
   constexpr const char* op = "verify";
   auto logits = TensorView::from(target_logits_obj, op, "target_logits");
@@ -362,7 +373,6 @@ void verify(const py::handle& target_logits_obj, const py::handle& draft_tokens_
   }
   a.num_draft = nd ? nd->data<int32_t>() : nullptr;
   a.policy = policy_params(op, b, logits, temperature, top_k, top_p, min_p, &pv);
-  a.greedy = greedy;
   a.rng = random_params(op, logits, seed, offset, &rv);
   a.tokens = tokens.data<int32_t>();
   a.tokens_stride_b = tokens.stride(0);
@@ -405,11 +415,17 @@ void register_ops(py::module_& m) {
   m.def("verify", &verify, py::arg("target_logits"), py::arg("draft_tokens"),
         py::arg("draft_probs"), py::arg("num_draft"), py::arg("tokens"), py::arg("num_emitted"),
         py::arg("num_accepted"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
-        py::arg("min_p"), py::arg("greedy"), py::arg("seed"), py::arg("offset"),
+        py::arg("min_p"), py::arg("seed"), py::arg("offset"),
         py::kw_only(), py::arg("stream") = 0, py::arg("check_errors") = true,
         py::arg("workspace") = py::none(),
         "Speculative verification (ops.h): writes tokens[B, K+1] (int32, -1 padded), "
         "num_emitted[B] and num_accepted[B] (int32).");
+  m.def("check_policy", &check_policy, py::arg("temperature"), py::arg("top_k"),
+        py::arg("top_p"), py::arg("min_p"),
+        "The sampling policy's argument rule (policy_error, "
+        "csrc/include/verispec/policy_rules.h): returns None when every value is in range, "
+        "else raises ValueError naming the first bad argument, its range and the value. The "
+        "caller prefixes its own name.");
   m.def("apply_policy_workspace_bytes", &apply_policy_cuda_workspace_bytes,
         "Bytes of the CUDA workspace of apply_policy.");
   m.def("sample_workspace_bytes", &sample_cuda_workspace_bytes,

@@ -298,7 +298,10 @@ void compare_verify(const VerifyCase& c, Tally* tally) {
   for (int64_t b = 0; b < c.batch; ++b) {
     c.check_row(sim, b);
     const bool same = sim.row_equal(cpu, b, c.k);
-    if (c.greedy) CHECK(same);  // argmax: no rounding
+    const bool greedy = c.policy.temperature_per_row
+                            ? c.policy.temperature_per_row[b] == 0.0f
+                            : c.policy.temperature == 0.0f;
+    if (greedy) CHECK(same);  // argmax: no rounding
     tally->differ += !same;
     ++tally->rows;
     tally->rejected += sim.accepted[static_cast<size_t>(b)] < c.n(b);
@@ -334,7 +337,6 @@ void test_verify_matches_the_cpu() {
     for (uint64_t seed = 1; seed <= 3; ++seed) {
       c.seed = seed;
       c.offset = seed * 3;
-      c.greedy = false;
       for (const PolicyParams& pol : policies) {
         c.policy = pol;
         c.draft_probs = q;
@@ -343,14 +345,12 @@ void test_verify_matches_the_cpu() {
         compare_verify(c, &tally);
       }
       c.draft_probs = q;
-      c.policy = PolicyParams();
-      c.greedy = true;  // the flag
+      c.policy = scalar_policy(0.0f, 0, 1.0f, 0.0f);  // greedy
       compare_verify(c, &tally);
       c.logits_bf16 = convert<BFloat16>(c.logits);
-      c.greedy = false;
       c.policy = policies[4];
       compare_verify(c, &tally);
-      c.greedy = true;
+      c.policy.temperature = 0.0f;  // greedy, with filters (which never drop the argmax)
       c.draft_probs.clear();
       compare_verify(c, &tally);
       c.logits_bf16.clear();

@@ -10,6 +10,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "../kernels/cpu/cpu_policy.h"
@@ -20,6 +21,7 @@
 #include "verispec/norm.h"
 #include "verispec/ops.h"
 #include "verispec/philox.h"
+#include "verispec/policy_rules.h"
 #include "verispec/sampling_math.h"
 
 using namespace verispec;
@@ -690,6 +692,8 @@ void test_policy_errors() {
   pol.temperature = -1.0f;
   apply(ok_logits, 1, 2, pol, &s);
   CHECK(s.code == StatusCode::kInvalidArgument && std::strstr(s.what, "temperature"));
+  CHECK(s.has_value && s.value == -1.0);
+  CHECK(std::string(s.what) == policy_rule(PolicyField::kTemperature));
   pol = PolicyParams{};
   pol.top_p = 0.0f;
   apply(ok_logits, 1, 2, pol, &s);
@@ -726,6 +730,57 @@ void test_policy_errors() {
 }
 
 // ---- sample -------------------------------------------------------------------------------
+
+// policy_rules.h: the composition of its messages and the number format (the text of the
+// rules is checked from Python, tests/test_policy_rules.py).
+void test_policy_rules() {
+  const double inf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  CHECK(policy_error(1.0, 0, 1.0, 0.0).empty());
+  CHECK(policy_error(0.0, 0, 1e-45, 1.0).empty());
+  CHECK(policy_error(inf, 0, 1.0, 0.0) == policy_violation(PolicyField::kTemperature, "inf"));
+  CHECK(policy_error(1.0, -3, 2.0, 0.0) == policy_violation(PolicyField::kTopK, "-3"));
+  CHECK(policy_error(1.0, std::numeric_limits<int64_t>::min(), 1.0, 0.0) ==
+        policy_violation(PolicyField::kTopK, "-9223372036854775808"));
+  CHECK(policy_error(1.0, std::numeric_limits<int64_t>::max(), 1.0, 0.0).empty());  // past int32: off, like >= vocab
+  CHECK(policy_error(1.0, 0, 1e-46, 0.0) ==
+        policy_violation(PolicyField::kTopP, "1e-46 (0 as float32)"));
+  CHECK(policy_error(-1e39, 0, 1.0, 0.0) ==
+        policy_violation(PolicyField::kTemperature, "-1e+39 (-inf as float32)"));
+  CHECK(policy_error(1.0, 0, 1.0, nan) == policy_violation(PolicyField::kMinP, "nan"));
+  CHECK(policy_error_field(nan, -1, nan, nan) == static_cast<int32_t>(PolicyField::kTemperature));
+  CHECK(policy_error_field(1.0, 0, 1.0 + 1e-9, -1e-46) == -1);  // float32: 1 and -0
+
+  // One argument alone reads as policy_error with the others at their defaults.
+  const PolicyField fields[] = {PolicyField::kTemperature, PolicyField::kTopK,
+                                PolicyField::kTopP, PolicyField::kMinP};
+  const double values[] = {0.0, -0.0, 1.0, -1.0, 0.5, 2.0, inf, -inf, 1e-45, -1e-45, 3e9, -3e9};
+  for (PolicyField f : fields) {
+    for (double v : values) {
+      const bool is_k = f == PolicyField::kTopK;
+      if (is_k && (std::isinf(v) || v != std::floor(v))) continue;  // top_k: integers
+      const double t = f == PolicyField::kTemperature ? v : 1.0;
+      const int64_t k = is_k ? static_cast<int64_t>(v) : 0;
+      const double p = f == PolicyField::kTopP ? v : 1.0, m = f == PolicyField::kMinP ? v : 0.0;
+      CHECK(policy_value_error(f, v) == policy_error(t, k, p, m));
+    }
+  }
+  CHECK(policy_value_error(PolicyField::kTopK, nan) == policy_violation(PolicyField::kTopK, "nan"));
+  CHECK(policy_value_error(PolicyField::kTopK, 1e30).empty());
+  CHECK(policy_value_error(PolicyField::kTopK, -1e30) ==
+        policy_violation(PolicyField::kTopK, "-1e+30"));
+
+  // Numbers: integers plain, others in the fewest digits that read back (float32 values
+  // as float32), no locale, no iostreams.
+  CHECK(format_value(nan) == "nan" && format_value(-inf) == "-inf" && format_value(inf) == "inf");
+  CHECK(format_value(0.0) == "0" && format_value(-0.0) == "-0");
+  CHECK(format_value(2.0) == "2" && format_value(-2147483648.0) == "-2147483648");
+  CHECK(format_value(-0.5) == "-0.5" && format_value(0.1) == "0.1");
+  CHECK(format_value(0.1f) == "0.1" && format_value(1.1f) == "1.1");
+  CHECK(format_value(1e-45f) == "1e-45" && format_value(5e-324) == "5e-324");
+  CHECK(format_value(1.0 + 1e-7) == "1.0000001" && format_value(1e30) == "1e+30");
+  CHECK(format_value(1e15) == "1e+15" && format_value(0.30000000000000004) == "0.30000000000000004");
+}
 
 void test_sample() {
   const std::vector<float> probs = {0.1f, 0.0f, 0.2f, 0.7f};  // one row
@@ -813,8 +868,8 @@ void test_verify_greedy_contract() {
   c.k = 4;
   c.vocab = 50;
   c.logits = random_logits(rng, static_cast<size_t>(c.batch * (c.k + 1) * c.vocab));
-  c.greedy = true;
-  c.policy.top_k = 3;  // the policy never changes the argmax
+  c.policy.temperature = 0.0f;  // greedy
+  c.policy.top_k = 3;            // the filters never change the argmax
   // Row b drafts the argmax for its first b positions, then a wrong token.
   c.drafts.resize(static_cast<size_t>(c.batch * c.k));
   for (int64_t b = 0; b < c.batch; ++b) {
@@ -840,13 +895,16 @@ void test_verify_greedy_contract() {
       }
     }
   }
-  // Temperature 0 makes a row greedy without the flag.
-  c.greedy = false;
+  // Per-row temperature 0 makes just those rows greedy.
+  std::vector<float> temps(static_cast<size_t>(c.batch), 0.0f);
+  temps[1] = 1.0f;
   c.policy = PolicyParams{};
-  c.policy.temperature = 0.0f;
+  c.policy.temperature_per_row = temps.data();
   const VerifyOut o = c.run();
   CHECK(o.status.ok());
-  for (int64_t b = 0; b < c.batch; ++b) CHECK(o.accepted[b] == std::min<int64_t>(b, c.k));
+  for (int64_t b = 0; b < c.batch; ++b) {
+    if (b != 1) CHECK(o.accepted[b] == std::min<int64_t>(b, c.k));
+  }
 }
 
 // Draft probs equal to the target's p: every proposal is accepted, always.
@@ -1276,6 +1334,7 @@ int main() {
   test_policy_against_brute_force();
   test_policy_dtypes_strides_and_rows();
   test_policy_errors();
+  test_policy_rules();
   test_sample();
   test_verify_greedy_contract();
   test_verify_p_equals_q();

@@ -48,8 +48,7 @@ struct VerifyCase {
   std::vector<int32_t> drafts;     // [batch, k]
   std::vector<float> draft_probs;  // [batch, k, vocab] or empty (one-hot)
   std::vector<int32_t> num_draft;  // [batch] or empty
-  PolicyParams policy;
-  bool greedy = false;
+  PolicyParams policy;  // greedy: temperature 0
   uint64_t seed = 1, offset = 0;
 
   int64_t n(int64_t b) const { return num_draft.empty() ? k : num_draft[static_cast<size_t>(b)]; }
@@ -78,7 +77,6 @@ struct VerifyCase {
     a.draft_probs_stride_k = vocab;
     a.num_draft = num_draft.empty() ? nullptr : num_draft.data();
     a.policy = policy;
-    a.greedy = greedy;
     a.rng.seed = seed;
     a.rng.offset = offset;
     a.tokens = o->tokens.data();

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
+from verispec._policy import DEFAULTS, fold_greedy, policy_error
+
 PROG = "verispec"
 DEFAULT_MODEL = "smollm2"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -63,6 +65,24 @@ def _float_in(low: float, high: float, *, low_open: bool = False,
               and (value < high if high_open else value <= high))
         if not ok:
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+    return parse
+
+
+def _policy_value(name: str) -> Callable[[str], Any]:
+    """An argument type for a sampling policy option: the number, checked by the rule
+    every layer uses (the native policy_error, through verispec._policy)."""
+    integer = name == "top_k"
+
+    def parse(text: str):
+        try:
+            value = int(text) if integer else float(text)
+        except ValueError:
+            expected = "an int" if integer else "a number"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        error = policy_error(**{name: value})
+        if error:
+            raise argparse.ArgumentTypeError(error)
         return value
     return parse
 
@@ -131,11 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-k", type=_int_at_least(1), default=8, help="(default: %(default)s)")
     g.add_argument("--greedy", action="store_true",
                    help="greedy decoding (output identical to the target's greedy output)")
-    g.add_argument("--temperature", type=_float_in(0, math.inf, high_open=True),
+    g.add_argument("--temperature", type=_policy_value("temperature"),
                    help="sampling temperature, 0 = greedy (default: 1.0)")
-    g.add_argument("--top-k", type=_int_at_least(0), help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=_float_in(0, 1, low_open=True), help="nucleus mass (1 = off)")
-    g.add_argument("--min-p", type=_float_in(0, 1), help="keep p >= min_p * max p (0 = off)")
+    g.add_argument("--top-k", type=_policy_value("top_k"), help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=_policy_value("top_p"), help="nucleus mass (1 = off)")
+    g.add_argument("--min-p", type=_policy_value("min_p"), help="keep p >= min_p * max p (0 = off)")
     g.add_argument("--seed", type=_int_at_least(0), default=0, help="(default: %(default)s)")
     g.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="(default: %(default)s)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
@@ -289,23 +309,24 @@ def _progress_stream_is_tty(stream: TextIO) -> bool:
 
 
 def _sampling(args: argparse.Namespace) -> dict:
-    """SpecDecoder.add's policy arguments; --greedy excludes the sampling options."""
-    given = [f"--{n.replace('_', '-')}" for n in ("temperature", "top_k", "top_p", "min_p")
-             if getattr(args, n) is not None]
-    if args.greedy:
-        if given:
-            raise UsageError(f"argument --greedy: not allowed with {', '.join(given)} "
-                             f"(greedy decoding ignores the sampling policy)")
-        return dict(greedy=True)
-    policy = dict(temperature=1.0 if args.temperature is None else args.temperature,
-                  top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p,
-                  min_p=args.min_p or 0.0)
-    policy["greedy"] = policy["temperature"] == 0
+    """SpecDecoder.add's policy arguments (greedy is temperature 0, as everywhere in
+    verispec); --greedy excludes the sampling options."""
+    names = ("temperature", "top_k", "top_p", "min_p")
+    given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is not None]
+    if args.greedy and given:
+        raise UsageError(f"argument --greedy: not allowed with {', '.join(given)} "
+                         f"(greedy decoding ignores the sampling policy)")
+    policy = {n: DEFAULTS[n] if getattr(args, n) is None else getattr(args, n) for n in names}
+    policy["temperature"] = fold_greedy("generate", args.greedy, policy["temperature"])
     return policy
 
 
+def _greedy(policy: dict) -> bool:
+    return policy["temperature"] == 0
+
+
 def _describe_policy(policy: dict) -> str:
-    if policy["greedy"]:
+    if _greedy(policy):
         return "greedy"
     parts = [f"temperature {policy['temperature']:g}"]
     if policy["top_k"]:
@@ -490,7 +511,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         lines.append(f"plain:       {len(plain['tokens'])} tokens in {plain['seconds']:.2f} s{runs} = "
                      f"{_rate(plain):.1f} tokens/s (same prompt and settings, this run)")
         verdict = f"speedup {_rate(spec) / _rate(plain):.2f}x over plain decoding"
-        if policy["greedy"]:
+        if _greedy(policy):
             if spec["tokens"] == plain["tokens"]:
                 verdict += "; greedy outputs identical: yes"
             else:
@@ -522,7 +543,7 @@ def _warm_up(model, draft, prompt: list[int]) -> None:
     for d, k in ((None, 0),) + (((draft, 2),) if draft is not None else ()):
         dec = SpecDecoder(model, d, k=k, num_blocks=math.ceil((len(head) + 8) / BLOCK_SIZE) + 1,
                           block_size=BLOCK_SIZE)
-        dec.generate([head], max_new_tokens=3, greedy=True)
+        dec.generate([head], max_new_tokens=3, temperature=0.0)  # greedy
 
 
 def _check_writable(path: str, arg: str) -> None:

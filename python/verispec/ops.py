@@ -28,6 +28,7 @@ from typing import Optional, Tuple
 import torch
 
 from verispec import _C
+from verispec._policy import fold_greedy, policy_error
 
 __all__ = ["DeferredErrors", "apply_policy", "deferred_errors", "linear", "sample", "verify"]
 
@@ -83,9 +84,10 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
                                 proposals, q = one-hot(d)
     num_draft:     [B] ints     proposals per row (ragged), each <= K; None = K
     policy:        numbers or [B] tensors, as in apply_policy, per row
-    greedy:        bool or [B] bool tensor; also implied by temperature 0. Greedy rows
-                   accept while d == argmax p and emit argmax p: the greedy output,
-                   token for token.
+    greedy:        bool or [B] bool tensor: the same as temperature 0 on those rows
+                   (verispec's one spelling of greedy; a scalar temperature is still
+                   range-checked). Greedy rows accept while d == argmax p and emit
+                   argmax p: the greedy output, token for token.
 
     Proposal j of row b is accepted iff u * q(d) < p(d), u the coin (seed, offset, b, j,
     ACCEPT); at the first rejection a correction is drawn from norm(max(p - q, 0)) (from
@@ -114,11 +116,10 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
         if not isinstance(num_draft, torch.Tensor):
             num_draft = torch.as_tensor(num_draft, device=device)
         num_draft = _int32_tensor(op, "num_draft", num_draft, (b,), "[B]", device).contiguous()
-    temperature, greedy_flag = _fold_greedy(op, b, device, temperature, greedy)
-    policy = _policy(op, b, device, temperature, top_k, top_p, min_p)
+    policy = _policy(op, b, device, temperature, top_k, top_p, min_p, greedy)
     seed_args = _random(op, device, seed, offset)
     return _dispatch(_verify_op, _verify_eager)(target_logits, draft_tokens, draft_probs, num_draft,
-                                                *policy, greedy_flag, *seed_args)
+                                                *policy, *seed_args)
 
 
 # --- the ops' entry points into verispec._C ----------------------------------------------
@@ -225,8 +226,8 @@ def _(probs, seed, offset, seed_t, offset_t):
 
 
 def _verify_eager(target_logits, draft_tokens, draft_probs, num_draft, temperature, top_k, top_p,
-                  min_p, temperature_rows, top_k_rows, top_p_rows, min_p_rows, greedy, seed,
-                  offset, seed_t, offset_t):
+                  min_p, temperature_rows, top_k_rows, top_p_rows, min_p_rows, seed, offset,
+                  seed_t, offset_t):
     b, k1, _ = target_logits.shape
     device = target_logits.device
     tokens = torch.empty((b, k1), dtype=torch.int32, device=device)
@@ -235,7 +236,7 @@ def _verify_eager(target_logits, draft_tokens, draft_probs, num_draft, temperatu
     _C.verify(_last_dim_contiguous(target_logits), draft_tokens, draft_probs, num_draft,
               tokens, num_emitted, num_accepted,
               _pick(temperature, temperature_rows), _pick(top_k, top_k_rows),
-              _pick(top_p, top_p_rows), _pick(min_p, min_p_rows), greedy,
+              _pick(top_p, top_p_rows), _pick(min_p, min_p_rows),
               _unsigned(seed, seed_t), _unsigned(offset, offset_t),
               **_launch(target_logits, _C.verify_workspace_bytes(b, k1 - 1), "verify"))
     return tokens, num_emitted, num_accepted
@@ -246,12 +247,12 @@ def _verify_op(
     target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: Optional[torch.Tensor],
     num_draft: Optional[torch.Tensor], temperature: float, top_k: int, top_p: float, min_p: float,
     temperature_rows: Optional[torch.Tensor], top_k_rows: Optional[torch.Tensor],
-    top_p_rows: Optional[torch.Tensor], min_p_rows: Optional[torch.Tensor], greedy: bool,
-    seed: int, offset: int, seed_t: Optional[torch.Tensor], offset_t: Optional[torch.Tensor],
+    top_p_rows: Optional[torch.Tensor], min_p_rows: Optional[torch.Tensor], seed: int,
+    offset: int, seed_t: Optional[torch.Tensor], offset_t: Optional[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _verify_eager(target_logits, draft_tokens, draft_probs, num_draft, temperature, top_k,
                          top_p, min_p, temperature_rows, top_k_rows, top_p_rows, min_p_rows,
-                         greedy, seed, offset, seed_t, offset_t)
+                         seed, offset, seed_t, offset_t)
 
 
 @_verify_op.register_fake
@@ -402,41 +403,26 @@ def _row_values(op, name, value, n, device, integer):
     return (int(value) if integer else float(value)), None
 
 
-def _policy(op, n, device, temperature, top_k, top_p, min_p):
-    """The 8 policy arguments of a custom op; scalars are range-checked here."""
+def _policy(op, n, device, temperature, top_k, top_p, min_p, greedy=False):
+    """The 8 policy arguments of a custom op. Scalars are range-checked here, by the one
+    rule (_policy.policy_error); per-row tensors by the kernels, which name the row.
+    ``greedy`` (verify's) is then folded into the temperature: 0 on greedy rows."""
     t, t_rows = _row_values(op, "temperature", temperature, n, device, integer=False)
     k, k_rows = _row_values(op, "top_k", top_k, n, device, integer=True)
     p, p_rows = _row_values(op, "top_p", top_p, n, device, integer=False)
     m, m_rows = _row_values(op, "min_p", min_p, n, device, integer=False)
-    checks = (
-        ("temperature", t, t_rows, t >= 0 and t != float("inf"), "finite and >= 0"),
-        ("top_k", k, k_rows, 0 <= k <= _INT32_MAX, "in [0, 2**31)"),
-        ("top_p", p, p_rows, 0 < p <= 1, "in (0, 1]"),
-        ("min_p", m, m_rows, 0 <= m <= 1, "in [0, 1]"),
-    )
-    for name, value, rows, ok, expected in checks:
-        if rows is None and not ok:
-            raise ValueError(f"{op}: {name} must be {expected}, got {value!r}")
+    # Under torch.compile the check is not traced (an opaque native call): the binding
+    # applies the same rule to the same scalars when the op runs, with the same message.
+    if not torch.compiler.is_compiling():
+        error = policy_error(*(None if rows is not None else value for value, rows in
+                               ((t, t_rows), (k, k_rows), (p, p_rows), (m, m_rows))))
+        if error:
+            raise ValueError(f"{op}: {error}")
+    k = min(k, _INT32_MAX)  # the kernels' int32; every top_k >= V means "off" alike
+    if greedy is not False:
+        folded = fold_greedy(op, greedy, t if t_rows is None else t_rows, n, device)
+        t, t_rows = (0.0, folded) if isinstance(folded, torch.Tensor) else (folded, None)
     return t, k, p, m, t_rows, k_rows, p_rows, m_rows
-
-
-def _fold_greedy(op, b, device, temperature, greedy):
-    """Per-row greedy flags become temperature 0 on those rows (the same contract)."""
-    if isinstance(greedy, bool):
-        return temperature, greedy
-    if not isinstance(greedy, torch.Tensor):
-        raise TypeError(f"{op}: greedy must be a bool or a bool tensor [B], got {greedy!r}")
-    if tuple(greedy.shape) != (b,) or greedy.dtype != torch.bool:
-        raise ValueError(f"{op}: greedy must be a bool or a bool tensor [B] = [{b}], "
-                         f"got {_describe(greedy)}")
-    if not isinstance(temperature, torch.Tensor):
-        _row_values(op, "temperature", temperature, b, device, integer=False)  # type check
-        temperature = torch.full((b,), float(temperature), dtype=torch.float32, device=device)
-    else:
-        _row_values(op, "temperature", temperature, b, device, integer=False)
-        temperature = temperature.reshape(-1).expand(b) if temperature.dim() == 0 else temperature
-        temperature = temperature.to(device=device, dtype=torch.float32)
-    return torch.where(greedy.to(device), 0.0, temperature), False
 
 
 def _random(op, device, seed, offset):

@@ -12,7 +12,11 @@ Every emitted token is then distributed exactly as a token sampled from ``p``, f
 have the same signatures and semantics. They draw from a Philox stream, so they
 agree with this module in distribution, not token for token.
 
-Nothing here imports ``verispec._C``.
+The math here does not use ``verispec._C``: it is the independent oracle the native
+ops are tested against. The argument ranges are not math but a contract, and they come
+from the one native rule (``policy_error`` in csrc/include/verispec/policy_rules.h,
+through ``verispec._policy``), so the oracle accepts and rejects exactly what the ops
+do, with the same messages.
 """
 
 from __future__ import annotations
@@ -102,18 +106,18 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
                                 proposals, q = one-hot(d)
     num_draft:     [B] ints     proposals per row (ragged), each <= K; None = K
     policy:        scalars or [B] tensors, as in apply_policy, per row
-    greedy:        bool or [B] bools; also implied by temperature 0. Greedy rows accept
-                   while d == argmax p and emit argmax p: the greedy output token for token.
+    greedy:        bool or [B] bools: the same as temperature 0 on those rows (a scalar
+                   temperature is still range-checked). Greedy rows accept while
+                   d == argmax p and emit argmax p: the greedy output token for token.
 
     Returns (tokens [B, K+1] int32, -1 after the emitted ones; num_emitted [B] int32 =
     num_accepted + 1; num_accepted [B] int32).
     """
-    b, k, v, num_draft, greedy = _check_verify_args(
-        target_logits, draft_tokens, draft_probs, num_draft, greedy)
+    b, k, v, num_draft = _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft)
     device = target_logits.device
     temperature, top_k, top_p, min_p = _policy_params(
-        "verify", b, device, temperature, top_k, top_p, min_p)
-    greedy = greedy | (temperature == 0)
+        "verify", b, device, temperature, top_k, top_p, min_p, greedy)
+    greedy = temperature == 0
     gen = _generator("verify", seed, offset, device)
 
     # p at every position [B, K+1, V]; greedy rows get the one-hot at the argmax.
@@ -121,7 +125,7 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
         return row_values.repeat_interleave(k + 1)
 
     p = apply_policy(target_logits.reshape(b * (k + 1), v),
-                     per_position(torch.where(greedy, 0.0, temperature)),
+                     per_position(temperature),
                      per_position(top_k), per_position(top_p), per_position(min_p),
                      ).view(b, k + 1, v)
 
@@ -227,8 +231,8 @@ def _check_probs(op, name, probs):
 
 
 def _row_values(op, name, value, n, device, integer):
-    """A scalar or a per-row 1-D tensor of length n, as a 1-D tensor of length n."""
-    dtype = torch.long if integer else torch.float32
+    """A per-row 1-D tensor of length n as a 1-D tensor of length n (an integer tensor
+    for top_k); a scalar is type-checked and returned as a Python number."""
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             value = value.reshape(1).expand(n)
@@ -237,33 +241,68 @@ def _row_values(op, name, value, n, device, integer):
                              f"{n}, got shape {list(value.shape)}")
         if integer and (value.is_floating_point() or value.is_complex()):
             raise ValueError(f"{op}: {name} must be an integer tensor, got {value.dtype}")
-        return value.to(device=device, dtype=dtype)
+        return value.to(device=device, dtype=torch.long if integer else torch.float32)
     kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind):
         expected = "an int" if integer else "a float"
         raise TypeError(f"{op}: {name} must be {expected} or a 1-D tensor, got {value!r}")
-    return torch.full((n,), int(value) if integer else float(value), dtype=dtype, device=device)
+    return int(value) if integer else float(value)
 
 
-def _policy_params(op, n, device, temperature, top_k, top_p, min_p):
-    temperature = _row_values(op, "temperature", temperature, n, device, integer=False)
-    top_k = _row_values(op, "top_k", top_k, n, device, integer=True)
-    top_p = _row_values(op, "top_p", top_p, n, device, integer=False)
-    min_p = _row_values(op, "min_p", min_p, n, device, integer=False)
-    checks = (
-        ("temperature", temperature, torch.isfinite(temperature) & (temperature >= 0), ">= 0"),
-        ("top_k", top_k, top_k >= 0, ">= 0 (0 disables)"),
-        ("top_p", top_p, (top_p > 0) & (top_p <= 1), "in (0, 1] (1 disables)"),
-        ("min_p", min_p, (min_p >= 0) & (min_p <= 1), "in [0, 1] (0 disables)"),
-    )
-    for name, values, ok, expected in checks:
-        if not ok.all():
-            bad = values[~ok][0].item()
-            raise ValueError(f"{op}: {name} must be {expected}, got {bad}")
-    return temperature, top_k, top_p, min_p
+_POLICY_NAMES = ("temperature", "top_k", "top_p", "min_p")
 
 
-def _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft, greedy):
+def _policy_params(op, n, device, temperature, top_k, top_p, min_p, greedy=False):
+    """The policy as four [n] tensors, range-checked by the rule the ops use, in the ops'
+    order: scalars as given; then ``greedy`` (verify's) folded into the temperature, 0 on
+    greedy rows; then per-row tensors row by row, naming the first bad row as the
+    kernels do."""
+    from verispec._policy import fold_greedy, policy_error
+
+    given = {name: _row_values(op, name, value, n, device, integer=name == "top_k")
+             for name, value in zip(_POLICY_NAMES, (temperature, top_k, top_p, min_p))}
+    error = policy_error(**{name: None if isinstance(v, torch.Tensor) else v
+                            for name, v in given.items()})
+    if error:
+        raise ValueError(f"{op}: {error}")
+    rows = {}
+    for name, v in given.items():
+        if isinstance(v, torch.Tensor):
+            rows[name] = v
+        else:  # a valid scalar; top_k >= 2**63 is "off" too
+            dtype = torch.long if name == "top_k" else torch.float32
+            rows[name] = torch.full((n,), min(v, 2**63 - 1) if name == "top_k" else v,
+                                    dtype=dtype, device=device)
+    if greedy is not False:
+        t = fold_greedy(op, greedy, rows["temperature"], n, device)
+        rows["temperature"] = t if isinstance(t, torch.Tensor) else torch.full_like(
+            rows["temperature"], t)
+    _check_rows(op, {name: rows[name] for name, v in given.items()
+                     if isinstance(v, torch.Tensor)}, policy_error)
+    return tuple(rows[name] for name in _POLICY_NAMES)
+
+
+def _check_rows(op, rows, policy_error):
+    """Per-row values {name: [n] tensor} through the scalar rule; each distinct value is
+    asked once. Raises for the first row with a bad value, for its first bad argument."""
+    if not rows:
+        return
+    bad = None
+    for name, values in rows.items():
+        distinct, inverse = torch.unique(values.cpu(), return_inverse=True)
+        for i, value in enumerate(distinct.tolist()):
+            if policy_error(**{name: value}):
+                bad = (inverse == i) if bad is None else bad | (inverse == i)
+    if bad is None:
+        return
+    row = int(bad.nonzero()[0])
+    for name, values in rows.items():
+        error = policy_error(**{name: values[row].item()})
+        if error:
+            raise ValueError(f"{op}: {error} at {name}[{row}]")
+
+
+def _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft):
     _check_logits("verify", "target_logits", target_logits, 3)
     b, k1, v = target_logits.shape
     k = k1 - 1
@@ -301,13 +340,4 @@ def _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft, gree
     if (proposed & ((tokens < 0) | (tokens >= v))).any():
         bad = tokens[proposed & ((tokens < 0) | (tokens >= v))][0].item()
         raise ValueError(f"verify: draft_tokens must be in [0, V) = [0, {v}), got {bad}")
-    if isinstance(greedy, torch.Tensor):
-        if greedy.shape != (b,) or greedy.dtype != torch.bool:
-            raise ValueError(f"verify: greedy must be a bool or a bool tensor [B] = [{b}], "
-                             f"got {_describe(greedy)}")
-        greedy = greedy.to(device)
-    elif isinstance(greedy, bool):
-        greedy = torch.full((b,), greedy, dtype=torch.bool, device=device)
-    else:
-        raise TypeError(f"verify: greedy must be a bool or a bool tensor [B], got {greedy!r}")
-    return b, k, v, num_draft, greedy
+    return b, k, v, num_draft

@@ -29,7 +29,8 @@ enum class LogitsDType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 enum class StatusCode : int32_t {
   kOk = 0,
-  kInvalidArgument = 1,     // a host-side argument is wrong; `what` says which
+  kInvalidArgument = 1,     // a host-side argument is wrong; `what` says which (and
+                            // `value` holds it where it is a number: a policy scalar)
   kInvalidPolicy = 2,       // per-row policy value out of range: row; col = PolicyField
   kNumDraftOutOfRange = 3,  // num_draft[row] not in [0, num_spec]
   kTokenOutOfRange = 4,     // draft_tokens[row, col] not in [0, vocab)
@@ -56,12 +57,13 @@ struct OpStatus {
 };
 
 // Sampling policy. Each parameter is the scalar, or per-row values when its pointer is
-// non-null ([rows] of apply_policy, [batch] of verify). Ranges (per-row values outside
-// them give kInvalidPolicy, scalars kInvalidArgument):
-//   temperature  finite, >= 0; 0 means greedy: one-hot at argmax (ties: lowest index)
-//   top_k        >= 0; 0 or >= vocab disables it
-//   top_p        in (0, 1]; 1 disables it
-//   min_p        in [0, 1]; 0 disables it
+// non-null ([rows] of apply_policy, [batch] of verify). Their ranges are the *_valid
+// predicates of sampling_math.h, in words in policy_rules.h (policy_rule); per-row values
+// outside them give kInvalidPolicy, scalars kInvalidArgument (with the value). Meaning:
+//   temperature  0 means greedy: one-hot at argmax (ties: lowest index)
+//   top_k        0 or >= vocab disables it
+//   top_p        1 disables it
+//   min_p        0 disables it
 struct PolicyParams {
   float temperature = 1.0f;
   const float* temperature_per_row = nullptr;
@@ -128,7 +130,7 @@ struct SampleArgs {
 //     at the first rejection emit a token from max(p_j - q_j, 0) (from p_j if that mass
 //     is < kResidualEps) with the coin uniform(.., b, j, kCorrection) and stop;
 //     if all n pass, emit a bonus token from p_n with uniform(.., b, n, kCorrection).
-//   greedy rows (greedy flag, or temperature 0 for the row): accept while
+//   greedy rows (temperature 0, the one spelling of greedy): accept while
 //     y == argmax target_logits[b, j]; emit the argmax where it stops (or at n).
 // Outputs: tokens[b, :num_emitted[b]] are the emitted tokens, the rest -1;
 //   num_emitted[b] = num_accepted[b] + 1.
@@ -154,7 +156,6 @@ struct VerifyArgs {
   int64_t draft_probs_stride_k = 0;
   const int32_t* num_draft = nullptr;     // [batch] int32, or null
   PolicyParams policy;                    // per-row arrays: [batch]
-  bool greedy = false;
   RandomParams rng;
   int32_t* tokens = nullptr;              // out: [batch, num_spec + 1] int32
   int64_t tokens_stride_b = 0;

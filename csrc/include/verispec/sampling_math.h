@@ -154,11 +154,25 @@ VERISPEC_HD inline bool top_k_active(int32_t top_k, int64_t vocab) {
 VERISPEC_HD inline bool top_p_active(float top_p) { return top_p < 1.0f; }
 VERISPEC_HD inline bool min_p_active(float min_p) { return min_p > 0.0f; }
 
-// Valid parameter ranges; each test is written so that NaN fails it.
+// Valid parameter ranges; each test is written so that NaN fails it. The one definition
+// of the ranges: policy_rules.h words them for error messages and checks host-side
+// arguments with these, and every layer above (decoder, bindings, Python) asks it.
 VERISPEC_HD inline bool temperature_valid(float t) { return t >= 0.0f && is_finite(t); }
 VERISPEC_HD inline bool top_k_valid(int32_t k) { return k >= 0; }
 VERISPEC_HD inline bool top_p_valid(float p) { return p > 0.0f && p <= 1.0f; }
 VERISPEC_HD inline bool min_p_valid(float p) { return p >= 0.0f && p <= 1.0f; }
+
+// The first out-of-range argument of a policy, in the order temperature (0), top_k (1),
+// top_p (2), min_p (3) (ops.h's PolicyField), or -1 when all are valid. Host checks and
+// per-row kernel checks both report this one.
+VERISPEC_HD inline int32_t first_invalid_policy_field(float temperature, int32_t top_k,
+                                                      float top_p, float min_p) {
+  if (!temperature_valid(temperature)) return 0;
+  if (!top_k_valid(top_k)) return 1;
+  if (!top_p_valid(top_p)) return 2;
+  if (!min_p_valid(min_p)) return 3;
+  return -1;
+}
 
 // Argmax order: larger value first, ties to the lower index.
 VERISPEC_HD inline bool argmax_before(float a, int64_t ia, float b, int64_t ib) {

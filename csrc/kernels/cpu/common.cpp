@@ -1,6 +1,7 @@
 // Host-side helpers of both backends: argument checks, status text, and decoding of
 // the device error record. Compiled in every build (CPU only or CUDA).
 #include "../common.h"
+#include "verispec/policy_rules.h"
 
 namespace verispec {
 namespace kernels {
@@ -28,13 +29,7 @@ const char* status_what(OpKind op, StatusCode code, int64_t col) {
     case StatusCode::kOk:
       return "";
     case StatusCode::kInvalidPolicy:
-      switch (static_cast<PolicyField>(col)) {
-        case PolicyField::kTemperature: return "temperature must be finite and >= 0";
-        case PolicyField::kTopK: return "top_k must be >= 0";
-        case PolicyField::kTopP: return "top_p must be in (0, 1]";
-        case PolicyField::kMinP: return "min_p must be in [0, 1]";
-      }
-      return "invalid policy value";
+      return policy_rule(static_cast<PolicyField>(col));
     case StatusCode::kNumDraftOutOfRange:
       return "num_draft must be in [0, K]";
     case StatusCode::kTokenOutOfRange:
@@ -76,17 +71,19 @@ OpStatus invalid_argument(const char* what) {
 }
 
 OpStatus check_policy_scalars(const PolicyParams& p) {
-  if (!p.temperature_per_row && !temperature_valid(p.temperature)) {
-    return invalid_argument("temperature must be finite and >= 0");
-  }
-  if (!p.top_k_per_row && !top_k_valid(p.top_k)) return invalid_argument("top_k must be >= 0");
-  if (!p.top_p_per_row && !top_p_valid(p.top_p)) {
-    return invalid_argument("top_p must be in (0, 1]");
-  }
-  if (!p.min_p_per_row && !min_p_valid(p.min_p)) {
-    return invalid_argument("min_p must be in [0, 1]");
-  }
-  return OpStatus{};
+  // Per-row values are the kernels' to check (row by row); here they count as defaults.
+  const PolicyParams d;
+  const float t = p.temperature_per_row ? d.temperature : p.temperature;
+  const int32_t k = p.top_k_per_row ? d.top_k : p.top_k;
+  const float tp = p.top_p_per_row ? d.top_p : p.top_p;
+  const float mp = p.min_p_per_row ? d.min_p : p.min_p;
+  const int32_t field = policy_error_field(t, k, tp, mp);
+  if (field < 0) return OpStatus{};
+  const double values[] = {t, static_cast<double>(k), tp, mp};
+  OpStatus s = invalid_argument(policy_rule(static_cast<PolicyField>(field)));
+  s.has_value = true;
+  s.value = values[field];
+  return s;
 }
 
 OpStatus check_apply_policy_args(const ApplyPolicyArgs& a) {

@@ -87,7 +87,7 @@ struct VerifyRow {
   // Walks row b; writes tokens[0, emitted) and returns the number accepted, or a fault.
   OpStatus walk(int64_t b, const RowPolicy& pol, int64_t n, int32_t* out, int64_t* accepted) {
     const int32_t* y = draft_row(b);
-    const bool greedy = a.greedy || pol.greedy();
+    const bool greedy = pol.greedy();
     for (int64_t j = 0; j < n; ++j) {
       if (greedy) {
         const int32_t best = static_cast<int32_t>(cpu::argmax_row(logits_at(b, j), a.vocab));

@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(BLOCK)
   // A bad policy or num_draft is reported by verify_sample_kernel; padding is not read.
   if (invalid_policy_field(pol) >= 0 || n < 0 || n > a.num_spec || j > n) return;
   const int V = static_cast<int>(a.vocab);
-  const bool greedy = a.greedy || pol.greedy();
+  const bool greedy = pol.greedy();
   bool ok = true;
   int y = -1;
   if (j < n) {
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(BLOCK)
     fault = __syncthreads_or(invalid) != 0;  // verify_policy_kernel reported it
   }
   const int32_t* y = a.draft_tokens ? a.draft_tokens + b * a.draft_tokens_stride_b : nullptr;
-  const bool greedy = a.greedy || pol.greedy();
+  const bool greedy = pol.greedy();
   const uint64_t seed = resolve_seed(a.rng);
   const uint64_t offset = resolve_offset(a.rng);
   const auto row32 = static_cast<uint32_t>(b);
