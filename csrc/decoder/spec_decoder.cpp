@@ -1,13 +1,12 @@
 #include "verispec/spec_decoder.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <string>
 
 #include "verispec/errors.h"
 #include "verispec/nvtx.h"
-#include "verispec/sampling_math.h"
+#include "verispec/policy_rules.h"
 
 namespace verispec {
 
@@ -65,28 +64,9 @@ struct SpecDecoder::OpenStep {
 
 namespace {
 
-std::string num(double v) {
-  if (std::isnan(v)) return "nan";
-  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
-  std::string s = std::to_string(v);
-  s.erase(s.find_last_not_of('0') + 1);
-  if (!s.empty() && s.back() == '.') s.pop_back();
-  return s;
-}
-
 void check_sampling(const SamplingParams& p) {
-  if (!temperature_valid(p.temperature)) {
-    throw InvalidArgumentError("add: temperature must be finite and >= 0, got " + num(p.temperature));
-  }
-  if (!top_k_valid(p.top_k)) {
-    throw InvalidArgumentError("add: top_k must be >= 0, got " + std::to_string(p.top_k));
-  }
-  if (!top_p_valid(p.top_p)) {
-    throw InvalidArgumentError("add: top_p must be in (0, 1], got " + num(p.top_p));
-  }
-  if (!min_p_valid(p.min_p)) {
-    throw InvalidArgumentError("add: min_p must be in [0, 1], got " + num(p.min_p));
-  }
+  const std::string error = policy_error(p.temperature, p.top_k, p.top_p, p.min_p);
+  if (!error.empty()) throw InvalidArgumentError("add: " + error);
 }
 
 // Appends `v` to the byte buffer at an 8-byte aligned offset; returns that offset.

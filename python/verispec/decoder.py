@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from verispec import _C
+from verispec._policy import fold_greedy
 from verispec.drafters import EarlyExit, NGram
 from verispec.models.base import KVPools, Model, PagedBatch
 
@@ -203,8 +204,8 @@ class SpecDecoder:
         if not isinstance(greedy, bool):
             raise TypeError(f"add: greedy must be a bool, got {greedy!r}")
         return self._core.add(list(prompt), int(max_new_tokens),
-                              0.0 if greedy else float(temperature), int(top_k), float(top_p),
-                              float(min_p), eos, [list(s) for s in (stop or [])])
+                              fold_greedy("add", greedy, float(temperature)), int(top_k),
+                              float(top_p), float(min_p), eos, [list(s) for s in (stop or [])])
 
     def step(self) -> list[StepOutput]:
         """One speculative step of every running sequence: the tokens each committed.
