@@ -72,6 +72,7 @@ class TimedModel:
 
     def __init__(self, model, clock: list) -> None:
         self.model, self.clock = model, clock
+        self.tokens = 0  # new tokens run, summed over forwards
         self.geometry = model.geometry
         for name in ("num_layers", "early_exit"):
             if hasattr(model, name):
@@ -83,6 +84,7 @@ class TimedModel:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = self.model.forward(batch)
+        self.tokens += batch.input_ids.numel()
         if cuda:
             torch.cuda.synchronize()
         self.clock[0] += time.perf_counter() - t0
@@ -129,10 +131,12 @@ def measure(model, source: str, B: int, k: int, steps: int, device: str) -> dict
     V = model.geometry.vocab_size
     g = torch.Generator().manual_seed(B)
     base = torch.randint(0, V, (24,), generator=g).tolist()
-    for b in range(B):  # repetitive prompts: n-gram lookup finds proposals
-        dec.add((base * 3)[b:b + 48], max_new_tokens=steps * (k + 1) + 8, temperature=1.0)
+    seqs = [dec.add((base * 3)[b:b + 48], max_new_tokens=steps * (k + 1) + 8, temperature=1.0)
+            for b in range(B)]  # repetitive prompts: n-gram lookup finds proposals
     for _ in range(2):  # warm up (prefill, first passes)
         dec.step()
+    tokens_before = timed.tokens + (draft.model.tokens if source != "ngram" else 0)
+    emitted_before = sum(len(dec.result(s).tokens) for s in seqs)
     counts.clear()
     clock[0] = 0.0
     syncs = 0
@@ -155,8 +159,11 @@ def measure(model, source: str, B: int, k: int, steps: int, device: str) -> dict
             total += time.perf_counter() - t0
         syncs += sum("synchroniz" in str(w.message) for w in caught)
         n += 1
+    counts = dict(counts)  # the step's calls only (the counting below reads results)
     counts.pop("core.has_running", None)
     counts.pop("ops.deferred_errors", None)  # a context manager, no op call
+    forward_tokens = timed.tokens + (draft.model.tokens if source != "ngram" else 0) - tokens_before
+    emitted = sum(len(dec.result(s).tokens) for s in seqs) - emitted_before
     core_calls = sum(v for key, v in counts.items() if key.startswith("core."))
     op_calls = sum(v for key, v in counts.items() if key.startswith("ops."))
     outside = total - clock[0]
@@ -164,6 +171,7 @@ def measure(model, source: str, B: int, k: int, steps: int, device: str) -> dict
         "source": source, "batch": B, "k": k, "steps": n,
         "step_ms": 1e3 * total / n, "forward_ms": 1e3 * clock[0] / n,
         "outside_share": outside / total,
+        "forward_tokens_per_step": forward_tokens / n, "emitted_per_step": emitted / n,
         "native_calls_per_step": core_calls / n, "op_calls_per_step": op_calls / n,
         "calls": {key: v / n for key, v in sorted(counts.items())},
         "syncs_per_step": syncs / n if cuda else None,
@@ -223,7 +231,7 @@ def main(argv=None) -> int:
     model, name = build_model(args.device, dtype, args.quick)
     rows = []
     print(f"{name} on {args.device} ({dtype}), k={args.k}, {args.steps} steps each")
-    print(f"{'source':<6} {'B':>3} {'step ms':>9} {'fwd ms':>9} {'outside':>8} "
+    print(f"{'source':<6} {'B':>3} {'step ms':>9} {'fwd ms':>9} {'fwd tok':>8} {'emitted':>8} {'outside':>8} "
           f"{'native/step':>12} {'ops/step':>9} {'syncs':>6}   old design: down/up/reads")
     for source in ("ngram", "draft"):
         for B in [int(b) for b in args.batches.split(",")]:
@@ -232,6 +240,7 @@ def main(argv=None) -> int:
             old = r["old_design"]
             syncs = "-" if r["syncs_per_step"] is None else f"{r['syncs_per_step']:.1f}"
             print(f"{source:<6} {B:>3} {r['step_ms']:>9.2f} {r['forward_ms']:>9.2f} "
+                  f"{r['forward_tokens_per_step']:>8.1f} {r['emitted_per_step']:>8.1f} "
                   f"{100 * r['outside_share']:>7.1f}% {r['native_calls_per_step']:>12.1f} "
                   f"{r['op_calls_per_step']:>9.1f} {syncs:>6}   "
                   f"{old['down']}/{old['up']}/~{old['property_reads']}")

@@ -43,3 +43,24 @@ def test_bench_overhead_quick(tmp_path):
     assert {r["op"]: r["tensors"] for r in result["ops"]} == {
         "verify": 6, "apply_policy": 2, "sample": 2, "linear": 3}
     assert all(r["c_exchange_api_us"] > 0 and r["dlpack_us"] > 0 for r in result["ops"])
+
+
+def test_bench_step_quick(tmp_path):
+    """The decode-step benchmark runs and counts what the design promises: two calls into
+    the native decoder per step, one op call per n-gram step (verify), 2K + 1 per
+    draft-model step at k = 4 with every row drafting, and no record kept after the
+    add/release cycles (timings are the benchmark's to report, not asserted here)."""
+    out = tmp_path / "step.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "bench_step.py"), "--quick", "--batches", "1,3",
+                    "--steps", "3", "--cycles", "2000", "--out", str(out)],
+                   check=True, capture_output=True, text=True)
+    result = json.loads(out.read_text())
+    rows = {(r["source"], r["batch"]): r for r in result["rows"]}
+    assert set(rows) == {("ngram", 1), ("ngram", 3), ("draft", 1), ("draft", 3)}
+    for (source, _), r in rows.items():
+        assert r["native_calls_per_step"] == 2.0, r["calls"]
+        assert r["calls"]["core.begin_step"] == r["calls"]["core.commit"] == 1.0
+        assert r["op_calls_per_step"] == (1.0 if source == "ngram" else 9.0), r["calls"]
+        assert 0 < r["forward_ms"] < r["step_ms"] and 0 < r["outside_share"] < 1
+        assert r["emitted_per_step"] >= r["batch"]
+    assert result["lifetime"]["records_held"] == 0 and result["lifetime"]["cycles"] == 2000
