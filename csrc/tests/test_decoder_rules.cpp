@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "native_check.h"
+#include "ngram_reference.h"
 #include "verispec/adaptive_k.h"
 #include "verispec/errors.h"
 #include "verispec/ngram.h"
@@ -37,26 +38,7 @@ std::string error_of(F&& f) {
 
 bool has(const std::string& s, const char* part) { return s.find(part) != std::string::npos; }
 
-// ngram.h's rule, written directly: the longest n in [min_n, max_n] whose last-n key
-// occurs earlier (ending at e < len - 1), its most recent occurrence, up to k tokens.
-Tokens brute_propose(const Tokens& t, int64_t min_n, int64_t max_n, int64_t k, int64_t* matched) {
-  const int64_t len = static_cast<int64_t>(t.size());
-  *matched = 0;
-  for (int64_t n = std::min(max_n, len); n >= min_n && k > 0; --n) {
-    for (int64_t e = len - 2; e >= n - 1; --e) {
-      bool eq = true;
-      for (int64_t i = 0; i < n && eq; ++i) {
-        eq = t[static_cast<size_t>(e - i)] == t[static_cast<size_t>(len - 1 - i)];
-      }
-      if (!eq) continue;
-      *matched = n;
-      Tokens out;
-      for (int64_t j = e + 1; j < len && j <= e + k; ++j) out.push_back(t[static_cast<size_t>(j)]);
-      return out;
-    }
-  }
-  return {};
-}
+using verispec_test::brute_propose;
 
 NGramIndex index_of(const Tokens& t, int64_t min_n, int64_t max_n) {
   NGramIndex g(min_n, max_n);

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "native_check.h"
+#include "ngram_reference.h"
 #include "verispec/errors.h"
 #include "verispec/spec_decoder.h"
 
@@ -107,24 +108,7 @@ Ref greedy_reference(const Tokens& prompt, const StopParams& stop, int64_t max_c
   }
 }
 
-// ngram.h's rule written directly: the longest n in [min_n, max_n] whose last-n key
-// occurs earlier, its most recent occurrence, up to k tokens after it.
-Tokens brute_propose(const Tokens& t, int64_t min_n, int64_t max_n, int64_t k) {
-  const int64_t len = static_cast<int64_t>(t.size());
-  for (int64_t n = std::min(max_n, len); n >= min_n && k > 0; --n) {
-    for (int64_t e = len - 2; e >= n - 1; --e) {
-      bool eq = true;
-      for (int64_t i = 0; i < n && eq; ++i) {
-        eq = t[static_cast<size_t>(e - i)] == t[static_cast<size_t>(len - 1 - i)];
-      }
-      if (!eq) continue;
-      Tokens out;
-      for (int64_t j = e + 1; j < len && j <= e + k; ++j) out.push_back(t[static_cast<size_t>(j)]);
-      return out;
-    }
-  }
-  return {};
-}
+using verispec_test::brute_propose;
 
 // A paged KV pool of the fake model: (token, position) per slot.
 struct FakeCache {

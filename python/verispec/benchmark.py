@@ -158,7 +158,22 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class _VerispecEngine:
+class _Engine:
+    """What every engine shares: one prompt's run recorded into a Measured."""
+
+    def run(self, prompts: list[list[int]], n: int, eos: list[int]) -> Generation:
+        raise NotImplementedError
+
+    def generate(self, ids: list[int], n: int, eos: list[int], into: Measured) -> None:
+        g = self.run([ids], n, eos)
+        into.seconds.append(g.seconds)
+        into.tokens = g.tokens[0]
+        into.acceptance = g.acceptance
+        into.tokens_per_target_pass = g.tokens_per_target_pass
+        into.extra = g.extra
+
+
+class _VerispecEngine(_Engine):
     """SpecDecoder on the model's device, sized for ``batch`` rows of ``capacity`` tokens;
     ``decoder_kwargs`` go to SpecDecoder (e.g. ``ops``)."""
 
@@ -185,14 +200,6 @@ class _VerispecEngine:
             tokens_per_target_pass=statistics.fmean(r.stats["tokens_per_target_pass"] for r in results),
             extra={"time_split": results[0].stats.get("time_split")})
 
-    def generate(self, ids: list[int], n: int, eos: list[int], into: Measured) -> None:
-        g = self.run([ids], n, eos)
-        into.seconds.append(g.seconds)
-        into.tokens = g.tokens[0]
-        into.acceptance = g.acceptance
-        into.tokens_per_target_pass = g.tokens_per_target_pass
-        into.extra = g.extra
-
 
 class _PassCounter:
     """Records the number of new tokens of each forward pass of a transformers model."""
@@ -215,7 +222,7 @@ def _until_eos(tokens: list[int], eos: list[int]) -> list[int]:
     return tokens
 
 
-class _TransformersEngine:
+class _TransformersEngine(_Engine):
     """``generate`` of a transformers model on its own device; a batch is left-padded.
     ``eos`` empty: no stop token (the model's generation config must name none either)."""
 
@@ -246,14 +253,6 @@ class _TransformersEngine:
         return Generation(tokens=rows, seconds=seconds, acceptance=acceptance,
                           tokens_per_target_pass=emitted / len(passes),
                           extra={"target_passes": len(passes), "proposed": proposed})
-
-    def generate(self, ids: list[int], n: int, eos: list[int], into: Measured) -> None:
-        g = self.run([ids], n, eos)
-        into.seconds.append(g.seconds)
-        into.tokens = g.tokens[0]
-        into.acceptance = g.acceptance
-        into.tokens_per_target_pass = g.tokens_per_target_pass
-        into.extra = g.extra
 
 
 def _import_transformers():
