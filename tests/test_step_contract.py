@@ -210,6 +210,8 @@ class BadOps:
             emitted = emitted[:1].repeat(3)
         elif kind == "tokens_float":
             tokens = tokens.float()
+        elif kind == "verify_not_a_tuple":
+            return {"tokens": tokens}
         return tokens, emitted, accepted
 
 
@@ -221,8 +223,11 @@ BAD_VERIFY = {
     "emitted_negative": r"num_emitted\[0\] must be num_accepted \+ 1 = \d, got -4",
     "emitted_not_accepted_plus_one": r"num_emitted\[0\] must be num_accepted \+ 1",
     "accepted_not_the_draft": r"tokens\[0, 0\] is accepted, so it must equal the draft",
-    "tokens_wrong_shape": r"tokens must hold \[B, K \+ 1\] = \[2, 4\] = 8 values, got 2",
-    "counts_wrong_shape": r"num_emitted must hold \[B\] = 2 values, got 3",
+    "tokens_wrong_shape": r"ops.verify must return an integer tensor \[2, 4\] as tokens, got int32 \[2, 1\]",
+    "counts_wrong_shape": r"ops.verify must return an integer tensor \[2\] as num_emitted, got int32 \[3\]",
+    "tokens_float": r"ops.verify must return an integer tensor \[2, 4\] as tokens, got float32",
+    "verify_not_a_tuple": r"ops.verify must return \(tokens, num_emitted, num_accepted\), got dict",
+    "sample_wrong_count": r"ops.sample must return an integer tensor \[2\] as tokens, got int32 \[1\]",
     # ops.verify sees it first here; a verify that does not would meet the core's check
     "sample_out_of_vocab": r"draft_tokens.* must be in \[0, (V\) = \[0, )?13\), got 18",
 }

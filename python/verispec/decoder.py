@@ -90,6 +90,19 @@ class _Timer:
 _SIZES = {torch.int64: 8, torch.int32: 4, torch.float32: 4}
 
 
+def _checked(op: str, name: str, t: Any, shape: tuple, integer: bool) -> torch.Tensor:
+    """An op's output as the step needs it: a tensor of `shape`, integer or floating."""
+    kind = "an integer" if integer else "a floating-point"
+    ok = isinstance(t, torch.Tensor) and tuple(t.shape) == shape and (
+        (not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool) if integer
+        else t.is_floating_point())
+    if not ok:
+        got = (f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}" if isinstance(t, torch.Tensor)
+               else type(t).__name__)
+        raise ValueError(f"ops.{op} must return {kind} tensor {list(shape)} as {name}, got {got}")
+    return t
+
+
 def _view(buf: torch.Tensor, offset: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     """n values of `dtype` at byte `offset` of the step's inputs buffer."""
     return buf[offset:offset + n * _SIZES[dtype]].view(dtype)
@@ -282,8 +295,12 @@ class SpecDecoder:
     def _sample_draft(self, logits, policy, seed, offset):
         """Proposals from the draft's logits: (tokens [R], the distribution q [R, V] they
         were drawn from)."""
-        probs = self._ops.apply_policy(logits, **policy)
-        return self._ops.sample(probs, seed=seed, offset=offset), probs
+        rows, vocab = logits.shape
+        probs = _checked("apply_policy", "probs", self._ops.apply_policy(logits, **policy),
+                         (rows, vocab), integer=False)
+        tokens = _checked("sample", "tokens", self._ops.sample(probs, seed=seed, offset=offset),
+                          (rows,), integer=True)
+        return tokens, probs
 
     def _verify_pass(self, plan, host, inputs, draft_tokens, q, policy, timer):
         B, K = plan["batch"], plan["k"]
@@ -297,10 +314,16 @@ class SpecDecoder:
         with timer("target_forward"), self._nvtx("verispec.target_forward"):
             logits = self._forward(_TARGET, p, host, inputs, ids)
         with timer("verify"), self._nvtx("verispec.verify"):
-            return self._ops.verify(
+            out = self._ops.verify(
                 logits.view(B, K + 1, -1), draft_tokens, q,
                 num_draft=_view(inputs, plan["num_draft"], B, torch.int32),
                 seed=plan["seed"], offset=plan["offset"], **policy)
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise ValueError(f"ops.verify must return (tokens, num_emitted, num_accepted), "
+                             f"got {type(out).__name__}")
+        return (_checked("verify", "tokens", out[0], (B, K + 1), integer=True),
+                _checked("verify", "num_emitted", out[1], (B,), integer=True),
+                _checked("verify", "num_accepted", out[2], (B,), integer=True))
 
     def _forward(self, role, p, host, inputs, input_ids=None) -> torch.Tensor:
         B, T, M = p["num_rows"], p["num_tokens"], p["max_blocks"]
