@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <string>
 
 namespace native_check {
 inline int failures = 0;
@@ -13,6 +14,21 @@ inline int checks = 0;
 inline int check_summary(const char* name) {
   std::printf("%s: %d checks, %d failures\n", name, checks, failures);
   return failures == 0 ? 0 : 1;
+}
+
+// The message of the E thrown by f, or "<none>" if f threw nothing.
+template <typename E, typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "<none>";
+}
+
+inline bool has(const std::string& s, const char* part) {
+  return s.find(part) != std::string::npos;
 }
 }  // namespace native_check
 

@@ -48,18 +48,8 @@ using Tokens = std::vector<int32_t>;
 
 constexpr int32_t kV = 13;
 
-// The message of the E thrown by f, or "<none>" if f threw nothing.
-template <typename E, typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "<none>";
-}
-
-bool has(const std::string& s, const char* part) { return s.find(part) != std::string::npos; }
+using native_check::error_of;
+using native_check::has;
 
 // ---- the fake models ----------------------------------------------------------------
 
