@@ -450,19 +450,13 @@ HEADER = (f"{'model':>8} {'B':>3} {'pair':>6} | {'vs tok/s':>8} | {'hf tok/s':>8
 
 
 def environment(device: torch.device) -> dict:
+    """bench_gpu_kernels.py's environment record, plus transformers and the platform."""
     import transformers
 
-    import verispec
-
-    env = {"verispec": verispec.__version__, "torch": torch.__version__,
-           "transformers": transformers.__version__, "python": platform.python_version(),
-           "platform": platform.platform(), "build_info": verispec.build_info(),
-           "torch_threads": torch.get_num_threads()}
-    if device.type == "cuda":
-        env.update(device_name=torch.cuda.get_device_name(device), cuda=torch.version.cuda)
-    else:
-        env.update(device_name=platform.processor() or platform.machine())
-    return env
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_gpu_kernels import environment as kernels_environment
+    return dict(kernels_environment(device), transformers=transformers.__version__,
+                platform=platform.platform())
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,6 @@ import tarfile
 import textwrap
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -211,7 +210,6 @@ TIME_KEYS = ("draft_forward_s", "draft_sample_s", "target_forward_s", "verify_s"
 
 
 def test_gpu_e2e_cpu_quick(tmp_path):
-    pytest.importorskip("transformers")
     out = tmp_path / "e2e.json"
     run_bench("bench_gpu_e2e.py", "--device", "cpu", "--quick", "--out", str(out))
     r = json.loads(out.read_text())
@@ -243,7 +241,6 @@ def test_gpu_e2e_cpu_quick(tmp_path):
 
 
 def test_gpu_e2e_budget_skips_what_would_start_late(tmp_path):
-    pytest.importorskip("transformers")
     out = tmp_path / "e2e.json"
     run_bench("bench_gpu_e2e.py", "--device", "cpu", "--quick", "--batches", "1",
               "--pairings", "plain,ngram", "--budget-s", "0", "--out", str(out))
@@ -301,7 +298,7 @@ def test_gpu_check_without_python_still_reports_every_phase(tmp_path):
     assert "torch" in state["failed"] and "kernels" in state["failed"], state
     phases = {p["name"]: p["status"] for p in state["phases"]}
     assert phases["build"] == "skipped" and phases["e2e"] == "failed", phases
-    assert phases["step"] == ("skipped" if not (BENCH / "bench_step.py").exists() else "failed")
+    assert phases["step"] == "failed", phases  # bench_step.py is there, verispec is not built
     summary = (out / "summary.txt").read_text()
     assert "done in" in summary and "FAILED: torch" in summary, summary
     with tarfile.open(out / "gpu_check.tar.gz") as tar:
