@@ -529,18 +529,22 @@ def test_smollm2_early_exit_and_bfloat16(smollm2):
     assert (outs["bf16"].float() - ref).abs().max().item() < 0.05 * ref.abs().max().item()
 
 
-@pytest.mark.skipif(os.environ.get("VERISPEC_SLOW_TESTS") != "1",
-                    reason="~60 s: set VERISPEC_SLOW_TESTS=1 (needs accelerate)")
+@pytest.mark.slow
 def test_smollm2_matches_transformers_from_pretrained(smollm2):
-    """The end-to-end reference: transformers loading the same GGUF file itself."""
-    pytest.importorskip("accelerate")
+    """The end-to-end reference: transformers loading the same GGUF file itself (~60 s;
+    accelerate, which it needs, is a test dependency)."""
     path, model, tok = smollm2
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
     ids = tok.encode("The capital of France is")
     runner = PagedRunner(model, num_blocks=8, block_size=16)
     got = runner.step({runner.add_sequence(): ids})[0]
-    assert (got - _hf_logits(hf, ids)).abs().max().item() < ATOL
+    want = _hf_logits(hf, ids)
+    # 30 float32 layers summed in different orders (verispec's linear kernel and RMSNorm):
+    # agreement to 1e-5 of the logits' scale, and the same next token at every position.
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() < 1e-5 * scale
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 # --------------------------------------------------------------------------- errors
