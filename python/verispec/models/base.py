@@ -44,11 +44,27 @@ class ModelGeometry:
     max_context: int
     dtype: torch.dtype
     device: torch.device
+    # Per-layer cache shapes (num_kv_heads, k_head_dim, v_head_dim) when layers differ or
+    # K and V head sizes differ (MLA, global vs local layers); None: every layer is
+    # (num_kv_heads, head_dim, head_dim).
+    layer_kv: Optional[tuple[tuple[int, int, int], ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.layer_kv is not None and len(self.layer_kv) != self.num_layers:
+            raise ValueError(f"ModelGeometry: layer_kv must have num_layers = {self.num_layers} "
+                             f"entries, got {len(self.layer_kv)}")
+
+    def kv_shape(self, layer: int) -> tuple[int, int, int]:
+        """(num_kv_heads, k_head_dim, v_head_dim) of layer ``layer``'s cache."""
+        if self.layer_kv is not None:
+            return self.layer_kv[layer]
+        return (self.num_kv_heads, self.head_dim, self.head_dim)
 
 
 @dataclass
 class KVPools:
-    """One K and one V pool per layer: [num_blocks, block_size, num_kv_heads, head_dim].
+    """One K and one V pool per layer: [num_blocks, block_size, num_kv_heads, head_dim]
+    (per layer, K and V head sizes from ``ModelGeometry.kv_shape``).
 
     Slot s of a pool is element ``pool.view(-1, num_kv_heads, head_dim)[s]``.
     """
@@ -59,13 +75,12 @@ class KVPools:
 
     @classmethod
     def allocate(cls, geometry: ModelGeometry, num_blocks: int, block_size: int) -> "KVPools":
-        shape = (num_blocks, block_size, geometry.num_kv_heads, geometry.head_dim)
+        def pool(heads: int, dim: int) -> torch.Tensor:
+            return torch.zeros((num_blocks, block_size, heads, dim), dtype=geometry.dtype,
+                               device=geometry.device)
 
-        def pool() -> torch.Tensor:
-            return torch.zeros(shape, dtype=geometry.dtype, device=geometry.device)
-
-        return cls(k=[pool() for _ in range(geometry.num_layers)],
-                   v=[pool() for _ in range(geometry.num_layers)],
+        shapes = [geometry.kv_shape(i) for i in range(geometry.num_layers)]
+        return cls(k=[pool(h, dk) for h, dk, _ in shapes], v=[pool(h, dv) for h, _, dv in shapes],
                    block_size=block_size)
 
     @property
@@ -91,6 +106,11 @@ class PagedBatch:
     query_start    [B + 1] int64  row b's tokens are input_ids[query_start[b]:query_start[b+1]]
     logits_indices [R] int64   flattened token indices whose logits to return
     kv             KVPools     the model's pools
+    tree_mask      [T, T] bool | None  a draft tree: token t of row b sees the row's keys
+                               before its new tokens (indices < context_lens[b] - n_b) and
+                               the row's new tokens u with tree_mask[t, u]; positions then
+                               give RoPE positions only (siblings share one). None: token t
+                               sees the row's keys 0..positions[t] (a chain)
     host           dict | None the caller's CPU copies of the index tensors (every field
                                above but input_ids and kv), when it has them: a model that
                                plans on the host reads them through host_tensor() without
@@ -106,6 +126,7 @@ class PagedBatch:
     logits_indices: torch.Tensor
     kv: KVPools
     host: Optional[dict] = None
+    tree_mask: Optional[torch.Tensor] = None
 
     _HOST_FIELDS = ("positions", "slot_mapping", "block_tables", "context_lens", "query_start",
                     "logits_indices")

@@ -586,3 +586,7 @@ class LlamaModel:
                              f"{list(batch.block_tables.shape)}")
         if b == 0 or t == 0:
             raise ValueError("LlamaModel.forward: the batch must hold at least one row and one token")
+        if batch.tree_mask is not None:
+            raise ValueError("LlamaModel.forward: batch.tree_mask is not supported by the native "
+                             "Llama (chains only); wrap the model with verispec.models.HFModel "
+                             "to verify draft trees")

@@ -208,3 +208,27 @@ def tokenizer_from_hf_folder(folder: str) -> Tokenizer:
     # BOS, if any, comes from tokenizer.json's post-processor (add_special_tokens=True).
     return Tokenizer(backend, eos_token_ids=eos_ids, bos_token_id=bos_id, add_bos=False,
                      chat_template=template, bos_token=bos_token, eos_token=eos_token)
+
+
+def vocabulary_fingerprint(tokenizer: Any) -> str:
+    """A hash of a tokenizer's token -> id map: two tokenizers with the same fingerprint
+    map every token to the same id, so a draft and a target may share token ids.
+
+    Accepts verispec's Tokenizer, a ``tokenizers.Tokenizer`` or a transformers tokenizer
+    (anything with ``get_vocab()``, or a ``backend`` that has it).
+    """
+    import hashlib
+
+    source = getattr(tokenizer, "backend", tokenizer)
+    get_vocab = getattr(source, "get_vocab", None)
+    if get_vocab is None:
+        raise TypeError(f"vocabulary_fingerprint: expected a tokenizer with get_vocab(), "
+                        f"got {type(tokenizer).__name__}")
+    try:
+        vocab = get_vocab(with_added_tokens=True)
+    except TypeError:
+        vocab = get_vocab()
+    h = hashlib.sha256()
+    for token, index in sorted(vocab.items(), key=lambda kv: (kv[1], kv[0])):
+        h.update(f"{index}\t{token}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()[:32]

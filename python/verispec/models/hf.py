@@ -1,0 +1,479 @@
+"""HFModel: any transformers causal LM as a verispec model, on verispec's paged KV pools.
+
+    import transformers, verispec
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    target = verispec.models.HFModel(hf)                     # Qwen, Mistral, Gemma, Phi, ...
+    dec = verispec.SpecDecoder(target, verispec.drafters.NGram(), k="auto")
+
+How: transformers computes attention through a registry of attention functions
+(``transformers.AttentionInterface``) and passes keyword arguments of the model's
+forward down to that function. HFModel registers one function,
+``ATTN_IMPLEMENTATION``, selects it on the wrapped model, and calls the model with
+explicit ``position_ids``, ``use_cache=False`` (no transformers cache, no mask built by
+transformers), ``logits_to_keep`` (the LM head runs on the rows verify needs; the
+model's own final softcap / logit scaling stays) and one extra keyword, the forward's
+plan. Per layer the function writes the new tokens' K/V into the layer's pools at the
+batch's slot mapping and attends each row's queries over the row's context through
+its block table, applying what the module passes: ``scaling``, ``sliding_window`` (per
+layer), ``softcap``, attention sinks (``s_aux``), and the batch's tree mask.
+
+No per-architecture code: the cache geometry (K/V heads, K and V head sizes per layer)
+is probed with one recording forward at construction, which also proves the function is
+really called by every layer. Refused at construction, with the reason: models whose
+attention does not go through the interface, hybrids whose other layers keep recurrent
+or convolution state (that state would need rollback), bidirectional (encoder) models,
+encoder-decoders, chunked attention (applied by transformers' mask, not passed down).
+
+The wrapped model keeps working for transformers' own generate only after
+``set_attn_implementation("sdpa")`` (HFModel selected its function on it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from verispec.models.base import ModelGeometry, PagedBatch
+
+__all__ = ["ATTN_IMPLEMENTATION", "HFModel"]
+
+#: The name verispec's paged attention function is registered under in transformers'
+#: AttentionInterface (``from_pretrained(..., attn_implementation=ATTN_IMPLEMENTATION)``).
+ATTN_IMPLEMENTATION = "verispec_paged"
+# The keyword that carries a forward's plan to every layer (not a name transformers uses).
+_CTX = "verispec_ctx"
+# Layer types (config.layer_types) that are plain attention over the KV cache.
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention", "global", "local")
+# Rows of at most this many queries, and any row with softcapping or sinks, attend with
+# two batched matmuls; longer rows (prefill) call SDPA.
+SMALL_ROW_QUERIES = 16
+# Attend all rows in one padded call while the padded work B * n_max * L_max is at most
+# this many times the useful work; beyond it (a long prefill next to decode rows), per row.
+PADDED_WORK_LIMIT = 2.0
+
+_registered = False
+
+
+def register_attention() -> None:
+    """Registers verispec's paged attention function in transformers' AttentionInterface
+    under ATTN_IMPLEMENTATION (idempotent). Needed before
+    ``from_pretrained(..., attn_implementation=ATTN_IMPLEMENTATION)``; HFModel calls it."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_IMPLEMENTATION, _paged_attention)
+        _registered = True
+
+
+def _paged_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
+                     sliding_window=None, softcap=None, s_aux=None, **kwargs):
+    """transformers' attention-function signature: query [1, H, T, Dk], key [1, KvH, T, Dk],
+    value [1, KvH, T, Dv] (the new tokens, after RoPE / q-k norms) -> ([1, T, H, Dv], None)."""
+    ctx = kwargs.get(_CTX)
+    if ctx is None:
+        raise RuntimeError(
+            f"{type(module).__name__}: the model's attention implementation is "
+            f"{ATTN_IMPLEMENTATION!r}, which runs only inside verispec.models.HFModel.forward; "
+            f"call model.set_attn_implementation('sdpa') to use the model on its own")
+    return ctx.attend(module, query, key, value, scaling=scaling, window=sliding_window,
+                      softcap=softcap, sinks=s_aux), None
+
+
+@dataclass
+class _LayerRecord:
+    module: Any
+    num_kv_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    num_heads: int
+    window: Optional[int]
+    softcap: Optional[float]
+    sinks: bool
+    causal: bool
+
+
+class _Probe:
+    """The recording context of the construction forward: what each layer passes."""
+
+    def __init__(self) -> None:
+        self.layers: list[_LayerRecord] = []
+
+    def attend(self, module, query, key, value, *, scaling, window, softcap, sinks):
+        self.layers.append(_LayerRecord(
+            module=module, num_kv_heads=key.shape[1], k_head_dim=key.shape[3],
+            v_head_dim=value.shape[3], num_heads=query.shape[1],
+            window=window, softcap=softcap, sinks=sinks is not None,
+            causal=getattr(module, "is_causal", True) is not False))
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
+
+
+class _Group:
+    """Rows attended together: b rows padded to n queries and l keys."""
+
+    def __init__(self, rows: list[int], plan: "_Plan"):
+        starts, ctx_lens, pos = plan.starts, plan.ctx_lens, plan.positions
+        self.b = b = len(rows)
+        q_lens = [starts[r + 1] - starts[r] for r in rows]
+        self.n = n = max(q_lens)
+        self.l = l = max(ctx_lens[r] for r in rows)
+        self.lo, self.hi = starts[rows[0]], starts[rows[-1] + 1]
+        bs = plan.block_size
+        # Queries: padded index of each of the group's tokens (None: no padding).
+        self.q_index: Optional[torch.Tensor] = None
+        q_pos = torch.zeros(b, n, dtype=torch.long)
+        index = []
+        for i, (r, nq) in enumerate(zip(rows, q_lens)):
+            q_pos[i, :nq] = pos[starts[r]:starts[r] + nq]
+            index.extend(range(i * n, i * n + nq))
+        if len(index) != b * n:
+            self.q_index = torch.tensor(index, dtype=torch.long)
+        # Keys: a slice of the pool (one row in consecutive blocks), else slot indices.
+        self.key_start: Optional[int] = None
+        self.key_slots: Optional[torch.Tensor] = None
+        tables = plan.block_tables
+        if b == 1:
+            table = tables[rows[0], :-(-l // bs)].tolist()
+            if table and table[0] >= 0 and table == list(range(table[0], table[0] + len(table))):
+                self.key_start = table[0] * bs
+        key_idx = torch.arange(l)
+        if self.key_start is None:
+            blocks = tables[rows][:, :-(-l // bs)].long()                      # [b, blocks]
+            j = key_idx.expand(b, l)
+            slots = torch.gather(blocks, 1, j // bs) * bs + j % bs
+            lens = torch.tensor([ctx_lens[r] for r in rows])
+            slots = torch.where(key_idx[None, :] < lens[:, None], slots, 0).clamp_(min=0)
+            self.key_slots = slots.reshape(-1)
+        # Who sees what: key j of row i is valid below the row's context length; a chain
+        # query sees keys 0..position, a tree query its prefix and its ancestors.
+        lens = torch.tensor([ctx_lens[r] for r in rows])
+        valid = key_idx[None, :] < lens[:, None]                              # [b, l]
+        key_pos = key_idx.expand(b, l).clone()
+        if plan.tree is None:
+            visible = (key_idx[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]
+        else:
+            visible = torch.zeros(b, n, l, dtype=torch.bool)
+            for i, (r, nq) in enumerate(zip(rows, q_lens)):
+                s, prefix = starts[r], ctx_lens[r] - nq
+                if prefix < 0:
+                    raise ValueError(f"PagedBatch: row {r} has {nq} new tokens but context_lens "
+                                     f"{ctx_lens[r]}")
+                visible[i, :nq, :prefix] = True
+                visible[i, :nq, prefix:prefix + nq] = plan.tree[s:s + nq, s:s + nq]
+                key_pos[i, prefix:prefix + nq] = pos[s:s + nq]
+        visible[:, :, 0] |= ~(visible.any(-1))  # padded queries: key 0 (dropped anyway)
+        self.q_pos, self.key_pos = q_pos, key_pos
+        self.is_causal = (plan.tree is None and b == 1 and n == l and n > 1
+                          and q_pos[0].tolist() == list(range(n)))
+        self.all_visible = bool(visible.all())
+        self._visible = visible
+        self._masks: dict[Optional[int], Optional[torch.Tensor]] = {}
+        self.device = plan.device
+        if self.q_index is not None:
+            self.q_index = self.q_index.to(self.device)
+        if self.key_slots is not None:
+            self.key_slots = self.key_slots.to(self.device)
+
+    def mask(self, window: Optional[int]) -> Optional[torch.Tensor]:
+        """bool [b, n, l] of the keys each query sees under a sliding window (transformers'
+        rule: key_pos > q_pos - window), or None when every query sees every key."""
+        if window is not None and window <= 0:
+            window = None
+        if window not in self._masks:
+            visible = self._visible
+            if window is not None:
+                visible = visible & (self.key_pos[:, None, :] > self.q_pos[:, :, None] - window)
+                visible[:, :, 0] |= ~(visible.any(-1))
+            all_visible = bool(visible.all())
+            self._masks[window] = None if all_visible else visible.to(self.device)
+        return self._masks[window]
+
+
+class _Plan:
+    """Per-forward decisions shared by every layer: slots to write, rows' keys, masks."""
+
+    def __init__(self, batch: PagedBatch, pool_of: dict[int, int], device: torch.device):
+        from verispec.models.llama import _KVWrite
+
+        num_tokens = batch.input_ids.shape[0]
+        starts = batch.host_tensor("query_start").tolist()
+        if starts[0] != 0 or starts[-1] != num_tokens or any(
+                a > b for a, b in zip(starts, starts[1:])):
+            raise ValueError(f"HFModel.forward: query_start must rise from 0 to T = "
+                             f"{num_tokens}, got {starts}")
+        self.starts = starts
+        self.ctx_lens = batch.host_tensor("context_lens").tolist()
+        self.positions = batch.host_tensor("positions").long()
+        self.block_tables = batch.host_tensor("block_tables")
+        self.block_size = batch.kv.block_size
+        self.device = device
+        self.kv = batch.kv
+        self.pool_of = pool_of
+        self.calls = 0
+        tree = batch.tree_mask
+        if tree is not None:
+            if tree.shape != (num_tokens, num_tokens) or tree.dtype != torch.bool:
+                raise ValueError(f"HFModel.forward: batch.tree_mask must be bool [T, T] = "
+                                 f"[{num_tokens}, {num_tokens}], got {tree.dtype} "
+                                 f"{list(tree.shape)}")
+            tree = tree.cpu()
+        self.tree = tree
+        self.write = _KVWrite(batch.host_tensor("slot_mapping"), device)
+        rows = [r for r in range(len(self.ctx_lens)) if starts[r + 1] > starts[r]]
+        q_lens = [starts[r + 1] - starts[r] for r in rows]
+        useful = sum(q * self.ctx_lens[r] for q, r in zip(q_lens, rows))
+        padded = len(rows) * max(q_lens) * max(self.ctx_lens[r] for r in rows)
+        if len(rows) == 1 or padded <= PADDED_WORK_LIMIT * useful:
+            self.groups = [_Group(rows, self)]
+        else:
+            self.groups = [_Group([r], self) for r in rows]
+
+    def attend(self, module, query, key, value, *, scaling, window, softcap, sinks):
+        pool = self.pool_of.get(id(module))
+        if pool is None:
+            raise RuntimeError(f"HFModel: attention module {type(module).__name__} "
+                               f"(layer_idx {getattr(module, 'layer_idx', None)}) was not seen "
+                               f"when the model was probed")
+        self.calls += 1
+        _, kvh, t, dk = key.shape
+        dv = value.shape[3]
+        h = query.shape[1]
+        k_flat = self.kv.k[pool].view(-1, kvh, dk)
+        v_flat = self.kv.v[pool].view(-1, kvh, dv)
+        self.write(k_flat, key[0].transpose(0, 1))
+        self.write(v_flat, value[0].transpose(0, 1))
+        if scaling is None:
+            scaling = 1.0 / math.sqrt(dk)
+        q = query[0].transpose(0, 1)                                           # [T, H, Dk]
+        if len(self.groups) == 1 and self.groups[0].lo == 0 and self.groups[0].hi == t:
+            return self._attend_group(self.groups[0], q, k_flat, v_flat, scaling, window,
+                                      softcap, sinks)[None]
+        out = q.new_empty(t, h, dv)
+        for g in self.groups:
+            out[g.lo:g.hi] = self._attend_group(g, q[g.lo:g.hi], k_flat, v_flat, scaling,
+                                                window, softcap, sinks)
+        return out[None]
+
+    @staticmethod
+    def _attend_group(g: _Group, q, k_flat, v_flat, scaling, window, softcap, sinks):
+        """q [T_g, H, Dk] of the group's tokens -> [T_g, H, Dv]."""
+        h, dk = q.shape[1], q.shape[2]
+        kvh, dv = k_flat.shape[1], v_flat.shape[2]
+        if g.key_start is not None:
+            k = k_flat[g.key_start:g.key_start + g.l][None]                   # [1, L, KvH, Dk]
+            v = v_flat[g.key_start:g.key_start + g.l][None]
+        else:
+            k = k_flat.index_select(0, g.key_slots).view(g.b, g.l, kvh, dk)
+            v = v_flat.index_select(0, g.key_slots).view(g.b, g.l, kvh, dv)
+        if g.q_index is None:
+            qp = q.reshape(g.b, g.n, h, dk)
+        else:
+            qp = q.new_zeros(g.b * g.n, h, dk)
+            qp[g.q_index] = q
+            qp = qp.view(g.b, g.n, h, dk)
+        if softcap is None and sinks is None and g.n > SMALL_ROW_QUERIES:
+            # a fresh prefill that no window cuts is plain causal attention
+            causal = g.is_causal and (window is None or window <= 0 or window >= g.l)
+            mask = None if causal else g.mask(window)
+            out = F.scaled_dot_product_attention(
+                qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                attn_mask=None if mask is None else mask[:, None], is_causal=causal,
+                scale=scaling, enable_gqa=h != kvh).transpose(1, 2)           # [b, n, H, Dv]
+        else:
+            out = _attend_matmul(qp, k, v, g.mask(window), scaling, softcap, sinks)
+        out = out.reshape(g.b * g.n, h, dv)
+        return out if g.q_index is None else out[g.q_index]
+
+
+def _attend_matmul(q, k, v, mask, scaling, softcap, sinks):
+    """q [b, n, H, Dk], k [b, L, KvH, Dk], v [b, L, KvH, Dv], mask bool [b, n, L] or None
+    -> [b, n, H, Dv], as transformers' eager attention: scores * scaling, softcap
+    (tanh(s / c) * c), mask, sinks (one extra logit per head, dropped after the softmax),
+    softmax in float32. Query head h reads KV head h // (H / KvH)."""
+    b, n, h, dk = q.shape
+    l, kvh, dv = k.shape[1], k.shape[2], v.shape[3]
+    grp = h // kvh
+    qg = q.reshape(b, n, kvh, grp, dk).permute(0, 2, 1, 3, 4).reshape(b * kvh, n * grp, dk)
+    scores = torch.bmm(qg, k.permute(0, 2, 3, 1).reshape(b * kvh, dk, l)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(b, kvh, n, grp, l)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, :, None, :], -math.inf)
+    if sinks is not None:
+        sink = sinks.reshape(1, kvh, 1, grp, 1).to(scores.dtype).expand(b, kvh, n, grp, 1)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    probs = probs.to(v.dtype).reshape(b * kvh, n * grp, l)
+    out = torch.bmm(probs, v.permute(0, 2, 1, 3).reshape(b * kvh, l, dv))   # [b*KvH, n*grp, Dv]
+    return out.view(b, kvh, n, grp, dv).permute(0, 2, 1, 3, 4).reshape(b, n, h, dv)
+
+
+def _refuse(model: Any, why: str) -> ValueError:
+    return ValueError(f"HFModel: {type(model).__name__} is not supported: {why}")
+
+
+class HFModel:
+    """A transformers ``*ForCausalLM`` (any dtype, any device) as a verispec model.
+
+    ``max_context`` caps the context (default: the config's ``max_position_embeddings``).
+    ``tokenizer`` (optional: a transformers tokenizer or verispec's Tokenizer) records the
+    vocabulary, so SpecDecoder can refuse a draft with a different tokenizer.
+    """
+
+    def __init__(self, hf_model: Any, *, max_context: Optional[int] = None,
+                 tokenizer: Any = None) -> None:
+        if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "config"):
+            raise TypeError(f"HFModel: hf_model must be a loaded transformers model "
+                            f"(*ForCausalLM), got {type(hf_model).__name__}")
+        register_attention()
+        config = hf_model.config
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        if getattr(config, "is_encoder_decoder", False):
+            raise _refuse(hf_model, "it is an encoder-decoder model; verispec runs decoder-only "
+                                    "causal LMs")
+        other = sorted({t for t in (getattr(text, "layer_types", None) or [])
+                        if t not in _ATTENTION_LAYER_TYPES})
+        if other:
+            raise _refuse(hf_model, f"a hybrid: its layer types {other} keep recurrent or "
+                                    f"convolution state outside the KV cache, which would need "
+                                    f"rollback on rejected drafts")
+        if getattr(text, "attention_chunk_size", None):
+            raise _refuse(hf_model, "chunked attention (attention_chunk_size) is applied by "
+                                    "transformers' mask, not passed to the attention function")
+        params = [p for p in hf_model.parameters() if p.is_floating_point()]
+        if not params:
+            raise TypeError(f"HFModel: {type(hf_model).__name__} has no floating-point weights")
+        dtype, device = params[0].dtype, params[0].device
+        previous = getattr(config, "_attn_implementation", None)
+        hf_model.eval()
+        try:
+            try:
+                hf_model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            except Exception as e:  # noqa: BLE001 - transformers raises several kinds
+                raise _refuse(hf_model, f"transformers would not select the attention function "
+                                        f"{ATTN_IMPLEMENTATION!r}: {e}") from e
+            if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+                raise _refuse(hf_model, "its attention does not go through transformers' "
+                                        "AttentionInterface")
+            self.model = hf_model
+            probe = _Probe()
+            try:
+                logits = self._call(torch.zeros(2, dtype=torch.long, device=device),
+                                    torch.arange(2, device=device),
+                                    torch.tensor([1], device=device), probe)
+            except TypeError as e:
+                raise _refuse(hf_model, f"its forward does not pass keyword arguments down to "
+                                        f"the attention function ({e})") from e
+            layers = probe.layers
+            num_layers = getattr(text, "num_hidden_layers", None)
+            if not layers:
+                raise _refuse(hf_model, "its layers never called the attention function "
+                                        "(attention does not go through transformers' "
+                                        "AttentionInterface)")
+            if num_layers is not None and len(layers) != num_layers:
+                raise _refuse(hf_model, f"only {len(layers)} of its {num_layers} layers call the "
+                                        f"attention function; the others (recurrent, convolution "
+                                        f"or custom attention) keep state verispec cannot roll "
+                                        f"back")
+            if len({id(r.module) for r in layers}) != len(layers):
+                raise _refuse(hf_model, "one attention module is called more than once per "
+                                        "forward")
+            if not all(r.causal for r in layers):
+                raise _refuse(hf_model, "its attention is bidirectional (an encoder); verispec "
+                                        "runs causal LMs")
+            if logits.dim() != 3 or logits.shape[:2] != (1, 1):
+                raise _refuse(hf_model, f"its forward ignored logits_to_keep (logits "
+                                        f"{list(logits.shape)} for one kept row)")
+        except BaseException:
+            if previous is not None and previous != ATTN_IMPLEMENTATION:
+                try:
+                    hf_model.set_attn_implementation(previous)
+                except Exception:  # noqa: BLE001 - best effort: the refusal is what matters
+                    pass
+            raise
+        if max_context is None:
+            max_context = getattr(text, "max_position_embeddings", None)
+            if not max_context:
+                raise ValueError(f"HFModel: {type(hf_model).__name__}'s config has no "
+                                 f"max_position_embeddings; pass max_context")
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
+            raise ValueError(f"HFModel: max_context must be a positive int, got {max_context!r}")
+        self.layers = layers
+        self._pool_of = {id(r.module): i for i, r in enumerate(layers)}
+        shapes = tuple((r.num_kv_heads, r.k_head_dim, r.v_head_dim) for r in layers)
+        uniform = len(set(shapes)) == 1 and shapes[0][1] == shapes[0][2]
+        self.geometry = ModelGeometry(
+            num_layers=len(layers), num_kv_heads=shapes[0][0], head_dim=shapes[0][1],
+            vocab_size=int(logits.shape[-1]), max_context=int(max_context), dtype=dtype,
+            device=device, layer_kv=None if uniform else shapes)
+        self.model_type = getattr(text, "model_type", type(hf_model).__name__)
+        self.tokenizer_fingerprint: Optional[str] = None
+        if tokenizer is not None:
+            from verispec.models.tokenizer import vocabulary_fingerprint
+
+            self.tokenizer_fingerprint = vocabulary_fingerprint(tokenizer)
+
+    @property
+    def num_layers(self) -> int:
+        return self.geometry.num_layers
+
+    def _call(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+              ctx: Any) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                             logits_to_keep=keep, return_dict=True, **{_CTX: ctx})
+        return out.logits
+
+    def __call__(self, batch: PagedBatch) -> torch.Tensor:
+        return self.forward(batch)
+
+    def forward(self, batch: PagedBatch) -> torch.Tensor:
+        """Logits [R, vocab] (model dtype) of the tokens ``batch.logits_indices``."""
+        self._check(batch)
+        g = self.geometry
+        device = g.device
+        plan = _Plan(batch, self._pool_of, device)
+        if max(plan.ctx_lens) > g.max_context:
+            raise ValueError(f"HFModel.forward: context_lens must be <= max_context = "
+                             f"{g.max_context}, got {max(plan.ctx_lens)}")
+        logits = self._call(batch.input_ids.to(device), batch.positions.to(device=device,
+                            dtype=torch.long), batch.logits_indices.to(device=device,
+                            dtype=torch.long), plan)
+        if plan.calls != g.num_layers:
+            raise RuntimeError(f"HFModel.forward: {plan.calls} of {g.num_layers} layers called "
+                               f"verispec's attention function (was the model's attention "
+                               f"implementation changed after wrapping?)")
+        return logits[0]
+
+    def _check(self, batch: PagedBatch) -> None:
+        g = self.geometry
+        if len(batch.kv.k) != g.num_layers or len(batch.kv.v) != g.num_layers:
+            raise ValueError(f"HFModel.forward: batch.kv must hold {g.num_layers} K and V pools "
+                             f"(one per layer), got {len(batch.kv.k)} and {len(batch.kv.v)}")
+        for i, (kp, vp) in enumerate(zip(batch.kv.k, batch.kv.v)):
+            kvh, dk, dv = g.kv_shape(i)
+            if (kp.dim() != 4 or tuple(kp.shape[2:]) != (kvh, dk) or vp.dim() != 4
+                    or tuple(vp.shape[2:]) != (kvh, dv) or kp.dtype != g.dtype):
+                raise ValueError(f"HFModel.forward: layer {i}'s KV pools must be {g.dtype} "
+                                 f"K [num_blocks, block_size, {kvh}, {dk}] and V [..., {kvh}, "
+                                 f"{dv}], got {kp.dtype} {list(kp.shape)} and {list(vp.shape)}")
+        t = batch.input_ids.shape[0]
+        for name in ("positions", "slot_mapping"):
+            if getattr(batch, name).shape != (t,):
+                raise ValueError(f"HFModel.forward: batch.{name} must be [T] = [{t}], "
+                                 f"got {list(getattr(batch, name).shape)}")
+        b = batch.context_lens.shape[0]
+        if batch.query_start.shape != (b + 1,) or batch.block_tables.shape[0] != b:
+            raise ValueError(f"HFModel.forward: with B = {b} rows, query_start must be [B + 1] "
+                             f"and block_tables [B, M]; got {list(batch.query_start.shape)} and "
+                             f"{list(batch.block_tables.shape)}")
+        if b == 0 or t == 0:
+            raise ValueError("HFModel.forward: the batch must hold at least one row and one token")
