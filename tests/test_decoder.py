@@ -209,8 +209,11 @@ def test_bad_input_is_refused_clearly():
         dec.generate([[1]], max_new_tokens=3, temperature=-1.0)
     with pytest.raises(TypeError, match="prompts must be a list of token-id lists"):
         dec.generate("hello", max_new_tokens=3)
-    with pytest.raises(ValueError, match="draft vocab_size must equal the target's 13, got 7"):
-        SpecDecoder(target, CacheModel(7), ops=reference)
+    other = CacheModel(13, seed=5)
+    target.tokenizer_fingerprint, other.tokenizer_fingerprint = "a" * 32, "b" * 32
+    with pytest.raises(ValueError, match="the draft's tokenizer must be the target's"):
+        SpecDecoder(target, other, ops=reference)
+    del target.tokenizer_fingerprint
     with pytest.raises(TypeError, match="target must implement the model protocol"):
         SpecDecoder(object(), ops=reference)
     assert_no_leaks(dec)
@@ -343,3 +346,22 @@ def test_end_to_end_test_has_power(monkeypatch):
     probs = exact_continuations(target, [1, 2], policy)
     counts = sampled_continuations(dec, [1, 2], 8000, policy, seed=100)
     assert chi_square_pvalue(counts, probs) < ALPHA
+
+
+@pytest.mark.parametrize("ops", OPS)
+@pytest.mark.parametrize("draft_vocab", [7, 20])
+def test_draft_with_another_vocabulary_size(ops, draft_vocab):
+    """A draft whose (padded or smaller) vocabulary differs from the target's 13 ids:
+    greedy output is still the target's own, a smaller draft never proposes past its
+    size and a larger one never past the target's (the core would refuse the ids)."""
+    target = CacheModel(13)
+    draft = CacheModel(draft_vocab, seed=3)
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 1, 2]]
+    want = SpecDecoder(target, k=0, num_blocks=32, block_size=4, ops=ops).generate(
+        prompts, max_new_tokens=12, greedy=True)
+    dec = SpecDecoder(target, draft, k=3, num_blocks=32, block_size=4, ops=ops)
+    got = dec.generate(prompts, max_new_tokens=12, greedy=True)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    sampled = dec.generate(prompts, max_new_tokens=12, temperature=1.0, seed=4)
+    assert all(0 <= t < 13 for r in sampled for t in r.tokens)
+    assert sum(r.stats["proposed"] for r in sampled) > 0

@@ -153,9 +153,15 @@ class SpecDecoder:
         g = target.geometry
         if draft is not None:
             dg = draft.geometry
-            if dg.vocab_size != g.vocab_size:
-                raise ValueError(f"SpecDecoder: draft vocab_size must equal the target's "
-                                 f"{g.vocab_size}, got {dg.vocab_size}")
+            # Same tokenizer, vocabularies of any size (padded embedding tables): ids below
+            # both sizes mean the same token. Told apart only when both models say which
+            # tokenizer they have (verispec.models.load sets tokenizer_fingerprint).
+            fingerprints = (getattr(target, "tokenizer_fingerprint", None),
+                            getattr(draft, "tokenizer_fingerprint", None))
+            if None not in fingerprints and fingerprints[0] != fingerprints[1]:
+                raise ValueError(f"SpecDecoder: the draft's tokenizer must be the target's; "
+                                 f"their vocabularies differ (tokenizer fingerprints: target "
+                                 f"{fingerprints[0]}, draft {fingerprints[1]})")
             if torch.device(dg.device) != torch.device(g.device):
                 raise ValueError(f"SpecDecoder: draft device must be the target's {g.device}, "
                                  f"got {dg.device}")
@@ -164,6 +170,9 @@ class SpecDecoder:
         self._ops = ops
         self.target, self.draft, self.ngram, self.k = target, draft, ngram, k
         self.vocab_size = g.vocab_size
+        self._vocab = {_TARGET: g.vocab_size}
+        if draft is not None:
+            self._vocab[_DRAFT] = draft.geometry.vocab_size
         self.device = torch.device(g.device)
         draft_num_blocks = num_blocks if draft_num_blocks is None else draft_num_blocks
         # An early-exit draft is the target's first layers: it reads the K/V the target
@@ -294,12 +303,23 @@ class SpecDecoder:
 
     def _sample_draft(self, logits, policy, seed, offset):
         """Proposals from the draft's logits: (tokens [R], the distribution q [R, V] they
-        were drawn from)."""
-        rows, vocab = logits.shape
+        were drawn from, over the target's vocabulary V).
+
+        A draft with a larger (padded) vocabulary proposes only ids the target has: its
+        logits past V are dropped before the policy, so q is its distribution given an
+        id below V. A smaller one proposes ids below its size: q is zero past it. Either
+        way q is exactly the distribution the proposal was drawn from, which is all that
+        exactness needs."""
+        vocab = self.vocab_size
+        if logits.shape[1] > vocab:
+            logits = logits[:, :vocab]
+        rows, width = logits.shape
         probs = _checked("apply_policy", "probs", self._ops.apply_policy(logits, **policy),
-                         (rows, vocab), integer=False)
+                         (rows, width), integer=False)
         tokens = _checked("sample", "tokens", self._ops.sample(probs, seed=seed, offset=offset),
                           (rows,), integer=True)
+        if width < vocab:
+            probs = torch.nn.functional.pad(probs, (0, vocab - width))
         return tokens, probs
 
     def _verify_pass(self, plan, host, inputs, draft_tokens, q, policy, timer):
@@ -345,7 +365,7 @@ class SpecDecoder:
             **on_device)
         with torch.inference_mode():
             logits = self._models[role].forward(batch)
-        expect = (p["num_logits"], self.vocab_size)
+        expect = (p["num_logits"], self._vocab[role])
         if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != expect:
             got = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise ValueError(f"{role.name} model: forward must return logits [R, V] = "

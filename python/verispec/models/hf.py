@@ -31,7 +31,8 @@ The wrapped model keeps working for transformers' own generate only after
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -316,6 +317,14 @@ def _attend_matmul(q, k, v, mask, scaling, softcap, sinks):
     return out.view(b, kvh, n, grp, dv).permute(0, 2, 1, 3, 4).reshape(b, n, h, dv)
 
 
+def _shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A new module object sharing every parameter, buffer and child with ``module``, whose
+    children can be replaced without touching the original."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    return clone
+
+
 def _refuse(model: Any, why: str) -> ValueError:
     return ValueError(f"HFModel: {type(model).__name__} is not supported: {why}")
 
@@ -424,6 +433,58 @@ class HFModel:
     @property
     def num_layers(self) -> int:
         return self.geometry.num_layers
+
+    def early_exit(self, num_layers: int) -> "HFModel":
+        """The first ``num_layers`` decoder layers + the model's final norm and LM head,
+        sharing this model's modules (no copy of any weight): a self-speculation draft
+        (``verispec.drafters.EarlyExit``), whose pools are the target's first layers.
+
+        Works where the model keeps its decoder layers in one ``nn.ModuleList`` and runs
+        any prefix of it; checked with a recording forward (ValueError otherwise).
+        """
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not (
+                1 <= num_layers <= self.num_layers):
+            raise ValueError(f"early_exit: num_layers must be an int in [1, {self.num_layers}], "
+                             f"got {num_layers!r}")
+        path = self._layer_list_path()
+        clone = _shallow_copy(self.model)
+        parent = clone
+        for name in path[:-1]:
+            child = _shallow_copy(getattr(parent, name))
+            setattr(parent, name, child)
+            parent = child
+        full = getattr(parent, path[-1])
+        setattr(parent, path[-1], torch.nn.ModuleList(list(full)[:num_layers]))
+        draft = HFModel.__new__(HFModel)
+        draft.model = clone
+        draft.layers = self.layers[:num_layers]
+        draft._pool_of = {id(r.module): i for i, r in enumerate(draft.layers)}
+        layer_kv = self.geometry.layer_kv
+        draft.geometry = replace(self.geometry, num_layers=num_layers,
+                                 layer_kv=None if layer_kv is None else layer_kv[:num_layers])
+        draft.model_type = self.model_type
+        draft.tokenizer_fingerprint = self.tokenizer_fingerprint
+        probe = _Probe()
+        device = self.geometry.device
+        draft._call(torch.zeros(2, dtype=torch.long, device=device), torch.arange(2, device=device),
+                    torch.tensor([1], device=device), probe)
+        if [id(r.module) for r in probe.layers] != [id(r.module) for r in draft.layers]:
+            raise ValueError(f"early_exit: {type(self.model).__name__} does not run a prefix of "
+                             f"its layers (its forward called {len(probe.layers)} attention "
+                             f"layers, expected the first {num_layers})")
+        return draft
+
+    def _layer_list_path(self) -> list[str]:
+        """Attribute names from the model to the nn.ModuleList holding the decoder layers
+        (element i contains layer i's attention module)."""
+        attention = [r.module for r in self.layers]
+        for name, module in self.model.named_modules():
+            if (isinstance(module, torch.nn.ModuleList) and len(module) == len(attention)
+                    and all(any(m is a for m in layer.modules())
+                            for layer, a in zip(module, attention))):
+                return name.split(".")
+        raise ValueError(f"early_exit: {type(self.model).__name__} keeps no nn.ModuleList of "
+                         f"its {len(attention)} decoder layers")
 
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
               ctx: Any) -> torch.Tensor:
