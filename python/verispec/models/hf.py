@@ -299,7 +299,12 @@ def _attend_matmul(q, k, v, mask, scaling, softcap, sinks):
     l, kvh, dv = k.shape[1], k.shape[2], v.shape[3]
     grp = h // kvh
     qg = q.reshape(b, n, kvh, grp, dk).permute(0, 2, 1, 3, 4).reshape(b * kvh, n * grp, dk)
-    scores = torch.bmm(qg, k.permute(0, 2, 3, 1).reshape(b * kvh, dk, l)) * scaling
+    if b == 1:  # one row (plain decoding, a verify pass): views of the pool, no copies
+        kt, vt = k[0].permute(1, 2, 0), v[0].transpose(0, 1)                  # [KvH, Dk, L], [KvH, L, Dv]
+    else:
+        kt = k.permute(0, 2, 3, 1).reshape(b * kvh, dk, l)
+        vt = v.permute(0, 2, 1, 3).reshape(b * kvh, l, dv)
+    scores = torch.bmm(qg, kt) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(b, kvh, n, grp, l)
@@ -313,7 +318,7 @@ def _attend_matmul(q, k, v, mask, scaling, softcap, sinks):
     else:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     probs = probs.to(v.dtype).reshape(b * kvh, n * grp, l)
-    out = torch.bmm(probs, v.permute(0, 2, 1, 3).reshape(b * kvh, l, dv))   # [b*KvH, n*grp, Dv]
+    out = torch.bmm(probs, vt)                                              # [b*KvH, n*grp, Dv]
     return out.view(b, kvh, n, grp, dv).permute(0, 2, 1, 3, 4).reshape(b, n, h, dv)
 
 
