@@ -31,6 +31,7 @@ The wrapped model keeps working for transformers' own generate only after
 from __future__ import annotations
 
 import math
+import contextlib
 import copy
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -39,6 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from verispec.models.base import ModelGeometry, PagedBatch
+# Forwards of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS tokens (verify passes) of a
+# float32 CPU model run their linear layers on verispec's CPU kernel, as LlamaModel's do.
+from verispec.models.llama import NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS
 
 __all__ = ["ATTN_IMPLEMENTATION", "HFModel"]
 
@@ -322,6 +326,42 @@ def _attend_matmul(q, k, v, mask, scaling, softcap, sinks):
     return out.view(b, kvh, n, grp, dv).permute(0, 2, 1, 3, 4).reshape(b, n, h, dv)
 
 
+class _NativeLinear(torch.overrides.TorchFunctionMode):
+    """Inside a forward of 2..NATIVE_LINEAR_MAX_ROWS tokens (a verify pass) of a float32
+    CPU model: every ``F.linear`` of those rows runs on verispec's CPU kernel
+    (``verispec.ops.linear``), which reads a weight once for up to 8 rows, where MKL
+    costs ~2.2x a one-row product for 6 rows (bench/bench_linear.py). Anything else
+    goes to torch unchanged. The model's modules are not touched."""
+
+    def __init__(self, threads: int) -> None:
+        super().__init__()
+        from verispec import _C
+
+        self._native = _C._linear_unchecked
+        self._threads = threads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and len(args) >= 2:
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
+                    and x.dtype == torch.float32 and w.dtype == torch.float32
+                    and x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2
+                    and w.stride(1) == 1 and x.shape[-1] == w.shape[1]
+                    and 1 <= x.numel() // max(x.shape[-1], 1) <= NATIVE_LINEAR_MAX_ROWS):
+                x2 = x.reshape(-1, x.shape[-1]).contiguous()
+                m, k = x2.shape
+                n = w.shape[0]
+                out = torch.empty((m, n), dtype=torch.float32)
+                self._native(x2.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, k,
+                             w.stride(0), n, self._threads, False)
+                if bias is not None:
+                    out += bias
+                return out.view(*x.shape[:-1], n)
+        return func(*args, **kwargs)
+
+
 def _shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
     """A new module object sharing every parameter, buffer and child with ``module``, whose
     children can be replaced without touching the original."""
@@ -429,6 +469,14 @@ class HFModel:
             vocab_size=int(logits.shape[-1]), max_context=int(max_context), dtype=dtype,
             device=device, layer_kv=None if uniform else shapes)
         self.model_type = getattr(text, "model_type", type(hf_model).__name__)
+        from verispec import _C
+
+        self._native_linear_ok = (device.type == "cpu" and dtype == torch.float32
+                                  and _C.linear_best_isa() != "scalar")
+        #: Run the linear layers of forwards of 2..16 tokens (verify passes) on verispec's
+        #: CPU kernel (float32 on an x86 CPU with AVX2 or AVX-512). Set False to keep
+        #: torch's for every product (e.g. to compare).
+        self.native_linear = self._native_linear_ok
         self.tokenizer_fingerprint: Optional[str] = None
         if tokenizer is not None:
             from verispec.models.tokenizer import vocabulary_fingerprint
@@ -468,6 +516,8 @@ class HFModel:
         draft.geometry = replace(self.geometry, num_layers=num_layers,
                                  layer_kv=None if layer_kv is None else layer_kv[:num_layers])
         draft.model_type = self.model_type
+        draft._native_linear_ok = self._native_linear_ok
+        draft.native_linear = self.native_linear
         draft.tokenizer_fingerprint = self.tokenizer_fingerprint
         probe = _Probe()
         device = self.geometry.device
@@ -510,9 +560,15 @@ class HFModel:
         if max(plan.ctx_lens) > g.max_context:
             raise ValueError(f"HFModel.forward: context_lens must be <= max_context = "
                              f"{g.max_context}, got {max(plan.ctx_lens)}")
-        logits = self._call(batch.input_ids.to(device), batch.positions.to(device=device,
-                            dtype=torch.long), batch.logits_indices.to(device=device,
-                            dtype=torch.long), plan)
+        num_tokens = batch.input_ids.shape[0]
+        mode = contextlib.nullcontext()
+        if (self.native_linear and self._native_linear_ok
+                and NATIVE_LINEAR_MIN_ROWS <= num_tokens <= NATIVE_LINEAR_MAX_ROWS):
+            mode = _NativeLinear(torch.get_num_threads())
+        with mode:
+            logits = self._call(batch.input_ids.to(device), batch.positions.to(
+                device=device, dtype=torch.long), batch.logits_indices.to(
+                device=device, dtype=torch.long), plan)
         if plan.calls != g.num_layers:
             raise RuntimeError(f"HFModel.forward: {plan.calls} of {g.num_layers} layers called "
                                f"verispec's attention function (was the model's attention "
