@@ -402,6 +402,10 @@ def test_draft_and_draft_model_must_agree(capsys, tiny_model, tiny_qwen2):
     assert cli._draft_choice(args) == (str(tiny_qwen2), "--draft-model")
     args = cli.build_parser().parse_args(["generate", "--prompt", "hi"])
     assert cli._draft_choice(args) == ("ngram", "--draft")
+    # --draft-model is always a model, never a --draft keyword
+    code, _, err = run(capsys, "generate", "--model", tiny_model, "--prompt", "hi",
+                       "--draft-model", "early-exit")
+    assert_usage_error(code, err, "argument --draft-model", "unknown model 'early-exit'")
 
 
 def test_draft_model_with_a_padded_vocabulary_passes_the_tokenizer_check(

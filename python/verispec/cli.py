@@ -391,9 +391,10 @@ def _make_draft(args: argparse.Namespace, model, tok, device: str, dtype):
     from verispec.drafters import EarlyExit, NGram
 
     choice, arg = _draft_choice(args)
-    if choice == "none":
+    keyword = choice if arg == "--draft" else None  # --draft-model is always a model
+    if keyword == "none":
         return None, "none (plain decoding)", None
-    if choice == "ngram":
+    if keyword == "ngram":
         if args.ngram_min > args.ngram_max:
             raise UsageError(f"argument --ngram-min: expected <= --ngram-max ({args.ngram_max}), "
                              f"got {args.ngram_min}")
@@ -403,7 +404,7 @@ def _make_draft(args: argparse.Namespace, model, tok, device: str, dtype):
         except ValueError as e:
             raise UsageError(f"argument --ngram-min/--ngram-max: {e}") from None
     layers = model.geometry.num_layers
-    if choice == "early-exit":
+    if keyword == "early-exit":
         n = args.early_exit_layers if args.early_exit_layers is not None else max(1, math.ceil(layers / 4))
         if layers < 2:
             raise UsageError(f"argument --draft: early-exit needs a target with >= 2 layers, "
