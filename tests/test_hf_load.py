@@ -176,8 +176,12 @@ def test_tokenizer_fingerprint_on_every_model(folders, byte_bpe, tmp_path):
         assert model.tokenizer_fingerprint == want == vocabulary_fingerprint(tok), name
         assert vm.load_model(folder).tokenizer_fingerprint == want, name
         # the map that fingerprint hashes is transformers' own tokenizer's for the folder
-        hf_vocab = transformers.AutoTokenizer.from_pretrained(folder).get_vocab()
-        assert tok.backend.get_vocab(with_added_tokens=True) == hf_vocab
+        hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+        assert tok.backend.get_vocab(with_added_tokens=True) == hf_tok.get_vocab()
+        # a transformers tokenizer (whose .backend is a string) hashes to the same value
+        assert vocabulary_fingerprint(hf_tok) == want
+        if isinstance(model, vm.HFModel):
+            assert vm.HFModel(model.model, tokenizer=hf_tok).tokenizer_fingerprint == want
     # load_model of a folder without tokenizer.json: the model, no fingerprint; load refuses
     bare = tmp_path / "bare"
     bare.mkdir()
