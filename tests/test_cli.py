@@ -408,10 +408,9 @@ def test_draft_and_draft_model_must_agree(capsys, tiny_model, tiny_qwen2):
     assert_usage_error(code, err, "argument --draft-model", "unknown model 'early-exit'")
 
 
-def test_draft_model_with_a_padded_vocabulary_passes_the_tokenizer_check(
-        tmp_path, tiny_model, tiny_qwen2):
-    """Same tokenizer, 13 more embedding rows: the CLI takes it (the decoder pads the
-    vocabularies); the vocabulary-size refusal is gone."""
+def test_draft_model_with_a_padded_vocabulary(capsys, tmp_path, tiny_model, tiny_qwen2):
+    """Same tokenizer, 13 more embedding rows: the CLI takes it, the decoder drops the
+    draft's extra logits, and greedy output is the target's own."""
     from verispec.models import load
 
     target, tok = load(tiny_qwen2)
@@ -425,6 +424,11 @@ def test_draft_model_with_a_padded_vocabulary_passes_the_tokenizer_check(
     assert arg == "--draft-model"
     assert f"vocabulary {draft.geometry.vocab_size} rows vs the target's " \
            f"{target.geometry.vocab_size}, same tokenizer" in desc
+    code, out, err = run(capsys, "generate", "--model", tiny_qwen2, "--draft-model", padded,
+                         "--prompt", "the quick brown fox the quick brown fox", "--greedy",
+                         "--k", 3, "--max-new-tokens", 16, "--ignore-eos")
+    assert code == 0, err
+    assert "greedy outputs identical: yes" in err, err
 
 
 def test_decoder_refusal_of_a_draft_model_is_a_usage_error(monkeypatch, tiny_model):
