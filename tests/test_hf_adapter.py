@@ -543,9 +543,6 @@ def test_refuses_chunked_attention():
     _refused(_llama4_chunked())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "adapter bug: llama4's layer_types are 'chunked_attention', not in hf._ATTENTION_LAYER_TYPES, "
-    "so the hybrid check refuses it first, saying it keeps recurrent or convolution state"))
 def test_chunked_attention_refusal_names_the_reason():
     msg = _refused(_llama4_chunked(), "chunked attention")
     assert "hybrid" not in msg
@@ -596,6 +593,18 @@ def test_rejects_tree_mask_of_the_wrong_shape_or_dtype():
                 ok.float()):
         with pytest.raises(ValueError, match="tree_mask"):
             model.forward(dataclasses.replace(batch, tree_mask=bad))
+    blind = ok.clone()
+    blind[1, 1] = False  # node 1 cannot see itself
+    with pytest.raises(ValueError, match="node 1 does not"):
+        model.forward(dataclasses.replace(batch, tree_mask=blind))
+
+
+def test_refusal_leaves_the_training_mode_as_it_was():
+    model = _llama4_chunked()
+    model.train()
+    with pytest.raises(ValueError):
+        HFModel(model)
+    assert model.training
 
 
 def test_wrapped_model_on_its_own():

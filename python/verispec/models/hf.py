@@ -226,6 +226,10 @@ class _Plan:
                                  f"[{num_tokens}, {num_tokens}], got {tree.dtype} "
                                  f"{list(tree.shape)}")
             tree = tree.cpu()
+            if not bool(tree.diagonal().all()):
+                raise ValueError(f"HFModel.forward: batch.tree_mask must let every node see "
+                                 f"itself (a True diagonal); node "
+                                 f"{int((~tree.diagonal()).nonzero()[0])} does not")
         self.tree = tree
         self.write = _KVWrite(batch.host_tensor("slot_mapping"), device)
         rows = [r for r in range(len(self.ctx_lens)) if starts[r + 1] > starts[r]]
@@ -393,20 +397,21 @@ class HFModel:
         if getattr(config, "is_encoder_decoder", False):
             raise _refuse(hf_model, "it is an encoder-decoder model; verispec runs decoder-only "
                                     "causal LMs")
-        other = sorted({t for t in (getattr(text, "layer_types", None) or [])
-                        if t not in _ATTENTION_LAYER_TYPES})
+        layer_types = set(getattr(text, "layer_types", None) or [])
+        if getattr(text, "attention_chunk_size", None) or "chunked_attention" in layer_types:
+            raise _refuse(hf_model, "chunked attention (attention_chunk_size) is applied by "
+                                    "transformers' mask, not passed to the attention function")
+        other = sorted(t for t in layer_types if t not in _ATTENTION_LAYER_TYPES)
         if other:
             raise _refuse(hf_model, f"a hybrid: its layer types {other} keep recurrent or "
                                     f"convolution state outside the KV cache, which would need "
                                     f"rollback on rejected drafts")
-        if getattr(text, "attention_chunk_size", None):
-            raise _refuse(hf_model, "chunked attention (attention_chunk_size) is applied by "
-                                    "transformers' mask, not passed to the attention function")
         params = [p for p in hf_model.parameters() if p.is_floating_point()]
         if not params:
             raise TypeError(f"HFModel: {type(hf_model).__name__} has no floating-point weights")
         dtype, device = params[0].dtype, params[0].device
         previous = getattr(config, "_attn_implementation", None)
+        was_training = hf_model.training
         hf_model.eval()
         try:
             try:
@@ -447,6 +452,7 @@ class HFModel:
                 raise _refuse(hf_model, f"its forward ignored logits_to_keep (logits "
                                         f"{list(logits.shape)} for one kept row)")
         except BaseException:
+            hf_model.train(was_training)
             if previous is not None and previous != ATTN_IMPLEMENTATION:
                 try:
                     hf_model.set_attn_implementation(previous)
@@ -583,10 +589,12 @@ class HFModel:
         for i, (kp, vp) in enumerate(zip(batch.kv.k, batch.kv.v)):
             kvh, dk, dv = g.kv_shape(i)
             if (kp.dim() != 4 or tuple(kp.shape[2:]) != (kvh, dk) or vp.dim() != 4
-                    or tuple(vp.shape[2:]) != (kvh, dv) or kp.dtype != g.dtype):
+                    or tuple(vp.shape[2:]) != (kvh, dv) or kp.dtype != g.dtype
+                    or vp.dtype != g.dtype):
                 raise ValueError(f"HFModel.forward: layer {i}'s KV pools must be {g.dtype} "
                                  f"K [num_blocks, block_size, {kvh}, {dk}] and V [..., {kvh}, "
-                                 f"{dv}], got {kp.dtype} {list(kp.shape)} and {list(vp.shape)}")
+                                 f"{dv}], got {kp.dtype} {list(kp.shape)} and {vp.dtype} "
+                                 f"{list(vp.shape)}")
         t = batch.input_ids.shape[0]
         for name in ("positions", "slot_mapping"):
             if getattr(batch, name).shape != (t,):
