@@ -1,0 +1,154 @@
+"""SpecDecoder through verispec.models.HFModel: transformers models decoding on verispec's pools.
+
+- Greedy: qwen2 (full and sliding layers, window 5 < the sequences), gemma2 (attention and
+  final-logit softcaps, sliding window), mistral (sliding window), gpt_oss (sinks, MoE,
+  sliding window) and mixtral (MoE), each with an n-gram draft, a smaller model draft and
+  an early-exit draft, k = 3 and "auto", one sequence joining mid-flight: the output equals
+  transformers' generate(do_sample=False) on an unwrapped copy, token for token.
+- Sampled: the distribution of 3-token continuations equals the target's, enumerated
+  exactly with transformers' own forward (a G-test, tests/exactness.py), for a model, an
+  n-gram and an early-exit draft; the same test rejects a wrong draft q, a verify without
+  the policy and an adapter that ignores the sliding window (its power).
+- Vocabularies: drafts with a larger (padded) and a smaller vocabulary than the target's;
+  a draft whose tokenizer differs is refused.
+- SmolLM2: through the adapter (transformers' Llama on the GGUF's weights) and through
+  verispec's native Llama, the same logits (1e-4) and the same speculative greedy tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+
+import pytest
+import torch
+import transformers
+
+import exactness
+from verispec import reference
+from verispec.decoder import SpecDecoder
+from verispec.drafters import EarlyExit, NGram
+from verispec.models import HFModel
+from verispec.models import hf as vhf
+from verispec.models.testing import PagedRunner, randomize_weights
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a model hub
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: intra-op threads only wait on each other, and on a loaded machine a
+    thread descheduled at a barrier made every forward ~15x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_config(model_type, *, vocab, layers=3, hidden=64, **overrides):
+    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3 // 2,
+              num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, bos_token_id=None, eos_token_id=None,
+              pad_token_id=None, tie_word_embeddings=False)
+    kw.update(overrides)
+    return transformers.AutoConfig.for_model(model_type, **kw)
+
+
+def random_model(config, seed, norm_spread=0.2):
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    return randomize_weights(model, seed, norm_spread=norm_spread)
+
+
+def truncated(model, layers):
+    """The same architecture with its first `layers` decoder layers, its embeddings, final
+    norm and head (copied weights): a smaller draft with its own cache."""
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    small = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    state = model.state_dict()
+    small.load_state_dict({name: state[name] for name in small.state_dict()})
+    return small
+
+
+def transformers_greedy(model, prompt, n):
+    """(tokens, smallest top-1 minus top-2 logit gap along the way) of generate()."""
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n,
+                         pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    assert len(tokens) == n, "generate stopped early (an eos id in the config?)"
+    gap = min(float(s[0].topk(2).values.diff().abs()) for s in out.scores)
+    return tokens, gap
+
+
+def speculate(target, draft, prompts, n, *, k, late=1, **kw):
+    """Decodes prompts[:-late] for two steps, then adds the rest (their prefill rides
+    next to the others' verify rows); the results in prompt order, blocks all freed."""
+    dec = SpecDecoder(target, draft, k=k, num_blocks=64, block_size=4, **kw)
+    seqs = [dec.add(p, max_new_tokens=n, greedy=True) for p in prompts[:-late]]
+    dec.step()
+    dec.step()
+    seqs += [dec.add(p, max_new_tokens=n, greedy=True) for p in prompts[-late:]]
+    while dec.has_running():
+        dec.step()
+    results = [dec.result(s) for s in seqs]
+    for s in seqs:
+        dec.release(s)
+    assert dec.num_free_blocks() == dec.num_blocks()
+    return dec, results
+
+
+# --------------------------------------------------------------------------- greedy
+
+GREEDY_VOCAB = 97
+N_NEW = 24
+# Repetition for the n-gram lookup; the last prompt (24 tokens) joins after two steps.
+PROMPTS = [[5, 17, 42, 42, 9, 60, 3, 7, 7, 50, 1, 5, 17, 42], [88, 2, 13],
+           [4, 4, 4, 4, 30, 31, 32, 30, 31, 32, 30, 31, 32, 11, 12, 13, 11, 12, 13, 11, 12, 13,
+            4, 4]]
+# Random tiny models can have near-ties: each model's seed is one whose transformers
+# greedy path keeps its top-1 logit at least MIN_GAP above the second at every step,
+# ~300x the adapter's measured error (<= 3e-6), so no float noise can flip a token.
+MIN_GAP = 1e-3
+ARCHS = {
+    "qwen2": (dict(sliding_window=5, use_sliding_window=True, max_window_layers=1,
+                   layer_types=["full_attention", "sliding_attention", "sliding_attention"]), 6),
+    "gemma2": (dict(head_dim=16, sliding_window=5, attn_logit_softcapping=5.0,
+                    final_logit_softcapping=3.0), 2),
+    "mistral": (dict(sliding_window=5), 5),
+    "gpt_oss": (dict(head_dim=16, sliding_window=5, num_local_experts=4, num_experts_per_tok=2,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention"]), 3),
+    "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None), 6),
+}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def greedy_case(request):
+    overrides, seed = ARCHS[request.param]
+    reference_model = random_model(tiny_config(request.param, vocab=GREEDY_VOCAB, **overrides),
+                                   seed)
+    want, gaps = zip(*(transformers_greedy(reference_model, p, N_NEW) for p in PROMPTS))
+    assert min(gaps) >= MIN_GAP, f"seed {seed}: a near-tie ({min(gaps):.1e}); pick another"
+    target = HFModel(copy.deepcopy(reference_model))
+    small = HFModel(truncated(reference_model, 1))
+    return target, small, list(want)
+
+
+@pytest.mark.parametrize("k", [3, "auto"])
+@pytest.mark.parametrize("source", ["ngram", "model", "early_exit"])
+def test_greedy_speculation_equals_transformers_generate(greedy_case, source, k):
+    target, small, want = greedy_case
+    draft = {"ngram": NGram(1, 3), "model": small,
+             "early_exit": EarlyExit(target, num_layers=1)}[source]
+    dec, results = speculate(target, draft, PROMPTS, N_NEW, k=k)
+    assert dec.shares_target_cache == (source == "early_exit")
+    assert [r.tokens for r in results] == want
+    assert all(r.finish_reason == "length" for r in results)
+    proposed = sum(r.stats["proposed"] for r in results)
+    accepted = sum(r.stats["accepted"] for r in results)
+    if k == "auto":
+        assert proposed > 0
+    else:  # both paths taken: accepted drafts, and rejected ones rolled back
+        assert 0 < accepted < proposed, (proposed, accepted)
