@@ -152,3 +152,128 @@ def test_greedy_speculation_equals_transformers_generate(greedy_case, source, k)
         assert proposed > 0
     else:  # both paths taken: accepted drafts, and rejected ones rolled back
         assert 0 < accepted < proposed, (proposed, accepted)
+
+
+# --------------------------------------------------------------------------- sampled
+
+# The distribution of DEPTH-token continuations of SAMPLE_PROMPT over a SV-token
+# vocabulary, against the target's own, enumerated with transformers' forward. G-test of
+# tests/exactness.py; false-alarm rate exactness.ALPHA per test (fixed seeds: each case is
+# deterministic, a correct decoder would fail one with probability ALPHA over seeds).
+SV, DEPTH = 5, 3
+SAMPLE_PROMPT = [0, 1, 0]
+SAMPLE_ROWS, ROWS_PER_CALL = 8000, 1000
+
+
+def exact_joint(model, prompt, policy, vocab):
+    """P(x_1..x_DEPTH | prompt) under the policy, transformers' full forward over every
+    prefix: float64 [vocab ** DEPTH], row-major (the code of x is sum x_i vocab^(DEPTH-i))."""
+    joint = torch.ones(1, dtype=torch.float64)
+    prefixes = torch.tensor([prompt])
+    for _ in range(DEPTH):
+        with torch.no_grad():
+            logits = model(prefixes).logits[:, -1].float()
+        joint = (joint[:, None] * reference.apply_policy(logits, **policy).double()).reshape(-1)
+        prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0),
+                              torch.arange(vocab).repeat(len(prefixes))[:, None]], dim=1)
+    return joint / joint.sum()
+
+
+def sampled_joint(dec, prompt, policy, vocab, *, seed):
+    """Counts of the SAMPLE_ROWS continuations' codes, and the decoder's (proposed,
+    accepted) over them."""
+    observed = torch.zeros(vocab ** DEPTH, dtype=torch.float64)
+    place = vocab ** torch.arange(DEPTH - 1, -1, -1)
+    proposed = accepted = 0
+    for call in range(SAMPLE_ROWS // ROWS_PER_CALL):
+        results = dec.generate([prompt] * ROWS_PER_CALL, max_new_tokens=DEPTH,
+                               seed=seed + call, **policy)
+        codes = (torch.tensor([r.tokens for r in results]) * place).sum(dim=1)
+        observed += torch.bincount(codes, minlength=vocab ** DEPTH)
+        proposed += sum(r.stats["proposed"] for r in results)
+        accepted += sum(r.stats["accepted"] for r in results)
+    return observed, proposed, accepted
+
+
+def distribution_p_value(dec, reference_model, policy, vocab=SV, *, seed):
+    observed, proposed, accepted = sampled_joint(dec, SAMPLE_PROMPT, policy, vocab, seed=seed)
+    p_value, *_ = exactness._g_test(observed, exact_joint(reference_model, SAMPLE_PROMPT,
+                                                          policy, vocab))
+    return p_value, proposed, accepted
+
+
+def sampling_decoder(target, draft):
+    return SpecDecoder(target, draft, k=2, num_blocks=5000, block_size=2)
+
+
+@pytest.fixture(scope="module")
+def sampling():
+    """A 2-layer qwen2 target (a full layer, then a sliding one of window 2, which the
+    6-token sequences exceed), its reference copy and an unrelated 1-layer gemma2 draft
+    (softcaps: its proposals are often rejected)."""
+    small = dict(vocab=SV, layers=2, hidden=32, num_attention_heads=2, num_key_value_heads=1,
+                 max_position_embeddings=64)
+    reference_model = random_model(tiny_config(
+        "qwen2", **small, sliding_window=2, use_sliding_window=True, max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention"]), 7, norm_spread=0.1)
+    draft = random_model(tiny_config("gemma2", **{**small, "layers": 1}, head_dim=16,
+                                     attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+                         8, norm_spread=0.1)
+    return reference_model, HFModel(copy.deepcopy(reference_model)), HFModel(draft)
+
+
+SAMPLED = {
+    "model": dict(temperature=0.8, top_k=4),
+    "ngram": dict(temperature=0.8, top_k=4),
+    "early_exit": dict(temperature=1.0, top_p=0.9, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("source", list(SAMPLED))
+def test_sampled_speculation_has_the_target_distribution(sampling, source):
+    reference_model, target, draft = sampling
+    draft = {"model": draft, "ngram": NGram(1, 2),
+             "early_exit": EarlyExit(target, num_layers=1)}[source]
+    p_value, proposed, accepted = distribution_p_value(
+        sampling_decoder(target, draft), reference_model, SAMPLED[source], seed=100)
+    assert 0 < accepted < proposed, (proposed, accepted)
+    assert p_value > exactness.ALPHA
+
+
+def _verify_without_policy():
+    """ops whose verify judges the drafts by the target's plain softmax (no top-k)."""
+    from types import SimpleNamespace
+
+    from verispec import ops
+
+    def verify(*args, **kw):
+        return ops.verify(*args, **{**kw, "top_k": 0, "top_p": 1.0, "min_p": 0.0})
+
+    return SimpleNamespace(apply_policy=ops.apply_policy, sample=ops.sample, verify=verify)
+
+
+@pytest.mark.parametrize("wrong", ["draft_q", "verify_policy", "adapter_window"])
+def test_the_sampled_test_has_power(sampling, wrong, monkeypatch):
+    """The same test rejects: q that is not the distribution the proposals were drawn
+    from (the draft's sharpened softmax), a verify without the top-k of the policy (n-gram
+    drafts), and an adapter that ignores the sliding window (an early-exit draft)."""
+    reference_model, target, draft = sampling
+    policy = SAMPLED["model"]
+    if wrong == "draft_q":
+        real = SpecDecoder._sample_draft
+
+        def wrong_q(self, logits, pol, seed, offset):
+            tokens, _ = real(self, logits, pol, seed, offset)
+            return tokens, torch.softmax(logits.float() * 3, dim=-1)
+
+        monkeypatch.setattr(SpecDecoder, "_sample_draft", wrong_q)
+        dec = sampling_decoder(target, draft)
+    elif wrong == "verify_policy":
+        dec = SpecDecoder(target, NGram(1, 2), k=2, num_blocks=5000, block_size=2,
+                          ops=_verify_without_policy())
+    else:
+        real_mask = vhf._Group.mask
+        monkeypatch.setattr(vhf._Group, "mask", lambda self, window: real_mask(self, None))
+        dec = sampling_decoder(target, EarlyExit(target, num_layers=1))
+    p_value, _, _ = distribution_p_value(dec, reference_model, policy, seed=100)
+    assert p_value < exactness.ALPHA
