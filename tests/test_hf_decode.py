@@ -277,3 +277,133 @@ def test_the_sampled_test_has_power(sampling, wrong, monkeypatch):
         dec = sampling_decoder(target, EarlyExit(target, num_layers=1))
     p_value, _, _ = distribution_p_value(dec, reference_model, policy, seed=100)
     assert p_value < exactness.ALPHA
+
+
+# --------------------------------------------------------------------------- vocabularies
+
+# One tokenizer of TOKENS ids, models of other vocabulary sizes (padded embedding tables).
+# The target (phi: its head has a bias) has GREEDY_VOCAB rows; the bias of the rows past
+# TOKENS is -1e4, so it never emits them, as a trained model never emits padding. A smaller
+# draft has exactly the TOKENS rows; a larger one LARGER rows, whose padding rows get the
+# largest logits: a decoder that kept them would propose ids the target does not have.
+TOKENS, LARGER = 64, 128
+VOCAB_PROMPTS = [[5, 17, 42, 42, 9, 60, 3, 7, 7, 50, 1, 5, 17, 42], [8, 2, 13],
+                 [4, 4, 4, 4, 30, 31, 32, 30, 31, 32, 30, 31, 32, 11, 12, 13, 11, 12, 13, 11,
+                  12, 13, 4, 4]]
+
+
+def padded_head_model(vocab, tokens, seed, **config):
+    model = random_model(tiny_config("phi", vocab=vocab, **config), seed)
+    with torch.no_grad():
+        model.lm_head.bias[tokens:] = -1e4
+    return model
+
+
+def resized(model, vocab, *, layers=1, padding_logit=1e4):
+    """A `layers`-layer copy of `model` with `vocab` embedding and head rows: the rows of
+    ids both have keep their weights; rows past the model's are random, with head bias
+    `padding_logit`."""
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers, config.vocab_size = layers, vocab
+    small = random_model(config, 99)
+    have = model.state_dict()
+    shared = min(vocab, model.config.vocab_size)
+    with torch.no_grad():
+        for name, weights in small.state_dict().items():  # dim 0 of a vocab-sized tensor
+            weights[:shared] = have[name][:shared]      # is the token id
+        small.lm_head.bias[model.config.vocab_size:] = padding_logit
+    return small
+
+
+@pytest.fixture(scope="module")
+def padded():
+    reference_model = padded_head_model(GREEDY_VOCAB, TOKENS, 2)
+    want, gaps = zip(*(transformers_greedy(reference_model, p, N_NEW) for p in VOCAB_PROMPTS))
+    assert min(gaps) >= MIN_GAP, f"a near-tie ({min(gaps):.1e}); pick another seed"
+    assert max(max(w) for w in want) < TOKENS
+    drafts = {"smaller": HFModel(resized(reference_model, TOKENS)),
+              "larger": HFModel(resized(reference_model, LARGER))}
+    return HFModel(copy.deepcopy(reference_model)), drafts, list(want)
+
+
+@pytest.mark.parametrize("size", ["smaller", "larger"])
+def test_greedy_with_a_draft_of_another_vocabulary_size(padded, size):
+    target, drafts, want = padded
+    assert drafts[size].geometry.vocab_size == {"smaller": TOKENS, "larger": LARGER}[size]
+    _, results = speculate(target, drafts[size], VOCAB_PROMPTS, N_NEW, k=3)
+    assert [r.tokens for r in results] == want
+    proposed = sum(r.stats["proposed"] for r in results)
+    assert 0 < sum(r.stats["accepted"] for r in results) < proposed
+
+
+@pytest.mark.xfail(raises=IndexError, strict=True, reason=(
+    "decoder bug: a context id the target has but a smaller draft does not (here a prompt "
+    "id; or any padded id the target samples) reaches the draft's embedding: IndexError"))
+def test_a_context_id_past_a_smaller_draft_vocabulary(padded):
+    """Ids below the target's vocabulary are valid input; a smaller draft cannot embed the
+    ones past its own, but the output must still be the target's."""
+    target, drafts, _ = padded
+    prompt = [5, 17, 80, 17]
+    want = [r.tokens for r in SpecDecoder(target, None, num_blocks=16, block_size=4).generate(
+        [prompt], max_new_tokens=8, greedy=True)]
+    dec = SpecDecoder(target, drafts["smaller"], k=3, num_blocks=16, block_size=4)
+    got = [r.tokens for r in dec.generate([prompt], max_new_tokens=8, greedy=True)]
+    assert got == want
+
+
+@pytest.mark.parametrize("size", ["smaller", "larger"])
+def test_sampled_with_a_draft_of_another_vocabulary_size(size):
+    """The target has SV + 1 rows, SV of them tokens; the drafts SV and SV + 3 rows."""
+    reference_model = padded_head_model(SV + 1, SV, 7, layers=2, hidden=32,
+                                        num_attention_heads=2, num_key_value_heads=1,
+                                        max_position_embeddings=64)
+    draft = HFModel(resized(reference_model, {"smaller": SV, "larger": SV + 3}[size]))
+    dec = sampling_decoder(HFModel(copy.deepcopy(reference_model)), draft)
+    policy = dict(temperature=1.0)
+    p_value, proposed, accepted = distribution_p_value(dec, reference_model, policy, SV + 1,
+                                                       seed=200)
+    assert 0 < accepted < proposed, (proposed, accepted)
+    assert p_value > exactness.ALPHA
+
+
+def word_tokenizer(words):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok
+
+
+def test_a_draft_with_another_tokenizer_is_refused():
+    words = ["<unk>"] + [f"w{i}" for i in range(1, TOKENS)]
+    swapped = words[:1] + [words[2], words[1]] + words[3:]  # the same tokens, two ids swapped
+    reference_model = padded_head_model(GREEDY_VOCAB, TOKENS, 2, layers=2)
+    target = HFModel(copy.deepcopy(reference_model), tokenizer=word_tokenizer(words))
+    other = HFModel(resized(reference_model, LARGER), tokenizer=word_tokenizer(swapped))
+    assert target.tokenizer_fingerprint != other.tokenizer_fingerprint
+    with pytest.raises(ValueError, match=(
+            f"the draft's tokenizer must be the target's.*target "
+            f"{target.tokenizer_fingerprint}, draft {other.tokenizer_fingerprint}")):
+        SpecDecoder(target, other)
+    # the same vocabulary (another object) is accepted, also with another vocabulary
+    # size; an early exit keeps the target's tokenizer
+    same = HFModel(resized(reference_model, LARGER), tokenizer=word_tokenizer(words))
+    assert same.tokenizer_fingerprint == target.tokenizer_fingerprint
+    for draft in (same, EarlyExit(target, num_layers=1)):
+        dec = SpecDecoder(target, draft, k=2, num_blocks=16, block_size=4)
+        (r,) = dec.generate([[1, 2, 3]], max_new_tokens=4, greedy=True)
+        assert len(r.tokens) == 4
+
+
+@pytest.mark.xfail(raises=TypeError, strict=True, reason=(
+    "tokenizer bug: vocabulary_fingerprint reads tokenizer.backend, which transformers 5 "
+    "tokenizers have as the string 'tokenizers': TypeError"))
+def test_a_transformers_tokenizer_is_fingerprinted_by_its_vocabulary():
+    """HFModel(model, tokenizer=transformers' tokenizer), the documented use: the
+    fingerprint is that of the same vocabulary as a tokenizers.Tokenizer."""
+    words = ["<unk>"] + [f"w{i}" for i in range(1, TOKENS)]
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=word_tokenizer(words))
+    model = padded_head_model(TOKENS, TOKENS, 2, layers=1)
+    wrapped = HFModel(copy.deepcopy(model), tokenizer=fast)
+    plain = HFModel(model, tokenizer=word_tokenizer(words))
+    assert wrapped.tokenizer_fingerprint == plain.tokenizer_fingerprint
