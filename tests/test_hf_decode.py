@@ -17,10 +17,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import itertools
 import os
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -34,6 +35,9 @@ from verispec.models import hf as vhf
 from verispec.models.testing import PagedRunner, randomize_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a model hub
+
+# SmolLM2: the file and verispec's native model, as test_models loads them
+from test_models import SMOLLM2_CONFIG, _unpermute_like_transformers, smollm2  # noqa: E402,F401
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -83,14 +87,15 @@ def transformers_greedy(model, prompt, n):
     return tokens, gap
 
 
-def speculate(target, draft, prompts, n, *, k, late=1, **kw):
-    """Decodes prompts[:-late] for two steps, then adds the rest (their prefill rides
-    next to the others' verify rows); the results in prompt order, blocks all freed."""
-    dec = SpecDecoder(target, draft, k=k, num_blocks=64, block_size=4, **kw)
-    seqs = [dec.add(p, max_new_tokens=n, greedy=True) for p in prompts[:-late]]
+def speculate(target, draft, prompts, n, *, k):
+    """Greedy: decodes all prompts but the last for two steps, then adds the last (its
+    prefill rides next to the others' verify rows); the results in prompt order, every
+    block freed."""
+    dec = SpecDecoder(target, draft, k=k, num_blocks=64, block_size=4)
+    seqs = [dec.add(p, max_new_tokens=n, greedy=True) for p in prompts[:-1]]
     dec.step()
     dec.step()
-    seqs += [dec.add(p, max_new_tokens=n, greedy=True) for p in prompts[-late:]]
+    seqs.append(dec.add(prompts[-1], max_new_tokens=n, greedy=True))
     while dec.has_running():
         dec.step()
     results = [dec.result(s) for s in seqs]
@@ -407,3 +412,105 @@ def test_a_transformers_tokenizer_is_fingerprinted_by_its_vocabulary():
     wrapped = HFModel(copy.deepcopy(model), tokenizer=fast)
     plain = HFModel(model, tokenizer=word_tokenizer(words))
     assert wrapped.tokenizer_fingerprint == plain.tokenizer_fingerprint
+
+
+# --------------------------------------------------------------------------- SmolLM2
+
+SMOLLM2_ATOL = 1e-4  # float32 logits, adapter vs native (as test_models' transformers check)
+
+
+@pytest.fixture(scope="module")
+def smollm2_adapter(smollm2):
+    """transformers' LlamaForCausalLM on the GGUF's weights, through the adapter: as
+    test_models' smollm2_transformers, but read with verispec's GGUFFile (which test_models
+    checks against gguf's reader, bit for bit) and without transformers' random
+    initialisation, ~20 s faster."""
+    from verispec.models.gguf_file import GGUFFile
+
+    path, _, tok = smollm2
+    names = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+             "token_embd": "model.embed_tokens", "output_norm": "model.norm"}
+    heads = {"attn_q": SMOLLM2_CONFIG["num_attention_heads"],
+             "attn_k": SMOLLM2_CONFIG["num_key_value_heads"]}
+    gguf = GGUFFile(path)
+    state = {}
+    for name in gguf.tensors:
+        parts = name.split(".")
+        kind = parts[2] if parts[0] == "blk" else parts[0]
+        values = gguf.tensor(name)
+        if kind in heads:
+            values = torch.from_numpy(np.ascontiguousarray(
+                _unpermute_like_transformers(values.numpy(), heads[kind])))
+        key = (f"model.layers.{parts[1]}.{names[kind]}.weight" if parts[0] == "blk"
+               else f"{names[kind]}.weight")
+        state[key] = values
+    config = transformers.LlamaConfig(rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                                      **SMOLLM2_CONFIG)
+    try:  # every weight is loaded below
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        no_init_weights = contextlib.nullcontext
+    with no_init_weights():
+        hf = transformers.LlamaForCausalLM(config).eval()
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    hf.tie_weights()
+    return HFModel(hf, tokenizer=tok)
+
+
+def prefill_logits(model, ids):
+    runner = PagedRunner(model, num_blocks=8, block_size=16)
+    return runner.step({runner.add_sequence(): ids}, all_logits=False)[0]
+
+
+def test_smollm2_adapter_logits_equal_the_native_llama(smollm2, smollm2_adapter):
+    """Two sequences in one batch: prefills, three decode steps, then a verify-shaped
+    step (4 tokens next to 1); and the early exits of both after 8 layers."""
+    _, native, tok = smollm2
+    adapter = smollm2_adapter
+    assert adapter.geometry.vocab_size == native.geometry.vocab_size == 49152
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}],
+                                   tokenize=True)
+    other = tok.encode("Paged caches make speculative decoding cheap because")
+    runners = [PagedRunner(m, num_blocks=32, block_size=16) for m in (adapter, native)]
+    seqs = [(r.add_sequence(), r.add_sequence()) for r in runners]
+
+    def step(new):  # one batch of both sequences in both engines: max |diff|, native logits
+        got, want = (r.step(dict(zip(s, new))) for r, s in zip(runners, seqs))
+        return max((x - y).abs().max().item() for x, y in zip(got, want)), want
+
+    worst, logits = step((chat, other))
+    g = torch.Generator().manual_seed(6)
+    for n in (1, 1, 1, 4):  # decode steps, then a verify row of 4 tokens next to a decode row
+        first = [row[-1].argmax().item() for row in logits]
+        diff, logits = step(([first[0]] + torch.randint(0, 49152, (n - 1,), generator=g).tolist(),
+                             [first[1]]))
+        worst = max(worst, diff)
+    assert worst < SMOLLM2_ATOL, f"max |logit diff| adapter vs native {worst:.2e}"
+    got, want = (prefill_logits(m.early_exit(8), other) for m in (adapter, native))
+    assert (got - want).abs().max().item() < SMOLLM2_ATOL
+
+
+def test_smollm2_adapter_speculation_equals_the_native_llama(smollm2, smollm2_adapter):
+    """32 greedy tokens with an n-gram draft, through the adapter and natively: the same
+    tokens. (The native greedy path keeps top-1 at least MIN_GAP above top-2, 10x the
+    logits' agreement, so no rounding can flip a token.)"""
+    _, native, tok = smollm2
+    adapter = smollm2_adapter
+    prompts = [tok.encode("Repeat after me: the red fox, the red fox, the red fox,"),
+               tok.encode("def add(a, b):\n    return")]
+    out = {}
+    for name, model in (("adapter", adapter), ("native", native)):
+        dec = SpecDecoder(model, NGram(1, 3), k=3, num_blocks=64, block_size=16)
+        out[name] = dec.generate(prompts, max_new_tokens=32, greedy=True)
+    assert [r.tokens for r in out["adapter"]] == [r.tokens for r in out["native"]]
+    assert sum(r.stats["accepted"] for r in out["adapter"]) > 0
+    runner = PagedRunner(native, num_blocks=16, block_size=16)
+    for prompt, r in zip(prompts, out["native"]):
+        logits = runner.step({runner.add_sequence(): prompt + r.tokens})[0][len(prompt) - 1:-1]
+        top = logits.topk(2, dim=-1).values
+        assert torch.equal(logits.argmax(-1), torch.tensor(r.tokens))
+        assert (top[:, 0] - top[:, 1]).min().item() >= MIN_GAP
