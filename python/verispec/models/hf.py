@@ -31,6 +31,7 @@ The wrapped model keeps working for transformers' own generate only after
 from __future__ import annotations
 
 import math
+import contextlib
 import copy
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -39,6 +40,9 @@ import torch
 import torch.nn.functional as F
 
 from verispec.models.base import ModelGeometry, PagedBatch
+# Forwards of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS tokens (verify passes) of a
+# float32 CPU model run their linear layers on verispec's CPU kernel, as LlamaModel's do.
+from verispec.models.llama import NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS
 
 __all__ = ["ATTN_IMPLEMENTATION", "HFModel"]
 
@@ -222,6 +226,10 @@ class _Plan:
                                  f"[{num_tokens}, {num_tokens}], got {tree.dtype} "
                                  f"{list(tree.shape)}")
             tree = tree.cpu()
+            if not bool(tree.diagonal().all()):
+                raise ValueError(f"HFModel.forward: batch.tree_mask must let every node see "
+                                 f"itself (a True diagonal); node "
+                                 f"{int((~tree.diagonal()).nonzero()[0])} does not")
         self.tree = tree
         self.write = _KVWrite(batch.host_tensor("slot_mapping"), device)
         rows = [r for r in range(len(self.ctx_lens)) if starts[r + 1] > starts[r]]
@@ -299,7 +307,12 @@ def _attend_matmul(q, k, v, mask, scaling, softcap, sinks):
     l, kvh, dv = k.shape[1], k.shape[2], v.shape[3]
     grp = h // kvh
     qg = q.reshape(b, n, kvh, grp, dk).permute(0, 2, 1, 3, 4).reshape(b * kvh, n * grp, dk)
-    scores = torch.bmm(qg, k.permute(0, 2, 3, 1).reshape(b * kvh, dk, l)) * scaling
+    if b == 1:  # one row (plain decoding, a verify pass): views of the pool, no copies
+        kt, vt = k[0].permute(1, 2, 0), v[0].transpose(0, 1)                  # [KvH, Dk, L], [KvH, L, Dv]
+    else:
+        kt = k.permute(0, 2, 3, 1).reshape(b * kvh, dk, l)
+        vt = v.permute(0, 2, 1, 3).reshape(b * kvh, l, dv)
+    scores = torch.bmm(qg, kt) * scaling
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(b, kvh, n, grp, l)
@@ -313,8 +326,44 @@ def _attend_matmul(q, k, v, mask, scaling, softcap, sinks):
     else:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     probs = probs.to(v.dtype).reshape(b * kvh, n * grp, l)
-    out = torch.bmm(probs, v.permute(0, 2, 1, 3).reshape(b * kvh, l, dv))   # [b*KvH, n*grp, Dv]
+    out = torch.bmm(probs, vt)                                              # [b*KvH, n*grp, Dv]
     return out.view(b, kvh, n, grp, dv).permute(0, 2, 1, 3, 4).reshape(b, n, h, dv)
+
+
+class _NativeLinear(torch.overrides.TorchFunctionMode):
+    """Inside a forward of 2..NATIVE_LINEAR_MAX_ROWS tokens (a verify pass) of a float32
+    CPU model: every ``F.linear`` of those rows runs on verispec's CPU kernel
+    (``verispec.ops.linear``), which reads a weight once for up to 8 rows, where MKL
+    costs ~2.2x a one-row product for 6 rows (bench/bench_linear.py). Anything else
+    goes to torch unchanged. The model's modules are not touched."""
+
+    def __init__(self, threads: int) -> None:
+        super().__init__()
+        from verispec import _C
+
+        self._native = _C._linear_unchecked
+        self._threads = threads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and len(args) >= 2:
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
+                    and x.dtype == torch.float32 and w.dtype == torch.float32
+                    and x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2
+                    and w.stride(1) == 1 and x.shape[-1] == w.shape[1]
+                    and 1 <= x.numel() // max(x.shape[-1], 1) <= NATIVE_LINEAR_MAX_ROWS):
+                x2 = x.reshape(-1, x.shape[-1]).contiguous()
+                m, k = x2.shape
+                n = w.shape[0]
+                out = torch.empty((m, n), dtype=torch.float32)
+                self._native(x2.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, k,
+                             w.stride(0), n, self._threads, False)
+                if bias is not None:
+                    out += bias
+                return out.view(*x.shape[:-1], n)
+        return func(*args, **kwargs)
 
 
 def _shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -348,20 +397,21 @@ class HFModel:
         if getattr(config, "is_encoder_decoder", False):
             raise _refuse(hf_model, "it is an encoder-decoder model; verispec runs decoder-only "
                                     "causal LMs")
-        other = sorted({t for t in (getattr(text, "layer_types", None) or [])
-                        if t not in _ATTENTION_LAYER_TYPES})
+        layer_types = set(getattr(text, "layer_types", None) or [])
+        if getattr(text, "attention_chunk_size", None) or "chunked_attention" in layer_types:
+            raise _refuse(hf_model, "chunked attention (attention_chunk_size) is applied by "
+                                    "transformers' mask, not passed to the attention function")
+        other = sorted(t for t in layer_types if t not in _ATTENTION_LAYER_TYPES)
         if other:
             raise _refuse(hf_model, f"a hybrid: its layer types {other} keep recurrent or "
                                     f"convolution state outside the KV cache, which would need "
                                     f"rollback on rejected drafts")
-        if getattr(text, "attention_chunk_size", None):
-            raise _refuse(hf_model, "chunked attention (attention_chunk_size) is applied by "
-                                    "transformers' mask, not passed to the attention function")
         params = [p for p in hf_model.parameters() if p.is_floating_point()]
         if not params:
             raise TypeError(f"HFModel: {type(hf_model).__name__} has no floating-point weights")
         dtype, device = params[0].dtype, params[0].device
         previous = getattr(config, "_attn_implementation", None)
+        was_training = hf_model.training
         hf_model.eval()
         try:
             try:
@@ -402,6 +452,7 @@ class HFModel:
                 raise _refuse(hf_model, f"its forward ignored logits_to_keep (logits "
                                         f"{list(logits.shape)} for one kept row)")
         except BaseException:
+            hf_model.train(was_training)
             if previous is not None and previous != ATTN_IMPLEMENTATION:
                 try:
                     hf_model.set_attn_implementation(previous)
@@ -424,6 +475,14 @@ class HFModel:
             vocab_size=int(logits.shape[-1]), max_context=int(max_context), dtype=dtype,
             device=device, layer_kv=None if uniform else shapes)
         self.model_type = getattr(text, "model_type", type(hf_model).__name__)
+        from verispec import _C
+
+        self._native_linear_ok = (device.type == "cpu" and dtype == torch.float32
+                                  and _C.linear_best_isa() != "scalar")
+        #: Run the linear layers of forwards of 2..16 tokens (verify passes) on verispec's
+        #: CPU kernel (float32 on an x86 CPU with AVX2 or AVX-512). Set False to keep
+        #: torch's for every product (e.g. to compare).
+        self.native_linear = self._native_linear_ok
         self.tokenizer_fingerprint: Optional[str] = None
         if tokenizer is not None:
             from verispec.models.tokenizer import vocabulary_fingerprint
@@ -463,6 +522,8 @@ class HFModel:
         draft.geometry = replace(self.geometry, num_layers=num_layers,
                                  layer_kv=None if layer_kv is None else layer_kv[:num_layers])
         draft.model_type = self.model_type
+        draft._native_linear_ok = self._native_linear_ok
+        draft.native_linear = self.native_linear
         draft.tokenizer_fingerprint = self.tokenizer_fingerprint
         probe = _Probe()
         device = self.geometry.device
@@ -505,9 +566,15 @@ class HFModel:
         if max(plan.ctx_lens) > g.max_context:
             raise ValueError(f"HFModel.forward: context_lens must be <= max_context = "
                              f"{g.max_context}, got {max(plan.ctx_lens)}")
-        logits = self._call(batch.input_ids.to(device), batch.positions.to(device=device,
-                            dtype=torch.long), batch.logits_indices.to(device=device,
-                            dtype=torch.long), plan)
+        num_tokens = batch.input_ids.shape[0]
+        mode = contextlib.nullcontext()
+        if (self.native_linear and self._native_linear_ok
+                and NATIVE_LINEAR_MIN_ROWS <= num_tokens <= NATIVE_LINEAR_MAX_ROWS):
+            mode = _NativeLinear(torch.get_num_threads())
+        with mode:
+            logits = self._call(batch.input_ids.to(device), batch.positions.to(
+                device=device, dtype=torch.long), batch.logits_indices.to(
+                device=device, dtype=torch.long), plan)
         if plan.calls != g.num_layers:
             raise RuntimeError(f"HFModel.forward: {plan.calls} of {g.num_layers} layers called "
                                f"verispec's attention function (was the model's attention "
@@ -522,10 +589,12 @@ class HFModel:
         for i, (kp, vp) in enumerate(zip(batch.kv.k, batch.kv.v)):
             kvh, dk, dv = g.kv_shape(i)
             if (kp.dim() != 4 or tuple(kp.shape[2:]) != (kvh, dk) or vp.dim() != 4
-                    or tuple(vp.shape[2:]) != (kvh, dv) or kp.dtype != g.dtype):
+                    or tuple(vp.shape[2:]) != (kvh, dv) or kp.dtype != g.dtype
+                    or vp.dtype != g.dtype):
                 raise ValueError(f"HFModel.forward: layer {i}'s KV pools must be {g.dtype} "
                                  f"K [num_blocks, block_size, {kvh}, {dk}] and V [..., {kvh}, "
-                                 f"{dv}], got {kp.dtype} {list(kp.shape)} and {list(vp.shape)}")
+                                 f"{dv}], got {kp.dtype} {list(kp.shape)} and {vp.dtype} "
+                                 f"{list(vp.shape)}")
         t = batch.input_ids.shape[0]
         for name in ("positions", "slot_mapping"):
             if getattr(batch, name).shape != (t,):

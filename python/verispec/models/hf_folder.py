@@ -1,11 +1,16 @@
-"""Hugging Face model folders: config.json -> LlamaConfig, *.safetensors -> lazy state dict."""
+"""Hugging Face model folders: config.json -> LlamaConfig, *.safetensors -> lazy state dict.
+
+verispec's native model runs Llama-family decoders; ``native_refusal(config)`` says why
+a config.json is not one (None when it is), and verispec.models.load sends such folders
+to transformers (verispec.models.HFModel) instead.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -91,10 +96,67 @@ class SafetensorsFolder(Mapping):
         return len(self._weight_map)
 
 
-def read_hf_config(folder: str) -> LlamaConfig:
+def read_config_json(folder: str) -> dict[str, Any]:
+    """The folder's config.json as a dict; FileNotFoundError when there is none."""
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face model folder: "
                                 f"config.json + *.safetensors)")
     with open(path, encoding="utf-8") as f:
-        return llama_config_from_hf(json.load(f), path)
+        cfg = json.load(f)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def read_hf_config(folder: str) -> LlamaConfig:
+    path = os.path.join(folder, "config.json")
+    return llama_config_from_hf(read_config_json(folder), path)
+
+
+def native_refusal(cfg: dict[str, Any], source: str = "config.json") -> Optional[str]:
+    """Why verispec's native Llama cannot run this config.json dict, or None when it can.
+
+    The test is llama_config_from_hf's own (model_type llama, no biases, silu, no partial
+    rotary, LlamaConfig's RoPE types and head shapes), plus: no quantization_config (the
+    native loader reads plain float tensors).
+    """
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(
+            cfg["quantization_config"], dict) else "?"
+        return f"{source}: quantized checkpoints (quant_method {method!r}) are not read natively"
+    try:
+        llama_config_from_hf(cfg, source)
+    except (ValueError, KeyError, TypeError) as e:
+        return str(e) if not isinstance(e, KeyError) else f"{source}: no {e.args[0]!r} entry"
+    return None
+
+
+def supports_natively(cfg: dict[str, Any]) -> bool:
+    """True when verispec's native LlamaModel runs this config.json dict."""
+    return native_refusal(cfg) is None
+
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def checkpoint_dtype(cfg: dict[str, Any]) -> Optional[torch.dtype]:
+    """The dtype config.json records for the weights ("dtype", transformers 5, or
+    "torch_dtype", 4.x; the text config's for a multimodal config), or None."""
+    for c in (cfg, cfg.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            value = c.get(key) if isinstance(c, dict) else None
+            if isinstance(value, str):
+                name = value.removeprefix("torch.")
+                if name in _DTYPES:
+                    return _DTYPES[name]
+    return None
+
+
+def check_safetensors(folder: str) -> None:
+    """FileNotFoundError unless the folder has model.safetensors or a shard index."""
+    if not any(os.path.isfile(os.path.join(folder, name))
+               for name in ("model.safetensors", "model.safetensors.index.json")):
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json "
+                                f"(verispec loads Hugging Face weights from safetensors)")

@@ -219,8 +219,9 @@ def vocabulary_fingerprint(tokenizer: Any) -> str:
     """
     import hashlib
 
-    source = getattr(tokenizer, "backend", tokenizer)
-    get_vocab = getattr(source, "get_vocab", None)
+    get_vocab = getattr(tokenizer, "get_vocab", None)  # transformers, tokenizers
+    if get_vocab is None:  # verispec's Tokenizer wraps a tokenizers.Tokenizer
+        get_vocab = getattr(getattr(tokenizer, "backend", None), "get_vocab", None)
     if get_vocab is None:
         raise TypeError(f"vocabulary_fingerprint: expected a tokenizer with get_vocab(), "
                         f"got {type(tokenizer).__name__}")

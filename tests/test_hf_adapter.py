@@ -1,0 +1,624 @@
+"""verispec.models.HFModel against transformers' own forward.
+
+Tiny random-weight models (hidden 64, 3 layers, vocab 97) are built locally with
+transformers (no downloads), wrapped in HFModel and driven through PagedRunner (the real
+block allocator, small blocks). Every returned logit row is compared with transformers'
+full-sequence forward of the row's tokens (the reference keeps its own sdpa / eager
+attention): max |difference| <= ATOL = 1e-5 in float32, and equal argmax.
+
+The schedule covers ragged multi-row prefill, decode rows, verify rows of 2..8 tokens
+followed by rollback of the rejected tokens, chunked prefill, non-contiguous block tables
+(interleaved appends, a freed sequence's blocks reused), rows that keep only their last
+logits, and draft trees (PagedBatch.tree_mask). Power: with the sliding window, softcap or
+sink handling switched off in the adapter, the same comparison fails for the models that
+use them (and still passes for llama, which uses none).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import pytest
+import torch
+import transformers
+
+import verispec.models.hf as hf_mod
+from verispec.models import HFModel
+from verispec.models.base import KVPools
+from verispec.models.testing import PagedRunner, randomize_weights
+
+ATOL = 1e-5  # absolute, float32 logits of O(1..10)
+# With a feature's handling switched off, the comparison must miss by far more than ATOL.
+POWER_MIN_DIFF = 100 * ATOL
+VOCAB = 97
+WINDOW = 5  # sliding window of the windowed configs; sequences run to ~40 tokens
+BLOCK_SIZE = 4
+TREE_NODES = 18  # the random tree's size: more queries than hf.SMALL_ROW_QUERIES (SDPA path)
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_NO_KV = ("num_key_value_heads",)
+
+
+def _cfg(model_type: str, drop=(), **kw):
+    args = {k: v for k, v in _COMMON.items() if k not in drop}
+    args.update(kw)
+    return transformers.AutoConfig.for_model(model_type, **args)
+
+
+CONFIGS = {
+    # the issue's twelve
+    "llama": lambda: _cfg("llama"),
+    "mistral": lambda: _cfg("mistral", sliding_window=WINDOW),
+    "qwen2": lambda: _cfg("qwen2", sliding_window=WINDOW, use_sliding_window=True,
+                          max_window_layers=1,
+                          layer_types=["full_attention", "sliding_attention",
+                                       "sliding_attention"]),
+    "qwen3": lambda: _cfg("qwen3", head_dim=16),
+    "phi3": lambda: _cfg("phi3"),
+    "gemma": lambda: _cfg("gemma", head_dim=16),
+    "gemma2": lambda: _cfg("gemma2", head_dim=16, sliding_window=WINDOW,
+                           attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    "gemma3_text": lambda: _cfg("gemma3_text", head_dim=16, sliding_window=WINDOW,
+                                sliding_window_pattern=2),
+    "starcoder2": lambda: _cfg("starcoder2", sliding_window=WINDOW),
+    "gpt_neox": lambda: _cfg("gpt_neox", drop=_NO_KV + ("pad_token_id",)),
+    "mixtral": lambda: _cfg("mixtral", num_local_experts=4, num_experts_per_tok=2,
+                            sliding_window=None),
+    "gpt_oss": lambda: _cfg("gpt_oss", head_dim=16, sliding_window=WINDOW, num_local_experts=4,
+                            num_experts_per_tok=2,
+                            layer_types=["sliding_attention", "full_attention",
+                                         "sliding_attention"]),
+    # cheap extras
+    "olmo2": lambda: _cfg("olmo2"),
+    "granite": lambda: _cfg("granite", attention_multiplier=0.3, residual_multiplier=0.5,
+                            embedding_multiplier=2.0, logits_scaling=4.0),
+    "phi": lambda: _cfg("phi", partial_rotary_factor=0.5),
+    "cohere2": lambda: _cfg("cohere2", sliding_window=WINDOW, logit_scale=0.5,
+                            layer_types=["sliding_attention", "sliding_attention",
+                                         "full_attention"]),
+    "smollm3": lambda: _cfg("smollm3", no_rope_layers=[1, 0, 1]),
+    "qwen3_moe": lambda: _cfg("qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32),
+    # MLA: K head dim (16 + 8) != V head dim (12)
+    "deepseek_v3": lambda: _cfg("deepseek_v3", num_key_value_heads=4, kv_lora_rank=16,
+                                q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+                                n_group=1, topk_group=1, moe_intermediate_size=32,
+                                first_k_dense_replace=1,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "gpt2": lambda: transformers.AutoConfig.for_model(
+        "gpt2", vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=256,
+        bos_token_id=1, eos_token_id=2),
+    "opt": lambda: _cfg("opt", drop=_NO_KV + ("intermediate_size",), ffn_dim=96,
+                        word_embed_proj_dim=64),
+    # KV sharing: layers 2 and 3 reuse the K/V of layers 0 and 1
+    "gemma3n_text": lambda: _cfg("gemma3n_text", head_dim=16, sliding_window=WINDOW,
+                                 num_hidden_layers=4, num_kv_shared_layers=2,
+                                 layer_types=["sliding_attention", "full_attention"] * 2,
+                                 intermediate_size=[96] * 4, activation_sparsity_pattern=[0.0] * 4,
+                                 laurel_rank=8, altup_num_inputs=2, hidden_size_per_layer_input=8,
+                                 vocab_size_per_layer_input=VOCAB),
+    # BERT as a causal decoder (is_decoder=True): absolute positions, post-norm
+    "bert_decoder": lambda: transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        intermediate_size=96, is_decoder=True, pad_token_id=0, max_position_embeddings=256),
+}
+ISSUE_TWELVE = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text",
+                "starcoder2", "gpt_neox", "mixtral", "gpt_oss"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The models are tiny: one intra-op thread is several times faster than spinning up a
+    pool on a shared machine (and keeps the runtime stable under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(name: str):
+    """The tiny float32 model with fixed random weights, in transformers' own attention.
+    Never wrapped: tests wrap a deep copy (HFModel switches the wrapped model's attention)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name]()).float().eval()
+    randomize_weights(model, seed=1)
+    with torch.no_grad():
+        for module in model.modules():
+            # Gemma's RMSNorm scales by (1 + weight): centre its weights on 0, not 1, so its
+            # logits stay O(1..10) like the others' (else 2x per norm, and transformers'
+            # own prefix-vs-full forwards already differ by ~5e-6)
+            if type(module).__name__ in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"):
+                module.weight -= 1.0
+    return model
+
+
+def _ref_logits(ref, tokens) -> torch.Tensor:
+    with torch.no_grad():
+        return ref(torch.tensor([list(tokens)])).logits[0]
+
+
+def _wrap(name: str) -> HFModel:
+    ref = _reference(name)
+    model = HFModel(copy.deepcopy(ref))
+    assert ref.config._attn_implementation != hf_mod.ATTN_IMPLEMENTATION
+    return model
+
+
+def _consecutive(table: list[int]) -> bool:
+    return table == list(range(table[0], table[0] + len(table)))
+
+
+class _Driver:
+    """Drives an HFModel through a PagedRunner and compares every logit row it returns
+    with the reference forward of the row's sequence as it stands after the step."""
+
+    def __init__(self, name: str, *, num_blocks: int = 64, seed: int = 7):
+        self.ref = _reference(name)
+        self.model = _wrap(name)
+        self.runner = PagedRunner(self.model, num_blocks=num_blocks, block_size=BLOCK_SIZE)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.seqs: dict[str, int] = {}
+        self.hist: dict[str, list[int]] = {}
+        self.rejected: dict[str, int] = {}
+        self.worst = 0.0
+        self.argmax_mismatches = 0
+        self.rows_compared = 0
+        self.steps = 0
+        self.noncontiguous: list[tuple[int, str]] = []  # (step, sequence) read through holes
+
+    def tokens(self, name: str, n: int) -> list[int]:
+        toks = torch.randint(0, VOCAB, (n,), generator=self.gen).tolist()
+        # after a rollback, the next token differs from the rejected one at that position
+        if name in self.rejected and toks and toks[0] == self.rejected.pop(name):
+            toks[0] = (toks[0] + 1) % VOCAB
+        return toks
+
+    def seq(self, name: str) -> int:
+        if name not in self.seqs:
+            self.seqs[name] = self.runner.add_sequence()
+            self.hist[name] = []
+        return self.seqs[name]
+
+    def compare(self, got: torch.Tensor, want: torch.Tensor) -> None:
+        assert got.shape == want.shape and got.dtype == torch.float32
+        self.worst = max(self.worst, (got - want).abs().max().item())
+        self.argmax_mismatches += int((got.argmax(-1) != want.argmax(-1)).sum())
+        self.rows_compared += got.shape[0]
+
+    def step(self, counts: dict[str, int], *, last_only: bool = False) -> None:
+        new = {name: self.tokens(name, n) for name, n in counts.items()}
+        batch = self.runner.make_batch({self.seq(k): v for k, v in new.items()},
+                                       all_logits=not last_only)
+        for i, (name, length) in enumerate(zip(new, batch.context_lens.tolist())):
+            if not _consecutive(batch.block_tables[i, :-(-length // BLOCK_SIZE)].tolist()):
+                self.noncontiguous.append((self.steps, name))
+        self.steps += 1
+        logits = self.model.forward(batch)
+        assert logits.shape == (batch.logits_indices.shape[0], VOCAB)
+        per_row = logits.split(1) if last_only else logits.split([len(t) for t in new.values()])
+        for (name, toks), got in zip(new.items(), per_row):
+            self.hist[name] += toks
+            assert self.runner.length(self.seqs[name]) == len(self.hist[name])
+            want = _ref_logits(self.ref, self.hist[name])[-got.shape[0]:]
+            self.compare(got, want)
+
+    def rollback(self, name: str, drop: int) -> None:
+        keep = len(self.hist[name]) - drop
+        self.rejected[name] = self.hist[name][keep]
+        self.runner.rollback(self.seqs[name], keep)
+        del self.hist[name][keep:]
+
+    def free(self, name: str) -> None:
+        self.runner.free(self.seqs.pop(name))
+        del self.hist[name]
+
+
+# (new tokens per sequence, tokens rejected per sequence after the step, sequences freed,
+#  last logits only). A is prefilled at once, B and E in chunks; D is freed so that its
+# blocks are reused (holes), and rows appended together interleave their blocks.
+SCHEDULE = [
+    ({"A": 20, "B": 3, "D": 6, "C": 1}, {}, ["D"], False),       # ragged prefill (A: 20 queries)
+    ({"B": 18, "A": 1, "C": 4}, {}, [], False),                  # chunked prefill + decode
+    ({"A": 8, "B": 7, "C": 6}, {"A": 5, "C": 3}, [], False),     # verify 8/7/6, one padded group
+    ({"A": 1, "B": 1, "C": 1}, {}, [], False),                   # decode rows, one group
+    ({"E": 5, "A": 1, "B": 1, "C": 1}, {}, [], True),            # E's first chunk; last logits
+    ({"E": 5, "A": 4, "C": 2}, {"A": 4, "C": 1}, [], False),     # verify 4/2, all of A rejected
+    ({"E": 7, "A": 1, "B": 3, "C": 1}, {"B": 2}, [], False),     # E's last chunk, verify 3
+    ({"A": 2, "B": 3, "C": 5, "E": 8}, {"E": 6, "A": 1}, [], False),  # verify 2/3/5/8
+    ({"A": 1, "B": 1, "C": 1, "E": 1}, {}, [], False),           # decode after the rollbacks
+]
+
+
+def _run_schedule(name: str) -> _Driver:
+    d = _Driver(name)
+    for counts, drops, frees, last_only in SCHEDULE:
+        d.step(counts, last_only=last_only)
+        for seq, n in drops.items():
+            d.rollback(seq, n)
+        for seq in frees:
+            d.free(seq)
+    return d
+
+
+def test_schedule_covers_what_it_claims(monkeypatch):
+    """The schedule really exercises the adapter's paths: rows attended as one padded group
+    and one by one, SDPA rows (> SMALL_ROW_QUERIES queries) and small rows, keys gathered
+    through a non-consecutive block table and sliced from consecutive blocks."""
+    seen = []
+    original = hf_mod._Plan._attend_group
+
+    def spy(g, q, k_flat, v_flat, scaling, window, softcap, sinks):
+        seen.append((g.b, g.n, g.key_start is None))
+        return original(g, q, k_flat, v_flat, scaling, window, softcap, sinks)
+
+    monkeypatch.setattr(hf_mod._Plan, "_attend_group", staticmethod(spy))
+    d = _run_schedule("llama")
+    # chunked prefill, verify and decode rows whose block tables have holes
+    assert {(1, "B"), (2, "A"), (2, "B"), (3, "C"), (7, "E")} <= set(d.noncontiguous)
+    assert any(b > 1 for b, _, _ in seen)
+    assert any(b == 1 for b, _, _ in seen)
+    assert any(n > hf_mod.SMALL_ROW_QUERIES for _, n, _ in seen)
+    assert any(1 < n <= hf_mod.SMALL_ROW_QUERIES for _, n, _ in seen)
+    assert any(gathered for _, _, gathered in seen)
+    assert any(not gathered for _, _, gathered in seen)
+    lengths = sorted(n for counts, _, _, _ in SCHEDULE for n in counts.values())
+    assert set(range(1, 9)) <= set(lengths)
+    assert TREE_NODES > hf_mod.SMALL_ROW_QUERIES
+    assert set(ISSUE_TWELVE) <= set(CONFIGS)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_equal_transformers(name):
+    d = _run_schedule(name)
+    assert d.rows_compared >= 100
+    assert d.noncontiguous
+    assert d.worst <= ATOL, f"{name}: max |logits - transformers| = {d.worst:.3g} > {ATOL}"
+    assert d.argmax_mismatches == 0
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_geometry(name):
+    ref = _reference(name)
+    model = _wrap(name)
+    g = model.geometry
+    text = ref.config.get_text_config()
+    assert g.num_layers == model.num_layers == text.num_hidden_layers
+    assert g.vocab_size == VOCAB
+    assert g.dtype == torch.float32 and g.device == torch.device("cpu")
+    assert g.max_context == text.max_position_embeddings
+    if name == "deepseek_v3":
+        assert g.layer_kv == ((4, 24, 12),) * 3
+    else:
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = (getattr(text, "head_dim", None)
+                    or text.hidden_size // text.num_attention_heads)
+        assert g.layer_kv is None
+        assert (g.num_kv_heads, g.head_dim) == (kv_heads, head_dim)
+    pools = KVPools.allocate(g, num_blocks=3, block_size=BLOCK_SIZE)
+    for i in range(g.num_layers):
+        kvh, dk, dv = g.kv_shape(i)
+        assert pools.k[i].shape == (3, BLOCK_SIZE, kvh, dk)
+        assert pools.v[i].shape == (3, BLOCK_SIZE, kvh, dv)
+    # the logits width is the geometry's vocabulary
+    runner = PagedRunner(model, num_blocks=8, block_size=BLOCK_SIZE)
+    (logits,) = runner.step({runner.add_sequence(): [3, 4, 5]})
+    assert logits.shape == (3, g.vocab_size)
+
+
+def test_mla_pools_are_per_layer():
+    g = _wrap("deepseek_v3").geometry
+    assert g.layer_kv is not None
+    assert all(dk != dv for _, dk, dv in g.layer_kv)
+    pools = KVPools.allocate(g, num_blocks=2, block_size=BLOCK_SIZE)
+    assert [tuple(p.shape[2:]) for p in pools.k] == [(4, 24)] * 3
+    assert [tuple(p.shape[2:]) for p in pools.v] == [(4, 12)] * 3
+
+
+# ---------------------------------------------------------------- power
+
+def _switch_off(monkeypatch, *features: str) -> None:
+    """Makes the adapter ignore what the layers pass for the given features."""
+    original = hf_mod._Plan.attend
+
+    def attend(self, module, query, key, value, *, scaling, window, softcap, sinks):
+        given = {"window": window, "softcap": softcap, "sinks": sinks}
+        for f in features:
+            given[f] = None
+        return original(self, module, query, key, value, scaling=scaling, **given)
+
+    monkeypatch.setattr(hf_mod._Plan, "attend", attend)
+
+
+@pytest.mark.parametrize("name, feature", [
+    ("mistral", "window"), ("qwen2", "window"), ("gemma3_text", "window"),
+    ("starcoder2", "window"), ("cohere2", "window"), ("gemma2", "window"),
+    ("gemma2", "softcap"), ("gpt_oss", "sinks"), ("gpt_oss", "window"),
+])
+def test_power_feature_off_fails(monkeypatch, name, feature):
+    _switch_off(monkeypatch, feature)
+    d = _run_schedule(name)
+    assert d.worst > POWER_MIN_DIFF, (
+        f"{name} still matches transformers ({d.worst:.3g}) with the {feature} ignored")
+
+
+def test_power_control_llama_unaffected(monkeypatch):
+    """llama passes no window, softcap or sinks: switching their handling off changes
+    nothing, so the failures above come from the features, not from the switch."""
+    _switch_off(monkeypatch, "window", "softcap", "sinks")
+    d = _run_schedule("llama")
+    assert d.worst <= ATOL and d.argmax_mismatches == 0
+
+
+# ---------------------------------------------------------------- tree mask
+
+def _tree_batch(runner, rows):
+    """rows: list of (seq, tokens, parents or None for a chain). One batch whose tree rows
+    get depth positions (siblings share one) and an ancestor mask; chain rows a causal
+    mask. Returns the batch and, per row, each token's path (indices into its tokens)."""
+    batch = runner.make_batch({s: toks for s, toks, _ in rows})
+    t = batch.input_ids.shape[0]
+    mask = torch.zeros(t, t, dtype=torch.bool)
+    positions = batch.positions.clone()
+    paths = []
+    start = 0
+    for s, toks, parents in rows:
+        n = len(toks)
+        if parents is None:
+            parents = [i - 1 for i in range(n)]
+        row_paths = []
+        for i in range(n):
+            path, j = [], i
+            while j >= 0:
+                path.append(j)
+                j = parents[j]
+            path.reverse()
+            row_paths.append(path)
+            for j in path:
+                mask[start + i, start + j] = True
+            positions[start + i] = batch.positions[start] + len(path) - 1
+        paths.append(row_paths)
+        start += n
+    return dataclasses.replace(batch, positions=positions, tree_mask=mask), paths
+
+
+def _random_parents(n: int, gen: torch.Generator) -> list[int]:
+    """A random tree, each node's parent among the three nodes before it: branchy and
+    deeper than WINDOW, so windows cut through the tree (by depth positions, not indices)."""
+    parents = [-1] + [int(torch.randint(max(0, i - 3), i, (1,), generator=gen))
+                      for i in range(1, n)]
+    depth = [0] * n
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    assert max(depth) > WINDOW and len(set(parents)) < n
+    return parents
+
+
+def _run_trees(name: str) -> _Driver:
+    d = _Driver(name, seed=5)
+    runner = d.runner
+    d.step({"P": 12, "Q": 9, "R": 4})
+    gen = torch.Generator().manual_seed(9)
+
+    def toks(n):
+        return [int(x) for x in torch.randint(0, VOCAB, (n,), generator=gen)]
+
+    def check(rows):
+        batch, paths = _tree_batch(runner, [(d.seqs[k], t, par) for k, t, par in rows])
+        logits = d.model.forward(batch)
+        assert logits.shape == (batch.input_ids.shape[0], VOCAB)
+        start = 0
+        for (k, t, _), row_paths in zip(rows, paths):
+            for i, path in enumerate(row_paths):
+                want = _ref_logits(d.ref, d.hist[k] + [t[j] for j in path])[-1:]
+                d.compare(logits[start + i:start + i + 1], want)
+            start += len(t)
+
+    # a -> {b, c}, b -> d (depth positions 12, 13, 13, 14) next to a chain row and a decode row
+    check([("P", toks(4), [-1, 0, 0, 1]), ("Q", toks(3), None), ("R", toks(1), None)])
+    # every draft rejected: back to the committed prefixes
+    for k in ("P", "Q", "R"):
+        runner.rollback(d.seqs[k], len(d.hist[k]))
+    # a random tree with more nodes than SMALL_ROW_QUERIES, alone in its batch
+    n = TREE_NODES
+    check([("P", toks(n), _random_parents(n, gen))])
+    runner.rollback(d.seqs["P"], len(d.hist["P"]))
+    # plain decoding continues over the committed prefixes (stale tree K/V past them)
+    d.step({"P": 1, "Q": 1, "R": 2})
+    assert d.rows_compared == 25 + 8 + n + 4
+    return d
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma2", "gemma3_text", "gpt_oss"])
+def test_tree_mask(name):
+    d = _run_trees(name)
+    assert d.worst <= ATOL, f"{name}: tree logits differ by {d.worst:.3g}"
+    assert d.argmax_mismatches == 0
+
+
+def test_power_tree_mask_ignored_fails(monkeypatch):
+    """An adapter that read the tree as a chain (the sibling c would see b) must fail."""
+    original = hf_mod._Plan.__init__
+
+    def no_tree(self, batch, pool_of, device):
+        original(self, dataclasses.replace(batch, tree_mask=None), pool_of, device)
+
+    monkeypatch.setattr(hf_mod._Plan, "__init__", no_tree)
+    assert _run_trees("llama").worst > POWER_MIN_DIFF
+
+
+# ---------------------------------------------------------------- refusals
+
+def _tiny(model_type: str, **kw):
+    return transformers.AutoModelForCausalLM.from_config(_cfg(model_type, **kw)).eval()
+
+
+def _refused(model, *words: str) -> str:
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError) as info:
+        HFModel(model)
+    msg = str(info.value)
+    assert type(model).__name__ in msg and "not supported" in msg
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+    # the model is left in its own attention implementation, not verispec's
+    assert model.config._attn_implementation == before != hf_mod.ATTN_IMPLEMENTATION
+    return msg
+
+
+def test_refuses_hybrid_conv_layers():
+    model = _tiny("lfm2", layer_types=["conv", "full_attention", "conv"], block_ff_dim=96)
+    _refused(model, "hybrid", "conv")
+
+
+def test_refuses_hybrid_linear_attention():
+    model = _tiny("qwen3_next", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                  linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+                  linear_value_head_dim=16,
+                  layer_types=["linear_attention", "full_attention", "linear_attention"])
+    _refused(model, "hybrid", "linear_attention")
+
+
+@pytest.mark.parametrize("model_type", ["falcon", "bloom"])
+def test_refuses_model_outside_the_interface(model_type):
+    layers = {"n_layer": 3} if model_type == "bloom" else {"num_hidden_layers": 3}
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, bos_token_id=1,
+        eos_token_id=2, **layers)).eval()
+    _refused(model, "AttentionInterface")
+
+
+def _bypass(module):
+    """An attention module that never calls the attention function."""
+    def forward(hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states), None
+    module.forward = forward
+
+
+def test_refuses_layers_that_never_call_the_hook():
+    model = _tiny("llama")
+    for layer in model.model.layers:
+        _bypass(layer.self_attn)
+    _refused(model, "never called")
+
+
+def test_refuses_a_layer_that_bypasses_the_hook():
+    model = _tiny("llama")
+    _bypass(model.model.layers[1].self_attn)
+    _refused(model, "only 2 of its 3 layers")
+
+
+def test_refuses_encoder_decoder():
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)).eval()
+    _refused(model, "encoder-decoder")
+
+
+def test_refuses_bidirectional_encoder():
+    model = transformers.BertLMHeadModel(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=96, is_decoder=False, pad_token_id=0)).eval()
+    _refused(model, "bidirectional")
+
+
+def test_refuses_bidirectional_gemma3():
+    model = _tiny("gemma3_text", head_dim=16, use_bidirectional_attention=True)
+    _refused(model, "bidirectional")
+
+
+def _llama4_chunked():
+    # layer_types: ["chunked_attention"] * 3
+    return _tiny("llama4_text", head_dim=16, attention_chunk_size=4, num_local_experts=2,
+                 num_experts_per_tok=1, intermediate_size_mlp=96, interleave_moe_layer_step=1)
+
+
+def test_refuses_chunked_attention():
+    _refused(_llama4_chunked())
+
+
+def test_chunked_attention_refusal_names_the_reason():
+    msg = _refused(_llama4_chunked(), "chunked attention")
+    assert "hybrid" not in msg
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_rejects_non_models():
+    with pytest.raises(TypeError, match="transformers model"):
+        HFModel(object())
+    with pytest.raises(TypeError, match="transformers model"):
+        HFModel(torch.nn.Linear(2, 2))
+
+
+def test_rejects_bad_max_context():
+    with pytest.raises(ValueError, match="max_context"):
+        HFModel(copy.deepcopy(_reference("llama")), max_context=0)
+    model = HFModel(copy.deepcopy(_reference("llama")), max_context=6)
+    assert model.geometry.max_context == 6
+    runner = PagedRunner(model, num_blocks=8, block_size=BLOCK_SIZE)
+    with pytest.raises(ValueError, match="max_context"):
+        runner.step({runner.add_sequence(): list(range(7))})
+
+
+def test_rejects_pools_of_the_wrong_shape():
+    model = _wrap("deepseek_v3")
+    runner = PagedRunner(model, num_blocks=8, block_size=BLOCK_SIZE)
+    batch = runner.make_batch({runner.add_sequence(): [1, 2, 3]})
+    model.forward(batch)  # the right pools pass
+    # layer 1's V with the K head size (uniform pools for an MLA model)
+    v = list(batch.kv.v)
+    v[1] = torch.zeros(8, BLOCK_SIZE, 4, 24)
+    bad = dataclasses.replace(batch, kv=KVPools(k=batch.kv.k, v=v, block_size=BLOCK_SIZE))
+    with pytest.raises(ValueError, match="layer 1's KV pools"):
+        model.forward(bad)
+    short = KVPools(k=batch.kv.k[:2], v=batch.kv.v[:2], block_size=BLOCK_SIZE)
+    with pytest.raises(ValueError, match="3 K and V pools"):
+        model.forward(dataclasses.replace(batch, kv=short))
+
+
+def test_rejects_tree_mask_of_the_wrong_shape_or_dtype():
+    model = _wrap("llama")
+    runner = PagedRunner(model, num_blocks=8, block_size=BLOCK_SIZE)
+    batch = runner.make_batch({runner.add_sequence(): [1, 2, 3]})
+    ok = torch.ones(3, 3, dtype=torch.bool).tril()
+    model.forward(dataclasses.replace(batch, tree_mask=ok))
+    for bad in (torch.ones(3, 4, dtype=torch.bool), torch.ones(2, 2, dtype=torch.bool),
+                ok.float()):
+        with pytest.raises(ValueError, match="tree_mask"):
+            model.forward(dataclasses.replace(batch, tree_mask=bad))
+    blind = ok.clone()
+    blind[1, 1] = False  # node 1 cannot see itself
+    with pytest.raises(ValueError, match="node 1 does not"):
+        model.forward(dataclasses.replace(batch, tree_mask=blind))
+
+
+def test_refusal_leaves_the_training_mode_as_it_was():
+    model = _llama4_chunked()
+    model.train()
+    with pytest.raises(ValueError):
+        HFModel(model)
+    assert model.training
+
+
+def test_wrapped_model_on_its_own():
+    """The wrapped model refuses to run outside HFModel.forward, saying how to get it back;
+    switched back to sdpa it runs again, and HFModel then says its layers were not called."""
+    model = _wrap("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(RuntimeError, match="set_attn_implementation"):
+        with torch.no_grad():
+            model.model(ids)
+    model.model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        got = model.model(ids).logits[0]
+    assert (got - _ref_logits(_reference("llama"), [5, 6, 7])).abs().max().item() <= ATOL
+    runner = PagedRunner(model, num_blocks=8, block_size=BLOCK_SIZE)
+    with pytest.raises(RuntimeError, match="0 of 3 layers"):
+        runner.step({runner.add_sequence(): [5, 6, 7]})
