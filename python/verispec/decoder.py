@@ -358,9 +358,15 @@ class SpecDecoder:
                 logits_indices=_view(buf, p["logits_indices"], p["num_logits"], torch.int64))
 
         on_device = fields(inputs)
+        if input_ids is None:
+            input_ids = _view(inputs, p["input_ids"], T, torch.int64)
+        if self._vocab[role] < self.vocab_size:
+            # a draft with a smaller vocabulary than the target's reads tokens it has no
+            # embedding for (the prompt's, the target's corrections) as its last id: its
+            # proposals get worse, never wrong (q stays what they are drawn from)
+            input_ids = input_ids.clamp(max=self._vocab[role] - 1)
         batch = PagedBatch(
-            input_ids=input_ids if input_ids is not None
-            else _view(inputs, p["input_ids"], T, torch.int64),
+            input_ids=input_ids,
             kv=self._pools[role], host=on_device if host is inputs else fields(host),
             **on_device)
         with torch.inference_mode():
