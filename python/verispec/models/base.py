@@ -151,3 +151,33 @@ class Model(Protocol):
     geometry: ModelGeometry
 
     def forward(self, batch: PagedBatch) -> torch.Tensor: ...
+
+
+def check_batch(batch: PagedBatch, geometry: ModelGeometry, who: str) -> None:
+    """The checks every model's forward makes before reading a batch: the pools match the
+    geometry (per layer: K/V heads, K and V head sizes, dtype) and the batch's shapes
+    agree. ``who`` names the caller in the error (e.g. "LlamaModel.forward")."""
+    g = geometry
+    if len(batch.kv.k) != g.num_layers or len(batch.kv.v) != g.num_layers:
+        raise ValueError(f"{who}: batch.kv must hold {g.num_layers} K and V pools (one per "
+                         f"layer), got {len(batch.kv.k)} and {len(batch.kv.v)}")
+    for i, (kp, vp) in enumerate(zip(batch.kv.k, batch.kv.v)):
+        kvh, dk, dv = g.kv_shape(i)
+        if (kp.dim() != 4 or tuple(kp.shape[2:]) != (kvh, dk) or vp.dim() != 4
+                or tuple(vp.shape[2:]) != (kvh, dv) or kp.dtype != g.dtype
+                or vp.dtype != g.dtype):
+            raise ValueError(f"{who}: layer {i}'s KV pools must be {g.dtype} K [num_blocks, "
+                             f"block_size, {kvh}, {dk}] and V [..., {kvh}, {dv}], got "
+                             f"{kp.dtype} {list(kp.shape)} and {vp.dtype} {list(vp.shape)}")
+    t = batch.input_ids.shape[0]
+    for name in ("positions", "slot_mapping"):
+        if getattr(batch, name).shape != (t,):
+            raise ValueError(f"{who}: batch.{name} must be [T] = [{t}], "
+                             f"got {list(getattr(batch, name).shape)}")
+    b = batch.context_lens.shape[0]
+    if batch.query_start.shape != (b + 1,) or batch.block_tables.shape[0] != b:
+        raise ValueError(f"{who}: with B = {b} rows, query_start must be [B + 1] and "
+                         f"block_tables [B, M]; got {list(batch.query_start.shape)} and "
+                         f"{list(batch.block_tables.shape)}")
+    if b == 0 or t == 0:
+        raise ValueError(f"{who}: the batch must hold at least one row and one token")

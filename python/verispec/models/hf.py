@@ -39,7 +39,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from verispec.models.base import ModelGeometry, PagedBatch
+from verispec.models.base import ModelGeometry, PagedBatch, check_batch
 # Forwards of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS tokens (verify passes) of a
 # float32 CPU model run their linear layers on verispec's CPU kernel, as LlamaModel's do.
 from verispec.models.llama import NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS
@@ -582,28 +582,4 @@ class HFModel:
         return logits[0]
 
     def _check(self, batch: PagedBatch) -> None:
-        g = self.geometry
-        if len(batch.kv.k) != g.num_layers or len(batch.kv.v) != g.num_layers:
-            raise ValueError(f"HFModel.forward: batch.kv must hold {g.num_layers} K and V pools "
-                             f"(one per layer), got {len(batch.kv.k)} and {len(batch.kv.v)}")
-        for i, (kp, vp) in enumerate(zip(batch.kv.k, batch.kv.v)):
-            kvh, dk, dv = g.kv_shape(i)
-            if (kp.dim() != 4 or tuple(kp.shape[2:]) != (kvh, dk) or vp.dim() != 4
-                    or tuple(vp.shape[2:]) != (kvh, dv) or kp.dtype != g.dtype
-                    or vp.dtype != g.dtype):
-                raise ValueError(f"HFModel.forward: layer {i}'s KV pools must be {g.dtype} "
-                                 f"K [num_blocks, block_size, {kvh}, {dk}] and V [..., {kvh}, "
-                                 f"{dv}], got {kp.dtype} {list(kp.shape)} and {vp.dtype} "
-                                 f"{list(vp.shape)}")
-        t = batch.input_ids.shape[0]
-        for name in ("positions", "slot_mapping"):
-            if getattr(batch, name).shape != (t,):
-                raise ValueError(f"HFModel.forward: batch.{name} must be [T] = [{t}], "
-                                 f"got {list(getattr(batch, name).shape)}")
-        b = batch.context_lens.shape[0]
-        if batch.query_start.shape != (b + 1,) or batch.block_tables.shape[0] != b:
-            raise ValueError(f"HFModel.forward: with B = {b} rows, query_start must be [B + 1] "
-                             f"and block_tables [B, M]; got {list(batch.query_start.shape)} and "
-                             f"{list(batch.block_tables.shape)}")
-        if b == 0 or t == 0:
-            raise ValueError("HFModel.forward: the batch must hold at least one row and one token")
+        check_batch(batch, self.geometry, "HFModel.forward")

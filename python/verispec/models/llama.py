@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from verispec import _C
-from verispec.models.base import ModelGeometry, PagedBatch
+from verispec.models.base import ModelGeometry, PagedBatch, check_batch
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Attend all rows in one padded SDPA call while the padded work B * n_max * L_max is at
@@ -565,27 +565,7 @@ class LlamaModel:
         return out
 
     def _check(self, batch: PagedBatch) -> None:
-        g = self.geometry
-        if len(batch.kv.k) != g.num_layers or len(batch.kv.v) != g.num_layers:
-            raise ValueError(f"LlamaModel.forward: batch.kv must hold {g.num_layers} K and V pools "
-                             f"(one per layer), got {len(batch.kv.k)} and {len(batch.kv.v)}")
-        want = (g.num_kv_heads, g.head_dim)
-        pool = batch.kv.k[0]
-        if pool.dim() != 4 or tuple(pool.shape[2:]) != want or pool.dtype != g.dtype:
-            raise ValueError(f"LlamaModel.forward: KV pools must be {g.dtype} [num_blocks, "
-                             f"block_size, {want[0]}, {want[1]}], got {pool.dtype} {list(pool.shape)}")
-        t = batch.input_ids.shape[0]
-        for name in ("positions", "slot_mapping"):
-            if getattr(batch, name).shape != (t,):
-                raise ValueError(f"LlamaModel.forward: batch.{name} must be [T] = [{t}], "
-                                 f"got {list(getattr(batch, name).shape)}")
-        b = batch.context_lens.shape[0]
-        if batch.query_start.shape != (b + 1,) or batch.block_tables.shape[0] != b:
-            raise ValueError(f"LlamaModel.forward: with B = {b} rows, query_start must be [B + 1] "
-                             f"and block_tables [B, M]; got {list(batch.query_start.shape)} and "
-                             f"{list(batch.block_tables.shape)}")
-        if b == 0 or t == 0:
-            raise ValueError("LlamaModel.forward: the batch must hold at least one row and one token")
+        check_batch(batch, self.geometry, "LlamaModel.forward")
         if batch.tree_mask is not None:
             raise ValueError("LlamaModel.forward: batch.tree_mask is not supported by the native "
                              "Llama (chains only); wrap the model with verispec.models.HFModel "
