@@ -320,8 +320,14 @@ def markdown(result: dict) -> str:
         f"(min {s['adapter_ngram_vs_prompt_lookup_min']:.2f}x: "
         f"{'met' if s['ngram_target_met'] else 'NOT met'}).",
         "Ratios are medians over rounds of the two engines' rates in the same round.",
-        "",
     ]
+    load = env.get("load_average_before")
+    if load and load[0] >= 0.5 * (env.get("cpu_count") or 1):
+        lines.append(f"Shared machine: load average {load[0]} on {env.get('cpu_count')} cores when "
+                     f"the run started; rates are lower and noisier than on an idle machine"
+                     + (f" (and {st['threads']} OpenMP threads wait on each other when other "
+                        f"jobs hold the cores)." if st["threads"] > 1 else "."))
+    lines.append("")
     return "\n".join(lines)
 
 
