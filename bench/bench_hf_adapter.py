@@ -34,8 +34,13 @@ Writes hf_adapter.json (every number, the settings, the git commit and the machi
 hf_adapter.md (the table, also printed) into --out. ``--quick`` is the smoke run:
 8 new tokens, one round, a 2-token warm-up.
 
-    PYTHONPATH=python python bench/bench_hf_adapter.py              # ~5-8 min on 2 cores
+``--profile`` instead breaks one decode forward (1 token) and one n-gram verify forward
+(k + 1 tokens) down, adapter vs native: paired wall times, and per module kind /
+function the exclusive time and the number of aten ops (profile.json).
+
+    PYTHONPATH=python python bench/bench_hf_adapter.py              # ~3-5 min on 2 cores
     PYTHONPATH=python python bench/bench_hf_adapter.py --quick      # < 1 min
+    PYTHONPATH=python python bench/bench_hf_adapter.py --profile    # ~1 min
 """
 
 from __future__ import annotations
@@ -91,8 +96,8 @@ def _state_from_native(native) -> dict[str, torch.Tensor]:
     """transformers' LlamaForCausalLM state dict from verispec's fused tensors (q/k/v and
     gate/up split back; every matrix row-major, as from_pretrained leaves it)."""
     c, w = native.config, native.weights
-    q_dim, kv_dim, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
-        c.intermediate_size
+    q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    inter = c.intermediate_size
 
     def rows(t):
         return t.contiguous()
@@ -160,14 +165,14 @@ def _git_commit() -> dict:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
                               timeout=10).stdout.strip()
     try:
-        return {"commit": git("rev-parse", "HEAD") or None, "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
+        return {"commit": git("rev-parse", "HEAD") or None,
+                "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
                 "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):
         return {"commit": None}
 
 
-def _first_difference(a: list[int], b: list[int]) -> Optional[int]:
-    return benchmark._first_difference(a, b)
+_first_difference = benchmark._first_difference  # index of the first differing token, or None
 
 
 def _paired(a: Measured, b: Measured) -> list[float]:
@@ -277,6 +282,179 @@ def run(args) -> dict:
     }
 
 
+# --- profile: where a forward's time goes ---------------------------------------------
+
+
+class _Regions:
+    """Exclusive wall time and aten op count per labelled region (nested regions are
+    subtracted from their parent): module forwards via hooks, functions via wrappers."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.ops: dict[str, int] = {}
+        self.stack: list[list] = []
+
+    def enter(self, label: str) -> None:
+        self.stack.append([label, time.perf_counter(), 0.0])
+
+    def leave(self) -> None:
+        label, t0, child = self.stack.pop()
+        dt = time.perf_counter() - t0
+        self.seconds[label] = self.seconds.get(label, 0.0) + dt - child
+        self.calls[label] = self.calls.get(label, 0) + 1
+        if self.stack:
+            self.stack[-1][2] += dt
+
+    def wrap(self, label: str, fn):
+        def wrapped(*a, **k):
+            self.enter(label)
+            try:
+                return fn(*a, **k)
+            finally:
+                self.leave()
+        return wrapped
+
+    def hook(self, model: torch.nn.Module) -> list:
+        handles = []
+        for qual, m in model.named_modules():
+            label = type(m).__name__
+            if isinstance(m, torch.nn.Linear):
+                label = f"nn.Linear {qual.rsplit('.', 1)[-1]}"
+            handles.append(m.register_forward_pre_hook(lambda mod, a, label=label: self.enter(label)))
+            handles.append(m.register_forward_hook(lambda mod, a, out: self.leave()))
+        return handles
+
+    def counting(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        regions = self
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                label = regions.stack[-1][0] if regions.stack else "outside"
+                regions.ops[label] = regions.ops.get(label, 0) + 1
+                return func(*args, **(kwargs or {}))
+        return Count()
+
+
+def _patched(obj, names: dict, regions: _Regions):
+    """Wraps obj's attributes (those that exist) in timed regions; returns an undo."""
+    saved = {n: obj.__dict__[n] if n in getattr(obj, "__dict__", {}) else None for n in names}
+    for n, label in names.items():
+        fn = getattr(obj, n, None)
+        if fn is not None:
+            setattr(obj, n, regions.wrap(label, fn))
+
+    def undo():
+        for n, v in saved.items():
+            if v is None:
+                if n in getattr(obj, "__dict__", {}):
+                    delattr(obj, n)
+            else:
+                setattr(obj, n, v)
+    return undo
+
+
+def profile(args) -> dict:
+    """Per-forward breakdown of one decode step (T = 1) and one n-gram verify step
+    (T = k + 1) on the copy-heavy prompt's context: adapter vs native wall time (paired
+    rounds), exclusive time and aten ops per module kind / function, for each model."""
+    from verispec.models import hf as hf_module
+    from verispec.models.testing import PagedRunner
+
+    transformers = benchmark._import_transformers()
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    native, tok, wrapped, _ = build_models(transformers, args.hf_weights)
+    adapter = verispec.models.HFModel(wrapped)
+    name = "rewrite (copy-heavy)"
+    ids = list(tok.apply_chat_template([{"role": "user", "content": PROMPTS[name]}],
+                                       add_generation_prompt=True, tokenize=True))
+
+    def batch_for(model, t):
+        runner = PagedRunner(model, num_blocks=-(-(len(ids) + 32) // 16), block_size=16)
+        seq = runner.add_sequence()
+        runner.step({seq: ids})
+        return runner.make_batch({seq: ids[-t:]}, all_logits=t > 1)
+
+    rounds = 4 if args.quick else 30
+    steps = []
+    for t in (1, (k if isinstance(k := args.ngram_k, int) else 8) + 1):
+        batches = {"adapter": (adapter, batch_for(adapter, t)), "native": (native, batch_for(native, t))}
+        times: dict[str, list[float]] = {"adapter": [], "native": []}
+        for r in range(rounds + 3):
+            for who in (("adapter", "native") if r % 2 else ("native", "adapter")):
+                model, batch = batches[who]
+                t0 = time.perf_counter()
+                model.forward(batch)
+                if r >= 3:
+                    times[who].append(time.perf_counter() - t0)
+        step = {"tokens": t, "context": len(ids), "rounds": rounds,
+                "forward_ms": {w: statistics.median(v) * 1e3 for w, v in times.items()},
+                "adapter_over_native_time": statistics.median(
+                    a / b for a, b in zip(times["adapter"], times["native"]))}
+        for who, (model, batch) in batches.items():
+            regions = _Regions()
+            if who == "adapter":
+                handles = regions.hook(wrapped)
+                undo = [_patched(hf_module._Plan, {"attend": "attention fn: _Plan.attend",
+                                                   "__init__": "_Plan.__init__"}, regions),
+                        _patched(hf_module, {"_attend_matmul": "attention fn: _attend_matmul"},
+                                 regions)]
+            else:
+                handles = []
+                undo = [_patched(model, {"_attend": "attention (_attend)"}, regions)]
+                linear, norm_fn = model._linear, model._norm_fn
+                model._linear = lambda n: regions.wrap("linear", linear(n))
+                model._norm_fn = lambda: regions.wrap("rms norm", norm_fn())
+                undo.append(lambda: (delattr(model, "_linear"), delattr(model, "_norm_fn")))
+            forward = regions.wrap("forward (not in a region below)", model.forward)
+            try:
+                n = 3 if args.quick else 10
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    forward(batch)
+                wall = (time.perf_counter() - t0) / n
+                calls, seconds = dict(regions.calls), dict(regions.seconds)
+                regions.ops.clear()
+                with regions.counting():
+                    forward(batch)
+            finally:
+                for h in handles:
+                    h.remove()
+                for u in reversed(undo):
+                    u()
+            step[who] = {
+                "instrumented_forward_ms": wall * 1e3,
+                "aten_ops": sum(regions.ops.values()),
+                "regions": sorted(({"region": r, "ms": s / n * 1e3, "calls": calls[r] // n,
+                                    "aten_ops": regions.ops.get(r, 0)}
+                                   for r, s in seconds.items()),
+                                  key=lambda x: -x["ms"]),
+            }
+        steps.append(step)
+        print(_profile_text(step), flush=True)
+    env = benchmark._environment(transformers, None)
+    env.update(git=_git_commit(), machine=platform.machine())
+    return {"benchmark": "bench_hf_adapter --profile", "threads": args.threads, "steps": steps,
+            "environment": env}
+
+
+def _profile_text(step: dict) -> str:
+    f = step["forward_ms"]
+    lines = [f"## forward of {step['tokens']} new token(s) after {step['context']}: adapter "
+             f"{f['adapter']:.1f} ms, native {f['native']:.1f} ms (adapter / native time "
+             f"{step['adapter_over_native_time']:.2f}, median of {step['rounds']} paired rounds)"]
+    for who in ("adapter", "native"):
+        s = step[who]
+        lines.append(f"{who}: {s['instrumented_forward_ms']:.1f} ms instrumented, "
+                     f"{s['aten_ops']} aten ops")
+        lines += [f"  {r['region']:<44}{r['ms']:8.2f} ms {r['calls']:4d} calls "
+                  f"{r['aten_ops']:5d} ops" for r in s["regions"]]
+    return "\n".join(lines)
+
+
 # --- reports ---------------------------------------------------------------------------
 
 
@@ -343,6 +521,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-weights", choices=("native", "gguf"), default="native",
                     help="build the transformers model from the native model's tensors "
                          "(default) or with transformers' own GGUF loader (slow)")
+    ap.add_argument("--profile", action="store_true",
+                    help="instead of the benchmark: where one decode / verify forward's time "
+                         "goes, adapter vs native (writes profile.json)")
     ap.add_argument("--quick", action="store_true",
                     help=f"smoke run: {QUICK['new_tokens']} new tokens, 1 round")
     args = ap.parse_args(argv)
@@ -355,6 +536,12 @@ def main(argv=None) -> int:
         args.new_tokens, args.repeats = QUICK["new_tokens"], QUICK["repeats"]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    if args.profile:
+        result = profile(args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out / 'profile.json'}")
+        return 0
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hf_adapter.json").write_text(json.dumps(result, indent=2) + "\n")
