@@ -196,16 +196,17 @@ def run(args) -> dict:
     ids_of = {name: list(tok.apply_chat_template([{"role": "user", "content": text}],
                                                  add_generation_prompt=True, tokenize=True))
               for name, text in PROMPTS.items()}
-    capacity = max(len(ids) for ids in ids_of.values()) + n + NGRAM_K + 1
     k = args.ngram_k
+    max_k = max(NGRAM_K, 8)  # k="auto" adapts up to max_k
+    capacity = max(len(ids) for ids in ids_of.values()) + n + max_k + 1
     counter = _PassCounter(gen)
 
     def engines(mode):
         draft = NGram(1, NGRAM_MAX_N) if mode == "ngram" else None
         kw = dict(prompt_lookup_num_tokens=NGRAM_K, max_matching_ngram_size=NGRAM_MAX_N) \
             if mode == "ngram" else {}
-        return {"adapter": _VerispecEngine(adapter, draft, k, capacity, max_k=max(NGRAM_K, 8)),
-                "native": _VerispecEngine(native, draft, k, capacity, max_k=max(NGRAM_K, 8)),
+        return {"adapter": _VerispecEngine(adapter, draft, k, capacity, max_k=max_k),
+                "native": _VerispecEngine(native, draft, k, capacity, max_k=max_k),
                 "transformers": _TransformersEngine(gen, counter, **kw)}
 
     total = len(MODES) * len(ids_of) * repeats * len(ENGINES)
