@@ -622,3 +622,76 @@ def test_wrapped_model_on_its_own():
     runner = PagedRunner(model, num_blocks=8, block_size=BLOCK_SIZE)
     with pytest.raises(RuntimeError, match="0 of 3 layers"):
         runner.step({runner.add_sequence(): [5, 6, 7]})
+
+
+# ---------------------------------------------------------------- verispec's CPU kernels
+
+def test_cpu_kernels_are_installed_and_agree_with_the_modules_own_code(monkeypatch):
+    """float32 on CPU: nn.Linear layers and plain RMSNorm modules get verispec's kernels
+    (instance-level forwards; weights column-major, same values); Gemma's (1 + weight)
+    norm is not plain RMSNorm and keeps its own code. Switching the kernels off gives
+    the same logits within float32 roundoff, and a verify pass differs from torch's
+    products (so the kernel really ran)."""
+    from verispec import _C
+
+    calls = {"linear": 0, "norm": 0}
+    for kind, fn in (("linear", _C._linear_unchecked), ("norm", _C._rms_norm_unchecked)):
+        def counted(*args, _fn=fn, _kind=kind):
+            calls[_kind] += 1
+            return _fn(*args)
+        monkeypatch.setattr(_C, f"_{'linear' if kind == 'linear' else 'rms_norm'}_unchecked",
+                            counted)
+    for name, plain_norms in (("llama", True), ("gemma", False)):
+        model = _wrap(name)
+        linears = [m for m in model.model.modules() if type(m) is torch.nn.Linear]
+        norms = [m for m in model.model.modules() if type(m).__name__.endswith("RMSNorm")]
+        assert linears and norms
+        assert all("forward" in vars(m) and m.weight.stride(0) == 1 for m in linears), name
+        assert all(("forward" in vars(m)) == plain_norms for m in norms), name
+        assert model.native_linear and model.native_norm
+        runner = PagedRunner(model, num_blocks=16, block_size=BLOCK_SIZE)
+        seq = runner.add_sequence()
+        runner.step({seq: list(range(3, 13))})
+        calls.update(linear=0, norm=0)
+        fast = runner.step({seq: [20, 21, 22, 23, 24, 25]})[0]
+        # a verify pass: every linear layer (7 per layer + the head) and, for plain
+        # RMSNorm, every norm (2 per layer + the final one) on verispec's kernels
+        layers = model.num_layers
+        assert calls["linear"] == 7 * layers + 1, (name, calls)
+        assert calls["norm"] == (2 * layers + 1 if plain_norms else 0), (name, calls)
+        runner.rollback(seq, 10)
+        model.native_linear = model.native_norm = False
+        calls.update(linear=0, norm=0)
+        slow = runner.step({seq: [20, 21, 22, 23, 24, 25]})[0]
+        assert calls == {"linear": 0, "norm": 0}
+        assert not model.native_linear and not model.native_norm
+        assert (fast - slow).abs().max().item() <= ATOL
+        want = _ref_logits(_reference(name), list(range(3, 13)) + [20, 21, 22, 23, 24, 25])[10:]
+        assert (fast - want).abs().max().item() <= ATOL
+
+
+def test_plain_rms_norm_detection():
+    llama, gemma = _reference("llama"), _reference("gemma")
+    assert hf_mod._is_plain_rms_norm(copy.deepcopy(llama.model.norm))
+    assert not hf_mod._is_plain_rms_norm(copy.deepcopy(gemma.model.norm))  # x * (1 + w)
+    shifted = copy.deepcopy(llama.model.norm)
+    shifted.variance_epsilon = 0.5  # a norm whose eps the kernel would not reproduce
+    shifted.forward = lambda x: torch.nn.functional.rms_norm(x, x.shape[-1:], shifted.weight, 1e-6)
+    assert not hf_mod._is_plain_rms_norm(shifted)
+
+
+def test_cpu_kernels_off_leaves_the_modules_alone_and_copies_stay_independent():
+    ref = _reference("llama")
+    untouched = HFModel(copy.deepcopy(ref), cpu_kernels=False)
+    assert not untouched.native_linear and not untouched.native_norm
+    assert not any("forward" in vars(m) for m in untouched.model.modules()
+                   if type(m) is torch.nn.Linear)
+    model = _wrap("llama")
+    clone = copy.deepcopy(model.model)  # the instance forwards rebind to the copy's modules
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.mul_(0.5)
+    lin = model.model.model.layers[0].mlp.down_proj
+    lin_copy = clone.model.layers[0].mlp.down_proj
+    x = torch.randn(3, lin.in_features)
+    assert torch.allclose(lin_copy(x), 0.5 * lin(x), atol=1e-6)

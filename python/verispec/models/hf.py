@@ -31,7 +31,6 @@ The wrapped model keeps working for transformers' own generate only after
 from __future__ import annotations
 
 import math
-import contextlib
 import copy
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -330,40 +329,103 @@ def _attend_matmul(q, k, v, mask, scaling, softcap, sinks):
     return out.view(b, kvh, n, grp, dv).permute(0, 2, 1, 3, 4).reshape(b, n, h, dv)
 
 
-class _NativeLinear(torch.overrides.TorchFunctionMode):
-    """Inside a forward of 2..NATIVE_LINEAR_MAX_ROWS tokens (a verify pass) of a float32
-    CPU model: every ``F.linear`` of those rows runs on verispec's CPU kernel
-    (``verispec.ops.linear``), which reads a weight once for up to 8 rows, where MKL
-    costs ~2.2x a one-row product for 6 rows (bench/bench_linear.py). Anything else
-    goes to torch unchanged. The model's modules are not touched."""
+class _CpuKernels:
+    """The switch HFModel's CPU kernels read at each call (one object per model, shared
+    by its modules; ``HFModel.native_linear`` / ``native_norm`` flip it)."""
 
-    def __init__(self, threads: int) -> None:
-        super().__init__()
+    def __init__(self) -> None:
+        self.linear = True
+        self.norm = True
+
+
+def _linear_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward of a float32 CPU model wrapped by HFModel: products of
+    NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS rows (a verify pass) on verispec's
+    kernel (``verispec.ops.linear``: it reads the weight once for up to 8 rows, where
+    MKL costs ~2.2x a one-row product for 6 rows), anything else through F.linear."""
+    w = self.weight
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (self._verispec_kernels.linear and NATIVE_LINEAR_MIN_ROWS <= rows <= NATIVE_LINEAR_MAX_ROWS
+            and x.dtype == torch.float32 and x.device.type == "cpu"
+            and w.dtype == torch.float32 and w.device.type == "cpu"):
         from verispec import _C
 
-        self._native = _C._linear_unchecked
-        self._threads = threads
+        x2 = x.reshape(rows, x.shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        n, k = w.shape
+        out = torch.empty((rows, n), dtype=torch.float32)
+        column_major = w.stride(0) == 1
+        _C._linear_unchecked(x2.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k, k,
+                             w.stride(1) if column_major else w.stride(0), n,
+                             torch.get_num_threads(), column_major)
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*x.shape[:-1], n)
+    return F.linear(x, w, self.bias)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and len(args) >= 2:
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)
-                    and x.dtype == torch.float32 and w.dtype == torch.float32
-                    and x.device.type == "cpu" and w.device.type == "cpu" and w.dim() == 2
-                    and w.stride(1) == 1 and x.shape[-1] == w.shape[1]
-                    and 1 <= x.numel() // max(x.shape[-1], 1) <= NATIVE_LINEAR_MAX_ROWS):
-                x2 = x.reshape(-1, x.shape[-1]).contiguous()
-                m, k = x2.shape
-                n = w.shape[0]
-                out = torch.empty((m, n), dtype=torch.float32)
-                self._native(x2.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, k,
-                             w.stride(0), n, self._threads, False)
-                if bias is not None:
-                    out += bias
-                return out.view(*x.shape[:-1], n)
-        return func(*args, **kwargs)
+
+def _norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm module's forward (checked at wrap time to compute plain RMSNorm) as one
+    pass of verispec's CPU kernel for float32 CPU inputs; the module's own otherwise."""
+    if (self._verispec_kernels.norm and x.dtype == torch.float32 and x.device.type == "cpu"
+            and x.shape[-1] == self.weight.shape[0]):
+        from verispec import _C
+
+        x2 = x.reshape(-1, x.shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        out = torch.empty_like(x2)
+        rows, dim = x2.shape
+        _C._rms_norm_unchecked(x2.data_ptr(), rows, dim, dim, self.weight.data_ptr(),
+                               self._verispec_eps, out.data_ptr(), dim)
+        return out.view(x.shape)
+    return type(self).forward(self, x)
+
+
+def _install_cpu_kernels(model: torch.nn.Module) -> _CpuKernels:
+    """Puts verispec's CPU kernels under a float32 CPU model's linear layers and plain
+    RMSNorm modules (instance-level forwards; values and parameters unchanged, weight
+    matrices stored column-major, which MKL's one-row products read ~10% faster)."""
+    import types
+
+    from verispec.models.llama import matmul_layout
+
+    kernels = _CpuKernels()
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32:
+                module.weight.data = matmul_layout(module.weight.data)
+                module._verispec_kernels = kernels
+                module.forward = types.MethodType(_linear_forward, module)
+            elif _is_plain_rms_norm(module):
+                module._verispec_kernels = kernels
+                module.forward = types.MethodType(_norm_forward, module)
+    return kernels
+
+
+def _is_plain_rms_norm(module: torch.nn.Module) -> bool:
+    """Whether a module computes weight * x / sqrt(mean(x^2) + eps) (checked on a random
+    input against verispec's kernel), so that kernel may run it."""
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    w = getattr(module, "weight", None)
+    if (not type(module).__name__.endswith("RMSNorm") or not isinstance(eps, float)
+            or not isinstance(w, torch.Tensor) or w.dim() != 1 or w.dtype != torch.float32
+            or w.device.type != "cpu" or not w.is_contiguous() or list(module.children())):
+        return False
+    from verispec import _C
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, w.shape[0], generator=g) * 3
+    with torch.no_grad():
+        want = module(x)
+    got = torch.empty_like(x)
+    _C._rms_norm_unchecked(x.data_ptr(), 3, w.shape[0], w.shape[0], w.data_ptr(), eps,
+                           got.data_ptr(), w.shape[0])
+    if want.shape != got.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        return False
+    module._verispec_eps = eps
+    return True
 
 
 def _shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -384,10 +446,14 @@ class HFModel:
     ``max_context`` caps the context (default: the config's ``max_position_embeddings``).
     ``tokenizer`` (optional: a transformers tokenizer or verispec's Tokenizer) records the
     vocabulary, so SpecDecoder can refuse a draft with a different tokenizer.
+    ``cpu_kernels`` (float32 models on an x86 CPU with AVX2 or AVX-512): run the model's
+    ``nn.Linear`` layers of verify passes and its plain RMSNorm modules on verispec's CPU
+    kernels, and store its weight matrices column-major (same values). This sets
+    instance-level ``forward`` methods on those modules of ``hf_model``.
     """
 
     def __init__(self, hf_model: Any, *, max_context: Optional[int] = None,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, cpu_kernels: bool = True) -> None:
         if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "config"):
             raise TypeError(f"HFModel: hf_model must be a loaded transformers model "
                             f"(*ForCausalLM), got {type(hf_model).__name__}")
@@ -477,12 +543,10 @@ class HFModel:
         self.model_type = getattr(text, "model_type", type(hf_model).__name__)
         from verispec import _C
 
-        self._native_linear_ok = (device.type == "cpu" and dtype == torch.float32
-                                  and _C.linear_best_isa() != "scalar")
-        #: Run the linear layers of forwards of 2..16 tokens (verify passes) on verispec's
-        #: CPU kernel (float32 on an x86 CPU with AVX2 or AVX-512). Set False to keep
-        #: torch's for every product (e.g. to compare).
-        self.native_linear = self._native_linear_ok
+        self._kernels: Optional[_CpuKernels] = None
+        if cpu_kernels and device.type == "cpu" and dtype == torch.float32 and (
+                _C.linear_best_isa() != "scalar"):
+            self._kernels = _install_cpu_kernels(hf_model)
         self.tokenizer_fingerprint: Optional[str] = None
         if tokenizer is not None:
             from verispec.models.tokenizer import vocabulary_fingerprint
@@ -492,6 +556,28 @@ class HFModel:
     @property
     def num_layers(self) -> int:
         return self.geometry.num_layers
+
+    @property
+    def native_linear(self) -> bool:
+        """Whether the model's linear layers run verify passes (2..16 tokens) on
+        verispec's CPU kernel (float32 CPU models; set False to compare with torch's)."""
+        return self._kernels is not None and self._kernels.linear
+
+    @native_linear.setter
+    def native_linear(self, on: bool) -> None:
+        if self._kernels is not None:
+            self._kernels.linear = bool(on)
+
+    @property
+    def native_norm(self) -> bool:
+        """Whether the model's plain RMSNorm modules run as one pass of verispec's CPU
+        kernel (float32 CPU models; set False to run the modules' own code)."""
+        return self._kernels is not None and self._kernels.norm
+
+    @native_norm.setter
+    def native_norm(self, on: bool) -> None:
+        if self._kernels is not None:
+            self._kernels.norm = bool(on)
 
     def early_exit(self, num_layers: int) -> "HFModel":
         """The first ``num_layers`` decoder layers + the model's final norm and LM head,
@@ -522,8 +608,7 @@ class HFModel:
         draft.geometry = replace(self.geometry, num_layers=num_layers,
                                  layer_kv=None if layer_kv is None else layer_kv[:num_layers])
         draft.model_type = self.model_type
-        draft._native_linear_ok = self._native_linear_ok
-        draft.native_linear = self.native_linear
+        draft._kernels = self._kernels
         draft.tokenizer_fingerprint = self.tokenizer_fingerprint
         probe = _Probe()
         device = self.geometry.device
@@ -566,15 +651,9 @@ class HFModel:
         if max(plan.ctx_lens) > g.max_context:
             raise ValueError(f"HFModel.forward: context_lens must be <= max_context = "
                              f"{g.max_context}, got {max(plan.ctx_lens)}")
-        num_tokens = batch.input_ids.shape[0]
-        mode = contextlib.nullcontext()
-        if (self.native_linear and self._native_linear_ok
-                and NATIVE_LINEAR_MIN_ROWS <= num_tokens <= NATIVE_LINEAR_MAX_ROWS):
-            mode = _NativeLinear(torch.get_num_threads())
-        with mode:
-            logits = self._call(batch.input_ids.to(device), batch.positions.to(
-                device=device, dtype=torch.long), batch.logits_indices.to(
-                device=device, dtype=torch.long), plan)
+        logits = self._call(batch.input_ids.to(device), batch.positions.to(
+            device=device, dtype=torch.long), batch.logits_indices.to(
+            device=device, dtype=torch.long), plan)
         if plan.calls != g.num_layers:
             raise RuntimeError(f"HFModel.forward: {plan.calls} of {g.num_layers} layers called "
                                f"verispec's attention function (was the model's attention "
