@@ -176,6 +176,9 @@ class _Group:
         self.all_visible = bool(visible.all())
         self._visible = visible
         self._masks: dict[Optional[int], Optional[torch.Tensor]] = {}
+        self._biases: dict[tuple, tuple] = {}
+        # one row of few queries whose keys are a slice of the pool: the lean path
+        self.lean = b == 1 and n <= SMALL_ROW_QUERIES and self.key_start is not None
         self.device = plan.device
         if self.q_index is not None:
             self.q_index = self.q_index.to(self.device)
@@ -195,6 +198,21 @@ class _Group:
             all_visible = bool(visible.all())
             self._masks[window] = None if all_visible else visible.to(self.device)
         return self._masks[window]
+
+    def bias(self, window: Optional[int], group: int, dtype: torch.dtype):
+        """One row's mask as an additive bias [n * group, l] (0 / -inf; row i * group + j
+        for query i, head j of a KV group) with its weight for baddbmm: (bias, 1.0), or
+        (a zero scalar, 0.0) when every query sees every key."""
+        key = (window, group, dtype)
+        if key not in self._biases:
+            mask = self.mask(window)
+            if mask is None:
+                self._biases[key] = (torch.zeros((), dtype=dtype, device=self.device), 0.0)
+            else:
+                bias = torch.zeros(mask.shape[1:], dtype=dtype, device=self.device)
+                bias.masked_fill_(~mask[0], -math.inf)
+                self._biases[key] = (bias.repeat_interleave(group, dim=0), 1.0)
+        return self._biases[key]
 
 
 class _Plan:
@@ -256,6 +274,8 @@ class _Plan:
         self.write(v_flat, value[0].transpose(0, 1))
         if scaling is None:
             scaling = 1.0 / math.sqrt(dk)
+        if len(self.groups) == 1 and self.groups[0].lean and softcap is None and sinks is None:
+            return self._attend_lean(self.groups[0], query[0], k_flat, v_flat, scaling, window)
         q = query[0].transpose(0, 1)                                           # [T, H, Dk]
         if len(self.groups) == 1 and self.groups[0].lo == 0 and self.groups[0].hi == t:
             return self._attend_group(self.groups[0], q, k_flat, v_flat, scaling, window,
@@ -265,6 +285,24 @@ class _Plan:
             out[g.lo:g.hi] = self._attend_group(g, q[g.lo:g.hi], k_flat, v_flat, scaling,
                                                 window, softcap, sinks)
         return out[None]
+
+    @staticmethod
+    def _attend_lean(g: _Group, q, k_flat, v_flat, scaling, window):
+        """The common call (plain decoding, a verify pass): one row of few queries whose
+        keys are a slice of the pool, no softcap or sinks. q [H, n, Dk] -> [1, n, H, Dv]
+        in two batched matmuls over views of the pool (the mask and scaling fused into
+        the first)."""
+        h, n, dk = q.shape
+        kvh, dv = k_flat.shape[1], v_flat.shape[2]
+        grp = h // kvh
+        k = k_flat[g.key_start:g.key_start + g.l]                               # [L, KvH, Dk]
+        v = v_flat[g.key_start:g.key_start + g.l]
+        qg = q.view(kvh, grp, n, dk).transpose(1, 2).reshape(kvh, n * grp, dk)  # row i * grp + j
+        bias, weight = g.bias(window, grp, q.dtype)
+        scores = torch.baddbmm(bias, qg, k.permute(1, 2, 0), beta=weight, alpha=scaling)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        out = torch.bmm(probs, v.transpose(0, 1))                               # [KvH, n*grp, Dv]
+        return out.view(kvh, n, grp, dv).transpose(0, 1).reshape(1, n, h, dv)
 
     @staticmethod
     def _attend_group(g: _Group, q, k_flat, v_flat, scaling, window, softcap, sinks):
