@@ -730,3 +730,38 @@ def test_cpu_kernels_off_leaves_the_modules_alone_and_copies_stay_independent():
     lin_copy = clone.model.layers[0].mlp.down_proj
     x = torch.randn(3, lin.in_features)
     assert torch.allclose(lin_copy(x), 0.5 * lin(x), atol=1e-6)
+
+
+def _device_check(name: str, device: str) -> float:
+    ref = copy.deepcopy(_reference(name)).to(device)
+    model = HFModel(copy.deepcopy(ref))
+    assert model.geometry.device.type == device
+    runner = PagedRunner(model, num_blocks=16, block_size=BLOCK_SIZE)
+    a, b = runner.add_sequence(), runner.add_sequence()
+    g = torch.Generator().manual_seed(5)
+    seqs = {a: torch.randint(0, VOCAB, (14,), generator=g).tolist(),
+            b: torch.randint(0, VOCAB, (9,), generator=g).tolist()}
+    worst = 0.0
+    for counts in ({a: 8, b: 3}, {a: 1, b: 6}, {a: 5}):
+        step = {s: seqs[s][runner.length(s):runner.length(s) + n] for s, n in counts.items()}
+        for s, got in zip(step, runner.step(step)):
+            with torch.no_grad():
+                ids = torch.tensor([seqs[s][:runner.length(s)]], device=device)
+                want = ref(ids).logits[0, -got.shape[0]:]
+            assert got.device.type == device
+            worst = max(worst, (got - want).abs().max().item())
+    return worst
+
+
+def test_device_check_on_the_cpu():
+    """The GPU test's own logic, run on the CPU (so it is known to work before a GPU runs it)."""
+    assert _device_check("qwen2", "cpu") <= ATOL
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["qwen2", "gemma2", "gpt_oss"])
+def test_on_a_gpu(name):
+    """The adapter on a CUDA model: the plan is built on the host and its index tensors
+    moved once per forward; the logits equal transformers' forward on the same GPU."""
+    worst = _device_check(name, "cuda")
+    assert worst <= 1e-4, f"{name}: {worst:.3g}"
