@@ -499,3 +499,39 @@ def test_smollm2_adapter_speculation_equals_the_native_llama(smollm2, smollm2_ad
         top = logits.topk(2, dim=-1).values
         assert torch.equal(logits.argmax(-1), torch.tensor(r.tokens))
         assert (top[:, 0] - top[:, 1]).min().item() >= MIN_GAP
+
+
+def test_smollm2_logprobs_equal_transformers_log_softmax(smollm2, smollm2_adapter):
+    """Logprobs of speculative decoding (n-gram drafts, sampled with top-p) on the native
+    SmolLM2: the raw ones equal transformers' log-softmax of its own forward over the
+    sequence, the policy-applied ones the reference policy on those logits, within the
+    logits' agreement (1e-4); greedy, they equal plain decoding's report."""
+    _, native, tok = smollm2
+    hf = smollm2_adapter.model
+    prompt = tok.encode("Repeat after me: the red fox, the red fox, the red fox,")
+    policy = dict(temperature=0.8, top_p=0.9)
+    dec = SpecDecoder(native, NGram(1, 3), k=3, num_blocks=64, block_size=16)
+    (r,) = dec.generate([prompt], max_new_tokens=16, seed=2, logprobs=3, **policy)
+    assert r.stats["accepted"] > 0
+    smollm2_adapter.native_linear = smollm2_adapter.native_norm = False
+    hf.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + r.tokens])).logits[0, len(prompt) - 1:-1]
+    finally:
+        hf.set_attn_implementation(vhf.ATTN_IMPLEMENTATION)
+        smollm2_adapter.native_linear = smollm2_adapter.native_norm = True
+    raw = torch.log_softmax(logits.double(), -1)
+    applied = torch.log(reference.apply_policy(logits, **policy).double())
+    for j, (token, lp) in enumerate(zip(r.tokens, r.logprobs)):
+        assert abs(lp.raw_logprob - raw[j, token].item()) < SMOLLM2_ATOL
+        assert abs(lp.logprob - applied[j, token].item()) < SMOLLM2_ATOL
+        assert [t for t, _, _ in lp.top] == raw[j].topk(3).indices.tolist()
+    # greedy: the same tokens and logprobs as plain decoding reports them
+    plain = SpecDecoder(native, None, num_blocks=64, block_size=16).generate(
+        [prompt], max_new_tokens=16, greedy=True, logprobs=1)[0]
+    spec = SpecDecoder(native, NGram(1, 3), k=3, num_blocks=64, block_size=16).generate(
+        [prompt], max_new_tokens=16, greedy=True, logprobs=1)[0]
+    assert spec.tokens == plain.tokens
+    for a, b in zip(spec.logprobs, plain.logprobs):
+        assert abs(a.raw_logprob - b.raw_logprob) < SMOLLM2_ATOL and a.logprob == b.logprob == 0.0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -31,9 +32,28 @@ from verispec._policy import fold_greedy
 from verispec.drafters import EarlyExit, NGram
 from verispec.models.base import KVPools, Model, PagedBatch
 
-__all__ = ["GenerateResult", "SpecDecoder", "StepOutput"]
+__all__ = ["GenerateResult", "SpecDecoder", "StepOutput", "TokenLogprob"]
 
 _TARGET, _DRAFT = _C.ModelRole.target, _C.ModelRole.draft
+
+
+# The most alternatives a token's logprobs may list (OpenAI's chat API allows 20 too).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprob:
+    """An emitted token's log-probability under the target: ``logprob`` under the
+    policy-applied distribution it was sampled from (temperature, top-k, top-p, min-p;
+    -inf for a token the policy excluded; greedy: 0 for the argmax), ``raw_logprob``
+    under the model's own distribution (log-softmax of the logits), and ``top``: the
+    ``n`` most likely tokens as (token, logprob, raw_logprob), most likely first. The
+    same whether the token was an accepted draft, a correction or a bonus token."""
+
+    token: int
+    logprob: float
+    raw_logprob: float
+    top: list[tuple[int, float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -43,6 +63,7 @@ class StepOutput:
     seq: int
     tokens: list[int]
     finish_reason: str | None  # None while the sequence is running
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the sequence asked
 
 
 @dataclass
@@ -50,6 +71,7 @@ class GenerateResult:
     tokens: list[int]          # new tokens only (the prompt is not repeated)
     finish_reason: str         # "eos", "stop", "length", "context" or "aborted"
     stats: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
 
 
 def _nvtx_range(device: torch.device):
@@ -203,14 +225,27 @@ class SpecDecoder:
         self._q: torch.Tensor | None = None        # draft probabilities, reused across steps
         self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs
         self._staging_done: Any = None             # event: the last upload has read it
+        # logprobs: what each sequence asked for (top-n) and what it got so far; under
+        # _lp_lock, which add() holds until its id is recorded (a step that plans the
+        # sequence reads the request after that)
+        self._lp_lock = threading.Lock()
+        self._lp_top: dict[int, int] = {}
+        self._lp: dict[int, list[TokenLogprob]] = {}
 
     # -- continuous batching -------------------------------------------------------
     def add(self, prompt: Sequence[int], *, max_new_tokens: int, greedy: bool = False,
             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
             eos_token_id: int | Sequence[int] | None = None,
-            stop: Sequence[Sequence[int]] | None = None) -> int:
+            stop: Sequence[Sequence[int]] | None = None, logprobs: int | None = None) -> int:
         """Adds a sequence (any time, from any thread); returns its id. ``greedy=True``
-        is temperature 0. Ids of released sequences are reused."""
+        is temperature 0. Ids of released sequences are reused. ``logprobs=n`` (an int
+        in [0, MAX_TOP_LOGPROBS]) reports each emitted token's TokenLogprob with the n
+        most likely alternatives (StepOutput.logprobs, result(seq).logprobs)."""
+        if logprobs is not None and (isinstance(logprobs, bool)
+                                     or not isinstance(logprobs, numbers.Integral)):
+            raise TypeError(f"add: logprobs must be an int or None, got {logprobs!r}")
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"add: logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
         if eos_token_id is None:
             eos = []
         elif isinstance(eos_token_id, numbers.Integral) and not isinstance(eos_token_id, bool):
@@ -225,9 +260,16 @@ class SpecDecoder:
                 raise TypeError(f"add: {name} must be an int, got {value!r}")
         if not isinstance(greedy, bool):
             raise TypeError(f"add: greedy must be a bool, got {greedy!r}")
-        return self._core.add(list(prompt), int(max_new_tokens),
-                              fold_greedy("add", greedy, float(temperature)), int(top_k),
-                              float(top_p), float(min_p), eos, [list(s) for s in (stop or [])])
+        with self._lp_lock:
+            seq = self._core.add(list(prompt), int(max_new_tokens),
+                                 fold_greedy("add", greedy, float(temperature)), int(top_k),
+                                 float(top_p), float(min_p), eos, [list(s) for s in (stop or [])])
+            self._lp_top.pop(seq, None)
+            self._lp.pop(seq, None)
+            if logprobs is not None:
+                self._lp_top[seq] = int(logprobs)
+                self._lp[seq] = []
+        return seq
 
     def step(self) -> list[StepOutput]:
         """One speculative step of every running sequence: the tokens each committed.
@@ -245,7 +287,9 @@ class SpecDecoder:
         except BaseException:
             self._core.cancel_step(plan["step_id"])
             raise
-        return [StepOutput(seq, tokens, None if reason == "running" else reason)
+        committed, logprobs = committed
+        return [StepOutput(seq, tokens, None if reason == "running" else reason,
+                           logprobs.get(seq))
                 for seq, tokens, reason in committed]
 
     # -- the step's phases ---------------------------------------------------------
@@ -261,19 +305,75 @@ class SpecDecoder:
         policy = self._policy(plan["policy"], inputs, B)
         timer = _Timer(self.device)
         deferred = getattr(self._ops, "deferred_errors", None)
+        with self._lp_lock:
+            lp_rows = [(b, seq, self._lp_top[seq]) for b, seq in enumerate(plan["seqs"])
+                       if seq in self._lp_top]
         with deferred() if deferred is not None else contextlib.nullcontext() as errors:
             q = self._draft_passes(plan, host, inputs, draft_tokens, policy, timer)
-            result = self._verify_pass(plan, host, inputs, draft_tokens, q, policy, timer)
+            result, logits = self._verify_pass(plan, host, inputs, draft_tokens, q, policy,
+                                               timer)
+            lp = self._logprobs(logits, result[0], policy, lp_rows, B) if lp_rows else None
             records = errors.records() if errors is not None else None
-            tokens, emitted, accepted, drafts, host_records = self._download(
-                result, draft_tokens if plan["draft_model"] else None, records)
+            tokens, emitted, accepted, drafts, host_records, host_lp = self._download(
+                result, draft_tokens if plan["draft_model"] else None, records, lp)
             if records is not None:
                 errors.raise_first(host_records)
-        return self._core.commit(
+        committed = self._core.commit(
             plan["step_id"], tokens, emitted, accepted, drafts,
             timer.seconds("draft_forward"), timer.seconds("draft_sample"),
             sum(timer.seconds("target_forward")), sum(timer.seconds("verify")),
             time.perf_counter() - start)
+        return committed, self._record_logprobs(committed, lp_rows, host_lp, K + 1)
+
+    def _logprobs(self, logits, tokens, policy, lp_rows, B):
+        """[r, K + 1, 2 + 3n] float32 for the rows that asked: each position's token's
+        policy-applied and raw log-probabilities, then the top n (token id as a float,
+        logprob, raw logprob); n the largest asked in the step (at most V). Stays on the
+        device."""
+        rows = torch.tensor([b for b, _, _ in lp_rows], device=logits.device)
+        n = min(max(top for _, _, top in lp_rows), self.vocab_size)
+        sel = logits.index_select(0, rows)                                    # [r, K + 1, V]
+        r, positions, vocab = sel.shape
+        raw = torch.log_softmax(sel.float(), dim=-1)
+        row_policy = {name: v.index_select(0, rows).repeat_interleave(positions)
+                      if isinstance(v, torch.Tensor) else v
+                      for name, v in policy.items()}
+        probs = _checked("apply_policy", "probs",
+                         self._ops.apply_policy(sel.reshape(r * positions, vocab), **row_policy),
+                         (r * positions, vocab), integer=False)
+        applied = torch.log(probs.float()).view(r, positions, vocab)
+        tok = tokens.index_select(0, rows).long().clamp(min=0).unsqueeze(-1)   # -1: padding
+        parts = [applied.gather(-1, tok), raw.gather(-1, tok)]
+        if n:
+            top_raw, top_ids = raw.topk(n, dim=-1)
+            parts += [top_ids.float(), applied.gather(-1, top_ids), top_raw]
+        return torch.cat(parts, dim=-1)
+
+    def _record_logprobs(self, committed, lp_rows, host_lp, positions):
+        """The committed tokens' TokenLogprobs per sequence that asked (appended to what
+        result() reports)."""
+        if not lp_rows:
+            return {}
+        import numpy as np
+
+        n = min(max(top for _, _, top in lp_rows), self.vocab_size)
+        row_of = {seq: (i, min(top, n)) for i, (_, seq, top) in enumerate(lp_rows)}
+        table = np.asarray(host_lp).view(np.float32).reshape(len(lp_rows), positions, 2 + 3 * n)
+        out = {}
+        with self._lp_lock:
+            for seq, tokens, _ in committed:
+                if seq not in row_of or seq not in self._lp:
+                    continue  # released during the step
+                i, top = row_of[seq]
+                got = []
+                for j, token in enumerate(tokens):
+                    v = table[i, j]
+                    alts = [(int(v[2 + a]), float(v[2 + n + a]), float(v[2 + 2 * n + a]))
+                            for a in range(top)]
+                    got.append(TokenLogprob(int(token), float(v[0]), float(v[1]), alts))
+                self._lp[seq].extend(got)
+                out[seq] = got
+        return out
 
     def _draft_passes(self, plan, host, inputs, draft_tokens, policy, timer):
         """K draft passes; each row's proposals go to draft_tokens[row, j] and q[row, j]
@@ -343,7 +443,8 @@ class SpecDecoder:
                              f"got {type(out).__name__}")
         return (_checked("verify", "tokens", out[0], (B, K + 1), integer=True),
                 _checked("verify", "num_emitted", out[1], (B,), integer=True),
-                _checked("verify", "num_accepted", out[2], (B,), integer=True))
+                _checked("verify", "num_accepted", out[2], (B,), integer=True)), \
+            logits.view(B, K + 1, -1)
 
     def _forward(self, role, p, host, inputs, input_ids=None) -> torch.Tensor:
         B, T, M = p["num_rows"], p["num_tokens"], p["max_blocks"]
@@ -398,12 +499,14 @@ class SpecDecoder:
         return out
 
     @staticmethod
-    def _download(result, draft_tokens, records):
-        """verify's results, a draft model's proposals and the ops' deferred error records
-        on the host: one copy (the step's one wait for the device)."""
+    def _download(result, draft_tokens, records, logprobs=None):
+        """verify's results, a draft model's proposals, the ops' deferred error records and
+        the logprobs asked for (float32, carried bit for bit as int32) on the host: one
+        copy (the step's one wait for the device)."""
         tokens, emitted, accepted = result
         parts = [tokens.reshape(-1), emitted.reshape(-1), accepted.reshape(-1),
-                 draft_tokens.reshape(-1) if draft_tokens is not None else None, records]
+                 draft_tokens.reshape(-1) if draft_tokens is not None else None, records,
+                 logprobs.reshape(-1).view(torch.int32) if logprobs is not None else None]
         present = [t.to(torch.int32) for t in parts if t is not None]
         flat = torch.cat(present).cpu().numpy()
         out, at = [], 0
@@ -449,12 +552,18 @@ class SpecDecoder:
     def release(self, seq: int) -> None:
         """Forgets a sequence (aborting it if it runs) and frees its id; KeyError for an
         unknown id. From any thread (during a step: when that step ends)."""
-        self._core.release(seq)
+        with self._lp_lock:
+            self._core.release(seq)
+            self._lp_top.pop(seq, None)
+            self._lp.pop(seq, None)
 
     def result(self, seq: int) -> GenerateResult:
-        """The sequence's tokens so far (new tokens only), finish reason and statistics."""
+        """The sequence's tokens so far (new tokens only), finish reason, statistics and,
+        when it asked for them, its tokens' logprobs."""
+        with self._lp_lock:
+            logprobs = list(self._lp[seq]) if seq in self._lp else None
         return GenerateResult(self._core.generated(seq), self._core.finish_reason(seq),
-                              self._core.stats(seq))
+                              self._core.stats(seq), logprobs)
 
     def has_running(self) -> bool:
         """Whether any added sequence is still running (step() has work)."""
@@ -487,8 +596,10 @@ class SpecDecoder:
                  greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
                  eos_token_id: int | Sequence[int] | None = None,
-                 stop: Sequence[Sequence[int]] | None = None) -> list[GenerateResult]:
+                 stop: Sequence[Sequence[int]] | None = None,
+                 logprobs: int | None = None) -> list[GenerateResult]:
         """Decodes every prompt to completion; one result per prompt, in order.
+        ``logprobs=n``: each result carries its tokens' TokenLogprobs (see ``add``).
 
         Reproducible: the same prompts, parameters and seed give the same tokens.
         """
@@ -506,7 +617,8 @@ class SpecDecoder:
             for p in prompts:
                 ids.append(self.add(p, max_new_tokens=max_new_tokens, greedy=greedy,
                                     temperature=temperature, top_k=top_k, top_p=top_p,
-                                    min_p=min_p, eos_token_id=eos_token_id, stop=stop))
+                                    min_p=min_p, eos_token_id=eos_token_id, stop=stop,
+                                    logprobs=logprobs))
             before = self._core.times()
             while self._core.has_running():
                 self.step()
