@@ -469,6 +469,38 @@ def _run_trees(name: str) -> _Driver:
     return d
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_small_tree_alone_takes_the_lean_path(name, monkeypatch):
+    """One sequence in consecutive blocks verifying a 7-node tree (depth past the window):
+    the lean one-row path, with the tree's visibility and depth positions, equals
+    transformers' forward of each node's path."""
+    lean = []
+    original = hf_mod._Plan._attend_lean
+
+    def spy(g, q, k_flat, v_flat, scaling, window):
+        lean.append(g.n)
+        return original(g, q, k_flat, v_flat, scaling, window)
+
+    monkeypatch.setattr(hf_mod._Plan, "_attend_lean", staticmethod(spy))
+    ref, model = _reference(name), _wrap(name)
+    runner = PagedRunner(model, num_blocks=16, block_size=BLOCK_SIZE)
+    seq = runner.add_sequence()
+    gen = torch.Generator().manual_seed(21)
+    prefix = torch.randint(0, VOCAB, (9,), generator=gen).tolist()
+    runner.step({seq: prefix})
+    nodes = torch.randint(0, VOCAB, (7,), generator=gen).tolist()
+    parents = [-1, 0, 0, 1, 1, 3, 5]  # depth 4: the window of 5 cuts the prefix
+    batch, (paths,) = _tree_batch(runner, [(seq, nodes, parents)])
+    lean.clear()
+    logits = model.forward(batch)
+    assert lean == [7] * model.num_layers
+    worst = 0.0
+    for i, path in enumerate(paths):
+        want = _ref_logits(ref, prefix + [nodes[j] for j in path])[-1]
+        worst = max(worst, (logits[i] - want).abs().max().item())
+    assert worst <= ATOL, f"{name}: {worst:.3g}"
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "gemma2", "gemma3_text", "gpt_oss"])
 def test_tree_mask(name):
     d = _run_trees(name)
