@@ -220,32 +220,87 @@ def test_bad_input_is_refused_clearly():
 
 
 @pytest.mark.parametrize("ops", OPS)
-def test_cache_full_mid_step_leaves_everything_consistent(ops):
+def test_a_full_cache_preempts_the_newest_sequence(ops):
+    """Two sequences that do not fit the target's 6 blocks together: the newer one is
+    preempted (blocks freed, tokens kept), waits, and recomputes its cache when the older
+    one is done; both get the target's greedy output, nothing is lost or leaked."""
     target, draft = models()
     dec = SpecDecoder(target, draft, k=4, num_blocks=6, draft_num_blocks=64, block_size=4, ops=ops)
-    a = dec.add([1, 2, 3, 4, 5, 6, 7], max_new_tokens=12, greedy=True)
-    b = dec.add([8, 9, 10, 11, 12, 0, 1], max_new_tokens=12, greedy=True)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 0, 1]]
+    a, b = (dec.add(p, max_new_tokens=12, greedy=True) for p in prompts)
     got = {a: [], b: []}
-    with pytest.raises(verispec.CacheFullError):
-        for _ in range(40):
-            before = {s: (dec._core.committed(s), dec._core.cache_len(s, _C.ModelRole.target),
-                          dec._core.cache_len(s, _C.ModelRole.draft)) for s in (a, b)}
-            free = (dec.num_free_blocks("target"), dec.num_free_blocks("draft"))
-            for o in dec.step():
-                got[o.seq] += o.tokens
-    # the failed step changed nothing
-    for s in (a, b):
-        assert (dec._core.committed(s), dec._core.cache_len(s, _C.ModelRole.target),
-                dec._core.cache_len(s, _C.ModelRole.draft)) == before[s]
-    assert (dec.num_free_blocks("target"), dec.num_free_blocks("draft")) == free
-    # free room by aborting one sequence; the other continues correctly
-    dec.abort(b)
-    while dec.has_running():
+    waited = False
+    for _ in range(80):
+        if not dec.has_running():
+            break
         for o in dec.step():
             got[o.seq] += o.tokens
-    assert got[a] == greedy_reference(target, [1, 2, 3, 4, 5, 6, 7], 12)
-    assert dec.result(a).finish_reason == "length"
-    assert dec.result(b).finish_reason == "aborted"
+        waited |= dec.num_waiting() > 0
+    assert not dec.has_running() and waited
+    assert dec.num_preemptions() >= 1 and dec.result(b).stats["preemptions"] >= 1
+    assert dec.result(a).stats["preemptions"] == 0  # the older one is never preempted
+    for s, p in zip((a, b), prompts):
+        assert got[s] == greedy_reference(target, p, 12)
+        assert dec.result(s).tokens == got[s] and dec.result(s).finish_reason == "length"
+    assert_no_leaks(dec)
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_generate_returns_every_result_whatever_the_pool(ops):
+    """More prompts than fit at once (two 6-token prompts x 20 new tokens in a 32-slot
+    pool, and five prompts with max_num_seqs=2): every result comes back, in order, equal
+    to each prompt decoded alone."""
+    target, draft = models()
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]
+    alone = [SpecDecoder(target, draft, k=3, num_blocks=64, block_size=4, ops=ops).generate(
+        [p], max_new_tokens=20, greedy=True)[0].tokens for p in prompts]
+    dec = SpecDecoder(target, draft, k=3, num_blocks=8, draft_num_blocks=64, block_size=4, ops=ops)
+    assert [r.tokens for r in dec.generate(prompts, max_new_tokens=20, greedy=True)] == alone
+    assert dec.num_preemptions() > 0
+    assert_no_leaks(dec)
+    five = [[1, 2], [3, 4, 5], [6], [7, 8, 9, 10], [11, 12, 0]]
+    want = [greedy_reference(target, p, 9) for p in five]
+    dec = SpecDecoder(target, NGram(1, 2), k=2, num_blocks=64, block_size=4, ops=ops,
+                      max_num_seqs=2)
+    dec_runs = dec.generate(five, max_new_tokens=9, greedy=True)
+    assert [r.tokens for r in dec_runs] == want
+    assert max(r.stats["steps"] for r in dec_runs) < sum(r.stats["steps"] for r in dec_runs)
+
+
+def test_max_num_seqs_admits_in_arrival_order():
+    target, draft = models()
+    dec = SpecDecoder(target, draft, k=2, num_blocks=64, block_size=4, max_num_seqs=2)
+    ids = [dec.add([i + 1, i + 2], max_new_tokens=3, greedy=True) for i in range(4)]
+    assert dec.num_waiting() == 4 and dec.has_running()
+    rows = {o.seq for o in dec.step()}
+    assert rows == set(ids[:2]) and dec.num_waiting() == 2
+    while dec.has_running():
+        dec.step()
+    assert all(dec.result(i).finish_reason == "length" for i in ids)
+    with pytest.raises(ValueError, match=r"max_num_seqs must be an int >= 0 \(0: no limit\), got -1"):
+        SpecDecoder(target, draft, max_num_seqs=-1)
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_one_sequence_that_cannot_fit_raises_and_changes_nothing(ops):
+    target, draft = models()
+    dec = SpecDecoder(target, draft, k=4, num_blocks=6, draft_num_blocks=64, block_size=4, ops=ops)
+    a = dec.add([1, 2, 3, 4, 5, 6, 7], max_new_tokens=40, greedy=True)
+    got = []
+    with pytest.raises(verispec.CacheFullError):
+        for _ in range(40):
+            before = (dec._core.committed(a), dec._core.cache_len(a, _C.ModelRole.target),
+                      dec._core.cache_len(a, _C.ModelRole.draft))
+            free = (dec.num_free_blocks("target"), dec.num_free_blocks("draft"))
+            for o in dec.step():
+                got += o.tokens
+    # the failed step changed nothing
+    assert (dec._core.committed(a), dec._core.cache_len(a, _C.ModelRole.target),
+            dec._core.cache_len(a, _C.ModelRole.draft)) == before
+    assert (dec.num_free_blocks("target"), dec.num_free_blocks("draft")) == free
+    assert got == greedy_reference(target, [1, 2, 3, 4, 5, 6, 7], len(got)) and len(got) > 0
+    dec.abort(a)
+    assert dec.result(a).finish_reason == "aborted"
     assert_no_leaks(dec)
 
 

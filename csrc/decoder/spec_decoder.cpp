@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "verispec/errors.h"
@@ -20,6 +21,7 @@ struct SpecDecoder::Sequence {
   int64_t draft_seq = -1;
   FinishReason finish = FinishReason::kNone;
   bool in_step = false;         // a row of the open step
+  uint64_t arrival = 0;         // add order: the queue's and preemption's order
   SequenceStats stats;
   std::unique_ptr<NGramIndex> ngram;  // n-gram drafter state: the committed tokens
   // Adaptive k: acceptance of a draft model in trackers[0]; of n-gram proposals by
@@ -51,6 +53,7 @@ struct SpecDecoder::OpenStep {
   std::vector<int64_t> target_mark, draft_mark;
   std::vector<std::vector<AcceptanceTracker>> tracker_mark;  // choose_k moves probe counters
   std::vector<std::vector<int32_t>> proposals;  // n-gram proposals (known on the host)
+  std::vector<int64_t> admitted;      // admitted from the queue by this step's begin_step
   uint64_t base_offset = 0;
   std::vector<Pass> passes;           // draft passes, then the verify pass
   int64_t verify_tokens = 0, verify_steady_tokens = 0;
@@ -95,6 +98,10 @@ SpecDecoder::SpecDecoder(const DecoderConfig& config)
   if (config.max_context <= 0) {
     throw InvalidArgumentError("SpecDecoder: max_context must be > 0, got " +
                                std::to_string(config.max_context));
+  }
+  if (config.max_num_seqs < 0) {
+    throw InvalidArgumentError("SpecDecoder: max_num_seqs must be >= 0 (0: no limit), got " +
+                               std::to_string(config.max_num_seqs));
   }
   if (config.draft_max_context < 0) {
     throw InvalidArgumentError("SpecDecoder: draft_max_context must be >= 0, got " +
@@ -184,15 +191,60 @@ int64_t SpecDecoder::add(const std::vector<int32_t>& prompt, const SamplingParam
   // Reserve the id slot and the running entry before touching the allocators, so that
   // nothing below can fail after an allocator sequence exists.
   if (free_ids_.empty()) seqs_.emplace_back();
-  running_.reserve(running_.size() + 1);
+  waiting_.reserve(waiting_.size() + 1);
+  running_.reserve(running_.size() + waiting_.size() + 1);
   const int64_t id = free_ids_.empty() ? static_cast<int64_t>(seqs_.size()) - 1 : free_ids_.back();
   s->id = id;
   s->target_seq = target_alloc_.add_sequence();
   if (draft_alloc_) s->draft_seq = draft_alloc_->add_sequence();
   if (!free_ids_.empty()) free_ids_.pop_back();
+  s->arrival = next_arrival_++;
   seqs_[static_cast<size_t>(id)] = std::move(s);
-  running_.push_back(id);
+  waiting_.push_back(id);  // the newest arrival: the back of the queue
   return id;
+}
+
+void SpecDecoder::enqueue(int64_t seq) {
+  const uint64_t arrival = get(seq).arrival;
+  auto at = std::find_if(waiting_.begin(), waiting_.end(),
+                         [&](int64_t w) { return get(w).arrival > arrival; });
+  waiting_.insert(at, seq);
+}
+
+std::vector<int64_t> SpecDecoder::admit() {
+  std::vector<int64_t> admitted;
+  const size_t limit = config_.max_num_seqs > 0 ? static_cast<size_t>(config_.max_num_seqs)
+                                                : std::numeric_limits<size_t>::max();
+  while (!waiting_.empty() && running_.size() < limit) {
+    const int64_t seq = waiting_.front();
+    waiting_.erase(waiting_.begin());
+    const uint64_t arrival = get(seq).arrival;
+    auto at = std::find_if(running_.begin(), running_.end(),
+                           [&](int64_t r) { return get(r).arrival > arrival; });
+    running_.insert(at, seq);
+    admitted.push_back(seq);
+  }
+  return admitted;
+}
+
+void SpecDecoder::unadmit(const std::vector<int64_t>& seqs) {
+  for (int64_t seq : seqs) {
+    auto it = std::find(running_.begin(), running_.end(), seq);
+    if (it == running_.end()) continue;  // preempted (queued already) or finished
+    running_.erase(it);
+    enqueue(seq);
+  }
+}
+
+void SpecDecoder::preempt_newest() {
+  const int64_t seq = running_.back();
+  running_.pop_back();
+  Sequence& s = get(seq);
+  target_alloc_.rollback(s.target_seq, 0);
+  if (draft_alloc_) draft_alloc_->rollback(s.draft_seq, 0);
+  ++s.stats.preemptions;
+  ++preemptions_;
+  enqueue(seq);
 }
 
 void SpecDecoder::finish(Sequence& s, FinishReason reason) {
@@ -202,6 +254,8 @@ void SpecDecoder::finish(Sequence& s, FinishReason reason) {
   s.target_seq = s.draft_seq = -1;
   auto it = std::find(running_.begin(), running_.end(), s.id);
   if (it != running_.end()) running_.erase(it);
+  auto w = std::find(waiting_.begin(), waiting_.end(), s.id);
+  if (w != waiting_.end()) waiting_.erase(w);
 }
 
 bool SpecDecoder::in_open_step(int64_t seq) const { return open_ && get(seq).in_step; }
@@ -247,7 +301,17 @@ void SpecDecoder::reseed(uint64_t seed) {
 
 bool SpecDecoder::has_running() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return !running_.empty();
+  return !running_.empty() || !waiting_.empty();
+}
+
+int64_t SpecDecoder::num_waiting() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(waiting_.size());
+}
+
+int64_t SpecDecoder::num_preemptions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return preemptions_;
 }
 
 int64_t SpecDecoder::num_running() const {
@@ -586,8 +650,24 @@ StepPlan SpecDecoder::begin_step() {
                               " is still open; one step at a time (commit or cancel it first)");
   }
   StepPlan plan;
+  const std::vector<int64_t> admitted = admit();
   if (running_.empty()) return plan;
   NvtxRange range("verispec.plan");
+  // Plan with every running sequence; when the passes do not fit the free blocks,
+  // preempt the newest and plan again. One sequence alone that does not fit: the
+  // CacheFullError goes to the caller (the step's admissions undone; sequences
+  // preempted on the way keep their tokens and wait).
+  try {
+    while (!plan_step(&plan, admitted)) preempt_newest();
+  } catch (...) {
+    unadmit(admitted);
+    throw;
+  }
+  return plan;
+}
+
+bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted) {
+  StepPlan& plan = *out;
   auto st = std::make_unique<OpenStep>();
   st->id = next_step_id_++;
   st->base_offset = offset_;
@@ -611,14 +691,20 @@ StepPlan SpecDecoder::begin_step() {
     plan_draft_passes(*st);
     plan_verify_pass(*st);
     pack_inputs(*st, &plan);
+  } catch (const CacheFullError&) {
+    open_ = std::move(st);
+    end_step(/*restore=*/true);
+    if (running_.size() <= 1) throw;
+    return false;
   } catch (...) {
     open_ = std::move(st);
     end_step(/*restore=*/true);
     throw;
   }
   for (Sequence* s : st->rows) s->in_step = true;
+  st->admitted = admitted;  // a cancelled step puts them back in the queue
   open_ = std::move(st);
-  return plan;
+  return true;
 }
 
 // ---- commit -----------------------------------------------------------------------
@@ -832,6 +918,7 @@ void SpecDecoder::end_step(bool restore) {
   if (restore) {  // copies of blocks a failed plan allocated: nothing will write them
     target_alloc_.take_block_copies();
     if (draft_alloc_) draft_alloc_->take_block_copies();
+    unadmit(st->admitted);
   }
   for (int64_t id : st->pending_abort) {
     if (seqs_[static_cast<size_t>(id)]) abort_now(id);

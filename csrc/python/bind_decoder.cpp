@@ -133,6 +133,7 @@ py::dict stats_dict(const SequenceStats& s) {
   d["accepted_by_position"] = s.accepted_at;
   d["k_history"] = s.k_history;
   d["acceptance_estimate"] = s.acceptance_estimate;
+  d["preemptions"] = s.preemptions;
   return d;
 }
 
@@ -149,7 +150,7 @@ void register_decoder(py::module_& m) {
                        int64_t draft_num_blocks, int64_t block_size, int64_t vocab_size,
                        int64_t max_context, uint64_t seed, int64_t ngram_min_n,
                        int64_t ngram_max_n, bool adaptive_k, bool draft_shares_target_cache,
-                       int64_t draft_max_context) {
+                       int64_t draft_max_context, int64_t max_num_seqs) {
              DecoderConfig c;
              c.k = k;
              c.has_draft_model = has_draft_model;
@@ -164,13 +165,15 @@ void register_decoder(py::module_& m) {
              c.adaptive_k = adaptive_k;
              c.draft_shares_target_cache = draft_shares_target_cache;
              c.draft_max_context = draft_max_context;
+             c.max_num_seqs = max_num_seqs;
              return std::make_unique<SpecDecoder>(c);
            }),
            py::arg("k"), py::arg("has_draft_model"), py::arg("target_num_blocks"),
            py::arg("draft_num_blocks"), py::arg("block_size"), py::arg("vocab_size"),
            py::arg("max_context"), py::arg("seed"), py::arg("ngram_min_n") = 0,
            py::arg("ngram_max_n") = 0, py::arg("adaptive_k") = false,
-           py::arg("draft_shares_target_cache") = false, py::arg("draft_max_context") = 0)
+           py::arg("draft_shares_target_cache") = false, py::arg("draft_max_context") = 0,
+           py::arg("max_num_seqs") = 0)
       .def(
           "add",
           [](SpecDecoder& d, const std::vector<int32_t>& prompt, int64_t max_new_tokens,
@@ -215,6 +218,8 @@ void register_decoder(py::module_& m) {
       .def("reseed", &SpecDecoder::reseed, py::arg("seed"))
       .def("has_running", &SpecDecoder::has_running)
       .def("num_running", &SpecDecoder::num_running)
+      .def("num_waiting", &SpecDecoder::num_waiting)
+      .def("num_preemptions", &SpecDecoder::num_preemptions)
       .def("num_sequences", &SpecDecoder::num_sequences)
       .def("generated", &SpecDecoder::generated, py::arg("seq"))
       .def("finish_reason",

@@ -573,7 +573,7 @@ struct Tracker {  // per sequence, what the test expects the stats to say
 // One step of the running sequences `order`; checks the plan, the commit outputs and
 // the cache algebra. Returns false when nothing ran.
 bool checked_step(SpecDecoder& dec, World& w, std::vector<int64_t>& order, std::map<int64_t, Tracker>& tr,
-                  bool ngram_drafts = false) {
+                  bool ngram_drafts = false, bool may_preempt = false) {
   std::map<int64_t, Pre> pre;
   for (int64_t id : order) {
     Pre p;
@@ -591,6 +591,21 @@ bool checked_step(SpecDecoder& dec, World& w, std::vector<int64_t>& order, std::
     return false;
   }
   CHECK(dec.step_open());
+  // With preemption the rows are the oldest sequences (a prefix of the arrival order);
+  // the newest ones were preempted: no cache blocks, tokens kept, waiting.
+  std::vector<int64_t> preempted;
+  if (may_preempt && plan.seqs.size() < order.size() &&
+      std::equal(plan.seqs.begin(), plan.seqs.end(), order.begin())) {
+    preempted.assign(order.begin() + static_cast<std::ptrdiff_t>(plan.seqs.size()), order.end());
+    order.resize(plan.seqs.size());
+    for (int64_t id : preempted) {
+      CHECK(dec.cache_len(id, ModelRole::kTarget) == 0 && dec.block_table(id, ModelRole::kTarget).empty());
+      CHECK(dec.cache_len(id, ModelRole::kDraft) == 0);
+      CHECK(dec.committed(id) == pre[id].committed);
+      CHECK(dec.finish_reason(id) == FinishReason::kNone);
+      pre[id].lt = pre[id].ld = 0;
+    }
+  }
   check_plan(dec, plan, order, pre);
   if (plan.seqs != order) return false;
   const Outputs o = run_models(dec, w, plan, ngram_drafts);
@@ -634,8 +649,10 @@ bool checked_step(SpecDecoder& dec, World& w, std::vector<int64_t>& order, std::
       CHECK(dec.cache_len(id, ModelRole::kTarget) == 0 && dec.block_table(id, ModelRole::kTarget).empty());
     }
   }
+  CHECK(dec.num_running() == static_cast<int64_t>(still.size()));
+  CHECK(dec.num_waiting() == static_cast<int64_t>(preempted.size()));
+  still.insert(still.end(), preempted.begin(), preempted.end());  // arrival order
   order = still;
-  CHECK(dec.num_running() == static_cast<int64_t>(order.size()));
   return true;
 }
 
@@ -984,6 +1001,8 @@ void test_step_ids_and_cancel() {
 // ---- CacheFullError inside begin_step ---------------------------------------------
 
 void test_cache_full() {
+  // Sequences that do not fit together: the newest is preempted (blocks freed, tokens
+  // kept) and recomputes its caches when it runs again; every output is the reference's.
   for (int which = 0; which < 3; ++which) {
     DecoderConfig c = which == 2 ? ngram_config() : base_config();
     if (which == 0) c.target_num_blocks = 6;  // the verify pass runs out
@@ -995,15 +1014,39 @@ void test_cache_full() {
     std::map<int64_t, Tracker> tr;
     const std::vector<Tokens> prompts = {{0, 1, 6, 5}, {3, 3, 3}, {5, 0, 1, 6, 5, 0}};
     for (const Tokens& pr : prompts) {
-      const int64_t id = dec.add(pr, greedy(), stop_after(30));
+      const int64_t id = dec.add(pr, greedy(), stop_after(12));
       ids.push_back(id);
       order.push_back(id);
       tr[id].prompt = pr;
-      tr[id].stop = stop_after(30);
+      tr[id].stop = stop_after(12);
     }
-    // run until the pool is full, checking each failed begin changes nothing
+    for (int step = 0; step < 400 && !order.empty(); ++step) {
+      CHECK(checked_step(dec, w, order, tr, /*ngram_drafts=*/false, /*may_preempt=*/true));
+    }
+    CHECK(order.empty() && !dec.has_running());
+    CHECK(dec.num_preemptions() >= 1);
+    CHECK(dec.stats(ids[0]).preemptions == 0);  // the oldest is never preempted
+    for (int64_t id : ids) {
+      const Ref ref = greedy_reference(tr[id].prompt, tr[id].stop, c.max_context);
+      CHECK(dec.generated(id) == ref.gen);
+    }
+    CHECK(dec.num_free_blocks(ModelRole::kTarget) == c.target_num_blocks);
+    if (c.has_draft_model) CHECK(dec.num_free_blocks(ModelRole::kDraft) == c.draft_num_blocks);
+  }
+  // One sequence that cannot fit alone: CacheFullError, and the failed begin changes nothing.
+  for (int which = 0; which < 2; ++which) {
+    DecoderConfig c = base_config();
+    if (which == 0) c.target_num_blocks = 6;
+    if (which == 1) c.draft_num_blocks = 6;
+    SpecDecoder dec(c);
+    World w(c);
+    const int64_t a = dec.add({0, 1, 6, 5}, greedy(), stop_after(60));
+    std::vector<int64_t> order = {a}, ids = {a};
+    std::map<int64_t, Tracker> tr;
+    tr[a].prompt = {0, 1, 6, 5};
+    tr[a].stop = stop_after(60);
     int fulls = 0;
-    for (int step = 0; step < 200 && !order.empty(); ++step) {
+    for (int step = 0; step < 200 && fulls == 0; ++step) {
       const Snap before = snapshot(dec, ids);
       const uint64_t offset = dec.offset();
       const std::string msg = error_of<CacheFullError>([&] {
@@ -1015,25 +1058,13 @@ void test_cache_full() {
         CHECK(has(msg, "free blocks"));
         CHECK(same(snapshot(dec, ids), before, true));
         CHECK(!dec.step_open() && dec.offset() == offset);
-        // free room: abort the last running sequence, then go on
-        const int64_t victim = order.back();
-        dec.abort(victim);
-        CHECK(dec.finish_reason(victim) == FinishReason::kAborted && dec.cache_len(victim, ModelRole::kTarget) == 0);
-        order.pop_back();
-        tr[victim].finished = true;
-        continue;
+        break;
       }
-      checked_step(dec, w, order, tr);
+      CHECK(checked_step(dec, w, order, tr));
     }
-    CHECK(fulls >= 1);
-    CHECK(order.empty());
-    for (int64_t id : ids) {
-      if (dec.finish_reason(id) == FinishReason::kAborted) continue;
-      const Ref ref = greedy_reference(tr[id].prompt, tr[id].stop, c.max_context);
-      CHECK(dec.generated(id) == ref.gen);
-    }
+    CHECK(fulls == 1);
+    dec.abort(a);
     CHECK(dec.num_free_blocks(ModelRole::kTarget) == c.target_num_blocks);
-    if (c.has_draft_model) CHECK(dec.num_free_blocks(ModelRole::kDraft) == c.draft_num_blocks);
   }
 }
 
@@ -1058,7 +1089,8 @@ void test_queued_calls() {
     CHECK(dec.cache_len(b, ModelRole::kTarget) > 0);
     // add during the step: not a row of it; a new id
     const int64_t e = dec.add({7}, greedy(), stop_after(20));
-    CHECK(e == 3 && dec.num_running() == 4 && dec.cache_len(e, ModelRole::kTarget) == 0);
+    CHECK(e == 3 && dec.num_running() == 3 && dec.num_waiting() == 1 &&
+          dec.cache_len(e, ModelRole::kTarget) == 0);  // queued for the next step
     // release of an added-now sequence is immediate (not in the step)
     const int64_t f = dec.add({8}, greedy(), stop_after(20));
     dec.release(f);
@@ -1077,7 +1109,8 @@ void test_queued_calls() {
     CHECK(dec.cache_len(b, ModelRole::kTarget) == 0 && dec.cache_len(b, ModelRole::kDraft) == 0);
     CHECK(dec.block_table(b, ModelRole::kTarget).empty());
     CHECK(has(error_of<UnknownSequenceError>([&] { dec.committed(d); }), "unknown"));
-    CHECK(dec.num_sequences() == 3 && dec.num_running() == 2);
+    // a (running, or back in the queue after a cancel) and e (queued)
+    CHECK(dec.num_sequences() == 3 && dec.num_running() + dec.num_waiting() == 2);
     // the blocks held are exactly a's
     CHECK(dec.num_free_blocks(ModelRole::kTarget) ==
           c.target_num_blocks - static_cast<int64_t>(dec.block_table(a, ModelRole::kTarget).size()));
@@ -1126,7 +1159,7 @@ void test_add_release_cycles() {
       live.erase(live.begin() + i % 4);
     }
     counts_ok = counts_ok && dec.num_sequences() == static_cast<int64_t>(live.size()) &&
-                dec.num_running() == static_cast<int64_t>(live.size());
+                dec.num_running() + dec.num_waiting() == static_cast<int64_t>(live.size());
   }
   CHECK(counts_ok);
   CHECK(max_id == 3);  // ids are reused

@@ -144,6 +144,12 @@ class SpecDecoder:
     own (``draft_num_blocks``, default ``num_blocks``), except an ``EarlyExit`` draft of
     this target, which reads and writes the target's pools for its layers.
 
+    Scheduling: added sequences wait in arrival order and run when admitted (at most
+    ``max_num_seqs`` at once; 0: no limit). When a step does not fit the free cache
+    blocks, the newest running sequence is preempted: its blocks are freed, its tokens
+    kept, and it recomputes its cache when it runs again. ``CacheFullError`` reaches the
+    caller only when one sequence alone does not fit.
+
     Sampled output is distributed exactly as sampling the target under the same policy
     (temperature, top-k, top-p, min-p, applied identically to target and draft).
     Greedy output is the target's greedy output token for token.
@@ -155,7 +161,8 @@ class SpecDecoder:
 
     def __init__(self, target: Model, draft: Model | NGram | None = None, *, k: int | str = 4,
                  max_k: int = 8, num_blocks: int = 512, draft_num_blocks: int | None = None,
-                 block_size: int = 16, seed: int = 0, ops: Any = None) -> None:
+                 block_size: int = 16, seed: int = 0, ops: Any = None,
+                 max_num_seqs: int = 0) -> None:
         ngram = draft if isinstance(draft, NGram) else None
         if ngram is not None:
             draft = None
@@ -170,6 +177,9 @@ class SpecDecoder:
             k = max_k
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= _C.MAX_K:
             raise ValueError(f"SpecDecoder: k must be an int in [0, {_C.MAX_K}] or 'auto', got {k!r}")
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 0:
+            raise ValueError(f"SpecDecoder: max_num_seqs must be an int >= 0 (0: no limit), "
+                             f"got {max_num_seqs!r}")
         if draft is None and ngram is None:
             k, adaptive = 0, False  # no draft: plain decoding through the same loop
         g = target.geometry
@@ -207,7 +217,8 @@ class SpecDecoder:
             seed=seed, ngram_min_n=ngram.min_n if ngram else 0,
             ngram_max_n=ngram.max_n if ngram else 0, adaptive_k=adaptive,
             draft_shares_target_cache=shared,
-            draft_max_context=draft.geometry.max_context if draft is not None else 0)
+            draft_max_context=draft.geometry.max_context if draft is not None else 0,
+            max_num_seqs=max_num_seqs)
         self.adaptive = adaptive
         self.shares_target_cache = shared
         self._models = {_TARGET: target}
@@ -566,8 +577,17 @@ class SpecDecoder:
                               self._core.stats(seq), logprobs)
 
     def has_running(self) -> bool:
-        """Whether any added sequence is still running (step() has work)."""
+        """Whether any added sequence is still running or waiting (step() has work)."""
         return self._core.has_running()
+
+    def num_waiting(self) -> int:
+        """Sequences waiting to run: added but not admitted yet (``max_num_seqs``), or
+        preempted (their cache blocks were needed by older sequences)."""
+        return self._core.num_waiting()
+
+    def num_preemptions(self) -> int:
+        """How many times a sequence was preempted, over the decoder's life."""
+        return self._core.num_preemptions()
 
     def timings(self) -> dict:
         """Wall time by phase summed over all steps: draft_forward_s, draft_sample_s,

@@ -17,6 +17,13 @@
 //                  were before begin_step. commit() does the same itself when its inputs
 //                  fail a check.
 //
+// Scheduling: add() queues a sequence; each begin_step() admits waiting sequences in
+// arrival order (at most max_num_seqs running). When the step's passes do not fit the
+// free cache blocks, the newest running sequence is preempted: its blocks are freed, its
+// committed tokens kept, and it waits at its place in the queue; admitted again, it
+// recomputes its caches (its next input is committed[0:]). CacheFullError reaches the
+// caller only when one sequence alone does not fit.
+//
 // Threads: every public method takes one mutex, so calls from several threads are
 // serialised. A step spans calls, so begin_step() of a second step while one is open
 // throws StepInProgressError. abort() and release() of a sequence that belongs to the
@@ -95,6 +102,7 @@ struct SequenceStats {
   std::vector<int64_t> proposed_at;  // by draft position j
   std::vector<int64_t> accepted_at;  // by draft position j
   std::vector<int32_t> k_history;    // k chosen at each step
+  int64_t preemptions = 0;      // times its cache was freed for others (it recomputes it)
   // Adaptive k's current acceptance estimates: [draft model], or n-gram proposals by
   // the length of the matched suffix [min_n .. max_n].
   std::vector<double> acceptance_estimate;
@@ -205,6 +213,9 @@ struct DecoderConfig {
   int64_t max_context = 0;          // the target's context length
   int64_t draft_max_context = 0;    // a draft model's (0: the target's); rows past it stop drafting
   uint64_t seed = 0;
+  // Admission: at most this many sequences run in a step (0: no limit); the others wait
+  // in arrival order (FIFO).
+  int64_t max_num_seqs = 0;
 };
 
 // The largest k a decoder takes (the cost model keeps a cost per tokens-per-row).
@@ -256,8 +267,12 @@ class SpecDecoder {
   // Restarts the random stream: seed, and offset 0 (reproducible runs).
   void reseed(uint64_t seed);
 
+  // Whether any sequence is running or waiting (step() has work).
   bool has_running() const;
   int64_t num_running() const;
+  // Sequences waiting for admission: added but not yet admitted, or preempted.
+  int64_t num_waiting() const;
+  int64_t num_preemptions() const;  // total, over the decoder's life
   int64_t num_sequences() const;  // records held (running, finished, not released)
   std::vector<int32_t> generated(int64_t seq) const;
   FinishReason finish_reason(int64_t seq) const;
@@ -299,6 +314,14 @@ class SpecDecoder {
   void record_times(const OpenStep& st, const StepTimes& times);
   // Ends the open step: restores its marks if `restore`, then applies queued calls.
   void end_step(bool restore);
+  // Scheduling: admits waiting sequences (arrival order, within max_num_seqs); frees the
+  // newest running sequence's caches and puts it back in the queue (it keeps its tokens
+  // and recomputes its caches when admitted again).
+  std::vector<int64_t> admit();
+  void unadmit(const std::vector<int64_t>& seqs);  // back to the queue (a cancelled step)
+  void preempt_newest();
+  void enqueue(int64_t seq);
+  bool plan_step(StepPlan* plan, const std::vector<int64_t>& admitted);
 
   DecoderConfig config_;
   mutable std::mutex mu_;
@@ -306,7 +329,10 @@ class SpecDecoder {
   std::unique_ptr<BlockAllocator> draft_alloc_;
   std::vector<std::unique_ptr<Sequence>> seqs_;  // by id; null when free
   std::vector<int64_t> free_ids_;                // released ids, reused by add()
-  std::vector<int64_t> running_;                 // running ids in the order they were added
+  std::vector<int64_t> running_;                 // running ids in arrival order
+  std::vector<int64_t> waiting_;                 // waiting ids in arrival order (FIFO)
+  uint64_t next_arrival_ = 0;
+  int64_t preemptions_ = 0;
   std::unique_ptr<OpenStep> open_;               // the open step, if any
   uint64_t next_step_id_ = 1;
   uint64_t offset_ = 0;
