@@ -273,20 +273,26 @@ def test_schedule_covers_what_it_claims(monkeypatch):
     assert set(ISSUE_TWELVE) <= set(CONFIGS)
 
 
+@pytest.fixture
+def lean(monkeypatch) -> list[int]:
+    """The query counts of the calls that took the lean one-row attention path."""
+    calls: list[int] = []
+    original = hf_mod._Plan._attend_lean
+
+    def spy(g, q, k_flat, v_flat, scaling, window):
+        calls.append(g.n)
+        return original(g, q, k_flat, v_flat, scaling, window)
+
+    monkeypatch.setattr(hf_mod._Plan, "_attend_lean", staticmethod(spy))
+    return calls
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma2", "gpt_oss"])
-def test_one_sequence_alone(name, monkeypatch):
+def test_one_sequence_alone(name, lean):
     """One sequence in its own consecutive blocks, as plain and speculative decoding of one
     request run it: prefill, decodes, verify passes of 2..8 with rollback, past the
     window. Decode and verify take the lean one-row path (unless the layer softcaps or
     has sinks), and every row equals transformers' forward."""
-    lean = []
-    original = hf_mod._Plan._attend_lean
-
-    def spy(g, q, k_flat, v_flat, scaling, window):
-        lean.append(g.n)
-        return original(g, q, k_flat, v_flat, scaling, window)
-
-    monkeypatch.setattr(hf_mod._Plan, "_attend_lean", staticmethod(spy))
     ref, model = _reference(name), _wrap(name)
     runner = PagedRunner(model, num_blocks=16, block_size=BLOCK_SIZE)
     seq = runner.add_sequence()
@@ -470,18 +476,10 @@ def _run_trees(name: str) -> _Driver:
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral"])
-def test_small_tree_alone_takes_the_lean_path(name, monkeypatch):
+def test_small_tree_alone_takes_the_lean_path(name, lean):
     """One sequence in consecutive blocks verifying a 7-node tree (depth past the window):
     the lean one-row path, with the tree's visibility and depth positions, equals
     transformers' forward of each node's path."""
-    lean = []
-    original = hf_mod._Plan._attend_lean
-
-    def spy(g, q, k_flat, v_flat, scaling, window):
-        lean.append(g.n)
-        return original(g, q, k_flat, v_flat, scaling, window)
-
-    monkeypatch.setattr(hf_mod._Plan, "_attend_lean", staticmethod(spy))
     ref, model = _reference(name), _wrap(name)
     runner = PagedRunner(model, num_blocks=16, block_size=BLOCK_SIZE)
     seq = runner.add_sequence()
