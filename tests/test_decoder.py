@@ -237,7 +237,8 @@ def test_a_full_cache_preempts_the_newest_sequence(ops):
             got[o.seq] += o.tokens
         waited |= dec.num_waiting() > 0
     assert not dec.has_running() and waited
-    assert dec.num_preemptions() >= 1 and dec.result(b).stats["preemptions"] >= 1
+    # preempted once, then it waits (FIFO admission does not re-admit what cannot fit)
+    assert dec.num_preemptions() == dec.result(b).stats["preemptions"] == 1
     assert dec.result(a).stats["preemptions"] == 0  # the older one is never preempted
     for s, p in zip((a, b), prompts):
         assert got[s] == greedy_reference(target, p, 12)

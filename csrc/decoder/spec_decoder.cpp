@@ -217,6 +217,18 @@ std::vector<int64_t> SpecDecoder::admit() {
                                                 : std::numeric_limits<size_t>::max();
   while (!waiting_.empty() && running_.size() < limit) {
     const int64_t seq = waiting_.front();
+    // FIFO: the head waits (and so does everyone behind it) while its whole context plus
+    // a step's drafts would not fit the free blocks; with nothing running it is admitted
+    // anyway, so a sequence that can never fit gets its CacheFullError.
+    const Sequence& head = get(seq);
+    const int64_t need = head.committed() + config_.k + 1;
+    const bool fits =
+        target_alloc_.blocks_needed(head.target_seq, need - target_alloc_.length(head.target_seq)) <=
+            target_alloc_.num_free_blocks() &&
+        (!draft_alloc_ ||
+         draft_alloc_->blocks_needed(head.draft_seq, need - draft_alloc_->length(head.draft_seq)) <=
+             draft_alloc_->num_free_blocks());
+    if (!fits && !running_.empty()) break;
     waiting_.erase(waiting_.begin());
     const uint64_t arrival = get(seq).arrival;
     auto at = std::find_if(running_.begin(), running_.end(),
@@ -240,10 +252,14 @@ void SpecDecoder::preempt_newest() {
   const int64_t seq = running_.back();
   running_.pop_back();
   Sequence& s = get(seq);
+  const bool held = target_alloc_.length(s.target_seq) > 0 ||
+                    (draft_alloc_ && draft_alloc_->length(s.draft_seq) > 0);
   target_alloc_.rollback(s.target_seq, 0);
   if (draft_alloc_) draft_alloc_->rollback(s.draft_seq, 0);
-  ++s.stats.preemptions;
-  ++preemptions_;
+  if (held) {  // a preemption frees a cache; sending back one admitted just now is not one
+    ++s.stats.preemptions;
+    ++preemptions_;
+  }
   enqueue(seq);
 }
 
