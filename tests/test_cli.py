@@ -132,14 +132,14 @@ def test_lab_check_fails_outright_on_impossible_token():
 
 
 def test_chi2_survival_without_scipy_matches_scipy():
-    scipy_stats = pytest.importorskip("scipy.stats")
+    import scipy.stats as scipy_stats
     for x, dof in [(0.1, 1), (1.5, 2), (3.0, 2), (10.0, 3), (40.0, 5), (200.0, 7), (0.0, 4)]:
         ours = lab.chi2_sf(x, dof, use_scipy=False)
         assert ours == pytest.approx(float(scipy_stats.chi2.sf(x, dof)), rel=1e-9, abs=1e-300)
 
 
 def test_lab_plot_and_json(capsys, tmp_path):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401 - the plot needs it
     code, out, err = run(capsys, "lab", "--draws", 2_000, "--out", tmp_path / "o",
                          "--labels", "a,b,c")
     assert code == 0, err
@@ -181,9 +181,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 def tiny_model(tmp_path_factory):
     """A 2-layer random Llama as a Hugging Face folder (config.json, model.safetensors,
     tokenizer.json with a byte-level BPE, tokenizer_config.json with a chat template)."""
-    pytest.importorskip("tokenizers")
-    pytest.importorskip("jinja2")
-    safetensors_torch = pytest.importorskip("safetensors.torch")
+    import safetensors.torch as safetensors_torch
     folder = tmp_path_factory.mktemp("tiny_llama")
     tok = train_byte_bpe(["the quick brown fox jumps over the lazy dog"] * 4)
     tok.save(str(folder / "tokenizer.json"))
@@ -304,7 +302,7 @@ def _save_transformers_folder(folder, model_type, tokenizer_json, *, seed, vocab
                               **overrides):
     """A tiny random transformers model saved with save_pretrained, next to tokenizer_json
     and tiny_model's tokenizer_config.json (chat template, eos)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from verispec.models.testing import randomize_weights
     from tokenizers import Tokenizer
 
