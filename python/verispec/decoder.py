@@ -240,8 +240,7 @@ class SpecDecoder:
         # _lp_lock, which add() holds until its id is recorded (a step that plans the
         # sequence reads the request after that)
         self._lp_lock = threading.Lock()
-        self._lp_top: dict[int, int] = {}
-        self._lp: dict[int, list[TokenLogprob]] = {}
+        self._lp: dict[int, tuple[int, list[TokenLogprob]]] = {}  # seq -> (top n, so far)
 
     # -- continuous batching -------------------------------------------------------
     def add(self, prompt: Sequence[int], *, max_new_tokens: int, greedy: bool = False,
@@ -275,11 +274,9 @@ class SpecDecoder:
             seq = self._core.add(list(prompt), int(max_new_tokens),
                                  fold_greedy("add", greedy, float(temperature)), int(top_k),
                                  float(top_p), float(min_p), eos, [list(s) for s in (stop or [])])
-            self._lp_top.pop(seq, None)
             self._lp.pop(seq, None)
             if logprobs is not None:
-                self._lp_top[seq] = int(logprobs)
-                self._lp[seq] = []
+                self._lp[seq] = (int(logprobs), [])
         return seq
 
     def step(self) -> list[StepOutput]:
@@ -317,13 +314,13 @@ class SpecDecoder:
         timer = _Timer(self.device)
         deferred = getattr(self._ops, "deferred_errors", None)
         with self._lp_lock:
-            lp_rows = [(b, seq, self._lp_top[seq]) for b, seq in enumerate(plan["seqs"])
-                       if seq in self._lp_top]
+            lp_rows = [(b, seq, self._lp[seq][0]) for b, seq in enumerate(plan["seqs"])
+                       if seq in self._lp]
         with deferred() if deferred is not None else contextlib.nullcontext() as errors:
             q = self._draft_passes(plan, host, inputs, draft_tokens, policy, timer)
             result, logits = self._verify_pass(plan, host, inputs, draft_tokens, q, policy,
                                                timer)
-            lp = self._logprobs(logits, result[0], policy, lp_rows, B) if lp_rows else None
+            lp = self._logprobs(logits, result[0], policy, lp_rows) if lp_rows else None
             records = errors.records() if errors is not None else None
             tokens, emitted, accepted, drafts, host_records, host_lp = self._download(
                 result, draft_tokens if plan["draft_model"] else None, records, lp)
@@ -336,13 +333,18 @@ class SpecDecoder:
             time.perf_counter() - start)
         return committed, self._record_logprobs(committed, lp_rows, host_lp, K + 1)
 
-    def _logprobs(self, logits, tokens, policy, lp_rows, B):
+    def _top_width(self, lp_rows) -> int:
+        """How many alternatives the step's logprobs carry per token: the most any row
+        asked for, at most V."""
+        return min(max(top for _, _, top in lp_rows), self.vocab_size)
+
+    def _logprobs(self, logits, tokens, policy, lp_rows):
         """[r, K + 1, 2 + 3n] float32 for the rows that asked: each position's token's
         policy-applied and raw log-probabilities, then the top n (token id as a float,
         logprob, raw logprob); n the largest asked in the step (at most V). Stays on the
         device."""
         rows = torch.tensor([b for b, _, _ in lp_rows], device=logits.device)
-        n = min(max(top for _, _, top in lp_rows), self.vocab_size)
+        n = self._top_width(lp_rows)
         sel = logits.index_select(0, rows)                                    # [r, K + 1, V]
         r, positions, vocab = sel.shape
         raw = torch.log_softmax(sel.float(), dim=-1)
@@ -367,7 +369,7 @@ class SpecDecoder:
             return {}
         import numpy as np
 
-        n = min(max(top for _, _, top in lp_rows), self.vocab_size)
+        n = self._top_width(lp_rows)
         row_of = {seq: (i, min(top, n)) for i, (_, seq, top) in enumerate(lp_rows)}
         table = np.asarray(host_lp).view(np.float32).reshape(len(lp_rows), positions, 2 + 3 * n)
         out = {}
@@ -382,7 +384,7 @@ class SpecDecoder:
                     alts = [(int(v[2 + a]), float(v[2 + n + a]), float(v[2 + 2 * n + a]))
                             for a in range(top)]
                     got.append(TokenLogprob(int(token), float(v[0]), float(v[1]), alts))
-                self._lp[seq].extend(got)
+                self._lp[seq][1].extend(got)
                 out[seq] = got
         return out
 
@@ -565,14 +567,13 @@ class SpecDecoder:
         unknown id. From any thread (during a step: when that step ends)."""
         with self._lp_lock:
             self._core.release(seq)
-            self._lp_top.pop(seq, None)
             self._lp.pop(seq, None)
 
     def result(self, seq: int) -> GenerateResult:
         """The sequence's tokens so far (new tokens only), finish reason, statistics and,
         when it asked for them, its tokens' logprobs."""
         with self._lp_lock:
-            logprobs = list(self._lp[seq]) if seq in self._lp else None
+            logprobs = list(self._lp[seq][1]) if seq in self._lp else None
         return GenerateResult(self._core.generated(seq), self._core.finish_reason(seq),
                               self._core.stats(seq), logprobs)
 

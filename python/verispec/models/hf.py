@@ -94,10 +94,6 @@ class _LayerRecord:
     num_kv_heads: int
     k_head_dim: int
     v_head_dim: int
-    num_heads: int
-    window: Optional[int]
-    softcap: Optional[float]
-    sinks: bool
     causal: bool
 
 
@@ -110,8 +106,7 @@ class _Probe:
     def attend(self, module, query, key, value, *, scaling, window, softcap, sinks):
         self.layers.append(_LayerRecord(
             module=module, num_kv_heads=key.shape[1], k_head_dim=key.shape[3],
-            v_head_dim=value.shape[3], num_heads=query.shape[1],
-            window=window, softcap=softcap, sinks=sinks is not None,
+            v_head_dim=value.shape[3],
             causal=getattr(module, "is_causal", True) is not False))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
 
@@ -145,17 +140,15 @@ class _Group:
             if table and table[0] >= 0 and table == list(range(table[0], table[0] + len(table))):
                 self.key_start = table[0] * bs
         key_idx = torch.arange(l)
+        lens = torch.tensor([ctx_lens[r] for r in rows])
+        valid = key_idx[None, :] < lens[:, None]                              # [b, l]
         if self.key_start is None:
             blocks = tables[rows][:, :-(-l // bs)].long()                      # [b, blocks]
             j = key_idx.expand(b, l)
             slots = torch.gather(blocks, 1, j // bs) * bs + j % bs
-            lens = torch.tensor([ctx_lens[r] for r in rows])
-            slots = torch.where(key_idx[None, :] < lens[:, None], slots, 0).clamp_(min=0)
-            self.key_slots = slots.reshape(-1)
+            self.key_slots = torch.where(valid, slots, 0).clamp_(min=0).reshape(-1)
         # Who sees what: key j of row i is valid below the row's context length; a chain
         # query sees keys 0..position, a tree query its prefix and its ancestors.
-        lens = torch.tensor([ctx_lens[r] for r in rows])
-        valid = key_idx[None, :] < lens[:, None]                              # [b, l]
         key_pos = key_idx.expand(b, l).clone()
         if plan.tree is None:
             visible = (key_idx[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]
@@ -527,11 +520,8 @@ class HFModel:
                 raise _refuse(hf_model, "its attention does not go through transformers' "
                                         "AttentionInterface")
             self.model = hf_model
-            probe = _Probe()
             try:
-                logits = self._call(torch.zeros(2, dtype=torch.long, device=device),
-                                    torch.arange(2, device=device),
-                                    torch.tensor([1], device=device), probe)
+                probe, logits = self._probe(device)
             except TypeError as e:
                 raise _refuse(hf_model, f"its forward does not pass keyword arguments down to "
                                         f"the attention function ({e})") from e
@@ -648,10 +638,7 @@ class HFModel:
         draft.model_type = self.model_type
         draft._kernels = self._kernels
         draft.tokenizer_fingerprint = self.tokenizer_fingerprint
-        probe = _Probe()
-        device = self.geometry.device
-        draft._call(torch.zeros(2, dtype=torch.long, device=device), torch.arange(2, device=device),
-                    torch.tensor([1], device=device), probe)
+        probe, _ = draft._probe(self.geometry.device)
         if [id(r.module) for r in probe.layers] != [id(r.module) for r in draft.layers]:
             raise ValueError(f"early_exit: {type(self.model).__name__} does not run a prefix of "
                              f"its layers (its forward called {len(probe.layers)} attention "
@@ -669,6 +656,15 @@ class HFModel:
                 return name.split(".")
         raise ValueError(f"early_exit: {type(self.model).__name__} keeps no nn.ModuleList of "
                          f"its {len(attention)} decoder layers")
+
+    def _probe(self, device: torch.device) -> tuple[_Probe, torch.Tensor]:
+        """One recording forward of 2 tokens keeping the last one's logits: what each
+        layer passed to the attention function, and the logits."""
+        probe = _Probe()
+        logits = self._call(torch.zeros(2, dtype=torch.long, device=device),
+                            torch.arange(2, device=device), torch.tensor([1], device=device),
+                            probe)
+        return probe, logits
 
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
               ctx: Any) -> torch.Tensor:
