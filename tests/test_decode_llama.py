@@ -156,8 +156,9 @@ def tiny5(tmp_path_factory):
 
 def _sampled_continuations(dec, prompt, n, policy, seed):
     counts = {}
-    for call in range(n // 1000):
-        for r in dec.generate([prompt] * 1000, max_new_tokens=DEPTH, seed=seed + call, **policy):
+    dec._core.reseed(seed)  # the decoder's stream from `seed`, continued from call to call
+    for _ in range(n // 1000):
+        for r in dec.generate([prompt] * 1000, max_new_tokens=DEPTH, **policy):
             counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
     return counts
 

@@ -335,11 +335,14 @@ def exact_continuations(target: CacheModel, prompt, policy) -> dict:
     return probs
 
 
-def sampled_continuations(dec: SpecDecoder, prompt, n, policy, seed) -> dict:
+def sampled_continuations(dec: SpecDecoder, prompt, n, policy, seed, stream="decoder") -> dict:
+    """Counts of n sampled continuations: from the decoder's stream (dec built with its
+    own seed; each generate call continues it) or keyed (request seeds from seed + call)."""
     counts: dict = {}
     per_call = 1000
     for call in range(n // per_call):
-        for r in dec.generate([prompt] * per_call, max_new_tokens=DEPTH, seed=seed + call, **policy):
+        request = seed + call if stream == "keyed" else None
+        for r in dec.generate([prompt] * per_call, max_new_tokens=DEPTH, seed=request, **policy):
             counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
     return counts
 
@@ -366,16 +369,19 @@ def chi_square_pvalue(counts: dict, probs: dict) -> float:
                                     dict(temperature=1.0, top_p=0.8, min_p=0.05)],
                          ids=["t1", "t0.7-topk3", "topp-minp"])
 @pytest.mark.parametrize("source", ["model", "ngram"])
-def test_generate_matches_the_enumerated_target_distribution(policy, source):
+@pytest.mark.parametrize("stream", ["decoder", "keyed"])
+def test_generate_matches_the_enumerated_target_distribution(policy, source, stream):
+    """Both random streams: the decoder's (verify's rule) and per-request seeds (the
+    keyed rule, ops.verify_keyed)."""
     ops = OPS[0].values[0]
     target = CacheModel(SV, seed=3, table_rows=53, scale=1.5)
     if source == "model":
         draft = CacheModel(SV, seed=4, table_rows=53, scale=1.5)  # unrelated: many rejections
     else:
         draft = NGram(1, 2)  # the prompt [1, 2] and generated tokens feed the lookup
-    dec = SpecDecoder(target, draft, k=2, num_blocks=3000, block_size=2, ops=ops)
+    dec = SpecDecoder(target, draft, k=2, num_blocks=3000, block_size=2, ops=ops, seed=100)
     probs = exact_continuations(target, [1, 2], policy)
-    counts = sampled_continuations(dec, [1, 2], 8000, policy, seed=100)
+    counts = sampled_continuations(dec, [1, 2], 8000, policy, seed=100, stream=stream)
     assert chi_square_pvalue(counts, probs) > ALPHA
 
 
@@ -401,6 +407,36 @@ def test_end_to_end_test_has_power(monkeypatch):
     monkeypatch.setattr(SpecDecoder, "_sample_draft", wrong_q)
     probs = exact_continuations(target, [1, 2], policy)
     counts = sampled_continuations(dec, [1, 2], 8000, policy, seed=100)
+    assert chi_square_pvalue(counts, probs) < ALPHA
+
+
+def test_end_to_end_test_has_power_on_keyed_requests(monkeypatch):
+    """The keyed rule ignores q (every emitted token is the target's keyed sample), so a
+    wrong q cannot break it; a keyed verify that accepts every proposal can, and the
+    same test catches it."""
+    from verispec import ops as native
+
+    policy = dict(temperature=0.7, top_k=3)
+    target = CacheModel(SV, seed=3, table_rows=53, scale=1.5)
+    draft = CacheModel(SV, seed=4, table_rows=53, scale=1.5)
+
+    def accept_all(target_logits, draft_tokens, *, num_draft, **kwargs):
+        tokens, _, _ = native.verify_keyed(target_logits, draft_tokens, num_draft=num_draft,
+                                           **kwargs)
+        n = num_draft.long()
+        steps = torch.arange(tokens.shape[1])
+        padded = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)
+        out = torch.where(steps < n[:, None], padded, tokens[:, :1])  # any valid bonus
+        out = torch.where(steps <= n[:, None], out, -1)
+        return out.int(), (n + 1).int(), n.int()
+
+    class WrongOps:
+        apply_policy, sample = staticmethod(native.apply_policy), staticmethod(native.sample)
+        verify, verify_keyed = staticmethod(native.verify), staticmethod(accept_all)
+
+    dec = SpecDecoder(target, draft, k=2, num_blocks=3000, block_size=2, ops=WrongOps())
+    probs = exact_continuations(target, [1, 2], policy)
+    counts = sampled_continuations(dec, [1, 2], 8000, policy, seed=100, stream="keyed")
     assert chi_square_pvalue(counts, probs) < ALPHA
 
 

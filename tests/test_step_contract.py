@@ -240,8 +240,8 @@ def test_out_of_contract_ops_fail_cleanly_and_the_next_step_continues(kind):
     next steps with correct ops give exactly the tokens of an undisturbed run."""
     target, draft = models()
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
-    want = [r.tokens for r in SpecDecoder(target, draft, k=3, num_blocks=64, block_size=4)
-            .generate(prompts, max_new_tokens=12, temperature=1.0, seed=5)]
+    want = [r.tokens for r in SpecDecoder(target, draft, k=3, num_blocks=64, block_size=4, seed=5)
+            .generate(prompts, max_new_tokens=12, temperature=1.0)]
     dec = SpecDecoder(target, draft, k=3, num_blocks=64, block_size=4)
     dec._core.reseed(5)
     seqs = [dec.add(p, max_new_tokens=12, temperature=1.0) for p in prompts]

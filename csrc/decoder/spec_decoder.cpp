@@ -617,8 +617,10 @@ void SpecDecoder::pack_inputs(OpenStep& st, StepPlan* plan) {
   std::vector<int32_t> drafts(static_cast<size_t>(B * K), -1), num_draft(static_cast<size_t>(B));
   std::vector<float> temperature(static_cast<size_t>(B)), top_p(static_cast<size_t>(B)),
       min_p(static_cast<size_t>(B));
-  std::vector<int32_t> top_k(static_cast<size_t>(B));
+  std::vector<int32_t> top_k(static_cast<size_t>(B)), keyed(static_cast<size_t>(B));
+  std::vector<int64_t> seed_rows(static_cast<size_t>(B)), position_rows(static_cast<size_t>(B));
   PolicyLayout& pol = plan->policy;
+  pol.all_keyed = B > 0;
   for (int64_t b = 0; b < B; ++b) {
     const auto& ngram = st.proposals[static_cast<size_t>(b)];
     std::copy(ngram.begin(), ngram.end(), drafts.begin() + b * K);
@@ -628,6 +630,11 @@ void SpecDecoder::pack_inputs(OpenStep& st, StepPlan* plan) {
     top_k[static_cast<size_t>(b)] = sp.top_k;
     top_p[static_cast<size_t>(b)] = sp.top_p;
     min_p[static_cast<size_t>(b)] = sp.min_p;
+    keyed[static_cast<size_t>(b)] = sp.keyed ? 1 : 0;
+    seed_rows[static_cast<size_t>(b)] = static_cast<int64_t>(sp.seed);
+    position_rows[static_cast<size_t>(b)] = st.rows[static_cast<size_t>(b)]->committed();
+    pol.any_keyed = pol.any_keyed || sp.keyed;
+    pol.all_keyed = pol.all_keyed && sp.keyed;
     const SamplingParams& s0 = st.rows[0]->sampling;
     pol.uniform = pol.uniform && sp.temperature == s0.temperature && sp.top_k == s0.top_k &&
                   sp.top_p == s0.top_p && sp.min_p == s0.min_p;
@@ -641,6 +648,9 @@ void SpecDecoder::pack_inputs(OpenStep& st, StepPlan* plan) {
   pol.top_k_rows = put(&buf, top_k);
   pol.top_p_rows = put(&buf, top_p);
   pol.min_p_rows = put(&buf, min_p);
+  pol.keyed_rows = put(&buf, keyed);
+  pol.seed_rows = put(&buf, seed_rows);
+  pol.position_rows = put(&buf, position_rows);
   plan->draft_tokens = put(&buf, drafts);
   plan->num_draft = put(&buf, num_draft);
   buf.resize((buf.size() + 7) / 8 * 8);

@@ -106,6 +106,11 @@ py::object plan_dict(const StepPlan& p) {
   pol["top_k_rows"] = p.policy.top_k_rows;
   pol["top_p_rows"] = p.policy.top_p_rows;
   pol["min_p_rows"] = p.policy.min_p_rows;
+  pol["any_keyed"] = p.policy.any_keyed;
+  pol["all_keyed"] = p.policy.all_keyed;
+  pol["keyed_rows"] = p.policy.keyed_rows;
+  pol["seed_rows"] = p.policy.seed_rows;
+  pol["position_rows"] = p.policy.position_rows;
   d["policy"] = pol;
   d["inputs"] = py::bytearray(reinterpret_cast<const char*>(p.inputs.data()), p.inputs.size());
   d["target_copies"] = copies_list(p.target_copies);
@@ -178,13 +183,16 @@ void register_decoder(py::module_& m) {
           "add",
           [](SpecDecoder& d, const std::vector<int32_t>& prompt, int64_t max_new_tokens,
              float temperature, int32_t top_k, float top_p, float min_p,
-             std::vector<int32_t> eos_ids, std::vector<std::vector<int32_t>> stop_sequences) {
-            SamplingParams sp{temperature, top_k, top_p, min_p};
+             std::vector<int32_t> eos_ids, std::vector<std::vector<int32_t>> stop_sequences,
+             const std::optional<uint64_t>& seed) {
+            SamplingParams sp{temperature, top_k, top_p, min_p, seed.has_value(),
+                              seed.value_or(0)};
             StopParams st{max_new_tokens, std::move(eos_ids), std::move(stop_sequences)};
             return d.add(prompt, sp, st);
           },
           py::arg("prompt"), py::arg("max_new_tokens"), py::arg("temperature"), py::arg("top_k"),
-          py::arg("top_p"), py::arg("min_p"), py::arg("eos_ids"), py::arg("stop_sequences"))
+          py::arg("top_p"), py::arg("min_p"), py::arg("eos_ids"), py::arg("stop_sequences"),
+          py::arg("seed") = py::none())
       .def("abort", &SpecDecoder::abort, py::arg("seq"))
       .def("release", &SpecDecoder::release, py::arg("seq"))
       .def("begin_step", [](SpecDecoder& d) { return plan_dict(d.begin_step()); },

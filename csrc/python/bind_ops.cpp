@@ -291,17 +291,34 @@ void apply_policy(const py::handle& logits_obj, const py::handle& probs_obj,
 
 void sample(const py::handle& probs_obj, const py::handle& tokens_obj, const py::object& seed,
             const py::object& offset, intptr_t stream, bool check_errors,
-            const py::object& workspace) {
+            const py::object& workspace, const py::object& row_seeds_obj,
+            const py::object& row_positions_obj) {
   constexpr const char* op = "sample";
   auto probs = TensorView::from(probs_obj, op, "probs");
   probs.expect({DType::kFloat32}, {{"N", kAnyDim}, {"V", kAnyDim}}).expect_last_dim_contiguous();
   const int64_t n = probs.size(0), v = probs.size(1);
   auto tokens = TensorView::from(tokens_obj, op, "tokens", /*writable=*/true);
   tokens.expect({DType::kInt32}, {{"N", n}}).expect_contiguous();
-  expect_same_device({&probs, &tokens});
+  if (row_seeds_obj.is_none() != row_positions_obj.is_none()) {
+    throw py::value_error("sample: seeds and positions must be given together (keyed) or "
+                          "not at all");
+  }
+  std::optional<TensorView> row_seeds, row_positions;
+  if (!row_seeds_obj.is_none()) {
+    row_seeds.emplace(TensorView::from(row_seeds_obj, op, "seeds"));
+    row_seeds->expect({DType::kInt64}, {{"N", n}}).expect_contiguous();
+    row_positions.emplace(TensorView::from(row_positions_obj, op, "positions"));
+    row_positions->expect({DType::kInt64}, {{"N", n}}).expect_contiguous();
+  }
+  expect_same_device({&probs, &tokens, row_seeds ? &*row_seeds : nullptr,
+                      row_positions ? &*row_positions : nullptr});
   if (n > 0 && v == 0) throw py::value_error("sample: probs must have V >= 1, got V = 0");
   RandomViews rv;
   SampleArgs a;
+  if (row_seeds) {
+    a.row_seeds = row_seeds->data<int64_t>();
+    a.row_positions = row_positions->data<int64_t>();
+  }
   a.probs = probs.data<float>();
   a.probs_row_stride = probs.stride(0);
   a.rows = n;
@@ -410,8 +427,11 @@ void register_ops(py::module_& m) {
   m.def("sample", &sample, py::arg("probs"), py::arg("tokens"), py::arg("seed"),
         py::arg("offset"), py::kw_only(), py::arg("stream") = 0,
         py::arg("check_errors") = true, py::arg("workspace") = py::none(),
+        py::arg("row_seeds") = py::none(), py::arg("row_positions") = py::none(),
         "tokens[N] (int32, written) = one inverse-CDF draw per row of probs[N, V] (float32, "
-        "need not be normalised) with the Philox coin (seed, offset, row, 0, SAMPLE).");
+        "need not be normalised) with the Philox coin (seed, offset, row, 0, SAMPLE); keyed "
+        "(row_seeds, row_positions: int64 [N]): the exponential race of each row over the "
+        "keyed stream of (row_seeds[n], row_positions[n]).");
   m.def("verify", &verify, py::arg("target_logits"), py::arg("draft_tokens"),
         py::arg("draft_probs"), py::arg("num_draft"), py::arg("tokens"), py::arg("num_emitted"),
         py::arg("num_accepted"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),

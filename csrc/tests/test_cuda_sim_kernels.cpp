@@ -257,6 +257,63 @@ void test_sample() {
   CHECK(differ * 50 <= rows_total);  // rounding at CDF boundaries: at most 2 %
 }
 
+// Keyed: the race compares the same float scores in any order with the same tie rule,
+// so the kernel and the CPU pick the same token on every row; a row's token depends only
+// on its weights, seed and position (moving it to another row changes nothing), and
+// zero weights are never picked.
+void test_sample_keyed() {
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  for (int V : {1, 5, 66, 301}) {
+    constexpr int kRows = 24;
+    std::vector<float> w(static_cast<size_t>(kRows * V));
+    for (auto& v : w) v = unit(rng);
+    for (int r = 0; r < kRows; r += 4) {  // sparse rows: whole blocks of four at zero
+      for (int i = 0; i < V - 1; ++i) w[static_cast<size_t>(r * V + i)] *= (i % 9 < 5) ? 0.0f : 1.0f;
+    }
+    std::vector<int64_t> seeds(kRows), positions(kRows);
+    for (int r = 0; r < kRows; ++r) {
+      seeds[static_cast<size_t>(r)] = static_cast<int64_t>(0x9E3779B97F4A7C15ull * (r % 5 + 1));
+      positions[static_cast<size_t>(r)] = r < 12 ? r : (int64_t{1} << 40) + r;  // high word too
+    }
+    SampleArgs a;
+    a.probs = w.data();
+    a.probs_row_stride = V;
+    a.rows = kRows;
+    a.vocab = V;
+    a.row_seeds = seeds.data();
+    a.row_positions = positions.data();
+    std::vector<int32_t> got(kRows, -2), want(kRows, -2), moved(kRows, -2);
+    a.tokens = got.data();
+    CHECK(sim_sample(a).ok());
+    a.tokens = want.data();
+    CHECK(sample_cpu(a).ok());
+    CHECK(got == want);
+    for (int r = 0; r < kRows; ++r) {
+      CHECK(got[r] >= 0 && got[r] < V && w[static_cast<size_t>(r * V + got[r])] > 0.0f);
+    }
+    // The rows in reverse order: each row's token moves with it.
+    std::vector<float> rw(w.size());
+    std::vector<int64_t> rs(kRows), rp(kRows);
+    for (int r = 0; r < kRows; ++r) {
+      const int from = kRows - 1 - r;
+      std::copy(w.begin() + from * V, w.begin() + (from + 1) * V, rw.begin() + r * V);
+      rs[static_cast<size_t>(r)] = seeds[static_cast<size_t>(from)];
+      rp[static_cast<size_t>(r)] = positions[static_cast<size_t>(from)];
+    }
+    a.probs = rw.data();
+    a.row_seeds = rs.data();
+    a.row_positions = rp.data();
+    a.tokens = moved.data();
+    CHECK(sim_sample(a).ok());
+    for (int r = 0; r < kRows; ++r) CHECK(moved[r] == want[kRows - 1 - r]);
+    // A zero-mass row is a fault (-1), as unkeyed.
+    std::fill(rw.begin(), rw.begin() + V, 0.0f);
+    const OpStatus bad = sim_sample(a);
+    CHECK(bad.code == StatusCode::kInvalidProbs && bad.row == 0 && bad.col == -1 && moved[0] == -1);
+  }
+}
+
 // ---- verify ----------------------------------------------------------------------------
 
 // Target logits, and drafts drawn from q = softmax(target + noise) (so that some
@@ -493,6 +550,7 @@ void test_launch_block_size_at_a_large_vocabulary() {
 int main() {
   test_apply_policy();
   test_sample();
+  test_sample_keyed();
   test_verify_matches_the_cpu();
   test_verify_faults();
   test_verify_seed_pointers_and_no_drafts();

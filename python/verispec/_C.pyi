@@ -63,6 +63,7 @@ class SpecDecoder:
     def add(
         self, prompt: list[int], max_new_tokens: int, temperature: float, top_k: int,
         top_p: float, min_p: float, eos_ids: list[int], stop_sequences: list[list[int]],
+        seed: int | None = None,
     ) -> int: ...
     def abort(self, seq: int) -> None: ...
     def release(self, seq: int) -> None: ...
@@ -106,7 +107,8 @@ def apply_policy(
 ) -> None: ...
 def sample(
     probs: Any, tokens: Any, seed: Any, offset: Any, *, stream: int = 0,
-    check_errors: bool = True, workspace: Any = None,
+    check_errors: bool = True, workspace: Any = None, row_seeds: Any = None,
+    row_positions: Any = None,
 ) -> None: ...
 def verify(
     target_logits: Any, draft_tokens: Any, draft_probs: Any, num_draft: Any, tokens: Any,

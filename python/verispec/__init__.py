@@ -28,6 +28,8 @@ _LAZY = {
     "SpecDecoder": ("verispec.decoder", "SpecDecoder"),
     "GenerateResult": ("verispec.decoder", "GenerateResult"),
     "StepOutput": ("verispec.decoder", "StepOutput"),
+    "TokenLogprob": ("verispec.decoder", "TokenLogprob"),
+    "request_seed": ("verispec.decoder", "request_seed"),
     "slot_mapping": ("verispec.cache", "slot_mapping"),
     "cache": ("verispec.cache", None),
     "decoder": ("verispec.decoder", None),

@@ -162,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=_policy_value("top_k"), help="keep the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=_policy_value("top_p"), help="nucleus mass (1 = off)")
     g.add_argument("--min-p", type=_policy_value("min_p"), help="keep p >= min_p * max p (0 = off)")
-    g.add_argument("--seed", type=_int_at_least(0), default=0, help="(default: %(default)s)")
+    g.add_argument("--seed", type=_int_at_least(0), default=0,
+                   help="the request's seed: sampled text depends on it alone, not on the "
+                        "draft or k (default: %(default)s)")
     g.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="(default: %(default)s)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     g.add_argument("--device", type=_device_value, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
@@ -463,7 +465,8 @@ def _decode_run(model, draft, k, max_k: int, prompt: list[int], policy: dict, ar
     num_blocks = math.ceil(need / BLOCK_SIZE) + 2
     dec = SpecDecoder(model, draft, k=k, max_k=max_k, num_blocks=num_blocks,
                       block_size=BLOCK_SIZE, seed=args.seed)
-    seq = dec.add(prompt, max_new_tokens=args.max_new_tokens, eos_token_id=eos, **policy)
+    seq = dec.add(prompt, max_new_tokens=args.max_new_tokens, eos_token_id=eos, seed=args.seed,
+                  **policy)
     elapsed = 0.0
     while dec.has_running():
         t0 = time.perf_counter()

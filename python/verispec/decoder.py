@@ -32,7 +32,7 @@ from verispec._policy import fold_greedy
 from verispec.drafters import EarlyExit, NGram
 from verispec.models.base import KVPools, Model, PagedBatch
 
-__all__ = ["GenerateResult", "SpecDecoder", "StepOutput", "TokenLogprob"]
+__all__ = ["GenerateResult", "SpecDecoder", "StepOutput", "TokenLogprob", "request_seed"]
 
 _TARGET, _DRAFT = _C.ModelRole.target, _C.ModelRole.draft
 
@@ -72,6 +72,45 @@ class GenerateResult:
     finish_reason: str         # "eos", "stop", "length", "context" or "aborted"
     stats: dict = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def request_seed(seed: int, i: int) -> int:
+    """The request seed of prompt ``i`` in ``generate(prompts, seed=seed)``:
+    splitmix64(splitmix64(seed) + i) mod 2**64. Nearby seeds and indices give unrelated
+    streams (``seed + call`` over many calls never repeats a request's stream), and
+    ``add(prompts[i], seed=request_seed(seed, i))`` reproduces request i alone."""
+    for name, value in (("seed", seed), ("i", i)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"request_seed: {name} must be an int >= 0, got {value!r}")
+    if seed >= 1 << 64:
+        raise ValueError(f"request_seed: seed must be in [0, 2**64), got {seed}")
+    return _splitmix64((_splitmix64(int(seed)) + int(i)) & _MASK64)
+
+
+def _request_seeds(seed, n: int) -> list:
+    """generate's per-prompt request seeds (None: the decoder's stream)."""
+    if seed is None:
+        return [None] * n
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
+        if not 0 <= seed < 1 << 64:
+            raise ValueError(f"generate: seed must be in [0, 2**64), got {seed}")
+        return [request_seed(int(seed), i) for i in range(n)]
+    if isinstance(seed, (str, bytes)) or not isinstance(seed, Sequence):
+        raise TypeError(f"generate: seed must be an int, a list of ints or None, got {seed!r}")
+    seeds = list(seed)
+    if len(seeds) != n:
+        raise ValueError(f"generate: seed must hold one seed per prompt ({n}), got {len(seeds)}")
+    return seeds
 
 
 def _nvtx_range(device: torch.device):
@@ -246,11 +285,23 @@ class SpecDecoder:
     def add(self, prompt: Sequence[int], *, max_new_tokens: int, greedy: bool = False,
             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
             eos_token_id: int | Sequence[int] | None = None,
-            stop: Sequence[Sequence[int]] | None = None, logprobs: int | None = None) -> int:
+            stop: Sequence[Sequence[int]] | None = None, logprobs: int | None = None,
+            seed: int | None = None) -> int:
         """Adds a sequence (any time, from any thread); returns its id. ``greedy=True``
         is temperature 0. Ids of released sequences are reused. ``logprobs=n`` (an int
         in [0, MAX_TOP_LOGPROBS]) reports each emitted token's TokenLogprob with the n
-        most likely alternatives (StepOutput.logprobs, result(seq).logprobs)."""
+        most likely alternatives (StepOutput.logprobs, result(seq).logprobs).
+
+        ``seed`` (an int in [0, 2**64)): the sequence samples from its own random stream,
+        keyed by this seed and each token's position, and is verified by the keyed rule
+        (``verispec.ops.verify_keyed``): its tokens are the same alone or in any batch, in
+        any row order, with any k or draft, and across preemption. Without a seed it
+        draws from the decoder's stream (``generate``'s ``seed=None``), where a draft
+        model's proposals are accepted a little more often."""
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+            raise TypeError(f"add: seed must be an int or None, got {seed!r}")
+        if seed is not None and not 0 <= seed < 1 << 64:
+            raise ValueError(f"add: seed must be in [0, 2**64), got {seed}")
         if logprobs is not None and (isinstance(logprobs, bool)
                                      or not isinstance(logprobs, numbers.Integral)):
             raise TypeError(f"add: logprobs must be an int or None, got {logprobs!r}")
@@ -273,7 +324,8 @@ class SpecDecoder:
         with self._lp_lock:
             seq = self._core.add(list(prompt), int(max_new_tokens),
                                  fold_greedy("add", greedy, float(temperature)), int(top_k),
-                                 float(top_p), float(min_p), eos, [list(s) for s in (stop or [])])
+                                 float(top_p), float(min_p), eos, [list(s) for s in (stop or [])],
+                                 None if seed is None else int(seed))
             self._lp.pop(seq, None)
             if logprobs is not None:
                 self._lp[seq] = (int(logprobs), [])
@@ -311,15 +363,16 @@ class SpecDecoder:
         B, K = plan["batch"], plan["k"]
         draft_tokens = _view(inputs, plan["draft_tokens"], B * K, torch.int32).view(B, K)
         policy = self._policy(plan["policy"], inputs, B)
+        keys = self._keys(plan["policy"], host, inputs, B)
         timer = _Timer(self.device)
         deferred = getattr(self._ops, "deferred_errors", None)
         with self._lp_lock:
             lp_rows = [(b, seq, self._lp[seq][0]) for b, seq in enumerate(plan["seqs"])
                        if seq in self._lp]
         with deferred() if deferred is not None else contextlib.nullcontext() as errors:
-            q = self._draft_passes(plan, host, inputs, draft_tokens, policy, timer)
+            q = self._draft_passes(plan, host, inputs, draft_tokens, policy, keys, timer)
             result, logits = self._verify_pass(plan, host, inputs, draft_tokens, q, policy,
-                                               timer)
+                                               keys, timer)
             lp = self._logprobs(logits, result[0], policy, lp_rows) if lp_rows else None
             records = errors.records() if errors is not None else None
             tokens, emitted, accepted, drafts, host_records, host_lp = self._download(
@@ -388,7 +441,23 @@ class SpecDecoder:
                 out[seq] = got
         return out
 
-    def _draft_passes(self, plan, host, inputs, draft_tokens, policy, timer):
+    def _keys(self, pol: dict, host: torch.Tensor, inputs: torch.Tensor, B: int):
+        """The step's keyed rows (sequences added with a seed), or None when it has none:
+        their indices (a host list and a device tensor), and each step row's seed and
+        first position on the device."""
+        if not pol["any_keyed"]:
+            return None
+        if not hasattr(self._ops, "verify_keyed"):
+            raise ValueError("SpecDecoder: sequences added with a seed need ops with "
+                             f"verify_keyed (keyed sampling); {self._ops!r} has none")
+        flags = _view(host, pol["keyed_rows"], B, torch.int32).tolist()
+        rows = [b for b, f in enumerate(flags) if f]
+        return dict(all=pol["all_keyed"], rows=rows,
+                    index=torch.tensor(rows, dtype=torch.int64, device=self.device),
+                    seeds=_view(inputs, pol["seed_rows"], B, torch.int64),
+                    positions=_view(inputs, pol["position_rows"], B, torch.int64))
+
+    def _draft_passes(self, plan, host, inputs, draft_tokens, policy, keys, timer):
         """K draft passes; each row's proposals go to draft_tokens[row, j] and q[row, j]
         on the device (pass j >= 1 reads its input from pass j - 1's proposals)."""
         if not plan["draft_model"]:
@@ -408,6 +477,8 @@ class SpecDecoder:
             with timer("draft_sample"), self._nvtx("verispec.draft_sample"):
                 tokens, probs = self._sample_draft(logits, self._rows_policy(policy, rows, B),
                                                    plan["seed"], plan["offset"] + 1 + j)
+                if keys is not None:  # keyed rows race q at their own seed and position
+                    tokens = self._keyed_proposals(tokens, probs, rows, keys, j)
             where = _view(inputs, p["draft_index"], p["num_rows"], torch.int64)
             flat_tokens.index_copy_(0, where, tokens.to(torch.int32))
             flat_q.index_copy_(0, where, probs.float())
@@ -435,7 +506,21 @@ class SpecDecoder:
             probs = torch.nn.functional.pad(probs, (0, vocab - width))
         return tokens, probs
 
-    def _verify_pass(self, plan, host, inputs, draft_tokens, q, policy, timer):
+    def _keyed_proposals(self, tokens, probs, rows, keys, j):
+        """Draft pass j's proposals with the keyed rows' replaced by keyed samples of q at
+        (their seed, their position + j): the same exponentials the target's keyed verify
+        races at that position, so the two agree as often as the coupling allows."""
+        keyed = _checked("sample", "tokens", self._ops.sample(
+            probs, seeds=keys["seeds"].index_select(0, rows),
+            positions=keys["positions"].index_select(0, rows) + j), (probs.shape[0],),
+            integer=True)
+        if keys["all"]:
+            return keyed
+        is_keyed = torch.zeros(len(keys["seeds"]), dtype=torch.bool, device=tokens.device)
+        is_keyed[keys["index"]] = True
+        return torch.where(is_keyed.index_select(0, rows), keyed.to(tokens.dtype), tokens)
+
+    def _verify_pass(self, plan, host, inputs, draft_tokens, q, policy, keys, timer):
         B, K = plan["batch"], plan["k"]
         p = plan["passes"][-1]
         ids = None
@@ -446,18 +531,38 @@ class SpecDecoder:
             ids.index_copy_(0, fill, draft_tokens.view(-1).index_select(0, src).long())
         with timer("target_forward"), self._nvtx("verispec.target_forward"):
             logits = self._forward(_TARGET, p, host, inputs, ids)
+        target = logits.view(B, K + 1, -1)
+        num_draft = _view(inputs, plan["num_draft"], B, torch.int32)
         with timer("verify"), self._nvtx("verispec.verify"):
-            out = self._ops.verify(
-                logits.view(B, K + 1, -1), draft_tokens, q,
-                num_draft=_view(inputs, plan["num_draft"], B, torch.int32),
-                seed=plan["seed"], offset=plan["offset"], **policy)
+            out = None
+            if keys is None or not keys["all"]:
+                out = self._verify_outputs("verify", self._ops.verify(
+                    target, draft_tokens, q, num_draft=num_draft, seed=plan["seed"],
+                    offset=plan["offset"], **policy), B, K)
+            if keys is not None:
+                index = keys["index"]
+                n = len(keys["rows"])
+                keyed = self._verify_outputs("verify_keyed", self._ops.verify_keyed(
+                    target.index_select(0, index), draft_tokens.index_select(0, index),
+                    num_draft=num_draft.index_select(0, index),
+                    seeds=keys["seeds"].index_select(0, index),
+                    positions=keys["positions"].index_select(0, index),
+                    **self._rows_policy(policy, index, B)), n, K)
+                if out is None:
+                    out = keyed
+                else:  # the keyed rows' results replace the decoder stream's
+                    out = tuple(o.index_copy(0, index, kd.to(o.dtype)) for o, kd in zip(out, keyed))
+        return out, target
+
+    @staticmethod
+    def _verify_outputs(op, out, B, K):
+        """ops.verify's (or verify_keyed's) outputs, checked for their shapes."""
         if not isinstance(out, (tuple, list)) or len(out) != 3:
-            raise ValueError(f"ops.verify must return (tokens, num_emitted, num_accepted), "
+            raise ValueError(f"ops.{op} must return (tokens, num_emitted, num_accepted), "
                              f"got {type(out).__name__}")
-        return (_checked("verify", "tokens", out[0], (B, K + 1), integer=True),
-                _checked("verify", "num_emitted", out[1], (B,), integer=True),
-                _checked("verify", "num_accepted", out[2], (B,), integer=True)), \
-            logits.view(B, K + 1, -1)
+        return (_checked(op, "tokens", out[0], (B, K + 1), integer=True),
+                _checked(op, "num_emitted", out[1], (B,), integer=True),
+                _checked(op, "num_accepted", out[2], (B,), integer=True))
 
     def _forward(self, role, p, host, inputs, input_ids=None) -> torch.Tensor:
         B, T, M = p["num_rows"], p["num_tokens"], p["max_blocks"]
@@ -615,14 +720,20 @@ class SpecDecoder:
     # -- one call ------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  greedy: bool = False, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, min_p: float = 0.0, seed: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0,
+                 seed: int | Sequence[int] | None = None,
                  eos_token_id: int | Sequence[int] | None = None,
                  stop: Sequence[Sequence[int]] | None = None,
                  logprobs: int | None = None) -> list[GenerateResult]:
-        """Decodes every prompt to completion; one result per prompt, in order.
+        """Decodes every prompt to completion; one result per prompt, in order, whatever
+        the number of prompts and the pool size (they wait in the queue).
         ``logprobs=n``: each result carries its tokens' TokenLogprobs (see ``add``).
 
-        Reproducible: the same prompts, parameters and seed give the same tokens.
+        ``seed``: a list of ints gives prompt i the request seed ``seed[i]`` (see
+        ``add``); an int s gives prompt i the seed ``request_seed(s, i)``; each request
+        then gets the tokens it gets alone with that seed, in any batch. None: every
+        prompt draws from the decoder's stream, restarted at seed 0 (reproducible for the
+        same prompts and parameters, but a request's tokens depend on its batch).
         """
         if self._core.has_running():
             raise RuntimeError("generate: sequences added with add() are still running; "
@@ -632,14 +743,14 @@ class SpecDecoder:
         prompts = list(prompts)  # a generator is read once, here
         if not all(isinstance(p, (list, tuple)) for p in prompts):
             raise TypeError("generate: prompts must be a list of token-id lists")
-        self._core.reseed(seed)
+        seeds = _request_seeds(seed, len(prompts))
         ids = []
         try:
-            for p in prompts:
+            for p, request in zip(prompts, seeds):
                 ids.append(self.add(p, max_new_tokens=max_new_tokens, greedy=greedy,
                                     temperature=temperature, top_k=top_k, top_p=top_p,
                                     min_p=min_p, eos_token_id=eos_token_id, stop=stop,
-                                    logprobs=logprobs))
+                                    logprobs=logprobs, seed=request))
             before = self._core.times()
             while self._core.has_running():
                 self.step()

@@ -30,7 +30,8 @@ import torch
 from verispec import _C
 from verispec._policy import fold_greedy, policy_error
 
-__all__ = ["DeferredErrors", "apply_policy", "deferred_errors", "linear", "sample", "verify"]
+__all__ = ["DeferredErrors", "apply_policy", "deferred_errors", "linear", "sample", "verify",
+           "verify_keyed"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -61,16 +62,99 @@ def apply_policy(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     return _dispatch(_apply_policy_op, _apply_policy_eager)(logits, *policy)
 
 
-def sample(probs, seed=0, offset=0):
+def sample(probs, seed=0, offset=0, *, seeds=None, positions=None):
     """One token per row of probs [N, V] (need not be normalised): int32 [N].
 
     Inverse CDF with the Philox coin (seed, offset, row, position 0, SAMPLE): the same
     seed and offset give the same tokens.
+
+    Keyed (``seeds`` and ``positions``: [N] integer tensors or sequences of ints, seeds
+    in [0, 2**64) and positions >= 0): row n's token is the exponential race of probs[n]
+    over the keyed stream of (seeds[n], positions[n]) (csrc/include/verispec/philox.h;
+    ``seed`` and ``offset`` are not used). It depends on that row's weights, seed and
+    position only, whatever the row index or the rest of the call; two distributions
+    raced with the same seed and position give the same token with probability at least
+    (1 - TV) / (1 + TV) (Gumbel-max coupling), which keyed verification uses.
     """
     op = "sample"
     _check_float_tensor(op, "probs", probs, 2, "[N, V]")
     seed_args = _random(op, probs.device, seed, offset)
-    return _dispatch(_sample_op, _sample_eager)(probs.float(), *seed_args)
+    keys = _keys(op, probs.shape[0], probs.device, seeds, positions)
+    return _dispatch(_sample_op, _sample_eager)(probs.float(), *seed_args, *keys)
+
+
+def verify_keyed(target_logits, draft_tokens, *, num_draft=None, seeds, positions,
+                 temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, greedy=False):
+    """Drafter-invariant verification, keyed by each row's request seed and position.
+
+    target_logits [B, K+1, V], draft_tokens [B, K], num_draft and the policy as in
+    :func:`verify`; ``seeds`` [B] (each row's request seed) and ``positions`` [B] (the
+    sequence position of each row's first token, i.e. its committed length), as in
+    keyed :func:`sample`.
+
+    Row b's token at draft position j is x_j = the keyed sample of
+    p_j = policy(target_logits[b, j]) at (seeds[b], positions[b] + j). Proposals are
+    accepted while d_j == x_j (j < num_draft[b]); the first x_j that differs, or x_n after
+    all n were accepted, is emitted. So every emitted token is x at its position: a
+    function of the target's distribution, the seed and the position only. A request's
+    tokens are the same alone or in any batch, with any k and any draft, and each is an
+    exact sample of p (every position races fresh exponentials). A draft model proposing
+    d_j = keyed sample of its q_j at the same seed and position is accepted with
+    probability at least (1 - TV(p, q)) / (1 + TV(p, q)); a deterministic proposal d with
+    probability p(d), as with :func:`verify`. A proposal outside [0, V) is never accepted.
+
+    Returns (tokens [B, K+1] int32, -1 after the emitted ones; num_emitted [B] int32 =
+    num_accepted + 1; num_accepted [B] int32), like :func:`verify`.
+    """
+    op = "verify_keyed"
+    _check_float_tensor(op, "target_logits", target_logits, 3, "[B, K+1, V]")
+    b, k1, v = target_logits.shape
+    k = k1 - 1
+    if k < 0:
+        raise ValueError(f"{op}: target_logits must be [B, K+1, V] with K+1 >= 1, "
+                         f"got {_describe(target_logits)}")
+    device = target_logits.device
+    draft_tokens = _int32_tensor(op, "draft_tokens", draft_tokens, (b, k), "[B, K]", device)
+    if num_draft is None:
+        num_draft = torch.full((b,), k, dtype=torch.int32, device=device)
+    else:
+        if not isinstance(num_draft, torch.Tensor):
+            num_draft = torch.as_tensor(num_draft, device=device)
+        num_draft = _int32_tensor(op, "num_draft", num_draft, (b,), "[B]", device)
+        if device.type == "cpu" and b and not bool(((num_draft >= 0) & (num_draft <= k)).all()):
+            row = int(((num_draft < 0) | (num_draft > k)).nonzero()[0, 0])
+            raise ValueError(f"{op}: num_draft must be in [0, K] = [0, {k}], got "
+                             f"{int(num_draft[row])} at num_draft[{row}]")
+    seeds, positions = _keys(op, b, device, seeds, positions)
+    if b == 0:
+        return (torch.empty((0, k1), dtype=torch.int32, device=device),
+                torch.empty(0, dtype=torch.int32, device=device),
+                torch.empty(0, dtype=torch.int32, device=device))
+    t, top_k_, p, m, t_rows, k_rows, p_rows, m_rows = _policy(op, b, device, temperature, top_k,
+                                                              top_p, min_p, greedy)
+
+    def per_position(value, rows):
+        return value if rows is None else rows.repeat_interleave(k1)
+
+    probs = apply_policy(target_logits.reshape(b * k1, v), per_position(t, t_rows),
+                         per_position(top_k_, k_rows), per_position(p, p_rows),
+                         per_position(m, m_rows))
+    steps = torch.arange(k1, device=device)
+    x = sample(probs, seeds=seeds.repeat_interleave(k1),
+               positions=(positions[:, None] + steps).reshape(-1)).view(b, k1).long()
+    return _keyed_outcome(x, draft_tokens, num_draft)
+
+
+def _keyed_outcome(x, draft_tokens, num_draft):
+    """The keyed rule's outputs from each position's keyed sample x [B, K+1]: accept while
+    the proposal equals x, then emit x at the first difference (or after all proposals)."""
+    b, k1 = x.shape
+    steps = torch.arange(k1, device=x.device)
+    proposed = steps[:-1] < num_draft[:, None].long()
+    match = (draft_tokens.long() == x[:, :-1]) & proposed
+    accepted = match.long().cumprod(dim=-1).sum(dim=-1)
+    tokens = torch.where(steps <= accepted[:, None], x, -1)
+    return tokens.int(), (accepted + 1).int(), accepted.int()
 
 
 def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
@@ -207,21 +291,23 @@ def _(logits, temperature, top_k, top_p, min_p, *rows):
     return logits.new_empty(logits.shape, dtype=torch.float32)
 
 
-def _sample_eager(probs, seed, offset, seed_t, offset_t):
+def _sample_eager(probs, seed, offset, seed_t, offset_t, seeds=None, positions=None):
     tokens = torch.empty(probs.shape[0], dtype=torch.int32, device=probs.device)
     _C.sample(_last_dim_contiguous(probs), tokens, _unsigned(seed, seed_t), _unsigned(offset, offset_t),
-              **_launch(probs, _C.sample_workspace_bytes(), "sample"))
+              **_launch(probs, _C.sample_workspace_bytes(), "sample"),
+              row_seeds=seeds, row_positions=positions)
     return tokens
 
 
 @torch.library.custom_op("verispec::sample", mutates_args=())
 def _sample_op(probs: torch.Tensor, seed: int, offset: int, seed_t: Optional[torch.Tensor],
-               offset_t: Optional[torch.Tensor]) -> torch.Tensor:
-    return _sample_eager(probs, seed, offset, seed_t, offset_t)
+               offset_t: Optional[torch.Tensor], seeds: Optional[torch.Tensor] = None,
+               positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _sample_eager(probs, seed, offset, seed_t, offset_t, seeds, positions)
 
 
 @_sample_op.register_fake
-def _(probs, seed, offset, seed_t, offset_t):
+def _(probs, seed, offset, seed_t, offset_t, seeds=None, positions=None):
     return probs.new_empty(probs.shape[0], dtype=torch.int32)
 
 
@@ -423,6 +509,42 @@ def _policy(op, n, device, temperature, top_k, top_p, min_p, greedy=False):
         folded = fold_greedy(op, greedy, t if t_rows is None else t_rows, n, device)
         t, t_rows = (0.0, folded) if isinstance(folded, torch.Tensor) else (folded, None)
     return t, k, p, m, t_rows, k_rows, p_rows, m_rows
+
+
+def _keys(op, n, device, seeds, positions):
+    """(seeds, positions) of a keyed call as contiguous int64 [n] tensors on `device` (a
+    seed's 64 bits in two's complement), or (None, None) when neither is given."""
+    if seeds is None and positions is None:
+        return None, None
+    if seeds is None or positions is None:
+        raise ValueError(f"{op}: seeds and positions must be given together (keyed), "
+                         f"got {'positions' if seeds is None else 'seeds'} only")
+    out = []
+    for name, value, lo, hi in (("seeds", seeds, 0, _SEED_LIMIT),
+                                ("positions", positions, 0, 1 << 63)):
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool \
+                    or tuple(value.shape) != (n,):
+                raise ValueError(f"{op}: {name} must be an integer tensor [N] = [{n}], "
+                                 f"got {_describe(value)}")
+            if value.device != device:
+                raise ValueError(f"{op}: {name} must be on {device}, got {value.device}")
+            if name == "positions" and device.type == "cpu" and n and bool((value < 0).any()):
+                row = int((value < 0).nonzero()[0, 0])
+                raise ValueError(f"{op}: positions must be >= 0, got {int(value[row])} at "
+                                 f"positions[{row}]")
+            out.append(value.to(torch.int64).contiguous())
+            continue
+        values = list(value)
+        if len(values) != n:
+            raise ValueError(f"{op}: {name} must hold N = {n} values, got {len(values)}")
+        for i, x in enumerate(values):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not lo <= x < hi:
+                bits = hi.bit_length() - 1
+                raise ValueError(f"{op}: {name}[{i}] must be an int in [0, 2**{bits}), got {x!r}")
+        values = [int(x) - _SEED_LIMIT if x >= 1 << 63 else int(x) for x in values]
+        out.append(torch.tensor(values, dtype=torch.int64, device=device))
+    return tuple(out)
 
 
 def _random(op, device, seed, offset):

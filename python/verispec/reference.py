@@ -26,7 +26,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RESIDUAL_EPS", "apply_policy", "sample", "verify"]
+__all__ = ["RESIDUAL_EPS", "apply_policy", "sample", "verify", "verify_keyed"]
 
 # A rejection whose residual mass sum(max(p - q, 0)) is below this is roundoff (p and q
 # equal up to float error, or q not quite normalised): the correction is drawn from p.
@@ -81,13 +81,22 @@ def apply_policy(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     return torch.where(greedy, one_hot, probs)
 
 
-def sample(probs, seed=0, offset=0):
+def sample(probs, seed=0, offset=0, *, seeds=None, positions=None):
     """One token per row of probs [N, V] (need not be normalised): int32 [N].
 
     Inverse CDF with uniforms from a torch.Generator seeded by (seed, offset); the same
     (seed, offset) gives the same tokens on the same device.
+
+    Keyed (``seeds`` and ``positions``, N ints each): row n's token is the exponential
+    race argmax_i probs[n, i] / E_i over probs[n, i] > 0 (first index on ties), with
+    E ~ Exp(1) drawn from a generator seeded by (seeds[n], positions[n]) alone.
     """
     probs = _check_probs("sample", "probs", probs)
+    if seeds is not None or positions is not None:
+        seeds, positions = _keys("sample", probs.shape[0], seeds, positions)
+        return torch.stack([_race(probs[n], seeds[n], positions[n])
+                            for n in range(probs.shape[0])]).int() if len(seeds) else \
+            torch.empty(0, dtype=torch.int32, device=probs.device)
     u = torch.rand(probs.shape[0], generator=_generator("sample", seed, offset, probs.device),
                    device=probs.device, dtype=torch.float64)
     return _inverse_cdf(probs, u).int()
@@ -154,6 +163,63 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
     tokens[:, :k] = torch.where(positions < num_accepted[:, None], y, -1)
     tokens.scatter_(1, num_accepted[:, None], last[:, None])
     return tokens.int(), (num_accepted + 1).int(), num_accepted.int()
+
+
+def verify_keyed(target_logits, draft_tokens, *, num_draft=None, seeds, positions,
+                 temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, greedy=False):
+    """Drafter-invariant verification keyed by request seed and position: x_j = the
+    keyed sample of p_j = policy(target_logits[b, j]) at (seeds[b], positions[b] + j);
+    proposals are accepted while d_j == x_j (j < num_draft[b]), then x at the first
+    difference (or after the last proposal) is emitted. Outputs as :func:`verify`."""
+    b, k, v, num_draft = _check_verify_args(target_logits, draft_tokens, None, num_draft)
+    seeds, positions = _keys("verify_keyed", b, seeds, positions)
+    device = target_logits.device
+    temperature, top_k, top_p, min_p = _policy_params(
+        "verify_keyed", b, device, temperature, top_k, top_p, min_p, greedy)
+    p = apply_policy(target_logits.reshape(b * (k + 1), v),
+                     *(t.repeat_interleave(k + 1) for t in (temperature, top_k, top_p, min_p))
+                     ).view(b, k + 1, v)
+    x = torch.tensor([[int(_race(p[r, j], seeds[r], positions[r] + j)) for j in range(k + 1)]
+                      for r in range(b)], dtype=torch.long, device=device).view(b, k + 1)
+    tokens = torch.full((b, k + 1), -1, dtype=torch.long, device=device)
+    accepted = torch.zeros(b, dtype=torch.long, device=device)
+    for r in range(b):
+        a = 0
+        while a < int(num_draft[r]) and int(draft_tokens[r, a]) == int(x[r, a]):
+            a += 1
+        tokens[r, :a + 1] = x[r, :a + 1]
+        accepted[r] = a
+    return tokens.int(), (accepted + 1).int(), accepted.int()
+
+
+def _race(w, seed, position):
+    """The keyed sample of weights w [V]: argmax w_i / E_i over w_i > 0, E ~ Exp(1) from
+    a generator seeded by (seed, position) only."""
+    gen = torch.Generator(device=w.device)
+    gen.manual_seed(_splitmix64(_splitmix64(seed) ^ position) & ((1 << 63) - 1))
+    e = torch.empty(w.shape[-1], dtype=torch.float64, device=w.device).exponential_(generator=gen)
+    score = torch.where(w > 0, w.double() / e, torch.tensor(-1.0, dtype=torch.float64,
+                                                            device=w.device))
+    return score.argmax()
+
+
+def _keys(op, n, seeds, positions):
+    """Keyed calls' seeds and positions as lists of n Python ints."""
+    if seeds is None or positions is None:
+        raise ValueError(f"{op}: seeds and positions must be given together (keyed)")
+    out = []
+    for name, value, hi in (("seeds", seeds, 1 << 64), ("positions", positions, 1 << 63)):
+        values = value.tolist() if isinstance(value, torch.Tensor) else list(value)
+        if len(values) != n:
+            raise ValueError(f"{op}: {name} must hold N = {n} values, got {len(values)}")
+        values = [x + (1 << 64) if name == "seeds" and isinstance(x, int) and x < 0 else x
+                  for x in values]  # an int64 tensor holds a seed's 64 bits
+        for i, x in enumerate(values):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= x < hi:
+                raise ValueError(f"{op}: {name}[{i}] must be an int in [0, 2**{hi.bit_length() - 1}), "
+                                 f"got {x!r}")
+        out.append([int(x) for x in values])
+    return out
 
 
 def _accept(u, p_y, q_y):

@@ -110,6 +110,11 @@ struct ApplyPolicyArgs {
 // ---- sample ------------------------------------------------------------------------
 // tokens[n] = inverse-CDF pick (sampling_math.h) from the weights probs[n] (need not be
 // normalised) with coin uniform(seed, offset, row = n, position = 0, Purpose::kSample).
+// Keyed (row_seeds and row_positions given, both or neither): tokens[n] = the keyed
+// sample of probs[n] (sampling_math.h race_score) with the exponentials of the keyed
+// stream (philox.h) at (row_seeds[n], row_positions[n]); rng is not used. A row's token
+// depends on its weights, seed and position only: not on the row index, the call, or
+// what else the call holds.
 // Errors: kInvalidProbs (negative / NaN / Inf value: col = vocab index; all zero: col -1).
 // Rows at fault: -1.
 struct SampleArgs {
@@ -118,6 +123,8 @@ struct SampleArgs {
   int64_t rows = 0;
   int64_t vocab = 0;
   RandomParams rng;
+  const int64_t* row_seeds = nullptr;      // [rows] keyed: each row's seed (uint64 bits)
+  const int64_t* row_positions = nullptr;  // [rows] keyed: each row's position (uint64 bits)
   int32_t* tokens = nullptr;     // out: [rows] int32
 };
 

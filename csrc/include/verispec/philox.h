@@ -23,8 +23,21 @@
 // base offset, draft pass j at base + 1 + j, the next step at base + K + 1), so a
 // stream never repeats and every rank of a sharded run draws the same coins without
 // communication. Only word 0 of each Philox block is used; words 1..3 are reserved.
+//
+// The keyed stream (Purpose::kRace, per-request reproducible sampling) is laid out
+// differently: it is addressed by a request's own seed and a token's position in its
+// sequence, never by a call's offset or a batch row, so a request draws the same
+// coins alone or in any batch, at any step:
+//
+//   key     = { lo32(request seed), hi32(request seed) }
+//   counter = { lo32(position), token / 4, hi32(position), kRace << 28 }
+//   E(seed, position, token) = -log(((word[token % 4] >> 9) + 0.5) * 2^-23)   in (0, 16.7]
+//
+// one exponential per vocabulary entry, four to a Philox block (all four words used).
+// The purpose bits keep it apart from the offset-addressed stream.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "verispec/host_device.h"
@@ -37,6 +50,7 @@ enum class Purpose : uint32_t {
   kCorrection = 1,  // u for the residual sample at the first rejection, or the bonus
   kSample = 2,      // u for the plain sample op (position 0)
   kDraft = 3,       // reserved: sampling draft proposals
+  kRace = 4,        // the keyed stream: exponentials of a keyed sample (layout above)
 };
 
 constexpr uint64_t kPhiloxMaxOffset = uint64_t{1} << 60;  // offsets must stay below
@@ -106,5 +120,25 @@ VERISPEC_HD inline float uniform(uint64_t seed, uint64_t offset, uint32_t row, u
                     static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
   return uniform24(out.v[0]);
 }
+
+// The Philox block holding the keyed-stream words of tokens 4 * quad .. 4 * quad + 3.
+VERISPEC_HD inline Philox4x32 race_block(uint64_t seed, uint64_t position, uint32_t quad) {
+  const Philox4x32 counter{{static_cast<uint32_t>(position), quad,
+                            static_cast<uint32_t>(position >> 32),
+                            static_cast<uint32_t>(Purpose::kRace) << 28}};
+  return philox4x32_10(counter, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+}
+
+// The Exp(1) variate of one keyed-stream word: -log(u), u = (top 23 bits + 1/2) / 2^23,
+// exact in float32 and in [2^-24, 1 - 2^-24]: never 0 or 1, so E is in
+// [5.96e-8, 16.7], never 0 or infinite.
+VERISPEC_HD inline float race_exponential(uint32_t word) {
+  const float u = (static_cast<float>(word >> 9) + 0.5f) * (1.0f / 8388608.0f);
+  return -logf(u);
+}
+
+// The smallest value race_exponential returns (the word 0xffffffff): every keyed-stream
+// exponential is >= it, which bounds the score a token can reach in a race.
+VERISPEC_HD inline float race_min_exponential() { return race_exponential(0xffffffffu); }
 
 }  // namespace verispec

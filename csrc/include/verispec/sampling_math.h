@@ -179,6 +179,17 @@ VERISPEC_HD inline bool argmax_before(float a, int64_t ia, float b, int64_t ib) 
   return a > b || (a == b && ia < ib);
 }
 
+// ---- keyed sampling (exponential race) ----------------------------------------------
+
+// A keyed sample draws token i of weights w with the exponentials E_i of the keyed
+// stream (philox.h race_exponential): token = argmax over w_i > 0 of (w_i / max w) / E_i,
+// ties to the lower index. P(token = i) = w_i / sum(w) (the exponential race, i.e. the
+// Gumbel-max trick). Two weight vectors raced with the same E (the same request seed and
+// position) pick the same token with probability >= (1 - TV) / (1 + TV), TV their total
+// variation distance (Gumbel-max coupling): the drafter-invariant acceptance rule of
+// keyed verification rests on it. `scaled_w` is w_i / max w, in (0, 1].
+VERISPEC_HD inline float race_score(float scaled_w, float e) { return scaled_w / e; }
+
 // ---- speculative acceptance -------------------------------------------------------
 
 // Accept proposal y, drawn from q, against target p with coin u in [0, 1):

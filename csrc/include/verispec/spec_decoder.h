@@ -66,6 +66,12 @@ struct SamplingParams {
   int32_t top_k = 0;
   float top_p = 1.0f;
   float min_p = 0.0f;
+  // Per-request reproducible sampling: the sequence draws from the keyed stream of `seed`
+  // (philox.h), addressed by token position, and is verified by the keyed rule
+  // (python/verispec/ops.py verify_keyed): its tokens are the same alone or in any batch,
+  // with any k and any draft. Unkeyed sequences draw from the decoder's stream.
+  bool keyed = false;
+  uint64_t seed = 0;
 };
 
 // Where a sequence stops (stop_rules.cpp is the one place that applies these).
@@ -149,6 +155,13 @@ struct PolicyLayout {
   int64_t top_k_rows = 0;        // int32 [B]
   int64_t top_p_rows = 0;        // float32 [B]
   int64_t min_p_rows = 0;        // float32 [B]
+  // Keyed rows (SamplingParams::keyed): whether any row is, which, their seeds, and the
+  // position of each row's first token of the step (its committed length).
+  bool any_keyed = false;
+  bool all_keyed = false;
+  int64_t keyed_rows = 0;        // int32 [B]: 1 for a keyed row
+  int64_t seed_rows = 0;         // int64 [B] (uint64 bits)
+  int64_t position_rows = 0;     // int64 [B]
 };
 
 // What begin_step decided: the rows, k, every pass, and their inputs in one buffer.

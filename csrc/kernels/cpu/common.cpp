@@ -105,6 +105,9 @@ OpStatus check_sample_args(const SampleArgs& a) {
   if (a.vocab < 1 || a.vocab > kMaxVocab) return invalid_argument("vocab must be in [1, 2^31)");
   if (!a.probs || !a.tokens) return invalid_argument("probs and tokens must not be null");
   if (a.probs_row_stride < 0) return invalid_argument("probs row stride must be >= 0");
+  if ((a.row_seeds == nullptr) != (a.row_positions == nullptr)) {
+    return invalid_argument("row_seeds and row_positions must be given together (keyed) or not at all");
+  }
   return check_rng(a.rng);
 }
 

@@ -49,8 +49,48 @@ __global__ void __launch_bounds__(BLOCK)
 }
 
 // ---- sample ------------------------------------------------------------------------
+
+// The keyed sample of valid weights w (sampling_math.h race_score), as the CPU's
+// keyed_pick: the block's heaviest token (first maximum) starts the race; each thread
+// races the tokens of every BLOCK-th block of four, drawing no Philox block for four
+// tokens that cannot reach its best so far even at race_min_exponential; then a block
+// argmax. -1: zero mass.
+template <int BLOCK>
+__device__ int keyed_block_pick(const float* w, int V, uint64_t seed, uint64_t position,
+                                BlockOps<BLOCK>& ops) {
+  ArgMax local{-1.0f, -1};
+  for (int i = threadIdx.x; i < V; i += BLOCK) {
+    if (argmax_before(w[i], i, local.value, local.index)) local = ArgMax{w[i], i};
+  }
+  const ArgMax heaviest = ops.argmax(local);
+  if (!(heaviest.value > 0.0f)) return -1;
+  const float w_max = heaviest.value;
+  const int top = heaviest.index;
+  const float e_min = race_min_exponential();
+  local = ArgMax{race_score(1.0f, race_exponential(
+                     race_block(seed, position, static_cast<uint32_t>(top / 4)).v[top % 4])),
+                 top};
+  const int quads = (V + 3) / 4;
+  for (int q = threadIdx.x; q < quads; q += BLOCK) {
+    const int base = 4 * q, end = min(base + 4, V);
+    bool contender = false;
+    for (int i = base; i < end; ++i) {
+      contender = contender || (w[i] > 0.0f && !(race_score(w[i] / w_max, e_min) < local.value));
+    }
+    if (!contender) continue;
+    const Philox4x32 block = race_block(seed, position, static_cast<uint32_t>(q));
+    for (int i = base; i < end; ++i) {
+      if (!(w[i] > 0.0f)) continue;
+      const float score = race_score(w[i] / w_max, race_exponential(block.v[i - base]));
+      if (argmax_before(score, i, local.value, local.index)) local = ArgMax{score, i};
+    }
+  }
+  return ops.argmax(local).index;
+}
+
 // grid: rows blocks. A validation pass, then block_pick (a pass of per-thread chunk sums,
-// a block scan over them, a walk along the chunk that holds the target). Rows at fault: -1.
+// a block scan over them, a walk along the chunk that holds the target), or the keyed
+// race (keyed_block_pick). Rows at fault: -1.
 template <int BLOCK>
 __global__ void __launch_bounds__(BLOCK) sample_kernel(SampleArgs a, unsigned long long* record) {
   __shared__ BlockOps<BLOCK> ops;
@@ -70,9 +110,15 @@ __global__ void __launch_bounds__(BLOCK) sample_kernel(SampleArgs a, unsigned lo
     }
     return;
   }
-  const float u = uniform(resolve_seed(a.rng), resolve_offset(a.rng), static_cast<uint32_t>(row),
-                          0, Purpose::kSample);
-  const int token = block_pick<BLOCK>([w](int i) { return w[i]; }, V, u, ops);
+  int token;
+  if (a.row_seeds) {
+    token = keyed_block_pick<BLOCK>(w, V, static_cast<uint64_t>(a.row_seeds[row]),
+                                    static_cast<uint64_t>(a.row_positions[row]), ops);
+  } else {
+    const float u = uniform(resolve_seed(a.rng), resolve_offset(a.rng), static_cast<uint32_t>(row),
+                            0, Purpose::kSample);
+    token = block_pick<BLOCK>([w](int i) { return w[i]; }, V, u, ops);
+  }
   if (threadIdx.x == 0) {
     if (token < 0) report_error(record, row, StatusCode::kInvalidProbs, -1);  // zero mass
     a.tokens[row] = token;
