@@ -70,6 +70,26 @@ def test_controller_speculates_far_with_a_perfect_draft():
     assert r.stats["tokens_per_target_pass"] > 3
 
 
+def test_the_decoder_speculates_less_for_a_large_batch():
+    """End to end, the same draft (acceptance ~0.7): one sequence speculates (k ~ 3), a
+    batch of 24 barely does (k ~ 0, probes aside), because the target's synthetic cost grows
+    with the pass's total tokens (10 ms + 1 ms per token) and 24 rows make every proposal
+    dear. The decoder measures the cost itself; nothing is told. (This holds for a fixed
+    batch size under the old per-row cost table too; test_k_falls_when_the_batch_makes_the_
+    target_pass_compute_bound is the one that tells the rules apart.)"""
+    mean_k = {}
+    for n in (1, 24):
+        target = Slow(CacheModel(50, seed=1, scale=4.0), 0.01, 0.001)
+        draft = Slow(CacheModel(50, base=target.model, noise=0.5, seed=2), 0.001, 0.0)
+        dec = SpecDecoder(target, draft, k="auto", max_k=6, num_blocks=512, block_size=4)
+        results = dec.generate([[i, 3, 4] for i in range(n)], max_new_tokens=30, greedy=True)
+        ks = [k for r in results for k in r.stats["k_history"][-10:]]
+        mean_k[n] = sum(ks) / len(ks)
+        fit = dec.cost_model()["target_fit"]
+        assert fit["slope_s_per_token"] == pytest.approx(0.001, rel=0.5)
+    assert mean_k[1] >= 2 and mean_k[24] <= 1, mean_k
+
+
 def test_cost_model_fits_measured_sizes_and_never_makes_a_longer_pass_cheaper():
     cm = _C.CostModel()
     assert cm.target_passes(1, 8) == pytest.approx([1.0 + 0.2 * i for i in range(8)])  # the prior
