@@ -524,3 +524,50 @@ def test_a_bfloat16_draft_for_a_float32_target_is_legitimate():
     (r,) = dec.generate([[1, 2, 3]], max_new_tokens=12, greedy=True)
     assert r.tokens == greedy_reference(target, [1, 2, 3], 12) and r.stats["proposed"] > 0
     assert dec._pools[_C.ModelRole.draft].k[0].dtype == torch.bfloat16
+
+
+def test_a_failed_step_with_a_prefill_chunk_changes_nothing():
+    """A forward that fails in a step with a prefill row (and in a step of chunks only):
+    the prefilling sequence's cache is back at its mark, the decoding one is untouched, and
+    the next steps give the target's greedy output."""
+    target, draft = models()
+
+    class Failing(Recording):
+        fail_at: set = set()
+
+        def forward(self, batch):
+            if len(self.tokens) in self.fail_at:
+                self.tokens.append(-1)
+                raise RuntimeError("forward failed")
+            return super().forward(batch)
+
+    for fail_at in ({3, 4}, {0, 1}):  # a chunk next to a verify row; a chunk alone
+        rec = Failing(target)
+        rec.fail_at = set(fail_at)
+        dec = SpecDecoder(rec, draft, k=2, num_blocks=64, block_size=4, max_tokens_per_step=4)
+        long = [(3 * i + 2) % V for i in range(14)]
+        if fail_at == {3, 4}:  # a decodes, then b's chunks ride next to it
+            a = dec.add([1, 2], max_new_tokens=12, greedy=True)
+            while len(dec.result(a).tokens) < 2:
+                dec.step()
+            b = dec.add(long, max_new_tokens=6, greedy=True)
+        else:  # b first: its first chunks fill whole steps, with no verify row
+            b = dec.add(long, max_new_tokens=6, greedy=True)
+            a = dec.add([1, 2], max_new_tokens=12, greedy=True)
+        failures = 0
+        while dec.has_running():
+            before = [(dec._core.committed(s), dec._core.cache_len(s, _C.ModelRole.target),
+                       dec._core.cache_len(s, _C.ModelRole.draft)) for s in (a, b)]
+            try:
+                dec.step()
+            except RuntimeError as e:
+                assert "forward failed" in str(e)
+                failures += 1
+                after = [(dec._core.committed(s), dec._core.cache_len(s, _C.ModelRole.target),
+                          dec._core.cache_len(s, _C.ModelRole.draft)) for s in (a, b)]
+                assert after == before
+        assert failures == 2
+        assert dec.result(b).stats["prefill_chunks"] >= 3
+        assert dec.result(a).tokens == greedy_reference(target, [1, 2], 12)
+        assert dec.result(b).tokens == greedy_reference(target, long, 6)
+        assert_no_leaks(dec)
