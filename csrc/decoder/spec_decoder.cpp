@@ -445,8 +445,8 @@ BlockAllocator& SpecDecoder::alloc(ModelRole role) {
 
 // ---- begin_step -------------------------------------------------------------------
 
-// A verify row as begin_step decides it: its uncached tokens, the cap on k and the k
-// chosen; n-gram proposals (cut to k at the end).
+// A running sequence as plan_step sees it: its uncached tokens, and if it becomes a
+// verify row, the cap on k, the k chosen and its n-gram proposals (cut to k at the end).
 struct SpecDecoder::Choice {
   Sequence* s = nullptr;
   int64_t pending = 0;  // uncached committed tokens: 1 for a decoding row
