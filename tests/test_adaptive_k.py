@@ -70,20 +70,88 @@ def test_controller_speculates_far_with_a_perfect_draft():
     assert r.stats["tokens_per_target_pass"] > 3
 
 
+def test_the_decoder_speculates_less_for_a_large_batch():
+    """End to end, the same draft (acceptance ~0.7): one sequence speculates (k ~ 3), a
+    batch of 24 barely does (k ~ 0, probes aside), because the target's synthetic cost grows
+    with the pass's total tokens (10 ms + 1 ms per token) and 24 rows make every proposal
+    dear. The decoder measures the cost itself; nothing is told. (This holds for a fixed
+    batch size under the old per-row cost table too; test_k_falls_when_the_batch_makes_the_
+    target_pass_compute_bound is the one that tells the rules apart.)"""
+    mean_k = {}
+    for n in (1, 24):
+        target = Slow(CacheModel(50, seed=1, scale=4.0), 0.01, 0.001)
+        draft = Slow(CacheModel(50, base=target.model, noise=0.5, seed=2), 0.001, 0.0)
+        dec = SpecDecoder(target, draft, k="auto", max_k=6, num_blocks=512, block_size=4)
+        results = dec.generate([[i, 3, 4] for i in range(n)], max_new_tokens=30, greedy=True)
+        ks = [k for r in results for k in r.stats["k_history"][-10:]]
+        mean_k[n] = sum(ks) / len(ks)
+        fit = dec.cost_model()["target_fit"]
+        assert fit["slope_s_per_token"] == pytest.approx(0.001, rel=0.5)
+    assert mean_k[1] >= 2 and mean_k[24] <= 1, mean_k
+
+
 def test_cost_model_fits_measured_sizes_and_never_makes_a_longer_pass_cheaper():
-    cm = _C.CostModel(8)
-    assert cm.target_passes() == pytest.approx([1.0 + 0.2 * i for i in range(8)])  # the prior
+    cm = _C.CostModel()
+    assert cm.target_passes(1, 8) == pytest.approx([1.0 + 0.2 * i for i in range(8)])  # the prior
     cm.observe_target(1, 2.0)  # one size: the prior slope scaled through it
-    assert cm.target_passes()[4] == pytest.approx(2.0 * 1.8)
+    assert cm.target_pass(5) == pytest.approx(2.0 * 1.8)
     cm.observe_target(3, 3.0)  # two sizes: a line through them
-    assert cm.target_passes()[1] == pytest.approx(2.5) and cm.target_passes()[7] == pytest.approx(5.5)
-    noisy = _C.CostModel(8)
+    assert cm.target_pass(2) == pytest.approx(2.5) and cm.target_pass(8) == pytest.approx(5.5)
+    noisy = _C.CostModel()
     noisy.observe_target(1, 5.0)
     noisy.observe_target(2, 3.0)  # timed during a quiet spell: below the 1-token pass
-    passes = noisy.target_passes()
+    passes = noisy.target_passes(1, 9)
     assert all(b >= a for a, b in zip(passes, passes[1:])), passes
     # so k = 1 no longer looks free to a draft that is rarely right
     assert _C.best_k(0.1, 0.5, passes, 8) == 0
+
+
+def hinge_cost_model(knee=16, slope=1 / 16):
+    """A target pass that costs 1 up to `knee` tokens (memory-bound), then grows by
+    `slope` per token (compute-bound), measured at the sizes a decoder would see."""
+    cm = _C.CostModel()
+    for t in [*range(1, 17), 24, 32, 48, 64, 128, 256, 512]:
+        cm.observe_target(t, 1.0 + slope * max(0, t - knee))
+    return cm
+
+
+def test_the_fit_finds_the_flat_part_and_the_slope():
+    flat, knee, slope = hinge_cost_model().fit
+    assert (flat, knee, slope) == pytest.approx((1.0, 16.0, 1 / 16))
+    measured = hinge_cost_model().measured()
+    assert [t for t, _ in measured][:3] == [1.0, 2.0, 3.0] and len(measured) == 23
+
+
+@pytest.mark.parametrize("a", [0.5, 0.7, 0.9])
+def test_k_falls_when_the_batch_makes_the_target_pass_compute_bound(a):
+    """The batch effect: a batch of 64 rows chooses a smaller k than one row at the same
+    acceptance, because every proposal lengthens the one target pass all rows share.
+    Without batch awareness (each row's pass costed as if it ran alone, as before) both
+    would get the one-row k: the last assertion is what that rule fails."""
+    cm, draft = hinge_cost_model(), 0.02
+    (alone,) = _C.best_batch_k([a], [8], draft, cm)
+    batch = _C.best_batch_k([a] * 64, [8] * 64, draft, cm)
+    assert alone >= 3
+    assert max(batch) < alone
+    # what a per-row rule would choose for each row of the batch: the one-row k
+    per_row = _C.best_k(a, draft, cm.target_passes(1, 9), 8)
+    assert per_row == alone and max(batch) < per_row
+    # in between, k falls as the batch grows
+    ks = [max(_C.best_batch_k([a] * n, [8] * n, draft, cm)) for n in (1, 4, 16, 64)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1], ks
+
+
+def test_the_rest_of_the_step_counts():
+    """Rows decided elsewhere (64 decoding rows at k = 0) make the pass compute-bound for
+    this row too; prefill tokens alone (which emit nothing) only add a fixed cost, which
+    makes proposals relatively cheaper, never dearer."""
+    cm = hinge_cost_model()
+    (alone,) = _C.best_batch_k([0.8], [8], 0.02, cm)
+    (busy,) = _C.best_batch_k([0.8], [8], 0.02, cm, rest_expected=64.0, rest_tokens=64)
+    (prefill,) = _C.best_batch_k([0.8], [8], 0.02, cm, rest_tokens=300)
+    assert busy < alone <= prefill
+    with pytest.raises(ValueError, match=r"cap must hold one value per row \(2\), got 1"):
+        _C.best_batch_k([0.8, 0.8], [8], 0.02, cm)
 
 
 @pytest.mark.parametrize("draft", [0.0, 0.1, 0.5, 3.0])

@@ -57,6 +57,21 @@ def test_greedy_speculation_equals_target_only(tiny, source):
     assert dec.num_free_blocks() == dec.num_blocks()
 
 
+@pytest.mark.parametrize("source", ["separate", "early_exit", "ngram"])
+def test_chunked_prefill_keeps_the_greedy_output(tiny, source):
+    """A token budget of 5: the 11-token prompt is prefilled in chunks that ride in the
+    verify pass as rows without logits (and alone, in passes without a verify row), and
+    LlamaModel's output is still the target's greedy output."""
+    target, other = tiny
+    draft = {"separate": other, "early_exit": EarlyExit(target, num_layers=1),
+             "ngram": NGram(1, 3)}[source]
+    dec = SpecDecoder(target, draft, k=3, num_blocks=64, block_size=4, max_tokens_per_step=5)
+    results = dec.generate(PROMPTS, max_new_tokens=12, greedy=True)
+    assert [r.tokens for r in results] == plain_greedy(target, PROMPTS, 12)
+    assert results[0].stats["prefill_chunks"] >= 2
+    assert dec.num_free_blocks() == dec.num_blocks()
+
+
 def _cached_k(pools, table, n, layer):
     bs = pools.block_size
     flat = pools.k[layer].view(-1, *pools.k[layer].shape[2:])

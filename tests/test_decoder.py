@@ -457,3 +457,153 @@ def test_draft_with_another_vocabulary_size(ops, draft_vocab):
     sampled = dec.generate(prompts, max_new_tokens=12, temperature=1.0, seed=4)
     assert all(0 <= t < 13 for r in sampled for t in r.tokens)
     assert sum(r.stats["proposed"] for r in sampled) > 0
+
+
+# ---- the token budget and chunked prefill -------------------------------------------
+
+class Recording:
+    """Wraps a model: the token count of every forward, and its logits rows."""
+
+    def __init__(self, model):
+        self.model, self.geometry = model, model.geometry
+        self.tokens: list[int] = []
+
+    def forward(self, batch):
+        self.tokens.append(int(batch.input_ids.shape[0]))
+        return self.model.forward(batch)
+
+    def logits_for(self, prefix):
+        return self.model.logits_for(prefix)
+
+
+@pytest.mark.parametrize("source", ["model", "ngram", "auto"])
+def test_generate_goes_through_the_queue_under_a_small_budget_and_pool(source):
+    """20 prompts, a pool far too small for all of them and a budget of 5 tokens a step:
+    every result comes back in order, equal to the prompt decoded alone; long prompts were
+    prefilled in chunks, sequences were preempted, no block leaks."""
+    target, draft = models()
+    prompts = [[(3 * i + j) % V for j in range(1 + (7 * i) % 17)] for i in range(20)]
+    want = [greedy_reference(target, p, 8) for p in prompts]
+    drafter = NGram(1, 3) if source == "ngram" else draft
+    dec = SpecDecoder(Recording(target), drafter, k="auto" if source == "auto" else 3,
+                      num_blocks=7, draft_num_blocks=7, block_size=4, max_tokens_per_step=5)
+    results = dec.generate(prompts, max_new_tokens=8, greedy=True)
+    assert [r.tokens for r in results] == want
+    assert all(r.finish_reason == "length" for r in results)
+    assert max(dec.target.tokens) <= 5
+    assert sum(r.stats["prefill_chunks"] for r in results) > 0
+    assert dec.num_preemptions() > 0
+    assert_no_leaks(dec)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
+    """A 60-token prompt arrives while two sequences decode: with a budget of 8 tokens it
+    is prefilled in chunks and the others emit a token at every step; without a budget
+    (the power check) its whole prompt goes through one pass of 60+ tokens."""
+    target, draft = models()
+    for budget in (8, 0):
+        rec = Recording(target)
+        dec = SpecDecoder(rec, draft, k=2, num_blocks=64, block_size=4, max_tokens_per_step=budget)
+        a, b = dec.add([1, 2, 3], max_new_tokens=40, greedy=True), dec.add([4, 5], max_new_tokens=40,
+                                                                             greedy=True)
+        while len(dec.result(a).tokens) < 3 or len(dec.result(b).tokens) < 3:
+            dec.step()
+        long = [(5 * i + 1) % V for i in range(60)]
+        c = dec.add(long, max_new_tokens=5, greedy=True)
+        stalled = 0
+        while not dec.result(c).tokens:
+            emitted = {o.seq for o in dec.step() if o.tokens}
+            stalled += not {a, b} <= emitted and dec.result(a).finish_reason is None
+        while dec.has_running():
+            dec.step()
+        assert dec.result(c).tokens == greedy_reference(target, long, 5)
+        for s, p in ((a, [1, 2, 3]), (b, [4, 5])):
+            assert dec.result(s).tokens == greedy_reference(target, p, 40)
+        chunks = dec.result(c).stats["prefill_chunks"]
+        if budget:
+            assert max(rec.tokens) <= budget and stalled == 0 and chunks >= 60 // budget
+        else:
+            assert max(rec.tokens) >= 60 and chunks == 0
+        assert_no_leaks(dec)
+
+
+def test_max_tokens_per_step_is_validated():
+    target, draft = models()
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match=r"max_tokens_per_step must be an int, 0 \(no limit\) "
+                                             r"or >= 1, got " + repr(bad).replace(".", r"\.")):
+            SpecDecoder(target, draft, max_tokens_per_step=bad)
+    with pytest.raises(ValueError, match=r"max_tokens_per_step must be 0 \(no limit\) or >= 1, got -3"):
+        _C.SpecDecoder(k=2, has_draft_model=True, target_num_blocks=8, draft_num_blocks=8,
+                       block_size=4, vocab_size=V, max_context=64, seed=0, max_tokens_per_step=-3)
+
+
+def test_a_budget_of_one_token_still_decodes_everything():
+    """The smallest budget: one sequence runs at a time, k is 0 (a decoding row's one
+    token), prompts go one token per step; nothing deadlocks."""
+    target, draft = models()
+    dec = SpecDecoder(target, draft, k=4, num_blocks=64, block_size=4, max_tokens_per_step=1)
+    prompts = [[1, 2, 3, 4], [5], [6, 7]]
+    results = dec.generate(prompts, max_new_tokens=4, greedy=True)
+    assert [r.tokens for r in results] == [greedy_reference(target, p, 4) for p in prompts]
+    assert all(set(r.stats["k_history"]) == {0} for r in results)
+    assert results[0].stats["prefill_chunks"] == 3
+    assert_no_leaks(dec)
+
+
+def test_a_bfloat16_draft_for_a_float32_target_is_legitimate():
+    """The decoder checks the draft's device, not its dtype: q is computed in float32
+    whatever the draft's logits are, and each model has its own pools of its own dtype."""
+    target = CacheModel(V, seed=1)
+    draft = CacheModel(V, base=target, noise=0.7, seed=2, dtype=torch.bfloat16)
+    dec = SpecDecoder(target, draft, k=3, num_blocks=64, block_size=4)
+    (r,) = dec.generate([[1, 2, 3]], max_new_tokens=12, greedy=True)
+    assert r.tokens == greedy_reference(target, [1, 2, 3], 12) and r.stats["proposed"] > 0
+    assert dec._pools[_C.ModelRole.draft].k[0].dtype == torch.bfloat16
+
+
+def test_a_failed_step_with_a_prefill_chunk_changes_nothing():
+    """A forward that fails in a step with a prefill row (and in a step of chunks only):
+    the prefilling sequence's cache is back at its mark, the decoding one is untouched, and
+    the next steps give the target's greedy output."""
+    target, draft = models()
+
+    class Failing(Recording):
+        fail_at: set = set()
+
+        def forward(self, batch):
+            if len(self.tokens) in self.fail_at:
+                self.tokens.append(-1)
+                raise RuntimeError("forward failed")
+            return super().forward(batch)
+
+    for fail_at in ({3, 4}, {0, 1}):  # a chunk next to a verify row; a chunk alone
+        rec = Failing(target)
+        rec.fail_at = set(fail_at)
+        dec = SpecDecoder(rec, draft, k=2, num_blocks=64, block_size=4, max_tokens_per_step=4)
+        long = [(3 * i + 2) % V for i in range(14)]
+        if fail_at == {3, 4}:  # a decodes, then b's chunks ride next to it
+            a = dec.add([1, 2], max_new_tokens=12, greedy=True)
+            while len(dec.result(a).tokens) < 2:
+                dec.step()
+            b = dec.add(long, max_new_tokens=6, greedy=True)
+        else:  # b first: its first chunks fill whole steps, with no verify row
+            b = dec.add(long, max_new_tokens=6, greedy=True)
+            a = dec.add([1, 2], max_new_tokens=12, greedy=True)
+        failures = 0
+        while dec.has_running():
+            before = [(dec._core.committed(s), dec._core.cache_len(s, _C.ModelRole.target),
+                       dec._core.cache_len(s, _C.ModelRole.draft)) for s in (a, b)]
+            try:
+                dec.step()
+            except RuntimeError as e:
+                assert "forward failed" in str(e)
+                failures += 1
+                after = [(dec._core.committed(s), dec._core.cache_len(s, _C.ModelRole.target),
+                          dec._core.cache_len(s, _C.ModelRole.draft)) for s in (a, b)]
+                assert after == before
+        assert failures == 2
+        assert dec.result(b).stats["prefill_chunks"] >= 3
+        assert dec.result(a).tokens == greedy_reference(target, [1, 2], 12)
+        assert dec.result(b).tokens == greedy_reference(target, long, 6)
+        assert_no_leaks(dec)

@@ -87,11 +87,12 @@ def transformers_greedy(model, prompt, n):
     return tokens, gap
 
 
-def speculate(target, draft, prompts, n, *, k):
+def speculate(target, draft, prompts, n, *, k, max_tokens_per_step=0):
     """Greedy: decodes all prompts but the last for two steps, then adds the last (its
     prefill rides next to the others' verify rows); the results in prompt order, every
     block freed."""
-    dec = SpecDecoder(target, draft, k=k, num_blocks=64, block_size=4)
+    dec = SpecDecoder(target, draft, k=k, num_blocks=64, block_size=4,
+                      max_tokens_per_step=max_tokens_per_step)
     seqs = [dec.add(p, max_new_tokens=n, greedy=True) for p in prompts[:-1]]
     dec.step()
     dec.step()
@@ -157,6 +158,16 @@ def test_greedy_speculation_equals_transformers_generate(greedy_case, source, k)
         assert proposed > 0
     else:  # both paths taken: accepted drafts, and rejected ones rolled back
         assert 0 < accepted < proposed, (proposed, accepted)
+
+
+def test_chunked_prefill_equals_transformers_generate(greedy_case):
+    """A budget of 6 tokens a step: the 24-token prompt that joins late is prefilled in
+    chunks next to the others' verify rows (rows without logits); HFModel's output is
+    still transformers' greedy output."""
+    target, small, want = greedy_case
+    dec, results = speculate(target, small, PROMPTS, N_NEW, k=3, max_tokens_per_step=6)
+    assert [r.tokens for r in results] == want
+    assert results[-1].stats["prefill_chunks"] >= 3
 
 
 # --------------------------------------------------------------------------- sampled

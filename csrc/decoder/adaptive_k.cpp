@@ -2,9 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <string>
-
-#include "verispec/errors.h"
 
 namespace verispec {
 
@@ -13,13 +10,14 @@ double expected_tokens(double a, int64_t k) {
   return (1.0 - std::pow(a, static_cast<double>(k + 1))) / (1.0 - a);
 }
 
-int64_t best_k(double a, double draft_pass, const std::vector<double>& target_pass,
-               int64_t max_k) {
+int64_t best_k_in_batch(double a, double rest_expected, int64_t rest_k, double draft_pass,
+                        const std::vector<double>& target_pass, int64_t max_k) {
   int64_t best = 0;
   double best_rate = -1.0;
   for (int64_t k = 0; k <= max_k && k < static_cast<int64_t>(target_pass.size()); ++k) {
-    const double cost = static_cast<double>(k) * draft_pass + target_pass[static_cast<size_t>(k)];
-    const double rate = expected_tokens(a, k) / std::max(cost, 1e-12);
+    const double cost = static_cast<double>(std::max(rest_k, k)) * draft_pass +
+                        target_pass[static_cast<size_t>(k)];
+    const double rate = (rest_expected + expected_tokens(a, k)) / std::max(cost, 1e-12);
     if (rate > best_rate * (1.0 + 1e-9)) {
       best_rate = rate;
       best = k;
@@ -28,71 +26,156 @@ int64_t best_k(double a, double draft_pass, const std::vector<double>& target_pa
   return best;
 }
 
-namespace {
-// The table size, validated before anything is allocated.
-size_t cost_table_size(int64_t max_tokens_per_row) {
-  if (max_tokens_per_row > kMaxTokensPerRow) {
-    throw InvalidArgumentError("CostModel: max_tokens_per_row must be <= " +
-                               std::to_string(kMaxTokensPerRow) + ", got " +
-                               std::to_string(max_tokens_per_row));
-  }
-  return static_cast<size_t>(std::max<int64_t>(max_tokens_per_row, 1));
+int64_t best_k(double a, double draft_pass, const std::vector<double>& target_pass,
+               int64_t max_k) {
+  return best_k_in_batch(a, 0.0, 0, draft_pass, target_pass, max_k);
 }
-}  // namespace
 
-CostModel::CostModel(int64_t max_tokens_per_row)
-    : target_(cost_table_size(max_tokens_per_row), 0.0), seen_(target_.size(), false) {}
+// ---- the cost model ---------------------------------------------------------------
+
+CostModel::CostModel()
+    : tokens_(kBuckets, 0.0), seconds_(kBuckets, 0.0), seen_(kBuckets, false) {
+  fit();
+}
 
 void CostModel::observe_draft(double s) {
   draft_ = draft_seen_ ? (1 - kWeight) * draft_ + kWeight * s : s;
   draft_seen_ = true;
 }
 
-void CostModel::observe_target(int64_t n, double s) {
-  if (n < 1 || n > static_cast<int64_t>(target_.size())) return;
-  const size_t i = static_cast<size_t>(n - 1);
-  target_[i] = seen_[i] ? (1 - kWeight) * target_[i] + kWeight * s : s;
-  seen_[i] = true;
+void CostModel::observe_target(int64_t tokens, double s) {
+  if (tokens < 1) return;
+  int bucket;
+  if (tokens <= kExact) {
+    bucket = static_cast<int>(tokens - 1);
+  } else {
+    const double octaves = std::log2(static_cast<double>(tokens) / kExact);
+    bucket = kExact + std::min(kBuckets - 1 - kExact, static_cast<int>(octaves * kPerOctave));
+  }
+  const size_t i = static_cast<size_t>(bucket);
+  const double t = static_cast<double>(tokens);
+  if (seen_[i]) {
+    tokens_[i] = (1 - kWeight) * tokens_[i] + kWeight * t;
+    seconds_[i] = (1 - kWeight) * seconds_[i] + kWeight * s;
+  } else {
+    tokens_[i] = t;
+    seconds_[i] = s;
+    seen_[i] = true;
+  }
+  fit();
 }
 
-std::vector<double> CostModel::target_passes() const {
-  // Least-squares line through the measured sizes; with one point use the prior slope.
-  double sx = 0, sy = 0, sxx = 0, sxy = 0;
-  int64_t m = 0;
-  for (size_t i = 0; i < target_.size(); ++i) {
+void CostModel::fit() {
+  std::vector<double> x, y;
+  for (size_t i = 0; i < seen_.size(); ++i) {
     if (!seen_[i]) continue;
-    const double x = static_cast<double>(i + 1), y = target_[i];
-    sx += x; sy += y; sxx += x * x; sxy += x * y; ++m;
+    x.push_back(tokens_[i]);  // buckets are in increasing T
+    y.push_back(seconds_[i]);
   }
-  std::vector<double> out(target_.size(), 1.0);
-  if (m == 0) {  // nothing measured: the prior shape, in arbitrary units
-    for (size_t i = 0; i < out.size(); ++i) out[i] = 1.0 + kPriorSlope * static_cast<double>(i);
-    return out;
+  const size_t m = x.size();
+  if (m == 0) {  // the prior shape, in arbitrary units
+    flat_ = 1.0, knee_ = 1.0, slope_ = kPriorSlope;
+    return;
   }
-  double slope, intercept;
-  const double det = static_cast<double>(m) * sxx - sx * sx;
-  if (m >= 2 && det > 0) {
-    slope = (static_cast<double>(m) * sxy - sx * sy) / det;
-    intercept = (sy - slope * sx) / static_cast<double>(m);
-  } else {  // one size seen: scale the prior through it
-    const double x = sx / static_cast<double>(m), y = sy / static_cast<double>(m);
-    const double unit = y / (1.0 + kPriorSlope * (x - 1.0));
-    slope = kPriorSlope * unit;
-    intercept = unit - slope;
+  if (m == 1) {  // the prior scaled through the one bucket
+    const double unit = y[0] / (1.0 + kPriorSlope * (x[0] - 1.0));
+    flat_ = unit, knee_ = 1.0, slope_ = kPriorSlope * unit;
+    return;
   }
-  if (slope < 0) {  // a longer pass never costs less: flat at the mean
-    slope = 0;
-    intercept = sy / static_cast<double>(m);
+  double mean = 0;
+  for (double v : y) mean += v;
+  mean /= static_cast<double>(m);
+  // Candidate: flat at the mean (no growth measured, or a falling fit).
+  double best_sse = 0;
+  for (double v : y) best_sse += (v - mean) * (v - mean);
+  flat_ = mean, knee_ = x[0], slope_ = 0.0;
+  for (size_t j = 0; j + 1 < m; ++j) {  // knee at x[j]: y = f + s * max(0, x - x[j])
+    double su = 0, sy = 0, suu = 0, suy = 0;
+    for (size_t i = 0; i < m; ++i) {
+      const double u = std::max(0.0, x[i] - x[j]);
+      su += u, sy += y[i], suu += u * u, suy += u * y[i];
+    }
+    const double n = static_cast<double>(m);
+    const double det = n * suu - su * su;
+    if (!(det > 0)) continue;
+    const double s = (n * suy - su * sy) / det;
+    if (!(s > 0)) continue;  // a falling or flat fit: the flat candidate covers it
+    const double f = (sy - s * su) / n;
+    double sse = 0;
+    for (size_t i = 0; i < m; ++i) {
+      const double r = y[i] - f - s * std::max(0.0, x[i] - x[j]);
+      sse += r * r;
+    }
+    if (sse < best_sse * (1.0 - 1e-12)) {
+      best_sse = sse;
+      flat_ = f, knee_ = x[j], slope_ = s;
+    }
   }
-  for (size_t i = 0; i < out.size(); ++i) {
-    out[i] = seen_[i] ? target_[i] : std::max(intercept + slope * static_cast<double>(i + 1), 1e-9);
-    // A pass with more tokens never costs less. Without this, one noisy measurement
-    // (a 2-token pass timed below the 1-token one) makes k = 1 look free forever: the
-    // 1-token pass is then never run again, so never re-measured.
-    if (i > 0) out[i] = std::max(out[i], out[i - 1]);
+}
+
+double CostModel::target_pass(int64_t tokens) const {
+  return std::max(flat_ + slope_ * std::max(0.0, static_cast<double>(tokens) - knee_), 1e-12);
+}
+
+std::vector<double> CostModel::target_passes(int64_t first, int64_t n) const {
+  std::vector<double> out(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  for (size_t i = 0; i < out.size(); ++i) out[i] = target_pass(first + static_cast<int64_t>(i));
+  return out;
+}
+
+std::vector<std::pair<double, double>> CostModel::measured() const {
+  std::vector<std::pair<double, double>> out;
+  for (size_t i = 0; i < seen_.size(); ++i) {
+    if (seen_[i]) out.emplace_back(tokens_[i], seconds_[i]);
   }
   return out;
 }
+
+// ---- the batch rule ---------------------------------------------------------------
+
+std::vector<int64_t> best_batch_k(const std::vector<double>& a, const std::vector<int64_t>& cap,
+                                  double draft_pass, const CostModel& cost, const BatchRest& rest) {
+  const size_t n = std::min(a.size(), cap.size());
+  std::vector<int64_t> k(n, 0);
+  if (n == 0) return k;
+  // Running totals over the rows: expected tokens, tokens, and how many rows hold each k
+  // (so the largest k of the others is found without a scan of the rows).
+  int64_t max_cap = 0;
+  for (size_t i = 0; i < n; ++i) max_cap = std::max(max_cap, cap[i]);
+  std::vector<int64_t> holding(static_cast<size_t>(max_cap) + 1, 0);
+  holding[0] = static_cast<int64_t>(n);
+  double expected = 0;
+  for (size_t i = 0; i < n; ++i) expected += expected_tokens(a[i], 0);
+  int64_t tokens = static_cast<int64_t>(n);
+  std::vector<double> target;
+  for (int sweep = 0; sweep < 2; ++sweep) {
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t ki = k[i];
+      const int64_t c = std::max<int64_t>(cap[i], 0);
+      if (c == 0) continue;
+      holding[static_cast<size_t>(ki)] -= 1;
+      int64_t others_k = 0;
+      for (int64_t v = max_cap; v > 0; --v) {
+        if (holding[static_cast<size_t>(v)] > 0) {
+          others_k = v;
+          break;
+        }
+      }
+      const double e_rest = rest.expected + expected - expected_tokens(a[i], ki);
+      const int64_t t_rest = rest.tokens + tokens - (ki + 1);
+      target = cost.target_passes(t_rest + 1, c + 1);
+      const int64_t best = best_k_in_batch(a[i], e_rest, std::max(rest.k, others_k), draft_pass,
+                                           target, c);
+      expected += expected_tokens(a[i], best) - expected_tokens(a[i], ki);
+      tokens += best - ki;
+      k[i] = best;
+      holding[static_cast<size_t>(best)] += 1;
+    }
+  }
+  return k;
+}
+
+// ---- probes and acceptance --------------------------------------------------------
 
 int64_t probe_interval(double draft_pass, const std::vector<double>& target_pass) {
   if (target_pass.size() < 2 || !(target_pass[0] > 0)) return kMinProbeInterval;

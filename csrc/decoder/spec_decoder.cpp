@@ -47,16 +47,19 @@ struct Pass {
 // Everything a step must restore when it fails, and what it decided.
 struct SpecDecoder::OpenStep {
   uint64_t id = 0;
-  std::vector<Sequence*> rows;        // stable: a row's release is queued until the step ends
+  std::vector<Sequence*> rows;        // verify rows; stable: a row's release is queued until the step ends
   std::vector<int64_t> k;             // per row
   int64_t K = 0;
   std::vector<int64_t> target_mark, draft_mark;
-  std::vector<std::vector<AcceptanceTracker>> tracker_mark;  // choose_k moves probe counters
+  std::vector<std::vector<AcceptanceTracker>> tracker_mark;  // choose_ks moves probe counters
+  // prefill rows: a chunk of their uncached tokens goes through the verify pass
+  std::vector<Sequence*> prefill;
+  std::vector<int64_t> prefill_chunk, prefill_mark;
   std::vector<std::vector<int32_t>> proposals;  // n-gram proposals (known on the host)
   std::vector<int64_t> admitted;      // admitted from the queue by this step's begin_step
   uint64_t base_offset = 0;
   std::vector<Pass> passes;           // draft passes, then the verify pass
-  int64_t verify_tokens = 0, verify_steady_tokens = 0;
+  int64_t verify_tokens = 0;          // T of the verify pass, prefill chunks included
   // filled by check_outputs, used by commit_row
   std::vector<int64_t> keep;
   std::vector<FinishReason> reason;
@@ -90,7 +93,7 @@ std::string row_at(int64_t b, int64_t i) {
 SpecDecoder::SpecDecoder(const DecoderConfig& config)
     : config_(config),
       target_alloc_(config.target_num_blocks, config.block_size),
-      cost_(std::min<int64_t>(std::max<int64_t>(config.k, 0), kMaxK) + 1) {
+      cost_() {
   if (config.k < 0 || config.k > kMaxK) {
     throw InvalidArgumentError("SpecDecoder: k must be in [0, " + std::to_string(kMaxK) +
                                "], got " + std::to_string(config.k));
@@ -102,6 +105,11 @@ SpecDecoder::SpecDecoder(const DecoderConfig& config)
   if (config.max_num_seqs < 0) {
     throw InvalidArgumentError("SpecDecoder: max_num_seqs must be >= 0 (0: no limit), got " +
                                std::to_string(config.max_num_seqs));
+  }
+  if (config.max_tokens_per_step < 0) {
+    throw InvalidArgumentError(
+        "SpecDecoder: max_tokens_per_step must be 0 (no limit) or >= 1, got " +
+        std::to_string(config.max_tokens_per_step));
   }
   if (config.draft_max_context < 0) {
     throw InvalidArgumentError("SpecDecoder: draft_max_context must be >= 0, got " +
@@ -213,8 +221,13 @@ void SpecDecoder::enqueue(int64_t seq) {
 
 std::vector<int64_t> SpecDecoder::admit() {
   std::vector<int64_t> admitted;
-  const size_t limit = config_.max_num_seqs > 0 ? static_cast<size_t>(config_.max_num_seqs)
-                                                : std::numeric_limits<size_t>::max();
+  // Every decoding sequence takes at least one token of a step, so at most
+  // max_tokens_per_step of them run.
+  size_t limit = std::numeric_limits<size_t>::max();
+  if (config_.max_num_seqs > 0) limit = static_cast<size_t>(config_.max_num_seqs);
+  if (config_.max_tokens_per_step > 0) {
+    limit = std::min(limit, static_cast<size_t>(config_.max_tokens_per_step));
+  }
   while (!waiting_.empty() && running_.size() < limit) {
     const int64_t seq = waiting_.front();
     // FIFO: the head waits (and so does everyone behind it) while its whole context plus
@@ -432,7 +445,19 @@ BlockAllocator& SpecDecoder::alloc(ModelRole role) {
 
 // ---- begin_step -------------------------------------------------------------------
 
-int64_t SpecDecoder::choose_k(Sequence& s, std::vector<int32_t>* ngram_proposals) {
+// A running sequence as plan_step sees it: its uncached tokens, and if it becomes a
+// verify row, the cap on k, the k chosen and its n-gram proposals (cut to k at the end).
+struct SpecDecoder::Choice {
+  Sequence* s = nullptr;
+  int64_t pending = 0;  // uncached committed tokens: 1 for a decoding row
+  int64_t cap = 0;
+  int64_t k = 0;
+  std::vector<int32_t> proposals;
+  size_t order = 0;                       // index in running_ (arrival order)
+  std::vector<AcceptanceTracker> mark;    // the trackers before the step
+};
+
+int64_t SpecDecoder::draft_cap(Sequence& s, std::vector<int32_t>* ngram_proposals) {
   ngram_proposals->clear();
   s.tracker = 0;
   if (!config_.has_draft_model && !s.ngram) return 0;
@@ -452,32 +477,61 @@ int64_t SpecDecoder::choose_k(Sequence& s, std::vector<int32_t>* ngram_proposals
     cap = static_cast<int64_t>(ngram_proposals->size());
     if (matched_n > 0) s.tracker = matched_n - config_.ngram_min_n;
   }
-  if (!config_.adaptive_k || cap == 0) return cap;
+  return cap;
+}
+
+// k of each row (its cap without adaptive k). `rest`: the rest of the step (rows decided
+// before, prefill chunks); the rows' uncached tokens beyond their last are added here.
+void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
   const bool shared = config_.draft_shares_target_cache;
-  int64_t k = cap;
-  if (shared && s.committed() - target_alloc_.length(s.target_seq) > 1) {
-    // The prompt is not cached yet: the target's prefill fills the shared cache for
-    // free, where drafting now would make the draft prefill the prompt itself.
-    k = 0;
-  } else if (!s.ngram && !cost_.has_draft()) {
-    // Measure the draft first: one steady draft pass (one token per row) is enough,
-    // the second pass when the first catches the draft's own cache up.
-    k = std::min<int64_t>(cap, shared ? 1 : 2);
-  } else {
+  std::vector<Choice*> free;  // rows the batch rule decides
+  std::vector<double> rate;
+  std::vector<int64_t> cap;
+  for (Choice* c : rows) rest.tokens += c->pending - 1;
+  for (Choice* c : rows) {
+    const AcceptanceTracker& acc = c->s->trackers[static_cast<size_t>(c->s->tracker)];
+    if (!config_.adaptive_k || c->cap == 0) {
+      c->k = c->cap;
+    } else if (shared && c->pending > 1) {
+      // The prompt is not cached yet: the target's prefill fills the shared cache for
+      // free, where drafting now would make the draft prefill the prompt itself.
+      c->k = 0;
+    } else if (!c->s->ngram && !cost_.has_draft()) {
+      // Measure the draft first: one steady draft pass (one token per row) is enough,
+      // the second pass when the first catches the draft's own cache up.
+      c->k = std::min<int64_t>(c->cap, shared ? 1 : 2);
+    } else {
+      free.push_back(c);
+      rate.push_back(acc.rate);
+      cap.push_back(c->cap);
+      continue;
+    }
+    rest.expected += expected_tokens(acc.rate, c->k);
+    rest.k = std::max(rest.k, c->k);
+    rest.tokens += c->k + 1;
+  }
+  if (!free.empty()) {
     // n-gram lookups cost nothing next to a model pass; a draft model is measured.
-    const double draft_pass = s.ngram ? 0.0 : cost_.draft_pass();
-    const std::vector<double> target_pass = cost_.target_passes();
-    AcceptanceTracker& acc = s.trackers[static_cast<size_t>(s.tracker)];
-    k = best_k(acc.rate, draft_pass, target_pass, cap);
-    if (k > 0) {
-      acc.steps_without_drafts = 0;
-    } else if (++acc.steps_without_drafts >= probe_interval(draft_pass, target_pass)) {
-      acc.steps_without_drafts = 0;  // probe: one step at k = 1
-      k = 1;
+    const double draft_pass = config_.has_draft_model ? cost_.draft_pass() : 0.0;
+    const std::vector<int64_t> k = best_batch_k(rate, cap, draft_pass, cost_, rest);
+    int64_t tokens = rest.tokens;  // the step's target tokens at the chosen k
+    for (size_t i = 0; i < free.size(); ++i) tokens += k[i] + 1;
+    for (size_t i = 0; i < free.size(); ++i) {
+      Choice& c = *free[i];
+      AcceptanceTracker& acc = c.s->trackers[static_cast<size_t>(c.s->tracker)];
+      c.k = k[i];
+      if (c.k > 0) {
+        acc.steps_without_drafts = 0;
+        continue;
+      }
+      // this row's plain step against a probe at k = 1, in this batch
+      const std::vector<double> probe = cost_.target_passes(tokens, 2);
+      if (++acc.steps_without_drafts >= probe_interval(draft_pass, probe)) {
+        acc.steps_without_drafts = 0;  // probe: one step at k = 1
+        c.k = 1;
+      }
     }
   }
-  if (s.ngram) ngram_proposals->resize(static_cast<size_t>(k));
-  return k;
 }
 
 namespace {
@@ -581,8 +635,21 @@ void SpecDecoder::plan_verify_pass(OpenStep& st) {
     for (int64_t i = 0; i <= K; ++i) p.logits_indices.push_back(first + std::min(i, kb));
     p.rows.push_back(b);
     seqs.push_back(s.target_seq);
-    st.verify_steady_tokens += kb + 1;
   }
+  // Prefill rows after the verify rows: a chunk of committed[Lt:], no logits.
+  for (size_t i = 0; i < st.prefill.size(); ++i) {
+    const Sequence& s = *st.prefill[i];
+    const int64_t from = st.prefill_mark[i];
+    for (int64_t pos = from; pos < from + st.prefill_chunk[i]; ++pos) {
+      p.input_ids.push_back(s.tokens[static_cast<size_t>(pos)]);
+      p.positions.push_back(pos);
+    }
+    p.query_start.push_back(static_cast<int64_t>(p.input_ids.size()));
+    p.rows.push_back(-1);
+    seqs.push_back(s.target_seq);
+  }
+  // No verify row: one logits row (unused), so that a model never gets R = 0.
+  if (B == 0) p.logits_indices.push_back(p.query_start.back() - 1);
   allocate_pass(target_alloc_, seqs, &p);
   st.verify_tokens = static_cast<int64_t>(p.input_ids.size());
   st.passes.push_back(std::move(p));
@@ -621,6 +688,7 @@ void SpecDecoder::pack_inputs(OpenStep& st, StepPlan* plan) {
   std::vector<int64_t> seed_rows(static_cast<size_t>(B)), position_rows(static_cast<size_t>(B));
   PolicyLayout& pol = plan->policy;
   pol.all_keyed = B > 0;
+  const SamplingParams s0 = B > 0 ? st.rows[0]->sampling : SamplingParams{};  // B = 0: unused
   for (int64_t b = 0; b < B; ++b) {
     const auto& ngram = st.proposals[static_cast<size_t>(b)];
     std::copy(ngram.begin(), ngram.end(), drafts.begin() + b * K);
@@ -635,11 +703,9 @@ void SpecDecoder::pack_inputs(OpenStep& st, StepPlan* plan) {
     position_rows[static_cast<size_t>(b)] = st.rows[static_cast<size_t>(b)]->committed();
     pol.any_keyed = pol.any_keyed || sp.keyed;
     pol.all_keyed = pol.all_keyed && sp.keyed;
-    const SamplingParams& s0 = st.rows[0]->sampling;
     pol.uniform = pol.uniform && sp.temperature == s0.temperature && sp.top_k == s0.top_k &&
                   sp.top_p == s0.top_p && sp.min_p == s0.min_p;
   }
-  const SamplingParams& s0 = st.rows[0]->sampling;
   pol.temperature = s0.temperature;
   pol.top_k = s0.top_k;
   pol.top_p = s0.top_p;
@@ -664,6 +730,7 @@ void SpecDecoder::pack_inputs(OpenStep& st, StepPlan* plan) {
     plan->seqs.push_back(st.rows[static_cast<size_t>(b)]->id);
     plan->row_k.push_back(static_cast<int32_t>(st.k[static_cast<size_t>(b)]));
   }
+  for (const Sequence* s : st.prefill) plan->prefill_seqs.push_back(s->id);
   // The decoder never forks, so these are empty today; a caller performs them anyway.
   plan->target_copies = target_alloc_.take_block_copies();
   if (draft_alloc_) plan->draft_copies = draft_alloc_->take_block_copies();
@@ -697,21 +764,101 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
   auto st = std::make_unique<OpenStep>();
   st->id = next_step_id_++;
   st->base_offset = offset_;
-  const size_t B = running_.size();
+  const int64_t budget = config_.max_tokens_per_step > 0 ? config_.max_tokens_per_step
+                                                        : std::numeric_limits<int64_t>::max() / 4;
+  // The running sequences by what they need: decoding rows (one uncached token) come
+  // first in the budget, then the others (a prompt, a recompute) in arrival order.
+  std::vector<Choice> decode, prefill;
+  int64_t prefill_pending = 0;
+  for (size_t i = 0; i < running_.size(); ++i) {
+    Sequence& s = *seqs_[static_cast<size_t>(running_[i])];
+    Choice c;
+    c.s = &s;
+    c.order = i;
+    c.pending = s.committed() - target_alloc_.length(s.target_seq);
+    c.mark = s.trackers;
+    if (c.pending <= 1) {
+      decode.push_back(std::move(c));
+    } else {
+      prefill_pending += c.pending;
+      prefill.push_back(std::move(c));
+    }
+  }
+  // k of the decoding rows, against the load the prefill will add (what it would take
+  // with every decoding row at k = 0).
+  std::vector<Choice*> verify;
+  for (Choice& c : decode) {
+    c.cap = draft_cap(*c.s, &c.proposals);
+    verify.push_back(&c);
+  }
+  const int64_t n_decode = static_cast<int64_t>(decode.size());
+  choose_ks(verify, BatchRest{0.0, 0, std::min(prefill_pending, std::max<int64_t>(0, budget - n_decode))});
+  // Over the budget: the largest common cap c on k that fits, then c + 1 for the first
+  // rows while tokens are left (k = 0 at worst: a decoding row always runs).
+  int64_t used = 0;
+  for (const Choice& c : decode) used += c.k + 1;
+  if (used > budget) {
+    int64_t cap = 0;
+    for (const Choice& c : decode) cap = std::max(cap, c.k);
+    auto tokens_at = [&](int64_t limit) {
+      int64_t t = 0;
+      for (const Choice& c : decode) t += 1 + std::min(c.k, limit);
+      return t;
+    };
+    while (cap > 0 && tokens_at(cap) > budget) --cap;
+    int64_t spare = std::max<int64_t>(0, budget - tokens_at(cap));
+    used = 0;
+    for (Choice& c : decode) {
+      const bool more = c.k > cap && spare > 0;
+      c.k = more ? cap + 1 : std::min(c.k, cap);
+      spare -= more ? 1 : 0;
+      used += c.k + 1;
+    }
+  }
+  // The rest of the budget to the others, in arrival order: whole (a verify row) or a
+  // chunk (a prefill row); what gets nothing waits for the next step.
+  int64_t left = std::max<int64_t>(0, budget - used);
+  BatchRest sofar{0.0, 0, used};
+  for (const Choice& c : decode) {
+    sofar.expected += expected_tokens(c.s->trackers[static_cast<size_t>(c.s->tracker)].rate, c.k);
+    sofar.k = std::max(sofar.k, c.k);
+  }
+  for (Choice& c : prefill) {
+    if (left == 0) break;
+    if (c.pending <= left) {
+      c.cap = draft_cap(*c.s, &c.proposals);
+      choose_ks({&c}, sofar);
+      c.k = std::min(c.k, left - c.pending);
+      left -= c.pending + c.k;
+      sofar.expected += expected_tokens(c.s->trackers[static_cast<size_t>(c.s->tracker)].rate, c.k);
+      sofar.k = std::max(sofar.k, c.k);
+      sofar.tokens += c.pending + c.k;
+      verify.push_back(&c);
+    } else {
+      st->prefill.push_back(c.s);
+      st->prefill_chunk.push_back(left);
+      st->prefill_mark.push_back(target_alloc_.length(c.s->target_seq));
+      left = 0;
+    }
+  }
+  std::sort(verify.begin(), verify.end(),
+            [](const Choice* x, const Choice* y) { return x->order < y->order; });
+  const size_t B = verify.size();
   st->k.resize(B);
   st->target_mark.resize(B);
   st->draft_mark.resize(B);
   st->proposals.resize(B);
   for (size_t b = 0; b < B; ++b) {
-    Sequence& s = *seqs_[static_cast<size_t>(running_[b])];
+    Choice& c = *verify[b];
+    Sequence& s = *c.s;
     st->rows.push_back(&s);
+    st->k[b] = c.k;
+    st->K = std::max(st->K, c.k);
+    if (s.ngram) c.proposals.resize(static_cast<size_t>(c.k));
+    st->proposals[b] = std::move(c.proposals);
     st->target_mark[b] = target_alloc_.length(s.target_seq);
     st->draft_mark[b] = draft_alloc_ ? draft_alloc_->length(s.draft_seq) : st->target_mark[b];
-    st->tracker_mark.push_back(s.trackers);
-  }
-  for (size_t b = 0; b < B; ++b) {
-    st->k[b] = choose_k(*st->rows[b], &st->proposals[b]);
-    st->K = std::max(st->K, st->k[b]);
+    st->tracker_mark.push_back(std::move(c.mark));
   }
   try {
     plan_draft_passes(*st);
@@ -728,6 +875,7 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
     throw;
   }
   for (Sequence* s : st->rows) s->in_step = true;
+  for (Sequence* s : st->prefill) s->in_step = true;
   st->admitted = admitted;  // a cancelled step puts them back in the queue
   open_ = std::move(st);
   return true;
@@ -744,9 +892,10 @@ void SpecDecoder::check_outputs(const OpenStep& st, const VerifyOutputs& out) co
                                 std::to_string(want) + " values, got " + std::to_string(got));
   };
   const std::string bk1 = "[B, K + 1] = [" + std::to_string(B) + ", " + std::to_string(K + 1) + "]";
-  if (!out.tokens || out.tokens_len != B * (K + 1)) throw size_error("tokens", bk1, B * (K + 1), out.tokens_len);
-  if (!out.num_emitted || out.num_emitted_len != B) throw size_error("num_emitted", "[B]", B, out.num_emitted_len);
-  if (!out.num_accepted || out.num_accepted_len != B) throw size_error("num_accepted", "[B]", B, out.num_accepted_len);
+  // (a step of prefill chunks only has B = 0: empty outputs, null pointers allowed)
+  if ((!out.tokens && B > 0) || out.tokens_len != B * (K + 1)) throw size_error("tokens", bk1, B * (K + 1), out.tokens_len);
+  if ((!out.num_emitted && B > 0) || out.num_emitted_len != B) throw size_error("num_emitted", "[B]", B, out.num_emitted_len);
+  if ((!out.num_accepted && B > 0) || out.num_accepted_len != B) throw size_error("num_accepted", "[B]", B, out.num_accepted_len);
   const bool model = config_.has_draft_model && K > 0;
   if (model || out.draft_tokens) {
     const std::string bk = "[B, K] = [" + std::to_string(B) + ", " + std::to_string(K) + "]";
@@ -854,14 +1003,13 @@ void SpecDecoder::record_times(const OpenStep& st, const StepTimes& times) {
       ++steady_passes;
     }
   }
-  // Feed the cost model steady-state passes only: a prefill or a catch-up of many
-  // tokens would make a pass look far dearer than the decode passes k is chosen for.
+  // A draft pass is one number: its steady passes only (a catch-up of many tokens would
+  // make a pass look far dearer than the ones k is chosen for). The target pass is keyed
+  // by its total tokens, so every pass measures it, prefill chunks included.
   if (config_.has_draft_model && steady_passes > 0) {
     cost_.observe_draft(steady / static_cast<double>(steady_passes));
   }
-  if (st.verify_tokens == st.verify_steady_tokens) {
-    cost_.observe_target(st.K + 1, times.target_forward + times.verify);
-  }
+  cost_.observe_target(st.verify_tokens, times.target_forward + times.verify);
   times_.draft_forward += draft_forward;
   times_.draft_sample += draft_sample;
   times_.target_forward += times.target_forward;
@@ -909,6 +1057,7 @@ std::vector<CommitOutput> SpecDecoder::commit(uint64_t step_id, const VerifyOutp
   std::vector<CommitOutput> outputs;
   outputs.reserve(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) outputs.push_back(commit_row(st, b, out));
+  for (Sequence* s : st.prefill) s->stats.prefill_chunks += 1;  // the cache holds the chunk
   record_times(st, times);
   offset_ = st.base_offset + static_cast<uint64_t>(st.K) + 1;
   end_step(/*restore=*/false);
@@ -940,6 +1089,11 @@ void SpecDecoder::end_step(bool restore) {
     if (b < st->tracker_mark.size()) s.trackers = std::move(st->tracker_mark[b]);
     if (s.target_seq >= 0) target_alloc_.rollback(s.target_seq, st->target_mark[b]);
     if (draft_alloc_ && s.draft_seq >= 0) draft_alloc_->rollback(s.draft_seq, st->draft_mark[b]);
+  }
+  for (size_t i = 0; i < st->prefill.size(); ++i) {
+    Sequence& s = *st->prefill[i];
+    s.in_step = false;
+    if (restore && s.target_seq >= 0) target_alloc_.rollback(s.target_seq, st->prefill_mark[i]);
   }
   if (restore) {  // copies of blocks a failed plan allocated: nothing will write them
     target_alloc_.take_block_copies();

@@ -81,13 +81,14 @@ py::dict pass_dict(const PassLayout& l) {
 
 // The plan as plain Python values, built in one call (no property reads per field).
 py::object plan_dict(const StepPlan& p) {
-  if (p.batch == 0) return py::none();
+  if (p.passes.empty()) return py::none();
   py::dict d;
   d["step_id"] = p.step_id;
   d["batch"] = p.batch;
   d["k"] = p.k;
   d["seqs"] = p.seqs;
   d["row_k"] = p.row_k;
+  d["prefill_seqs"] = p.prefill_seqs;
   d["draft_model"] = p.draft_model;
   d["seed"] = p.seed;
   d["offset"] = p.offset;
@@ -139,6 +140,7 @@ py::dict stats_dict(const SequenceStats& s) {
   d["k_history"] = s.k_history;
   d["acceptance_estimate"] = s.acceptance_estimate;
   d["preemptions"] = s.preemptions;
+  d["prefill_chunks"] = s.prefill_chunks;
   return d;
 }
 
@@ -155,7 +157,8 @@ void register_decoder(py::module_& m) {
                        int64_t draft_num_blocks, int64_t block_size, int64_t vocab_size,
                        int64_t max_context, uint64_t seed, int64_t ngram_min_n,
                        int64_t ngram_max_n, bool adaptive_k, bool draft_shares_target_cache,
-                       int64_t draft_max_context, int64_t max_num_seqs) {
+                       int64_t draft_max_context, int64_t max_num_seqs,
+                       int64_t max_tokens_per_step) {
              DecoderConfig c;
              c.k = k;
              c.has_draft_model = has_draft_model;
@@ -171,6 +174,7 @@ void register_decoder(py::module_& m) {
              c.draft_shares_target_cache = draft_shares_target_cache;
              c.draft_max_context = draft_max_context;
              c.max_num_seqs = max_num_seqs;
+             c.max_tokens_per_step = max_tokens_per_step;
              return std::make_unique<SpecDecoder>(c);
            }),
            py::arg("k"), py::arg("has_draft_model"), py::arg("target_num_blocks"),
@@ -178,7 +182,7 @@ void register_decoder(py::module_& m) {
            py::arg("max_context"), py::arg("seed"), py::arg("ngram_min_n") = 0,
            py::arg("ngram_max_n") = 0, py::arg("adaptive_k") = false,
            py::arg("draft_shares_target_cache") = false, py::arg("draft_max_context") = 0,
-           py::arg("max_num_seqs") = 0)
+           py::arg("max_num_seqs") = 0, py::arg("max_tokens_per_step") = 0)
       .def(
           "add",
           [](SpecDecoder& d, const std::vector<int32_t>& prompt, int64_t max_new_tokens,
@@ -257,9 +261,18 @@ void register_decoder(py::module_& m) {
         const CostModel c = d.cost_model();
         py::dict out;
         out["draft_pass_s"] = c.has_draft() ? py::object(py::float_(c.draft_pass())) : py::object(py::none());
-        out["target_pass_s"] = c.target_passes();
+        out["target_pass_s"] = c.target_passes(1, d.config().k + 1);
+        py::dict fit;
+        fit["flat_s"] = c.flat();
+        fit["knee_tokens"] = c.knee();
+        fit["slope_s_per_token"] = c.slope();
+        out["target_fit"] = fit;
+        py::list measured;
+        for (const auto& [t, s] : c.measured()) measured.append(py::make_tuple(t, s));
+        out["target_measured"] = measured;
         return out;
-      }, "The adaptive-k cost model as measured: draft pass and target pass by tokens per row.");
+      }, "The adaptive-k cost model: the draft pass, the target pass by its total tokens "
+         "(fit and measurements).");
   m.attr("MAX_K") = kMaxK;
 
   py::class_<NGramIndex>(m, "NGramIndex", "The n-gram prompt-lookup index of one sequence.")
@@ -277,13 +290,34 @@ void register_decoder(py::module_& m) {
   m.def("best_k", &best_k, py::arg("a"), py::arg("draft_pass"), py::arg("target_pass"),
         py::arg("max_k"),
         "The k that maximises expected tokens per unit time (the adaptive-k rule).");
+  m.def("best_k_in_batch", &best_k_in_batch, py::arg("a"), py::arg("rest_expected"),
+        py::arg("rest_k"), py::arg("draft_pass"), py::arg("target_pass"), py::arg("max_k"),
+        "One row's k inside a batch (the other rows fixed): the adaptive-k rule.");
   py::class_<CostModel>(m, "CostModel", "Adaptive k's online pass costs (for tests and tools).")
-      .def(py::init<int64_t>(), py::arg("max_tokens_per_row"))
+      .def(py::init<>())
       .def("observe_draft", &CostModel::observe_draft, py::arg("seconds_per_pass"))
-      .def("observe_target", &CostModel::observe_target, py::arg("tokens_per_row"),
-           py::arg("seconds"))
+      .def("observe_target", &CostModel::observe_target, py::arg("tokens"), py::arg("seconds"))
       .def_property_readonly("draft_pass", &CostModel::draft_pass)
-      .def("target_passes", &CostModel::target_passes);
+      .def("target_pass", &CostModel::target_pass, py::arg("tokens"))
+      .def("target_passes", &CostModel::target_passes, py::arg("first"), py::arg("n"))
+      .def_property_readonly("fit", [](const CostModel& c) {
+        return py::make_tuple(c.flat(), c.knee(), c.slope());
+      }, "(flat, knee, slope): target_pass(T) = flat + slope * max(0, T - knee).")
+      .def("measured", &CostModel::measured);
+  m.def(
+      "best_batch_k",
+      [](const std::vector<double>& a, const std::vector<int64_t>& cap, double draft_pass,
+         const CostModel& cost, double rest_expected, int64_t rest_k, int64_t rest_tokens) {
+        if (a.size() != cap.size()) {
+          throw InvalidArgumentError("best_batch_k: cap must hold one value per row (" +
+                                     std::to_string(a.size()) + "), got " +
+                                     std::to_string(cap.size()));
+        }
+        return best_batch_k(a, cap, draft_pass, cost, BatchRest{rest_expected, rest_k, rest_tokens});
+      },
+      py::arg("a"), py::arg("cap"), py::arg("draft_pass"), py::arg("cost"),
+      py::arg("rest_expected") = 0.0, py::arg("rest_k") = 0, py::arg("rest_tokens") = 0,
+      "k per row maximising the batch's tokens per second (adaptive_k.h).");
   m.def("probe_interval", &probe_interval, py::arg("draft_pass"), py::arg("target_pass"),
         "Plain steps between probes at k = 1 while adaptive k keeps speculation off.");
   m.attr("PROBE_BUDGET") = kProbeBudget;

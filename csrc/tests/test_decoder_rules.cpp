@@ -249,40 +249,82 @@ void test_expected_tokens_and_best_k() {
 }
 
 void test_cost_model() {
-  const std::string big =
-      error_of<InvalidArgumentError>([] { verispec::CostModel(1000000000000); });
-  CHECK(has(big, "max_tokens_per_row") && has(big, "<= 1024") && has(big, "1000000000000"));
-  CHECK(error_of<InvalidArgumentError>([] { verispec::CostModel(verispec::kMaxTokensPerRow); }) ==
-        "<none>");
-  CHECK(verispec::CostModel(0).target_passes().size() == 1);  // at least one size
-  verispec::CostModel cm(8);
+  verispec::CostModel cm;
   CHECK(!cm.has_draft());
-  std::vector<double> p = cm.target_passes();  // the prior: 1, 1.2, ..., 2.4
+  std::vector<double> p = cm.target_passes(1, 8);  // the prior: 1, 1.2, ..., 2.4
   CHECK(p.size() == 8);
   CHECK_NEAR(p[0], 1.0, 1e-12);
   CHECK_NEAR(p[7], 2.4, 1e-12);
   cm.observe_target(1, 2.0);  // one size: the prior scaled through it, 2 (1 + 0.2 (n - 1))
-  CHECK_NEAR(cm.target_passes()[4], 3.6, 1e-12);
+  CHECK_NEAR(cm.target_pass(5), 3.6, 1e-12);
   cm.observe_target(3, 3.0);  // two sizes: the line through (1, 2) and (3, 3)
-  CHECK_NEAR(cm.target_passes()[1], 2.5, 1e-12);
-  CHECK_NEAR(cm.target_passes()[7], 5.5, 1e-12);
+  CHECK_NEAR(cm.target_pass(2), 2.5, 1e-12);
+  CHECK_NEAR(cm.target_pass(8), 5.5, 1e-12);
   cm.observe_target(3, 4.0);  // EWMA: 0.8 * 3 + 0.2 * 4
-  CHECK_NEAR(cm.target_passes()[2], 3.2, 1e-12);
-  cm.observe_target(0, 9.0);  // sizes outside 1..8 are ignored
-  cm.observe_target(9, 9.0);
-  CHECK_NEAR(cm.target_passes()[2], 3.2, 1e-12);
+  CHECK_NEAR(cm.target_pass(3), 3.2, 1e-12);
+  cm.observe_target(0, 9.0);  // no tokens: ignored
+  cm.observe_target(-5, 9.0);
+  CHECK_NEAR(cm.target_pass(3), 3.2, 1e-12);
+  CHECK(cm.measured().size() == 2);
   cm.observe_draft(0.5);
   cm.observe_draft(1.5);  // 0.8 * 0.5 + 0.2 * 1.5
   CHECK(cm.has_draft());
   CHECK_NEAR(cm.draft_pass(), 0.7, 1e-12);
+  // A flat memory-bound part, then linear growth: the knee and slope are found exactly.
+  verispec::CostModel hinge;
+  for (int64_t t = 1; t <= 16; ++t) hinge.observe_target(t, 1.0);
+  for (int64_t t : {32, 64, 128}) hinge.observe_target(t, 1.0 + static_cast<double>(t - 16) / 16.0);
+  CHECK_NEAR(hinge.knee(), 16.0, 1e-9);
+  CHECK_NEAR(hinge.flat(), 1.0, 1e-9);
+  CHECK_NEAR(hinge.slope(), 1.0 / 16.0, 1e-9);
+  CHECK_NEAR(hinge.target_pass(4), 1.0, 1e-9);
+  CHECK_NEAR(hinge.target_pass(1024), 1.0 + 1008.0 / 16.0, 1e-6);  // extrapolated
+  // Buckets past 16 tokens: four per octave, each averaging the sizes it saw.
+  verispec::CostModel b;
+  b.observe_target(17, 1.0);
+  b.observe_target(18, 2.0);
+  CHECK(b.measured().size() == 1);
+  CHECK_NEAR(b.measured()[0].first, 17.2, 1e-12);
+  CHECK_NEAR(b.measured()[0].second, 1.2, 1e-12);
+  b.observe_target(int64_t{1} << 62, 1.0);  // absurd sizes land in the last bucket
+  CHECK(b.measured().size() == 2);
   // A longer pass never costs less, even after a noisy measurement: 5 at n = 1, 3 at
-  // n = 2 fit a falling line, flattened to their mean 4, every size then raised to the
-  // 1-token cost 5 before it.
-  verispec::CostModel noisy(6);
+  // n = 2 fit a falling line, so the fit is flat at their mean 4.
+  verispec::CostModel noisy;
   noisy.observe_target(1, 5.0);
   noisy.observe_target(2, 3.0);
-  p = noisy.target_passes();
-  for (double c : p) CHECK_NEAR(c, 5.0, 1e-12);
+  for (double c : noisy.target_passes(1, 6)) CHECK_NEAR(c, 4.0, 1e-12);
+}
+
+// The batch rule: with a pass cost flat to 16 tokens and then linear, one row speculates
+// far and a batch of 64 rows at the same acceptance does not speculate at all. A rule
+// that saw one row at a time (the rows' tokens not added up) would choose the same k for both.
+void test_batch_k() {
+  verispec::CostModel cm;
+  for (int64_t t = 1; t <= 16; ++t) cm.observe_target(t, 1.0);
+  for (int64_t t : {32, 64, 128}) cm.observe_target(t, 1.0 + static_cast<double>(t - 16) / 16.0);
+  const double draft = 0.05, a = 0.8;
+  const std::vector<int64_t> one = verispec::best_batch_k({a}, {8}, draft, cm, {});
+  CHECK(one.size() == 1 && one[0] == 8);
+  CHECK(one[0] == verispec::best_k(a, draft, cm.target_passes(1, 9), 8));  // the one-row rule
+  const std::vector<int64_t> many =
+      verispec::best_batch_k(std::vector<double>(64, a), std::vector<int64_t>(64, 8), draft, cm, {});
+  CHECK(many.size() == 64);
+  for (int64_t k : many) CHECK(k == 0);
+  // A perfect draft still speculates in a batch of 4 (the pass stays near the flat part).
+  const std::vector<int64_t> four =
+      verispec::best_batch_k(std::vector<double>(4, 1.0), std::vector<int64_t>(4, 8), 0.0, cm, {});
+  int64_t proposals = 0;
+  for (int64_t k : four) proposals += k;
+  CHECK(proposals >= 12);  // at least the flat part's 16 tokens
+  // Caps hold, and rows decided elsewhere (rest) count: 64 decoding rows make the pass
+  // compute-bound for the one row too.
+  const std::vector<int64_t> capped = verispec::best_batch_k({a, a}, {0, 3}, draft, cm, {});
+  CHECK(capped[0] == 0 && capped[1] <= 3 && capped[1] >= 1);
+  const std::vector<int64_t> loaded =
+      verispec::best_batch_k({a}, {8}, draft, cm, verispec::BatchRest{64.0, 0, 64});
+  CHECK(loaded[0] < one[0]);
+  CHECK(verispec::best_batch_k({}, {}, draft, cm, {}).empty());
 }
 
 void test_probe_interval_and_tracker() {
@@ -324,6 +366,7 @@ int main() {
   test_stop_rules_errors();
   test_expected_tokens_and_best_k();
   test_cost_model();
+  test_batch_k();
   test_probe_interval_and_tracker();
   return native_check::check_summary("test_decoder_rules");
 }

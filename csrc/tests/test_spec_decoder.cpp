@@ -252,8 +252,8 @@ double g_draft_pass_s = 0.001;
 Outputs run_models(const SpecDecoder& dec, World& w, const StepPlan& plan, bool ngram_drafts = false) {
   const int64_t B = plan.batch, K = plan.k;
   Outputs o;
-  CHECK(B > 0 && !plan.passes.empty());
-  if (B == 0 || plan.passes.empty()) return o;
+  CHECK(!plan.passes.empty() && (B > 0 || !plan.prefill_seqs.empty()));
+  if (plan.passes.empty()) return o;
   std::vector<Tokens> seen(static_cast<size_t>(B));  // committed ++ proposals so far
   for (int64_t b = 0; b < B; ++b) seen[static_cast<size_t>(b)] = dec.committed(plan.seqs[static_cast<size_t>(b)]);
   Tokens drafts = read<int32_t>(plan, plan.draft_tokens, B * K);
@@ -298,8 +298,10 @@ Outputs run_models(const SpecDecoder& dec, World& w, const StepPlan& plan, bool 
       for (int32_t j = 0; j < plan.row_k[static_cast<size_t>(b)]; ++j) s.push_back(drafts[static_cast<size_t>(b * K + j)]);
     }
   }
+  // prefill rows (after the verify rows) see their committed tokens
+  for (int64_t seq : plan.prefill_seqs) seen.push_back(dec.committed(seq));
   const Tokens argmax = forward(w.target, v, ids, seen, target_next);
-  CHECK(static_cast<int64_t>(argmax.size()) == B * (K + 1));
+  CHECK(static_cast<int64_t>(argmax.size()) == std::max<int64_t>(B * (K + 1), 1));
   o.tokens.assign(static_cast<size_t>(B * (K + 1)), 0);
   for (int64_t b = 0; b < B && static_cast<int64_t>(argmax.size()) == B * (K + 1); ++b) {
     const int64_t kb = plan.row_k[static_cast<size_t>(b)];
@@ -913,7 +915,7 @@ void test_commit_failures(const char* name, const DecoderConfig& c) {
     }
     CHECK(same(snapshot(dec, ids), snapshot(twin, ids), false));
     const auto cm = dec.cost_model(), tcm = twin.cost_model();
-    CHECK(cm.has_draft() == tcm.has_draft() && cm.target_passes() == tcm.target_passes());
+    CHECK(cm.has_draft() == tcm.has_draft() && cm.measured() == tcm.measured());
   }
   CHECK(!dec.has_running());
   for (int64_t id : ids) {
@@ -1066,6 +1068,204 @@ void test_cache_full() {
     dec.abort(a);
     CHECK(dec.num_free_blocks(ModelRole::kTarget) == c.target_num_blocks);
   }
+}
+
+// ---- token budget and chunked prefill ---------------------------------------------
+
+struct BudgetRun {
+  int64_t max_tokens = 0;          // the largest verify pass seen
+  int64_t prefill_steps = 0;       // steps with a prefill row
+  int64_t chunk_only_steps = 0;    // steps with no verify row at all
+  int64_t partial_preemptions = 0; // preempted while partly prefilled
+  bool decode_stalled = false;     // a decoding sequence left out of a step
+};
+
+// Steps `dec` until nothing runs, checking each plan against the budget rules and the
+// caches after each commit; every output is compared with the plain greedy loop.
+BudgetRun run_budget(SpecDecoder& dec, World& w, const std::vector<int64_t>& ids,
+                     const std::map<int64_t, Tracker>& tr) {
+  const DecoderConfig& c = dec.config();
+  const int64_t budget = c.max_tokens_per_step;
+  BudgetRun run;
+  for (int step = 0; step < 2000 && dec.has_running(); ++step) {
+    std::map<int64_t, int64_t> lt, committed_len, chunks;
+    for (int64_t id : ids) {
+      if (dec.finish_reason(id) != FinishReason::kNone) continue;
+      lt[id] = dec.cache_len(id, ModelRole::kTarget);
+      committed_len[id] = dec.committed_len(id);
+      chunks[id] = dec.stats(id).prefill_chunks;
+    }
+    const StepPlan plan = dec.begin_step();
+    CHECK(!plan.passes.empty());
+    if (plan.passes.empty()) break;
+    const PassView v = view_pass(plan, plan.passes.size() - 1);
+    const int64_t B = plan.batch, P = static_cast<int64_t>(plan.prefill_seqs.size());
+    run.max_tokens = std::max(run.max_tokens, v.T);
+    if (budget > 0) CHECK(v.T <= budget);
+    CHECK(P <= 1);  // a chunk takes what is left: one prefill row at most
+    CHECK(v.B == B + P && v.R == std::max<int64_t>(B * (plan.k + 1), 1));
+    if (P > 0) ++run.prefill_steps;
+    if (B == 0) ++run.chunk_only_steps;
+    bool ok = true;
+    for (int64_t i = 0; i < P; ++i) {  // prefill rows: rows = -1, a chunk of committed[Lt:]
+      const int64_t seq = plan.prefill_seqs[static_cast<size_t>(i)];
+      const int64_t row = B + i;
+      const int64_t q0 = v.qs[static_cast<size_t>(row)], q1 = v.qs[static_cast<size_t>(row + 1)];
+      const Tokens com = dec.committed(seq);
+      ok = ok && v.rows[static_cast<size_t>(row)] == -1 && q1 > q0 &&
+           lt[seq] + (q1 - q0) < committed_len[seq] &&  // it does not complete
+           v.ctx[static_cast<size_t>(row)] == lt[seq] + (q1 - q0);
+      for (int64_t t = q0; t < q1 && ok; ++t) {
+        ok = v.pos[static_cast<size_t>(t)] == lt[seq] + t - q0 &&
+             v.ids[static_cast<size_t>(t)] == com[static_cast<size_t>(lt[seq] + t - q0)];
+      }
+      for (int64_t l : v.li) ok = ok && (l < q0 || l >= q1 || B == 0);  // no logits (B = 0: one unused)
+    }
+    CHECK(ok);
+    // every decoding sequence (a cache, and one uncached token) is a verify row
+    for (const auto& [id, len] : lt) {
+      if (len == 0 || committed_len[id] - len != 1) continue;
+      if (std::find(plan.seqs.begin(), plan.seqs.end(), id) == plan.seqs.end()) run.decode_stalled = true;
+    }
+    const Outputs o = run_models(dec, w, plan);
+    const auto res = dec.commit(plan.step_id, o.view(), o.times);
+    CHECK(static_cast<int64_t>(res.size()) == B);
+    for (int64_t i = 0; i < P; ++i) {  // the chunk stays cached; nothing committed
+      const int64_t seq = plan.prefill_seqs[static_cast<size_t>(i)];
+      const int64_t n = v.qs[static_cast<size_t>(B + i + 1)] - v.qs[static_cast<size_t>(B + i)];
+      CHECK(dec.cache_len(seq, ModelRole::kTarget) == lt[seq] + n);
+      CHECK(dec.committed_len(seq) == committed_len[seq]);
+      CHECK(dec.stats(seq).prefill_chunks == chunks[seq] + 1);
+    }
+    for (const auto& [id, len] : lt) {  // preempted while partly prefilled: recomputes later
+      if (len > 0 && len < committed_len[id] - 1 && dec.finish_reason(id) == FinishReason::kNone &&
+          dec.cache_len(id, ModelRole::kTarget) == 0) {
+        ++run.partial_preemptions;
+      }
+    }
+  }
+  CHECK(!dec.has_running());
+  for (int64_t id : ids) {
+    const Tracker& t = tr.at(id);
+    const Ref ref = greedy_reference(t.prompt, t.stop, c.max_context);
+    CHECK(dec.generated(id) == ref.gen && dec.finish_reason(id) == ref.reason);
+  }
+  CHECK(dec.num_free_blocks(ModelRole::kTarget) == c.target_num_blocks);
+  if (c.has_draft_model && !c.draft_shares_target_cache) {
+    CHECK(dec.num_free_blocks(ModelRole::kDraft) == c.draft_num_blocks);
+  }
+  return run;
+}
+
+BudgetRun budget_workload(DecoderConfig c, int64_t budget) {
+  c.max_tokens_per_step = budget;
+  SpecDecoder dec(c);
+  World w(c);
+  std::vector<int64_t> ids;
+  std::map<int64_t, Tracker> tr;
+  for (const auto& [prompt, stop] : workload()) {
+    const int64_t id = dec.add(prompt, greedy(), stop);
+    ids.push_back(id);
+    tr[id].prompt = prompt;
+    tr[id].stop = stop;
+  }
+  // and a long prompt arriving late, while the others decode
+  const Tokens long_prompt = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7};
+  const int64_t id = dec.add(long_prompt, greedy(), stop_after(6));
+  ids.push_back(id);
+  tr[id].prompt = long_prompt;
+  tr[id].stop = stop_after(6);
+  return run_budget(dec, w, ids, tr);
+}
+
+void test_token_budget() {
+  // Bad budgets are refused, naming the argument, the rule and the value.
+  DecoderConfig bad = base_config();
+  bad.max_tokens_per_step = -1;
+  const std::string msg = error_of<InvalidArgumentError>([&] { SpecDecoder d(bad); });
+  CHECK(has(msg, "max_tokens_per_step") && has(msg, "0 (no limit) or >= 1") && has(msg, "got -1"));
+  // Every draft source, several budgets: the pass stays within the budget, the output is
+  // the plain greedy loop's, no decoding sequence waits for a prefill.
+  const DecoderConfig configs[] = {base_config(), ngram_config(), ngram_config(true), shared_config(),
+                                   plain_config()};
+  for (const DecoderConfig& c : configs) {
+    for (int64_t budget : {1, 2, 3, 5, 8, 13}) {
+      const BudgetRun r = budget_workload(c, budget);
+      CHECK(r.max_tokens <= budget);
+      CHECK(!r.decode_stalled);
+      CHECK(r.prefill_steps > 0);  // the long prompt (and others) went in chunks
+    }
+    // Power: without a budget the long prompt goes in whole, in a pass larger than 13.
+    const BudgetRun none = budget_workload(c, 0);
+    CHECK(none.max_tokens > 13 && none.prefill_steps == 0);
+  }
+  // A budget of 1: one sequence at a time, one token per step.
+  const BudgetRun one = budget_workload(base_config(), 1);
+  CHECK(one.max_tokens == 1 && one.chunk_only_steps > 0);
+  // Adaptive k under a budget: chooses within what is left.
+  DecoderConfig adaptive = base_config();
+  adaptive.adaptive_k = true;
+  CHECK(budget_workload(adaptive, 6).max_tokens <= 6);
+}
+
+void test_chunked_prefill_failures_and_preemption() {
+  // A step with a prefill row that fails (cancel, a bad commit) restores its target cache.
+  DecoderConfig c = base_config();
+  c.max_tokens_per_step = 4;
+  SpecDecoder dec(c);
+  World w(c);
+  const int64_t a = dec.add({1, 2}, greedy(), stop_after(10));
+  const int64_t b = dec.add({3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, greedy(), stop_after(5));
+  const std::vector<int64_t> ids = {a, b};
+  int failures_tried = 0;
+  for (int step = 0; step < 100 && dec.has_running(); ++step) {
+    const Snap before = snapshot(dec, ids);
+    StepPlan plan = dec.begin_step();
+    if (!plan.prefill_seqs.empty() && failures_tried < 4) {
+      ++failures_tried;
+      if (failures_tried % 2 == 1) {
+        dec.cancel_step(plan.step_id);
+      } else {
+        Outputs o = run_models(dec, w, plan);
+        o.emitted.push_back(1);  // one value too many
+        CHECK(has(error_of<InvalidArgumentError>([&] { dec.commit(plan.step_id, o.view(), o.times); }),
+                  "num_emitted"));
+      }
+      CHECK(same(snapshot(dec, ids), before, true));
+      continue;
+    }
+    const Outputs o = run_models(dec, w, plan);
+    dec.commit(plan.step_id, o.view(), o.times);
+  }
+  CHECK(failures_tried == 4 && !dec.has_running());
+  CHECK(dec.generated(a) == greedy_reference({1, 2}, stop_after(10), c.max_context).gen);
+  CHECK(dec.generated(b) ==
+        greedy_reference({3, 4, 5, 6, 7, 8, 9, 10, 11, 12}, stop_after(5), c.max_context).gen);
+  CHECK(dec.num_free_blocks(ModelRole::kTarget) == c.target_num_blocks);
+
+  // A small pool: a partly prefilled sequence is preempted (rolled back to 0) and
+  // recomputes later; every output is still the reference's, no block leaks.
+  int64_t partial = 0;
+  for (int64_t blocks : {6, 7, 8, 9, 10}) {
+    DecoderConfig small = plain_config();
+    small.target_num_blocks = blocks;
+    small.max_tokens_per_step = 3;
+    SpecDecoder d(small);
+    World ww(small);
+    std::vector<int64_t> sids;
+    std::map<int64_t, Tracker> tr;
+    const std::vector<std::pair<Tokens, int64_t>> work = {
+        {{1, 2, 3}, 16}, {{4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2}, 6}, {{5, 5, 5, 5, 5, 5, 5, 5}, 8}};
+    for (const auto& [prompt, n] : work) {
+      const int64_t id = d.add(prompt, greedy(), stop_after(n));
+      sids.push_back(id);
+      tr[id].prompt = prompt;
+      tr[id].stop = stop_after(n);
+    }
+    const BudgetRun r = run_budget(d, ww, sids, tr);
+    partial += r.partial_preemptions;
+  }
+  CHECK(partial > 0);
 }
 
 // ---- abort / release / add around an open step ------------------------------------
@@ -1380,6 +1580,8 @@ int main() {
   guarded("commit failures plain", [] { test_commit_failures("plain", plain_config()); });
   guarded("step ids and cancel", test_step_ids_and_cancel);
   guarded("cache full", test_cache_full);
+  guarded("token budget", test_token_budget);
+  guarded("chunked prefill failures and preemption", test_chunked_prefill_failures_and_preemption);
   guarded("queued calls", test_queued_calls);
   guarded("add/release cycles", test_add_release_cycles);
   guarded("bounds", test_bounds);

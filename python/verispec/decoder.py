@@ -187,7 +187,12 @@ class SpecDecoder:
     ``max_num_seqs`` at once; 0: no limit). When a step does not fit the free cache
     blocks, the newest running sequence is preempted: its blocks are freed, its tokens
     kept, and it recomputes its cache when it runs again. ``CacheFullError`` reaches the
-    caller only when one sequence alone does not fit.
+    caller only when one sequence alone does not fit. ``max_tokens_per_step`` (0: no
+    limit) caps the tokens of a step's target pass: decoding sequences come first (their
+    k shrinks when the budget is tight, to 0 at worst), then long prompts and recomputes
+    are prefilled in chunks of what is left, so the other streams keep decoding; at most
+    ``max_tokens_per_step`` sequences run at once. With ``k="auto"`` the cost model sees
+    the whole batch: k falls as the target pass grows compute-bound.
 
     Sampled output is distributed exactly as sampling the target under the same policy
     (temperature, top-k, top-p, min-p, applied identically to target and draft).
@@ -201,7 +206,7 @@ class SpecDecoder:
     def __init__(self, target: Model, draft: Model | NGram | None = None, *, k: int | str = 4,
                  max_k: int = 8, num_blocks: int = 512, draft_num_blocks: int | None = None,
                  block_size: int = 16, seed: int = 0, ops: Any = None,
-                 max_num_seqs: int = 0) -> None:
+                 max_num_seqs: int = 0, max_tokens_per_step: int = 0) -> None:
         ngram = draft if isinstance(draft, NGram) else None
         if ngram is not None:
             draft = None
@@ -219,6 +224,10 @@ class SpecDecoder:
         if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 0:
             raise ValueError(f"SpecDecoder: max_num_seqs must be an int >= 0 (0: no limit), "
                              f"got {max_num_seqs!r}")
+        if (isinstance(max_tokens_per_step, bool) or not isinstance(max_tokens_per_step, int)
+                or max_tokens_per_step < 0):
+            raise ValueError(f"SpecDecoder: max_tokens_per_step must be an int, 0 (no limit) or "
+                             f">= 1, got {max_tokens_per_step!r}")
         if draft is None and ngram is None:
             k, adaptive = 0, False  # no draft: plain decoding through the same loop
         g = target.geometry
@@ -257,7 +266,7 @@ class SpecDecoder:
             ngram_max_n=ngram.max_n if ngram else 0, adaptive_k=adaptive,
             draft_shares_target_cache=shared,
             draft_max_context=draft.geometry.max_context if draft is not None else 0,
-            max_num_seqs=max_num_seqs)
+            max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step)
         self.adaptive = adaptive
         self.shares_target_cache = shared
         self._models = {_TARGET: target}
@@ -332,7 +341,8 @@ class SpecDecoder:
         return seq
 
     def step(self) -> list[StepOutput]:
-        """One speculative step of every running sequence: the tokens each committed.
+        """One speculative step of the running sequences: the tokens each committed (none
+        for a sequence whose prompt is still being prefilled in chunks).
 
         On any exception (cache full, a model or ops error, an out-of-contract result)
         every sequence, both caches and the n-gram indexes are exactly as before.
@@ -365,6 +375,16 @@ class SpecDecoder:
         policy = self._policy(plan["policy"], inputs, B)
         keys = self._keys(plan["policy"], host, inputs, B)
         timer = _Timer(self.device)
+        if B == 0:  # prefill chunks only: the target caches them, nothing is verified
+            with timer("target_forward"), self._nvtx("verispec.target_forward"):
+                self._forward(_TARGET, plan["passes"][-1], host, inputs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the chunk is cached before the commit
+            none = torch.empty(0, dtype=torch.int32).numpy()
+            committed = self._core.commit(plan["step_id"], none, none, none, None, [], [],
+                                          sum(timer.seconds("target_forward")), 0.0,
+                                          time.perf_counter() - start)
+            return committed, {}
         deferred = getattr(self._ops, "deferred_errors", None)
         with self._lp_lock:
             lp_rows = [(b, seq, self._lp[seq][0]) for b, seq in enumerate(plan["seqs"])
@@ -701,7 +721,11 @@ class SpecDecoder:
         return self._core.times()
 
     def cost_model(self) -> dict:
-        """What adaptive k measured: draft_pass_s and target_pass_s[n - 1] for n tokens per row."""
+        """What adaptive k uses (csrc/include/verispec/adaptive_k.h): ``draft_pass_s`` (one
+        draft pass; None until measured), ``target_pass_s[n - 1]``: the fitted cost of a
+        target pass of n TOTAL tokens (n = 1..k + 1: one row alone), ``target_fit``: that
+        fit as ``flat_s + slope_s_per_token * max(0, n - knee_tokens)``, and
+        ``target_measured``: the measurements (average tokens, seconds) by size bucket."""
         return self._core.cost_model()
 
     def num_free_blocks(self, role: str = "target") -> int:

@@ -1,14 +1,28 @@
 // Adaptive speculation length: the cost model and the choice of k (one place).
 //
-// With per-position acceptance rate a, a step with k proposals emits on average
-//   E[tokens](k) = (1 - a^(k+1)) / (1 - a)            (= k + 1 when a = 1)
-// and costs k draft passes plus one target pass carrying k + 1 tokens per row:
-//   cost(k) = k * draft_pass + target_pass(k + 1).
-// k is chosen to maximise E[tokens](k) / cost(k) over 0..max_k; k = 0 is plain
-// decoding (E = 1, cost = target_pass(1)) and wins whenever speculation does not pay.
+// With per-position acceptance rate a, a row with k proposals emits on average
+//   E(a, k) = (1 - a^(k+1)) / (1 - a)            (= k + 1 when a = 1).
+// A step runs K = max_b k_b draft passes (pass j carries the rows with k_b > j) and ONE
+// target pass carrying T tokens: every row's uncached tokens (1 for a decoding row) plus
+// its k_b proposals, plus other sequences' prefill chunks. Its time is
+//   step(k_1..k_B) = K * draft_pass + target_pass(T).
+// k is chosen per row to maximise the BATCH's tokens per second,
+//   sum_b E(a_b, k_b) / step(k_1..k_B),
+// by coordinate ascent (best_batch_k): for row b, the other rows fixed (their expected
+// tokens E_rest, largest k K_rest, tokens T_rest), the k in [0, cap_b] maximising
+//   (E_rest + E(a_b, k)) / (max(K_rest, k) * draft_pass + target_pass(T_rest + k + 1)).
+// For one row this is the classic rule (best_k). At a small batch the target pass is
+// memory-bound (flat in T) and a proposal costs little; at a large batch it is
+// compute-bound (linear in T) and every proposal slows every row, so k falls toward 0.
+// k = 0 is plain decoding and wins whenever speculation does not pay.
+//
+// Simplifications, on purpose: the draft pass cost is one number (draft models are small
+// and memory-bound; it is the mean of the steady passes, one token per row); the target
+// pass cost depends on T only, not on the rows' context lengths.
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace verispec {
@@ -16,39 +30,72 @@ namespace verispec {
 // Expected tokens emitted by one verify step with k proposals at acceptance a.
 double expected_tokens(double a, int64_t k);
 
-// argmax_k E[tokens](k) / (k * draft_pass + target_pass[k]), where target_pass[n - 1]
-// is the cost of a pass with n tokens per row (size >= max_k + 1). Ties go to the
+// The one-row rule inside a batch: argmax over k in [0, max_k] of
+//   (rest_expected + E(a, k)) / (max(rest_k, k) * draft_pass + target_pass[k]),
+// where target_pass[k] is the cost of the step's target pass when this row carries k + 1
+// tokens (the rest's tokens included); k stops at target_pass.size() - 1. Ties go to the
 // smaller k.
+int64_t best_k_in_batch(double a, double rest_expected, int64_t rest_k, double draft_pass,
+                        const std::vector<double>& target_pass, int64_t max_k);
+// A row alone: best_k_in_batch(a, 0, 0, draft_pass, target_pass, max_k); target_pass[n - 1]
+// is the cost of a pass with n tokens.
 int64_t best_k(double a, double draft_pass, const std::vector<double>& target_pass,
                int64_t max_k);
 
-// Online measurements: exponentially weighted averages of the draft pass cost and of
-// the target pass cost by tokens per row. Unmeasured target sizes are extrapolated
-// from the measured ones with a linear fit (one point: the prior slope, a 5-token pass
-// costing 1.8x a 1-token pass, as measured for SmolLM2 on CPU).
-//
-// max_tokens_per_row is at most kMaxTokensPerRow (InvalidArgumentError beyond): a
-// verify pass carries k + 1 tokens per row, and no useful k comes near it, while an
-// absurd size (10^12) would otherwise try to allocate terabytes; below 1 it is 1.
-constexpr int64_t kMaxTokensPerRow = 1024;
+// Online measurements: an exponentially weighted average of the draft pass cost, and of
+// the target pass cost by the pass's TOTAL tokens T, in buckets (exact T up to 16, then
+// four per octave; each keeps the average T and seconds it saw). The target cost is a fit
+// through the buckets, a flat memory-bound part then linear compute-bound growth:
+//   target_pass(T) = flat + slope * max(0, T - knee),   slope >= 0,
+// by least squares with the knee at one of the measured T (the best of each). Nothing
+// measured: the prior 1 + 0.2 (T - 1) in arbitrary units (a 5-token pass costing 1.8x a
+// 1-token pass, as measured for SmolLM2 on CPU); one bucket: that prior scaled through it;
+// a fit that falls (noise) is flat at the mean, so a longer pass never costs less.
 class CostModel {
  public:
-  explicit CostModel(int64_t max_tokens_per_row);
+  CostModel();
   void observe_draft(double seconds_per_pass);
-  void observe_target(int64_t tokens_per_row, double seconds);
+  // A target pass of `tokens` total tokens took `seconds` (tokens < 1: ignored).
+  void observe_target(int64_t tokens, double seconds);
   bool has_draft() const { return draft_seen_; }
   double draft_pass() const { return draft_; }
-  // Cost of a target pass with n = 1..max tokens per row (all of them, as a vector).
-  std::vector<double> target_passes() const;
+  // The fitted cost of a target pass with `tokens` tokens.
+  double target_pass(int64_t tokens) const;
+  // target_pass(first), target_pass(first + 1), ..., n values.
+  std::vector<double> target_passes(int64_t first, int64_t n) const;
+  // The fit: flat, knee, slope.
+  double flat() const { return flat_; }
+  double knee() const { return knee_; }
+  double slope() const { return slope_; }
+  // The measured buckets, by T: (average tokens, seconds).
+  std::vector<std::pair<double, double>> measured() const;
 
  private:
-  static constexpr double kWeight = 0.2;   // EWMA weight of a new measurement
+  static constexpr double kWeight = 0.2;      // EWMA weight of a new measurement
   static constexpr double kPriorSlope = 0.2;  // relative cost per extra token
+  static constexpr int kExact = 16;           // buckets of one T each: 1..16
+  static constexpr int kPerOctave = 4;        // then four per octave
+  static constexpr int kBuckets = kExact + kPerOctave * 48;
+  void fit();
   double draft_ = 0.0;
   bool draft_seen_ = false;
-  std::vector<double> target_;
+  std::vector<double> tokens_, seconds_;  // per bucket, EWMA
   std::vector<bool> seen_;
+  double flat_ = 1.0, knee_ = 1.0, slope_ = kPriorSlope;
 };
+
+// The batch rule (see the top of this file). Rows i = 0..n-1 have acceptance a[i] and may
+// propose at most cap[i]; `rest` describes what else is in the step: rows whose k is
+// decided elsewhere (their expected tokens and largest k) and every target token not
+// counted as a row's k + 1 (prefill chunks, a row's uncached tokens beyond its last).
+// Returns k per row; two sweeps of coordinate ascent from k = 0.
+struct BatchRest {
+  double expected = 0.0;
+  int64_t k = 0;
+  int64_t tokens = 0;
+};
+std::vector<int64_t> best_batch_k(const std::vector<double>& a, const std::vector<int64_t>& cap,
+                                  double draft_pass, const CostModel& cost, const BatchRest& rest);
 
 // Per-sequence acceptance estimate over proposal trials: every accepted position, plus
 // the rejected one if there was a rejection. rate = (s + 1) / (t + 2) with s successes
@@ -68,7 +115,8 @@ struct AcceptanceTracker {
 // While k = 0, a probe (one step at k = 1) now and then notices a draft that starts
 // agreeing. A probe costs what a k = 1 step costs beyond a plain step; probing every
 // probe_interval(...) plain steps spends at most kProbeBudget of the plain decoding
-// time on probes, whatever the draft costs.
+// time on probes, whatever the draft costs. target_pass = {the step's target pass with
+// the row at 1 token, at 2 tokens} (in a batch: the other rows' tokens included).
 constexpr double kProbeBudget = 0.01;
 constexpr int64_t kMinProbeInterval = 8;
 int64_t probe_interval(double draft_pass, const std::vector<double>& target_pass);

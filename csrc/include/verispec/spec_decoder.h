@@ -18,11 +18,22 @@
 //                  fail a check.
 //
 // Scheduling: add() queues a sequence; each begin_step() admits waiting sequences in
-// arrival order (at most max_num_seqs running). When the step's passes do not fit the
-// free cache blocks, the newest running sequence is preempted: its blocks are freed, its
-// committed tokens kept, and it waits at its place in the queue; admitted again, it
-// recomputes its caches (its next input is committed[0:]). CacheFullError reaches the
-// caller only when one sequence alone does not fit.
+// arrival order (at most max_num_seqs running, and at most max_tokens_per_step: every
+// decoding sequence takes at least one token of a step). When the step's passes do not
+// fit the free cache blocks, the newest running sequence is preempted: its blocks are
+// freed, its committed tokens kept, and it waits at its place in the queue; admitted
+// again, it recomputes its caches (its next input is committed[0:]). CacheFullError
+// reaches the caller only when one sequence alone does not fit.
+//
+// Token budget and chunked prefill (max_tokens_per_step > 0): the target pass carries at
+// most that many tokens. Decoding rows (one uncached token) come first, k + 1 tokens each;
+// when they do not fit, k shrinks (to 0 at worst: a decoding row always runs). Then rows
+// with more uncached tokens (a new prompt, a preempted sequence's recompute) take the
+// rest in arrival order: a row whose uncached tokens fit becomes a verify row as usual
+// (its k shrunk to what is left); the first that does not fit prefills a chunk of them
+// and emits nothing this step. Such a prefill row is an extra row of the verify pass
+// after the B verify rows (see PassLayout): no logits, no draft passes; its target cache
+// holds the chunk after the step. Rows the budget leaves no token wait for the next step.
 //
 // Threads: every public method takes one mutex, so calls from several threads are
 // serialised. A step spans calls, so begin_step() of a second step while one is open
@@ -108,6 +119,7 @@ struct SequenceStats {
   std::vector<int64_t> proposed_at;  // by draft position j
   std::vector<int64_t> accepted_at;  // by draft position j
   std::vector<int32_t> k_history;    // k chosen at each step
+  int64_t prefill_chunks = 0;   // target passes that cached a chunk of it and emitted nothing
   int64_t preemptions = 0;      // times its cache was freed for others (it recomputes it)
   // Adaptive k's current acceptance estimates: [draft model], or n-gram proposals by
   // the length of the matched suffix [min_n .. max_n].
@@ -117,9 +129,15 @@ struct SequenceStats {
 // One forward pass of a step: T new tokens of B rows, flattened. The arrays live in
 // StepPlan::inputs; each offset below is a BYTE offset into it (8-byte aligned), so a
 // caller views them after one copy of the whole buffer.
+//
+// The verify pass holds the step's B verify rows, then its prefill rows (StepPlan::
+// prefill_seqs): num_rows = B + P; query_start, block_tables and context_lens cover all
+// of them; logits_indices only the verify rows ([B, K + 1]). A step of prefill chunks
+// only (B = 0) asks one logits row, its last token's, which the caller does not use (so
+// a model never sees R = 0).
 struct PassLayout {
   ModelRole role = ModelRole::kTarget;
-  int64_t num_rows = 0;        // B of this pass
+  int64_t num_rows = 0;        // B of this pass (the verify pass: verify + prefill rows)
   int64_t num_tokens = 0;      // T
   int64_t max_blocks = 0;      // M
   int64_t num_logits = 0;      // R
@@ -130,6 +148,7 @@ struct PassLayout {
   int64_t query_start = 0;     // [B + 1]
   int64_t logits_indices = 0;  // [R] flattened token index per logits row
   int64_t rows = 0;            // [B] the step row (verify row) of each of this pass's rows
+                               //      (-1: a prefill row of the verify pass)
   int64_t draft_index = 0;     // [B] draft passes: rows[i] * K + j, where this pass's
                                //      proposals go in the [B, K] draft tokens
   int64_t prev_index = 0;      // [B] draft passes j >= 1: index of each row in the
@@ -167,10 +186,12 @@ struct PolicyLayout {
 // What begin_step decided: the rows, k, every pass, and their inputs in one buffer.
 struct StepPlan {
   uint64_t step_id = 0;          // pass it back to commit / cancel_step
-  int64_t batch = 0;             // B rows (0: nothing runs, no step was opened)
+  int64_t batch = 0;             // B verify rows (0 and no prefill rows: nothing runs, no
+                                 // step was opened; 0 with prefill rows: a step of chunks)
   int64_t k = 0;                 // K = the largest k of the step
   std::vector<int64_t> seqs;     // [B] sequence id of each row
   std::vector<int32_t> row_k;    // [B] k of each row
+  std::vector<int64_t> prefill_seqs;  // [P] sequences that prefill a chunk and emit nothing
   bool draft_model = false;      // the draft passes sample proposals (q kept)
   uint64_t seed = 0;
   uint64_t offset = 0;           // the verify call's Philox offset; draft pass j: offset + 1 + j
@@ -185,8 +206,9 @@ struct StepPlan {
   std::vector<BlockCopy> draft_copies;
 };
 
-// Time a step spent where the caller ran things (seconds). The cost model learns from
-// the steady passes (one new token per row); the rest only feeds the phase totals.
+// Time a step spent where the caller ran things (seconds). The cost model learns the
+// target pass by its total tokens from every step, a draft pass from the steady ones
+// (one new token per row); the rest only feeds the phase totals.
 struct StepTimes {
   std::vector<double> draft_forward;  // per draft pass
   std::vector<double> draft_sample;   // per draft pass
@@ -229,9 +251,11 @@ struct DecoderConfig {
   // Admission: at most this many sequences run in a step (0: no limit); the others wait
   // in arrival order (FIFO).
   int64_t max_num_seqs = 0;
+  // The target pass's token budget (0: no limit; else >= 1): see "Token budget" above.
+  int64_t max_tokens_per_step = 0;
 };
 
-// The largest k a decoder takes (the cost model keeps a cost per tokens-per-row).
+// The largest k a decoder takes.
 constexpr int64_t kMaxK = 64;
 
 // Wall time by phase, summed over steps (seconds).
@@ -317,7 +341,9 @@ class SpecDecoder {
   int64_t seq_for(const Sequence& s, ModelRole role) const;
 
   // begin_step's phases.
-  int64_t choose_k(Sequence& s, std::vector<int32_t>* ngram_proposals);
+  struct Choice;
+  int64_t draft_cap(Sequence& s, std::vector<int32_t>* ngram_proposals);
+  void choose_ks(const std::vector<Choice*>& rows, BatchRest rest);
   void plan_draft_passes(OpenStep& st);
   void plan_verify_pass(OpenStep& st);
   void pack_inputs(OpenStep& st, StepPlan* plan);
