@@ -332,6 +332,20 @@ def test_client_disconnect_mid_stream_aborts_and_frees(server):
     assert 0 < generated < 200
 
 
+def test_client_gone_before_a_non_streamed_answer_aborts_and_frees(server):
+    url = server[0]
+    before = metrics(url)
+    body = {"model": MODEL, "prompt": COPY, "max_tokens": 400, "temperature": 0}
+    with httpx.Client(timeout=httpx.Timeout(60, read=0.5)) as h:
+        with pytest.raises(httpx.ReadTimeout):
+            h.post(url + "/v1/completions", json=body)
+    after, idle = wait_idle(url)
+    assert idle, after
+    assert after["verispec_requests_aborted_total"] - before["verispec_requests_aborted_total"] == 1
+    generated = after["verispec_generated_tokens_total"] - before["verispec_generated_tokens_total"]
+    assert 0 < generated < 200
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -411,12 +425,20 @@ def test_a_failing_step_fails_its_requests_with_500_and_serving_goes_on(server, 
         r = h.post(url + "/v1/completions",
                    json={"model": MODEL, "prompt": "hi", "max_tokens": 4, "stream": True})
         assert r.status_code == 500 and "injected" in _error_shape(r.json())["message"]
+    # after the stream has begun: an error event ends it, the client raises
+    stream = client.completions.create(model=MODEL, prompt=COPY, max_tokens=64, temperature=0,
+                                       stream=True)
+    with pytest.raises(openai.APIError, match="injected model failure"):
+        for i, _ in enumerate(stream):
+            if i == 0:
+                faults.armed = 1  # the next step fails
+    stream.close()
     r = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3
     after, idle = wait_idle(url)
     assert idle
-    assert after["verispec_step_errors_total"] - before["verispec_step_errors_total"] == 2
-    assert after["verispec_requests_failed_total"] - before["verispec_requests_failed_total"] == 2
+    assert after["verispec_step_errors_total"] - before["verispec_step_errors_total"] == 3
+    assert after["verispec_requests_failed_total"] - before["verispec_requests_failed_total"] == 3
 
 
 # --------------------------------------------------------------------------- seed

@@ -548,11 +548,14 @@ class _Listener:
         q = self.req.queue
         if q.empty():
             get = asyncio.ensure_future(q.get())
-            await asyncio.wait({get, self.gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():
-                get.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await get
+            pending = True
+            try:
+                await asyncio.wait({get, self.gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # also when this wait is cancelled (the response task ends)
+                pending = not get.done()
+                if pending:
+                    get.cancel()
+            if pending:
                 return None
             items = [get.result()]
         else:
