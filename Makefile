@@ -8,7 +8,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.verispec-deps
 BUILD_DEPS := scikit-build-core pybind11 apache-tvm-ffi ninja
-TEST_DEPS := pytest hypothesis scipy numpy gguf safetensors tokenizers jinja2 transformers accelerate matplotlib
+TEST_DEPS := pytest hypothesis scipy numpy gguf safetensors tokenizers jinja2 transformers accelerate matplotlib \
+  fastapi uvicorn openai httpx
 
 .PHONY: all venv build test pytest native-test demo bench wheel wheel-test gpu-wheelhouse \
   gpu-smollm2 clean

@@ -87,3 +87,34 @@ def test_bench_hf_adapter_quick(tmp_path):
         assert r["greedy"]["adapter_eq_native"], r["greedy"]
     assert "commit" in result["environment"]["git"]
     assert (tmp_path / "hf_adapter.md").read_text().startswith("# HFModel adapter")
+
+
+def test_bench_serve_quick(tmp_path):
+    """The serving benchmark starts its three servers (plain, n-gram k=5, n-gram auto) on
+    a tiny random Llama, runs every cell of --quick (both prompts, concurrency 1 and 4)
+    and writes JSON, Markdown and the plot; greedy texts agree across the servers."""
+    from toymodels import write_tiny_llama
+
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% endif %}")
+    (tmp_path / "tiny").mkdir()
+    model = write_tiny_llama(tmp_path / "tiny", template)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_serve.py"), "--quick",
+                           "--model", str(model), "--threads", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads((out / "serve.json").read_text())
+    cells = {(r["prompt"], r["concurrency"], r["config"]) for r in result["rows"]}
+    assert cells == {(p, c, s) for p in ("rewrite (copy-heavy)", "open chat") for c in (1, 4)
+                     for s in ("plain", "ngram k=5", "ngram auto")}
+    for r in result["rows"]:
+        assert r["requests"] == r["concurrency"] and r["tokens"] > 0 and r["tok_s"] > 0, r
+        assert r["ttft_ms"]["p50"] > 0 and r["vs_plain"] > 0
+        assert r["acceptance"] is None or 0 <= r["acceptance"] <= 1  # None: nothing proposed
+        assert r["config"] != "plain" or r["acceptance"] is None
+        assert r["tokens_per_target_pass"] >= 1
+    assert result["summary"]["greedy_texts_agree"] is True
+    assert (out / "serve.md").read_text().startswith("# verispec serve under load")
+    assert (out / "serve.png").stat().st_size > 0

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from verispec import cli, lab
-from toymodels import train_byte_bpe
+from toymodels import train_byte_bpe, write_tiny_llama
 
 P, Q = "0.6,0.3,0.1", "0.2,0.5,0.3"
 
@@ -181,40 +181,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 def tiny_model(tmp_path_factory):
     """A 2-layer random Llama as a Hugging Face folder (config.json, model.safetensors,
     tokenizer.json with a byte-level BPE, tokenizer_config.json with a chat template)."""
-    import safetensors.torch as safetensors_torch
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    tok = train_byte_bpe(["the quick brown fox jumps over the lazy dog"] * 4)
-    tok.save(str(folder / "tokenizer.json"))
-    vocab, hidden, inter, layers, heads, kv_heads = tok.get_vocab_size(), 32, 64, 2, 4, 2
-    head_dim = hidden // heads
-    g = torch.Generator().manual_seed(0)
-
-    def mat(rows, cols):
-        return torch.randn(rows, cols, generator=g) / math.sqrt(cols)
-
-    state = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
-             "model.norm.weight": torch.ones(hidden)}
-    for i in range(layers):
-        pre = f"model.layers.{i}."
-        state.update({
-            pre + "input_layernorm.weight": torch.ones(hidden),
-            pre + "post_attention_layernorm.weight": torch.ones(hidden),
-            pre + "self_attn.q_proj.weight": mat(heads * head_dim, hidden),
-            pre + "self_attn.k_proj.weight": mat(kv_heads * head_dim, hidden),
-            pre + "self_attn.v_proj.weight": mat(kv_heads * head_dim, hidden),
-            pre + "self_attn.o_proj.weight": mat(hidden, heads * head_dim),
-            pre + "mlp.gate_proj.weight": mat(inter, hidden),
-            pre + "mlp.up_proj.weight": mat(inter, hidden),
-            pre + "mlp.down_proj.weight": mat(hidden, inter)})
-    safetensors_torch.save_file(state, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(dict(
-        model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
-        rms_norm_eps=1e-5)))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}))
-    return folder
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), CHAT_TEMPLATE)
 
 
 def test_generate_streams_and_reports_speedup(capsys, tiny_model):

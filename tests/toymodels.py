@@ -78,3 +78,46 @@ def train_byte_bpe(corpus, vocab_size: int = 300):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
     return tok
+
+
+def write_tiny_llama(folder, chat_template: str):
+    """A 2-layer random Llama as a Hugging Face folder in ``folder`` (config.json,
+    model.safetensors, tokenizer.json with a byte-level BPE, tokenizer_config.json with
+    ``chat_template``); returns the folder."""
+    import json
+    import math
+
+    import safetensors.torch as safetensors_torch
+
+    tok = train_byte_bpe(["the quick brown fox jumps over the lazy dog"] * 4)
+    tok.save(str(folder / "tokenizer.json"))
+    vocab, hidden, inter, layers, heads, kv_heads = tok.get_vocab_size(), 32, 64, 2, 4, 2
+    head_dim = hidden // heads
+    g = torch.Generator().manual_seed(0)
+
+    def mat(rows, cols):
+        return torch.randn(rows, cols, generator=g) / math.sqrt(cols)
+
+    state = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+             "model.norm.weight": torch.ones(hidden)}
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        state.update({
+            pre + "input_layernorm.weight": torch.ones(hidden),
+            pre + "post_attention_layernorm.weight": torch.ones(hidden),
+            pre + "self_attn.q_proj.weight": mat(heads * head_dim, hidden),
+            pre + "self_attn.k_proj.weight": mat(kv_heads * head_dim, hidden),
+            pre + "self_attn.v_proj.weight": mat(kv_heads * head_dim, hidden),
+            pre + "self_attn.o_proj.weight": mat(hidden, heads * head_dim),
+            pre + "mlp.gate_proj.weight": mat(inter, hidden),
+            pre + "mlp.up_proj.weight": mat(inter, hidden),
+            pre + "mlp.down_proj.weight": mat(hidden, inter)})
+    safetensors_torch.save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(dict(
+        model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
+        rms_norm_eps=1e-5)))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": chat_template, "eos_token": "<|im_end|>"}))
+    return folder

