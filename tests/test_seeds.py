@@ -229,10 +229,11 @@ def toy_models():
     return target, CacheModel(V, base=target, noise=0.7, seed=2, max_context=256)
 
 
-def run_in_batch(target, draft, k, others, *, seed, num_blocks=256, order_seed=0):
+def run_in_batch(target, draft, k, others, *, seed, num_blocks=256, order_seed=0, **config):
     """The request (PROMPT, seed) among `others` random requests (half of them seeded,
     half on the decoder's stream), added in shuffled order: its tokens and the decoder."""
-    dec = SpecDecoder(target, draft, k=k, num_blocks=num_blocks, block_size=4, seed=order_seed)
+    dec = SpecDecoder(target, draft, k=k, num_blocks=num_blocks, block_size=4, seed=order_seed,
+                      **config)
     rng = random.Random(1000 * others + order_seed)
     items = [(PROMPT, seed)] + [
         ([rng.randrange(V) for _ in range(rng.randrange(1, 9))],
@@ -260,10 +261,15 @@ def test_a_seeded_request_is_the_same_in_any_batch_k_and_draft(source):
     assert accepted > 0  # speculation really ran
 
 
-def test_a_seeded_request_survives_preemption_unchanged():
+def test_a_seeded_request_survives_preemption_and_chunking_unchanged():
     target, draft = toy_models()
     alone, _ = run_in_batch(target, None, 0, 0, seed=5)
     got, dec = run_in_batch(target, draft, 4, 7, seed=5, num_blocks=14)
+    assert dec.num_preemptions() > 0
+    assert got == alone
+    # a token budget: prompts prefilled in chunks, fewer rows per step
+    got, dec = run_in_batch(target, draft, "auto", 31, seed=5, num_blocks=20,
+                            max_tokens_per_step=5, max_num_seqs=3)
     assert dec.num_preemptions() > 0
     assert got == alone
 

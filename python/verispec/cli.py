@@ -218,8 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"KV-cache blocks of {BLOCK_SIZE} tokens (default: %(default)s)")
     sv.add_argument("--max-num-seqs", type=_int_at_least(0), default=0,
                     help="sequences decoded at once, the rest wait (0: no limit) (default: %(default)s)")
+    sv.add_argument("--max-tokens-per-step", type=_int_at_least(0), default=0,
+                    help="tokens the target may process in one step: longer prompts are "
+                         "prefilled in chunks next to decoding requests (0: no limit) "
+                         "(default: %(default)s)")
     sv.add_argument("--seed", type=_int_at_least(0), default=0,
-                    help="seed of the decoder's random stream (default: %(default)s)")
+                    help="seed of the decoder's random stream, for requests without a seed "
+                         "of their own (default: %(default)s)")
     sv.add_argument("--default-max-tokens", type=_int_at_least(1), default=256,
                     help="max_tokens of a request that sets none (default: %(default)s)")
     sv.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
@@ -713,7 +718,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
              draft_arg)
     try:
         dec = SpecDecoder(model, draft, k=k, max_k=args.max_k, num_blocks=args.num_blocks,
-                          block_size=BLOCK_SIZE, seed=args.seed, max_num_seqs=args.max_num_seqs)
+                          block_size=BLOCK_SIZE, seed=args.seed, max_num_seqs=args.max_num_seqs,
+                          max_tokens_per_step=args.max_tokens_per_step)
     except ValueError as e:
         raise UsageError(f"argument {draft_arg or '--k'}: {e}") from None
     name = args.served_model_name or args.model

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import math
 import numbers
@@ -109,7 +108,6 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._order = 0
         self.counters = _Counters()
-        self.add_takes_seed = "seed" in inspect.signature(decoder.add).parameters
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -709,11 +707,7 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str, *,
     def submit(prompt: list[int], params: _Params, max_new: int) -> _Request:
         kwargs: dict = dict(max_new_tokens=max_new, eos_token_id=eos, logprobs=params.logprobs,
                             **params.policy)
-        if params.seed is not None:
-            if not engine.add_takes_seed:
-                raise APIError(400, "seed: this verispec build has no per-request seeds "
-                                    "(SpecDecoder.add takes no seed); leave it unset",
-                               param="seed", code="unsupported_parameter")
+        if params.seed is not None:  # the request's own stream: the same text in any batch
             kwargs["seed"] = params.seed
         try:
             return engine.submit(prompt, **kwargs)
