@@ -139,7 +139,7 @@ def tree_joint_result(verify_tree_fn, *, mode, vocab=5, num_rows=40_000, ragged=
         num_nodes = torch.randint(0, n + 1, (rows,), generator=gen)
         past = torch.arange(n) >= num_nodes[:, None]
         tokens[past] = 0  # junk a correct op never reads
-        logits[torch.arange(n + 1) > num_nodes[:, None]] = 8.0 * F_one_hot(vocab).to(logits_dtype)
+        logits[torch.arange(n + 1) > num_nodes[:, None]] = _junk_row(vocab).to(logits_dtype)
     out, emitted, nodes = verify_tree_fn(
         logits, tokens.int(), parents.int(), draft_probs, num_nodes=num_nodes,
         replacement=mode != "norepl", greedy=greedy, seed=seed, offset=7, **policy)
@@ -155,8 +155,9 @@ def tree_joint_result(verify_tree_fn, *, mode, vocab=5, num_rows=40_000, ragged=
     return p_value, float((emitted - 1).double().mean())
 
 
-def F_one_hot(vocab):
-    return torch.nn.functional.one_hot(torch.tensor(0), vocab).float()
+def _junk_row(vocab):
+    """Target logits peaked on token 0, for rows past num_nodes (never read)."""
+    return 8.0 * torch.nn.functional.one_hot(torch.tensor(0), vocab).float()
 
 
 def check_tree_contract(out, emitted, nodes, tokens, parents, num_nodes, vocab):
@@ -228,7 +229,17 @@ def _not_renormalised(q, removed):
     return out
 
 
+_draw = reference._draw
+
+
+def _sharpened_draw(dist, u):
+    return _draw(dist ** 2 / (dist ** 2).sum(), u)
+
+
 WRONG_TREES = {
+    # deterministic candidates: the node's draw from a sharpened p (temperature applied
+    # twice), which also shifts how often a candidate is hit
+    "top2_sharpened_draw": ("_draw", _sharpened_draw, "top2"),
     # the residual restarts from p at every sibling instead of carrying r forward
     "residual_not_updated": ("_tree_residual", _residual_not_updated, "iid"),
     # without replacement, q_i keeps the removed mass out but is not renormalised

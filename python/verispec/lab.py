@@ -23,6 +23,11 @@ The same identity, checked by sampling: ``empirical_check(p, q, draws)`` runs th
 native accept/correct step (``verispec.ops.verify`` with k = 1) ``draws`` times and
 tests the emitted tokens against ``p`` (G-test); ``plot`` draws the decomposition.
 
+Trees and blocks: ``tree_outputs`` (verify_tree), ``chain_outputs`` (token-wise) and
+``block_outputs`` (verify with method="block") give the exact law of what one call
+emits for a small "world" of prefix -> distribution callables, drafts enumerated;
+``completed(outputs, p, m) == autoregressive(p, m)`` is their exactness.
+
     >>> parse_distribution("3/5, 0.3, 0.1", "p")
     [Fraction(3, 5), Fraction(3, 10), Fraction(1, 10)]
 """

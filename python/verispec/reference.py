@@ -184,7 +184,7 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
 def _block_weights(p_y, q_y):
     """w [B, K+1]: w_0 = 1, w_i = min(1, w_{i-1} p(y_i) / q(y_i)) (1 where q(y) = 0 <
     w p(y), 0 where w p(y) = 0)."""
-    w = [torch.ones_like(p_y[:, 0]) if p_y.shape[1] else torch.ones(p_y.shape[0])]
+    w = [torch.ones(p_y.shape[0], device=p_y.device)]
     for j in range(p_y.shape[1]):
         num = w[-1] * p_y[:, j]
         ratio = num / torch.where(q_y[:, j] > 0, q_y[:, j], 1.0)
