@@ -7,6 +7,12 @@
    for the policy temperature 1.0 + top_k 50 + top_p 0.9.
 2. apply_policy at (N, V) = (8, 49152), top_k 50 + top_p 0.9: native, the reference,
    and a plain torch sort-based top-k/top-p (the usual Hugging Face-style warper).
+3. verify_tree: binary trees of N nodes (two children per node, in breadth-first order)
+   with children sampled i.i.d. from q, at B in {1, 32} and N in {16, 64}, temperature 1,
+   V = --tree-vocab (default 128256; a smaller value keeps a CPU run short). The
+   reference walks every row in Python and applies the policy to all B * (N + 1) rows; it
+   is timed only up to 2**27 logits (reference_ms null above), where its sort of the
+   vocabulary would need several GB.
 
 Napkin math: verify reads each logit once and each q row at most once, so the
 nominal traffic is B*(K+1)*V*4 + B*K*V*4 bytes. It is reported as GB/s against the
@@ -51,6 +57,10 @@ POLICIES = {
 FULL_CPU = [((1, 4, 49152), 21, 5), ((8, 4, 49152), 7, 3), ((32, 8, 128256), 3, 1)]
 FULL_CUDA = [((1, 4, 49152), 50, 20), ((8, 4, 49152), 50, 20), ((32, 8, 128256), 30, 10)]
 QUICK = [((1, 2, 1000), 3, 2), ((4, 3, 5000), 3, 2), ((2, 4, 3000), 3, 1)]
+# verify_tree: (B, N), then the timed calls (native, reference).
+TREE_FULL = [((1, 16), 11, 3), ((1, 64), 11, 3), ((32, 16), 5, 1), ((32, 64), 3, 1)]
+TREE_QUICK = [((1, 4), 3, 2), ((2, 6), 3, 1)]
+TREE_REFERENCE_MAX_LOGITS = 1 << 27
 
 
 # --- timing -------------------------------------------------------------------------------
@@ -112,6 +122,19 @@ def verify_inputs(b: int, k: int, v: int, device: torch.device, policy: dict, se
     del draft_logits
     drafts = torch.multinomial(q, 1, generator=gen).view(b, k)
     return target.to(device), drafts.to(device), q.view(b, k, v).to(device)
+
+
+def tree_inputs(b: int, n: int, v: int, device: torch.device, seed: int = 0):
+    """A binary tree per row (parents: -1, -1, 0, 0, 1, 1, ...), children drawn i.i.d. from
+    q = softmax(target + noise) at their parent: target [B, N+1, V], tokens and parents
+    [B, N], q [B, N+1, V]."""
+    gen = torch.Generator().manual_seed(seed)
+    target = 3.0 * torch.randn(b, n + 1, v, generator=gen)
+    q = torch.softmax(target + 0.7 * torch.randn(b, n + 1, v, generator=gen), dim=-1)
+    parents = torch.tensor([-1 if i < 2 else (i - 2) // 2 for i in range(n)])
+    tokens = torch.multinomial(q[:, parents + 1].reshape(b * n, v), 1, generator=gen).view(b, n)
+    parents = parents.expand(b, n).contiguous()
+    return target.to(device), tokens.to(device), parents.to(device), q.to(device)
 
 
 # --- a plain torch top-k / top-p (what most inference code does) --------------------------
@@ -176,6 +199,34 @@ def bench_verify(timer: Timer, device: torch.device, cases, copy_gbps: float, pe
                 row["native_fraction_of_peak"] = gbps / peak_gbps
             rows.append(row)
             del target, drafts, q
+    return rows
+
+
+def bench_verify_tree(timer: Timer, device: torch.device, cases, vocab: int):
+    rows = []
+    for (b, n), native_repeats, reference_repeats in cases:
+        target, tokens, parents, q = tree_inputs(b, n, vocab, device)
+
+        def native(i):
+            return ops.verify_tree(target, tokens, parents, q, seed=1, offset=i)
+
+        def ref(i):
+            return reference.verify_tree(target, tokens, parents, q, seed=1, offset=i)
+
+        native_s = timer(native, native_repeats)
+        ref_s = None
+        if b * (n + 1) * vocab <= TREE_REFERENCE_MAX_LOGITS:
+            ref_s = timer(ref, reference_repeats)
+        calls = range(10_000, 10_000 + max(1, 64 // b))
+        depth = statistics.fmean((native(i)[1].float() - 1).mean().item() for i in calls)
+        rows.append(dict(
+            B=b, N=n, V=vocab, native_ms=native_s * 1e3,
+            reference_ms=None if ref_s is None else ref_s * 1e3,
+            ratio_reference_over_native=None if ref_s is None else ref_s / native_s,
+            repeats=dict(native=native_repeats, reference=reference_repeats),
+            mean_accepted_depth=depth,
+        ))
+        del target, tokens, parents, q
     return rows
 
 
@@ -250,6 +301,15 @@ def print_report(result) -> None:
         ratio = a["ratio_over_native"].get(name, 1.0)
         diff = a["max_abs_diff_vs_native"].get(name, 0.0)
         print(f"{name:>10} | {ms:>9.3f} | {ratio:>7.1f}x | {diff:>9.2g}")
+    print("\nverify_tree, float32 logits, binary trees sampled i.i.d. (median ms per call)")
+    print(f"{'B':>3} {'N':>3} {'V':>6} | {'native':>9} | {'reference':>10} | {'ref/nat':>7} | "
+          f"{'depth':>5}")
+    for r in result["verify_tree"]:
+        ref = f"{r['reference_ms']:>10.3f}" if r["reference_ms"] is not None else f"{'n/a':>10}"
+        ratio = (f"{r['ratio_reference_over_native']:>6.1f}x"
+                 if r["ratio_reference_over_native"] is not None else f"{'n/a':>7}")
+        print(f"{r['B']:>3} {r['N']:>3} {r['V']:>6} | {r['native_ms']:>9.3f} | {ref} | {ratio} | "
+              f"{r['mean_accepted_depth']:>5.2f}")
     verdict = "yes" if result["native_faster_everywhere"] else "NO"
     print(f"\nnative faster than the reference at every size: {verdict} "
           f"(smallest ratio {result['min_ratio_reference_over_native']:.2f}x)")
@@ -262,6 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (default 1, as the native CPU kernels use one)")
+    ap.add_argument("--tree-vocab", type=int, default=128256,
+                    help="V of the verify_tree rows (default 128256; smaller for a short CPU run)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -296,8 +358,13 @@ def main(argv=None) -> int:
     n, v = (4, 2000) if args.quick else (8, 49152)
     policy = bench_apply_policy(timer, device, n, v, policy_repeats)
 
+    tree_rows = bench_verify_tree(timer, device, TREE_QUICK if args.quick else TREE_FULL,
+                                  1000 if args.quick else args.tree_vocab)
+
     ratios = [r["ratio_reference_over_native"] for r in verify_rows]
     ratios.append(policy["ratio_over_native"]["reference"])
+    ratios += [r["ratio_reference_over_native"] for r in tree_rows
+               if r["ratio_reference_over_native"] is not None]
     result = {
         "benchmark": "bench_kernels",
         "version": verispec.__version__,
@@ -311,6 +378,7 @@ def main(argv=None) -> int:
         "peak_bandwidth_gbps": peak,
         "verify": verify_rows,
         "apply_policy": policy,
+        "verify_tree": tree_rows,
         "native_faster_everywhere": min(ratios) > 1.0,
         "min_ratio_reference_over_native": min(ratios),
         "seconds": time.perf_counter() - started,

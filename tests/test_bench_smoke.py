@@ -34,6 +34,8 @@ def test_bench_kernels_quick(tmp_path):
     assert set(result["apply_policy"]["ms"]) == {"native", "reference", "torch_sort"}
     assert result["apply_policy"]["max_abs_diff_vs_native"]["reference"] < 1e-5
     assert result["copy_bandwidth_gbps"]["cpu"] > 0
+    assert {(r["B"], r["N"], r["V"]) for r in result["verify_tree"]} == {(1, 4, 1000), (2, 6, 1000)}
+    assert all(r["native_ms"] > 0 and r["reference_ms"] > 0 for r in result["verify_tree"])
 
 
 def test_bench_overhead_quick(tmp_path):

@@ -87,6 +87,7 @@ OpStatus check_policy_scalars(const PolicyParams& p);
 OpStatus check_apply_policy_args(const ApplyPolicyArgs& a);
 OpStatus check_sample_args(const SampleArgs& a);
 OpStatus check_verify_args(const VerifyArgs& a);
+OpStatus check_verify_tree_args(const VerifyTreeArgs& a);
 
 }  // namespace kernels
 }  // namespace verispec

@@ -20,6 +20,7 @@ bool cuda_compiled() { return false; }
 OpStatus apply_policy_cuda(const ApplyPolicyArgs&, const CudaLaunch&) { return not_compiled(); }
 OpStatus sample_cuda(const SampleArgs&, const CudaLaunch&) { return not_compiled(); }
 OpStatus verify_cuda(const VerifyArgs&, const CudaLaunch&) { return not_compiled(); }
+OpStatus verify_tree_cuda(const VerifyTreeArgs&, const CudaLaunch&) { return not_compiled(); }
 
 }  // namespace verispec
 

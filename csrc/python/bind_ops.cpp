@@ -198,6 +198,15 @@ RandomParams random_params(const char* op, const TensorView& like, const py::obj
 // Where a value error sits, in the op's own terms.
 std::string location(OpKind op, const OpStatus& s) {
   const std::string row = std::to_string(s.row), col = std::to_string(s.col);
+  if (op == OpKind::kVerifyTree) {
+    switch (s.code) {
+      case StatusCode::kNumDraftOutOfRange: return "num_nodes[" + row + "]";
+      case StatusCode::kTokenOutOfRange:
+      case StatusCode::kDuplicateSibling: return "tree_tokens[" + row + ", " + col + "]";
+      case StatusCode::kInvalidParent: return "parents[" + row + ", " + col + "]";
+      default: break;
+    }
+  }
   switch (s.code) {
     case StatusCode::kInvalidPolicy:
       return std::string(policy_field_name(static_cast<PolicyField>(s.col))) + "[" + row + "]";
@@ -206,10 +215,14 @@ std::string location(OpKind op, const OpStatus& s) {
     case StatusCode::kTokenOutOfRange:
       return "draft_tokens[" + row + ", " + col + "]";
     case StatusCode::kNanOrInfLogits:
-      if (op == OpKind::kVerify) return "target_logits[" + row + ", " + col + "]";
+      if (op == OpKind::kVerify || op == OpKind::kVerifyTree) {
+        return "target_logits[" + row + ", " + col + "]";
+      }
       return s.col >= 0 ? "logits[" + row + ", " + col + "]" : "logits[" + row + "]";
     case StatusCode::kInvalidProbs:
-      if (op == OpKind::kVerify) return "draft_probs[" + row + ", " + col + "]";
+      if (op == OpKind::kVerify || op == OpKind::kVerifyTree) {
+        return "draft_probs[" + row + ", " + col + "]";
+      }
       return s.col >= 0 ? "probs[" + row + ", " + col + "]" : "probs[" + row + "]";
     default:
       return "";
@@ -340,8 +353,11 @@ void verify(const py::handle& target_logits_obj, const py::handle& draft_tokens_
             const py::handle& num_accepted_obj, const py::object& temperature,
             const py::object& top_k, const py::object& top_p, const py::object& min_p,
             const py::object& seed, const py::object& offset, intptr_t stream,
-            bool check_errors, const py::object& workspace) {
+            bool check_errors, const py::object& workspace, const std::string& method) {
   constexpr const char* op = "verify";
+  if (method != "token" && method != "block") {
+    throw py::value_error("verify: method must be 'token' or 'block', got '" + method + "'");
+  }
   auto logits = TensorView::from(target_logits_obj, op, "target_logits");
   logits.expect({DType::kFloat32, DType::kBFloat16, DType::kFloat16},
                 {{"B", kAnyDim}, {"K+1", kAnyDim}, {"V", kAnyDim}})
@@ -389,6 +405,7 @@ void verify(const py::handle& target_logits_obj, const py::handle& draft_tokens_
     a.draft_probs_stride_k = q->stride(1);
   }
   a.num_draft = nd ? nd->data<int32_t>() : nullptr;
+  a.method = method == "block" ? VerifyMethod::kBlock : VerifyMethod::kToken;
   a.policy = policy_params(op, b, logits, temperature, top_k, top_p, min_p, &pv);
   a.rng = random_params(op, logits, seed, offset, &rv);
   a.tokens = tokens.data<int32_t>();
@@ -404,13 +421,93 @@ void verify(const py::handle& target_logits_obj, const py::handle& draft_tokens_
   raise_status(op, OpKind::kVerify, s, k, v);
 }
 
+void verify_tree(const py::handle& target_logits_obj, const py::handle& tree_tokens_obj,
+                 const py::handle& parents_obj, const py::object& draft_probs_obj,
+                 const py::object& num_nodes_obj, bool replacement, const py::handle& tokens_obj,
+                 const py::handle& num_emitted_obj, const py::handle& accepted_nodes_obj,
+                 const py::object& temperature, const py::object& top_k,
+                 const py::object& top_p, const py::object& min_p, const py::object& seed,
+                 const py::object& offset, intptr_t stream, bool check_errors,
+                 const py::object& workspace) {
+  constexpr const char* op = "verify_tree";
+  auto logits = TensorView::from(target_logits_obj, op, "target_logits");
+  logits.expect({DType::kFloat32, DType::kBFloat16, DType::kFloat16},
+                {{"B", kAnyDim}, {"N+1", kAnyDim}, {"V", kAnyDim}})
+      .expect_last_dim_contiguous();
+  const int64_t b = logits.size(0), n = logits.size(1) - 1, v = logits.size(2);
+  if (n < 0) {
+    throw py::value_error("verify_tree: target_logits must be [B, N+1, V] with N+1 >= 1, got " +
+                          logits.shape_str());
+  }
+  if (b > 0 && v == 0) {
+    throw py::value_error("verify_tree: target_logits must have V >= 1, got V = 0");
+  }
+  auto tree_tokens = TensorView::from(tree_tokens_obj, op, "tree_tokens");
+  tree_tokens.expect({DType::kInt32}, {{"B", b}, {"N", n}}).expect_last_dim_contiguous();
+  auto parents = TensorView::from(parents_obj, op, "parents");
+  parents.expect({DType::kInt32}, {{"B", b}, {"N", n}}).expect_last_dim_contiguous();
+  std::optional<TensorView> q, nn;
+  if (!draft_probs_obj.is_none()) {
+    q.emplace(TensorView::from(draft_probs_obj, op, "draft_probs"));
+    q->expect({DType::kFloat32}, {{"B", b}, {"N+1", n + 1}, {"V", v}}).expect_last_dim_contiguous();
+  }
+  if (!num_nodes_obj.is_none()) {
+    nn.emplace(TensorView::from(num_nodes_obj, op, "num_nodes"));
+    nn->expect({DType::kInt32}, {{"B", b}}).expect_contiguous();
+  }
+  auto tokens = TensorView::from(tokens_obj, op, "tokens", /*writable=*/true);
+  tokens.expect({DType::kInt32}, {{"B", b}, {"N+1", n + 1}}).expect_last_dim_contiguous();
+  auto emitted = TensorView::from(num_emitted_obj, op, "num_emitted", true);
+  emitted.expect({DType::kInt32}, {{"B", b}}).expect_contiguous();
+  auto nodes = TensorView::from(accepted_nodes_obj, op, "accepted_nodes", true);
+  nodes.expect({DType::kInt32}, {{"B", b}, {"N", n}}).expect_last_dim_contiguous();
+  expect_same_device({&logits, &tree_tokens, &parents, q ? &*q : nullptr, nn ? &*nn : nullptr,
+                      &tokens, &emitted, &nodes});
+  PolicyViews pv;
+  RandomViews rv;
+  VerifyTreeArgs a;
+  a.target_logits = logits.raw_data();
+  a.target_logits_dtype = logits_dtype(logits);
+  a.target_logits_stride_b = logits.stride(0);
+  a.target_logits_stride_n = logits.stride(1);
+  a.batch = b;
+  a.max_nodes = n;
+  a.vocab = v;
+  a.tree_tokens = tree_tokens.data<int32_t>();
+  a.tree_tokens_stride_b = tree_tokens.stride(0);
+  a.parents = parents.data<int32_t>();
+  a.parents_stride_b = parents.stride(0);
+  if (q) {
+    a.draft_probs = q->data<float>();
+    a.draft_probs_stride_b = q->stride(0);
+    a.draft_probs_stride_n = q->stride(1);
+  }
+  a.num_nodes = nn ? nn->data<int32_t>() : nullptr;
+  a.replacement = replacement;
+  a.policy = policy_params(op, b, logits, temperature, top_k, top_p, min_p, &pv);
+  a.rng = random_params(op, logits, seed, offset, &rv);
+  a.tokens = tokens.data<int32_t>();
+  a.tokens_stride_b = tokens.stride(0);
+  a.num_emitted = emitted.data<int32_t>();
+  a.accepted_nodes = nodes.data<int32_t>();
+  a.accepted_nodes_stride_b = nodes.stride(0);
+  const Launch l = make_launch(op, stream, check_errors, workspace, logits);
+  OpStatus s;
+  {
+    py::gil_scoped_release release;
+    s = on_cuda(logits) ? verify_tree_cuda(a, cuda_launch(l, logits)) : verify_tree_cpu(a);
+  }
+  raise_status(op, OpKind::kVerifyTree, s, n, v);
+}
+
 // A device error record left in a workspace by a call with check_errors=False.
 void raise_device_error(const std::string& op_name, uint64_t record) {
   OpKind op;
   if (op_name == "apply_policy") op = OpKind::kApplyPolicy;
   else if (op_name == "sample") op = OpKind::kSample;
   else if (op_name == "verify") op = OpKind::kVerify;
-  else throw py::value_error("raise_device_error: op must be apply_policy, sample or verify, got " + op_name);
+  else if (op_name == "verify_tree") op = OpKind::kVerifyTree;
+  else throw py::value_error("raise_device_error: op must be apply_policy, sample, verify or verify_tree, got " + op_name);
   raise_status(op_name.c_str(), op, decode_device_error(op, record));
 }
 
@@ -437,9 +534,18 @@ void register_ops(py::module_& m) {
         py::arg("num_accepted"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
         py::arg("min_p"), py::arg("seed"), py::arg("offset"),
         py::kw_only(), py::arg("stream") = 0, py::arg("check_errors") = true,
-        py::arg("workspace") = py::none(),
+        py::arg("workspace") = py::none(), py::arg("method") = "token",
         "Speculative verification (ops.h): writes tokens[B, K+1] (int32, -1 padded), "
-        "num_emitted[B] and num_accepted[B] (int32).");
+        "num_emitted[B] and num_accepted[B] (int32). method: 'token' or 'block' (block "
+        "verification of sampled drafts).");
+  m.def("verify_tree", &verify_tree, py::arg("target_logits"), py::arg("tree_tokens"),
+        py::arg("parents"), py::arg("draft_probs"), py::arg("num_nodes"), py::arg("replacement"),
+        py::arg("tokens"), py::arg("num_emitted"), py::arg("accepted_nodes"),
+        py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
+        py::arg("seed"), py::arg("offset"), py::kw_only(), py::arg("stream") = 0,
+        py::arg("check_errors") = true, py::arg("workspace") = py::none(),
+        "Tree verification (ops.h): writes tokens[B, N+1] (int32, -1 padded), "
+        "num_emitted[B] (int32) and accepted_nodes[B, N] (int32, -1 padded).");
   m.def("check_policy", &check_policy, py::arg("temperature"), py::arg("top_k"),
         py::arg("top_p"), py::arg("min_p"),
         "The sampling policy's argument rule (policy_error, "
@@ -452,6 +558,8 @@ void register_ops(py::module_& m) {
         "Bytes of the CUDA workspace of sample.");
   m.def("verify_workspace_bytes", &verify_cuda_workspace_bytes, py::arg("batch"),
         py::arg("num_spec"), "Bytes of the CUDA workspace of verify for [B, K].");
+  m.def("verify_tree_workspace_bytes", &verify_tree_cuda_workspace_bytes, py::arg("batch"),
+        py::arg("vocab"), "Bytes of the CUDA workspace of verify_tree for B rows of V tokens.");
   m.def("raise_device_error", &raise_device_error, py::arg("op"), py::arg("record"),
         "Raises the error of a device error record (a workspace's first 8 bytes as uint64, "
         "after a call with check_errors=False); does nothing if it records none.");

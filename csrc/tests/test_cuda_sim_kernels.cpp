@@ -502,6 +502,212 @@ void test_verify_seed_pointers_and_no_drafts() {
   CHECK(differ <= 1);
 }
 
+// Block verification: the simulated kernels against the CPU on sampled drafts, every
+// policy of test_verify_matches_the_cpu.
+void test_block_verify_matches_the_cpu() {
+  Tally tally;
+  const PolicyParams policies[] = {
+      scalar_policy(1.0f, 0, 1.0f, 0.0f), scalar_policy(0.6f, 0, 1.0f, 0.0f),
+      scalar_policy(1.2f, 20, 0.9f, 0.05f), scalar_policy(0.0f, 0, 1.0f, 0.0f)};
+  for (int64_t V : {40, 130}) {
+    for (float noise : {0.3f, 1.0f}) {
+      VerifyCase c = perturbed_case(V, 7u + static_cast<uint32_t>(V), noise);
+      c.method = VerifyMethod::kBlock;
+      for (uint64_t seed = 1; seed <= 4; ++seed) {
+        c.seed = seed;
+        c.offset = seed * 5;
+        for (const PolicyParams& pol : policies) {
+          c.policy = pol;
+          compare_verify(c, &tally);
+        }
+      }
+    }
+  }
+  std::printf("block verify: %d rows, %d differ from the CPU, %d rejected, %d bonus\n",
+              tally.rows, tally.differ, tally.rejected, tally.bonus);
+  CHECK(tally.rejected * 10 >= tally.rows && tally.bonus * 10 >= tally.rows);
+  CHECK(tally.differ * 50 <= tally.rows);
+  // A bad q row read by the block walk is reported alike.
+  VerifyCase c = perturbed_case(40, 3u, 0.5f);
+  c.method = VerifyMethod::kBlock;
+  c.draft_probs[static_cast<size_t>((2 * c.k + 1) * c.vocab + 5)] = -1.0f;  // row 2, j = 1
+  const VerifyOut sim = c.run_with(sim_verify<>), cpu = c.run();
+  CHECK(!cpu.status.ok() && same_fault(sim.status, cpu.status));
+  CHECK(cpu.status.code == StatusCode::kInvalidProbs && cpu.status.row == 2 && cpu.status.col == 1);
+}
+
+// ---- verify_tree ------------------------------------------------------------------------
+
+// A tree case: SHAPE-like trees per row, q rows from the logits plus noise.
+struct TreeCase {
+  int64_t batch = 8, n = 6, vocab = 40;
+  std::vector<float> logits, q;  // [batch, n + 1, vocab]
+  std::vector<int32_t> tokens, parents, num_nodes;
+  bool sampled = true, replacement = true;
+  PolicyParams policy;
+  uint64_t seed = 1, offset = 0;
+
+  struct Out {
+    OpStatus status;
+    std::vector<int32_t> tokens, emitted, nodes;
+  };
+
+  VerifyTreeArgs args(Out* o) const {
+    o->tokens.assign(static_cast<size_t>(batch * (n + 1)), 12345);
+    o->emitted.assign(static_cast<size_t>(batch), 12345);
+    o->nodes.assign(static_cast<size_t>(batch * n), 12345);
+    VerifyTreeArgs a;
+    a.target_logits = logits.data();
+    a.target_logits_stride_b = (n + 1) * vocab;
+    a.target_logits_stride_n = vocab;
+    a.batch = batch;
+    a.max_nodes = n;
+    a.vocab = vocab;
+    a.tree_tokens = tokens.data();
+    a.tree_tokens_stride_b = n;
+    a.parents = parents.data();
+    a.parents_stride_b = n;
+    if (sampled) {
+      a.draft_probs = q.data();
+      a.draft_probs_stride_b = (n + 1) * vocab;
+      a.draft_probs_stride_n = vocab;
+    }
+    a.num_nodes = num_nodes.empty() ? nullptr : num_nodes.data();
+    a.replacement = replacement;
+    a.policy = policy;
+    a.rng.seed = seed;
+    a.rng.offset = offset;
+    a.tokens = o->tokens.data();
+    a.tokens_stride_b = n + 1;
+    a.num_emitted = o->emitted.data();
+    a.accepted_nodes = o->nodes.data();
+    a.accepted_nodes_stride_b = n;
+    return a;
+  }
+  Out cpu() const {
+    Out o;
+    o.status = verify_tree_cpu(args(&o));
+    return o;
+  }
+  Out sim() const {
+    Out o;
+    const VerifyTreeArgs a = args(&o);
+    unsigned long long record = kNoDeviceError;
+    std::vector<float> scratch(static_cast<size_t>(batch * 2 * vocab));
+    cuda_sim::run_grid(static_cast<unsigned>(batch), kSimBlock, [&] {
+      verify_tree_kernel<float, kSimBlock, true>(a, scratch.data(), &record);
+    });
+    o.status = record_status(OpKind::kVerifyTree, record);
+    return o;
+  }
+  bool row_equal(const Out& x, const Out& y, int64_t b) const {
+    for (int64_t j = 0; j <= n; ++j) {
+      if (x.tokens[static_cast<size_t>(b * (n + 1) + j)] != y.tokens[static_cast<size_t>(b * (n + 1) + j)]) return false;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      if (x.nodes[static_cast<size_t>(b * n + j)] != y.nodes[static_cast<size_t>(b * n + j)]) return false;
+    }
+    return x.emitted[static_cast<size_t>(b)] == y.emitted[static_cast<size_t>(b)];
+  }
+};
+
+// Two children at the root, two under each; tokens: the top two of q (distinct), or
+// draws from q (i.i.d.), or two distinct draws (without replacement).
+TreeCase tree_case(int64_t vocab, uint32_t seed, bool sampled, bool replacement) {
+  std::mt19937 rng(seed);
+  TreeCase c;
+  c.vocab = vocab;
+  c.sampled = sampled;
+  c.replacement = replacement;
+  const size_t rows = static_cast<size_t>(c.batch * (c.n + 1));
+  c.logits = random_logits(rng, rows * static_cast<size_t>(vocab), 2.0f);
+  c.q.resize(rows * static_cast<size_t>(vocab));
+  std::normal_distribution<float> normal(0.0f, 0.6f);
+  for (size_t r = 0; r < rows; ++r) {
+    double total = 0.0;
+    float* q = &c.q[r * static_cast<size_t>(vocab)];
+    const float* t = &c.logits[r * static_cast<size_t>(vocab)];
+    for (int64_t i = 0; i < vocab; ++i) total += q[i] = std::exp(t[i] + normal(rng));
+    for (int64_t i = 0; i < vocab; ++i) q[i] = static_cast<float>(q[i] / total);
+  }
+  const int32_t shape[] = {-1, -1, 0, 0, 1, 1};
+  for (int64_t b = 0; b < c.batch; ++b) {
+    for (int64_t i = 0; i < c.n; i += 2) {
+      const float* q = &c.q[static_cast<size_t>((b * (c.n + 1) + shape[i] + 1) * vocab)];
+      std::discrete_distribution<int> draw(q, q + vocab);
+      int x = draw(rng), y = draw(rng);
+      while (!replacement && y == x) y = draw(rng);
+      if (!sampled) {  // the top two of q
+        x = static_cast<int>(std::max_element(q, q + vocab) - q);
+        y = x == 0 ? 1 : 0;
+        for (int64_t t = 0; t < vocab; ++t) {
+          if (t != x && q[t] > q[y]) y = static_cast<int>(t);
+        }
+      }
+      c.tokens.push_back(x);
+      c.tokens.push_back(y);
+      c.parents.push_back(shape[i]);
+      c.parents.push_back(shape[i + 1]);
+    }
+  }
+  c.num_nodes = {6, 0, 3, 6, 1, 6, 5, 6};
+  return c;
+}
+
+void test_verify_tree_matches_the_cpu() {
+  int rows = 0, differ = 0, deep = 0;
+  const PolicyParams policies[] = {
+      scalar_policy(1.0f, 0, 1.0f, 0.0f), scalar_policy(0.7f, 8, 1.0f, 0.0f),
+      scalar_policy(1.2f, 20, 0.9f, 0.05f), scalar_policy(0.0f, 0, 1.0f, 0.0f)};
+  for (int mode = 0; mode < 3; ++mode) {
+    for (int64_t V : {40, 130}) {
+      TreeCase c = tree_case(V, 100u + static_cast<uint32_t>(V + mode), mode > 0, mode != 2);
+      for (uint64_t seed = 1; seed <= 4; ++seed) {
+        c.seed = seed;
+        c.offset = seed + 11;
+        for (const PolicyParams& pol : policies) {
+          c.policy = pol;
+          const TreeCase::Out sim = c.sim(), cpu = c.cpu();
+          CHECK(sim.status.ok() && cpu.status.ok());
+          for (int64_t b = 0; b < c.batch; ++b) {
+            const bool same = c.row_equal(sim, cpu, b);
+            if (pol.temperature == 0.0f) CHECK(same);
+            differ += !same;
+            deep += cpu.emitted[static_cast<size_t>(b)] > 1;
+            ++rows;
+          }
+        }
+      }
+    }
+  }
+  std::printf("verify_tree: %d rows, %d differ from the CPU, %d accepted a node\n", rows, differ,
+              deep);
+  CHECK(deep * 4 >= rows);
+  CHECK(differ * 50 <= rows);
+}
+
+void test_verify_tree_faults() {
+  struct Fault {
+    int64_t index;  // into tokens / parents / logits
+    int what;       // 0: parent, 1: token, 2: duplicate sibling, 3: NaN logit
+  };
+  for (const Fault f : {Fault{2 * 6 + 2, 0}, Fault{3 * 6 + 4, 1}, Fault{5 * 6 + 1, 2},
+                        Fault{(6 * 7 + 3) * 40 + 9, 3}}) {
+    TreeCase c = tree_case(40, 5u, true, false);
+    switch (f.what) {
+      case 0: c.parents[static_cast<size_t>(f.index)] = 4; break;
+      case 1: c.tokens[static_cast<size_t>(f.index)] = 40; break;
+      case 2: c.tokens[static_cast<size_t>(f.index)] = c.tokens[static_cast<size_t>(f.index - 1)]; break;
+      default: c.logits[static_cast<size_t>(f.index)] = NAN; break;
+    }
+    const TreeCase::Out sim = c.sim(), cpu = c.cpu();
+    CHECK(!cpu.status.ok() && same_fault(sim.status, cpu.status));
+    const int64_t row = cpu.status.row;
+    CHECK(sim.emitted[static_cast<size_t>(row)] == 0 && cpu.emitted[static_cast<size_t>(row)] == 0);
+    for (int64_t b = 0; b < c.batch; ++b) CHECK(c.row_equal(sim, cpu, b) || b != row);
+  }
+}
+
 // The launchers' block size (16 warps) at a 128k vocabulary, with filters: the shapes
 // of a real launch (251 values a thread, a 16-warp sum_each and scan).
 void test_launch_block_size_at_a_large_vocabulary() {
@@ -554,6 +760,9 @@ int main() {
   test_verify_matches_the_cpu();
   test_verify_faults();
   test_verify_seed_pointers_and_no_drafts();
+  test_block_verify_matches_the_cpu();
+  test_verify_tree_matches_the_cpu();
+  test_verify_tree_faults();
   test_launch_block_size_at_a_large_vocabulary();
   return native_check::check_summary("test_cuda_sim_kernels");
 }

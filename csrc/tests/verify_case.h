@@ -50,6 +50,7 @@ struct VerifyCase {
   std::vector<int32_t> num_draft;  // [batch] or empty
   PolicyParams policy;  // greedy: temperature 0
   uint64_t seed = 1, offset = 0;
+  VerifyMethod method = VerifyMethod::kToken;
 
   int64_t n(int64_t b) const { return num_draft.empty() ? k : num_draft[static_cast<size_t>(b)]; }
 
@@ -76,6 +77,7 @@ struct VerifyCase {
     a.draft_probs_stride_b = k * vocab;
     a.draft_probs_stride_k = vocab;
     a.num_draft = num_draft.empty() ? nullptr : num_draft.data();
+    a.method = method;
     a.policy = policy;
     a.rng.seed = seed;
     a.rng.offset = offset;

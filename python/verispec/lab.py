@@ -23,6 +23,11 @@ The same identity, checked by sampling: ``empirical_check(p, q, draws)`` runs th
 native accept/correct step (``verispec.ops.verify`` with k = 1) ``draws`` times and
 tests the emitted tokens against ``p`` (G-test); ``plot`` draws the decomposition.
 
+Trees and blocks: ``tree_outputs`` (verify_tree), ``chain_outputs`` (token-wise) and
+``block_outputs`` (verify with method="block") give the exact law of what one call
+emits for a small "world" of prefix -> distribution callables, drafts enumerated;
+``completed(outputs, p, m) == autoregressive(p, m)`` is their exactness.
+
     >>> parse_distribution("3/5, 0.3, 0.1", "p")
     [Fraction(3, 5), Fraction(3, 10), Fraction(1, 10)]
 """
@@ -41,6 +46,11 @@ __all__ = [
     "LabTable",
     "accepted_mass",
     "acceptance",
+    "autoregressive",
+    "block_outputs",
+    "chain_outputs",
+    "completed",
+    "expected_accepted",
     "chi2_sf",
     "empirical_check",
     "format_table",
@@ -52,6 +62,7 @@ __all__ = [
     "rejection_mass",
     "residual",
     "table",
+    "tree_outputs",
 ]
 
 
@@ -452,6 +463,203 @@ def plot(lab_table, path, *, check=None, labels=None, title=None):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+# --- trees and blocks, enumerated exactly -------------------------------------------------
+# A "world" is two callables from a prefix (a tuple of token ids after the committed
+# tokens) to a distribution over the same V tokens: p (the target, after its policy) and
+# q (the drafter). The functions below give the exact law of what one verify_tree call
+# (or one block verification of a chain) emits, as {emitted tuple: Fraction}, summed over
+# the drafting (sampled trees are drawn from q here, as a drafter would) and over the
+# verifier's coins. Exactness is then ``completed(outputs, p, m) == autoregressive(p, m)``:
+# the emitted tokens, continued by sampling p, are a sample of p token after token.
+
+
+def tree_outputs(p, parents, *, tokens=None, q=None, replacement=True):
+    """Exact law of verify_tree's emitted tokens (the accepted path, then one token).
+
+    parents: parent of each draft node (-1 = the root, else an earlier node).
+    Deterministic candidates (q None): ``tokens`` gives each node's token (siblings
+    distinct); at a node x ~ p, descend into the child holding x, else emit x.
+    Sampled children (q given, ``tokens`` None): each node's token is drawn from q after
+    its parent's path, siblings i.i.d. (replacement) or without replacement; every draw
+    of the tree is enumerated with its probability, then verified by the op's rule:
+    siblings in node order, child accepted with min(1, r(x) / q_i(x)), r <- norm(max(r -
+    q_i, 0)) after a rejection, a sample of r when all are rejected, p at a leaf.
+    """
+    parents = [int(x) for x in parents]
+    for i, par in enumerate(parents):
+        if not -1 <= par < i:
+            raise ValueError(f"parents[{i}] must be in [-1, {i}), got {par}")
+    out = {}
+    if q is None:
+        if tokens is None or len(tokens) != len(parents):
+            raise ValueError("tokens must give one token per node when q is None")
+        _add_walk(out, Fraction(1), p, None, parents, list(tokens), replacement)
+        return out
+    if tokens is not None:
+        raise ValueError("tokens must be None when q is given (the children are drawn from q)")
+    for drawn, weight in _draws(q, parents, replacement):
+        _add_walk(out, weight, p, q, parents, drawn, replacement)
+    return out
+
+
+def chain_outputs(p, q, k):
+    """Exact law of token-wise verification of k proposals drawn from q (a chain tree)."""
+    return tree_outputs(p, list(range(-1, k - 1)), q=q)
+
+
+def block_outputs(p, q, k):
+    """Exact law of block verification (Sun et al., arXiv 2403.10444) of a chain of k
+    proposals drawn from q: weights w_i = min(1, w_{i-1} p(y_i) / q(y_i)), keep
+    probabilities h_i = R_i / (R_i + 1 - w_i) (R_i = sum max(w_i p_i - q_i, 0); h_k = w_k),
+    tau = the last i with eta_i < h_i (else 0), then y_1..y_tau and a token from p_k
+    (tau = k) or norm(max(w_tau p_tau - q_tau, 0))."""
+    out = {}
+    for chain, weight in _draws(q, list(range(-1, k - 1)), True):
+        w = [Fraction(1)]
+        for i, y in enumerate(chain):
+            pi, qi = _dist("p", p, tuple(chain[:i])), _dist("q", q, tuple(chain[:i]))
+            num = w[-1] * pi[y]
+            w.append(Fraction(0) if num == 0 else (Fraction(1) if num >= qi[y] else num / qi[y]))
+        h = []
+        for i in range(1, k + 1):
+            if i == k:
+                h.append(w[k])
+                continue
+            pi, qi = _dist("p", p, tuple(chain[:i])), _dist("q", q, tuple(chain[:i]))
+            mass = sum(max(w[i] * a - b, Fraction(0)) for a, b in zip(pi, qi))
+            denom = mass + 1 - w[i]
+            h.append(mass / denom if denom > 0 else Fraction(1))
+        later = Fraction(1)  # P(no i' > i kept)
+        for tau in range(k, -1, -1):
+            chance = later * (h[tau - 1] if tau > 0 else 1)
+            if tau > 0:
+                later *= 1 - h[tau - 1]
+            if chance == 0:
+                continue
+            prefix = tuple(chain[:tau])
+            pt = _dist("p", p, prefix)
+            if tau == k:
+                last = pt
+            else:
+                qt = _dist("q", q, prefix)
+                r = [max(w[tau] * a - b, Fraction(0)) for a, b in zip(pt, qt)]
+                mass = sum(r)
+                last = pt if mass == 0 else [x / mass for x in r]
+            for x, px in enumerate(last):
+                if px:
+                    key = prefix + (x,)
+                    out[key] = out.get(key, Fraction(0)) + weight * chance * px
+    return out
+
+
+def completed(outputs, p, m):
+    """The law of the first m tokens when every output shorter than m is continued by
+    sampling p: {m-tuple: Fraction}. Equal to autoregressive(p, m) for an exact verifier."""
+    law = {}
+    for seq, prob in outputs.items():
+        for cont, cprob in _continuations(p, tuple(seq[:m]), m):
+            law[cont] = law.get(cont, Fraction(0)) + prob * cprob
+    return {k: v for k, v in law.items() if v}
+
+
+def autoregressive(p, m):
+    """The law of m tokens sampled from p one after another: {m-tuple: Fraction}."""
+    return {k: v for k, v in _continuations(p, (), m) if v}
+
+
+def expected_accepted(outputs):
+    """Expected number of accepted draft tokens (tokens emitted minus one)."""
+    return sum(prob * (len(seq) - 1) for seq, prob in outputs.items())
+
+
+def _dist(name, fn, prefix):
+    return _distribution(f"{name}{list(prefix)}", fn(prefix))
+
+
+def _continuations(p, prefix, m):
+    if len(prefix) >= m:
+        yield prefix, Fraction(1)
+        return
+    for x, px in enumerate(_dist("p", p, prefix)):
+        if px:
+            for seq, rest in _continuations(p, prefix + (x,), m):
+                yield seq, px * rest
+
+
+def _path(parents, tokens, node):
+    out = []
+    while node >= 0:
+        out.append(tokens[node])
+        node = parents[node]
+    return tuple(reversed(out))
+
+
+def _draws(q, parents, replacement):
+    """Every assignment of tokens to the nodes, drawn from q in node order, with its
+    probability (without replacement: q minus the earlier siblings, renormalised)."""
+    n = len(parents)
+
+    def rec(i, drawn, weight):
+        if i == n:
+            yield list(drawn), weight
+            return
+        qi = _dist("q", q, _path(parents, drawn, parents[i]))
+        taken = [drawn[s] for s in range(i) if parents[s] == parents[i]] if not replacement else []
+        left = 1 - sum(qi[t] for t in set(taken))
+        for x, qx in enumerate(qi):
+            if qx == 0 or x in taken:
+                continue
+            yield from rec(i + 1, drawn + [x], weight * qx / left)
+
+    yield from rec(0, [], Fraction(1))
+
+
+def _add_walk(out, weight, p, q, parents, tokens, replacement):
+    """Adds the law of one verification walk over a fixed tree (times weight) to out."""
+    n = len(parents)
+
+    def walk(cur, prefix, reach):
+        pr = _dist("p", p, prefix)
+        children = [c for c in range(cur + 1, n) if parents[c] == cur]
+        if q is None:
+            for x, px in enumerate(pr):
+                if not px:
+                    continue
+                child = next((c for c in children if tokens[c] == x), None)
+                if child is None:
+                    key = prefix + (x,)
+                    out[key] = out.get(key, Fraction(0)) + reach * px
+                else:
+                    walk(child, prefix + (x,), reach * px)
+            return
+        r, stay = pr, reach
+        qn = _dist("q", q, prefix)
+        removed = []
+        for c in children:
+            left = 1 - sum(qn[t] for t in removed)
+            qi = [Fraction(0) if (t in removed or left <= 0) else qn[t] / left
+                  for t in range(len(qn))]
+            x = tokens[c]
+            accept = (Fraction(1) if r[x] > 0 else Fraction(0)) if qi[x] == 0 \
+                else min(Fraction(1), r[x] / qi[x])
+            if accept:
+                walk(c, prefix + (x,), stay * accept)
+            stay *= 1 - accept
+            if stay == 0:
+                return
+            res = [max(a - b, Fraction(0)) for a, b in zip(r, qi)]
+            mass = sum(res)
+            r = pr if mass == 0 else [v / mass for v in res]
+            if not replacement:
+                removed.append(x)
+        for x, rx in enumerate(r):
+            if rx:
+                key = prefix + (x,)
+                out[key] = out.get(key, Fraction(0)) + stay * rx
+
+    walk(-1, (), weight)
 
 
 def _float_probs(values, device):

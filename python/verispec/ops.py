@@ -31,7 +31,7 @@ from verispec import _C
 from verispec._policy import fold_greedy, policy_error
 
 __all__ = ["DeferredErrors", "apply_policy", "deferred_errors", "linear", "sample", "verify",
-           "verify_keyed"]
+           "verify_keyed", "verify_tree"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -158,7 +158,8 @@ def _keyed_outcome(x, draft_tokens, num_draft):
 
 
 def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
-           temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, greedy=False, seed=0, offset=0):
+           temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, greedy=False, seed=0, offset=0,
+           method="token"):
     """Accept or reject a batch of drafts against the target; emit 1..K+1 tokens per row.
 
     target_logits: [B, K+1, V]  target logits at prefix, prefix+d1, ..., prefix+d1..dK
@@ -178,10 +179,21 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
     p if that mass is < 1e-6), after K accepted proposals a bonus from p, with the coin
     (seed, offset, b, position, CORRECTION).
 
+    method="block": block verification (Sun et al., arXiv 2403.10444) for sampled drafts
+    (draft_probs given; greedy rows and draft_probs None stay token-wise): exact, and its
+    expected number of accepted proposals is never below token-wise's. With weights
+    w_0 = 1, w_i = min(1, w_{i-1} p(d_i) / q(d_i)) and keep probabilities
+    h_i = R_i / (R_i + 1 - w_i), R_i = sum max(w_i p_i - q_i, 0) (h_n = w_n), it accepts
+    the longest prefix i whose ACCEPT coin (b, i - 1) is below h_i, then draws the next
+    token from norm(max(w_i p_i - q_i, 0)) (p_n after all n). csrc/include/verispec/ops.h
+    has the details.
+
     Returns (tokens [B, K+1] int32, -1 after the emitted ones; num_emitted [B] int32 =
     num_accepted + 1; num_accepted [B] int32).
     """
     op = "verify"
+    if method not in ("token", "block"):
+        raise ValueError(f"{op}: method must be 'token' or 'block', got {method!r}")
     _check_float_tensor(op, "target_logits", target_logits, 3, "[B, K+1, V]")
     b, k1, v = target_logits.shape
     k = k1 - 1
@@ -203,7 +215,70 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
     policy = _policy(op, b, device, temperature, top_k, top_p, min_p, greedy)
     seed_args = _random(op, device, seed, offset)
     return _dispatch(_verify_op, _verify_eager)(target_logits, draft_tokens, draft_probs, num_draft,
-                                                *policy, *seed_args)
+                                                *policy, *seed_args, method == "block")
+
+
+def verify_tree(target_logits, tree_tokens, parents, draft_probs=None, *, num_nodes=None,
+                replacement=True, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                greedy=False, seed=0, offset=0):
+    """Verify a tree of draft tokens per row: accept a path from the root, emit one more.
+
+    target_logits: [B, N+1, V]  row 0: the target after the committed tokens (the root);
+                                row i + 1: after draft node i
+    tree_tokens:   [B, N] ints  the token of node i
+    parents:       [B, N] ints  the parent of node i: -1 = the root, else a node < i
+    draft_probs:   [B, N+1, V]  q at the root (row 0) and at node i (row i + 1): the
+                                distribution that node's children were drawn from; None:
+                                deterministic candidates (siblings distinct tokens)
+    num_nodes:     [B] ints     row b uses nodes 0 .. num_nodes[b] - 1 (ragged); None = N
+    replacement:   with draft_probs: siblings drawn i.i.d. from q (True) or without
+                   replacement (False; siblings then distinct)
+    policy, greedy, seed, offset: as in :func:`verify`, per row.
+
+    Deterministic candidates: at a node, x ~ p (x = argmax p on greedy rows); descend into
+    the child holding x, else emit x and stop: exact for any choice of candidates.
+    Sampled children: siblings are tried in node order; child c is accepted with
+    probability min(1, r(c) / q_i(c)), r = p at first and norm(max(r - q_i, 0)) after each
+    rejected sibling (p if that mass is < 1e-6); q_i = q with replacement, else q without
+    the earlier siblings' tokens, renormalised. If every sibling is rejected, a sample of r
+    is emitted; a leaf emits a bonus token from its p. Exact (SpecInfer, arXiv 2305.09781;
+    without replacement: recursive rejection sampling, arXiv 2402.14160).
+
+    Coins (csrc/include/verispec/philox.h): node i's test uses (seed, offset, b, i,
+    TREE_ACCEPT); the token drawn at the node with target row j uses (seed, offset, b, j,
+    TREE_EMIT).
+
+    Returns (tokens [B, N+1] int32: the accepted path's tokens then the emitted one, -1
+    after; num_emitted [B] int32 = accepted depth + 1; accepted_nodes [B, N] int32: the
+    accepted nodes' indices, -1 after).
+    """
+    op = "verify_tree"
+    _check_float_tensor(op, "target_logits", target_logits, 3, "[B, N+1, V]")
+    b, n1, v = target_logits.shape
+    n = n1 - 1
+    if n < 0:
+        raise ValueError(f"{op}: target_logits must be [B, N+1, V] with N+1 >= 1, "
+                         f"got {_describe(target_logits)}")
+    if not isinstance(replacement, bool):
+        raise TypeError(f"{op}: replacement must be a bool, got {replacement!r}")
+    device = target_logits.device
+    tree_tokens = _int32_tensor(op, "tree_tokens", tree_tokens, (b, n), "[B, N]", device)
+    parents = _int32_tensor(op, "parents", parents, (b, n), "[B, N]", device)
+    if draft_probs is not None:
+        _check_float_tensor(op, "draft_probs", draft_probs, 3, "[B, N+1, V]")
+        if tuple(draft_probs.shape) != (b, n1, v):
+            raise ValueError(f"{op}: draft_probs must be float [B, N+1, V] = [{b}, {n1}, {v}] "
+                             f"or None, got {_describe(draft_probs)}")
+        draft_probs = _last_dim_contiguous(draft_probs.float())
+    if num_nodes is not None:
+        if not isinstance(num_nodes, torch.Tensor):
+            num_nodes = torch.as_tensor(num_nodes, device=device)
+        num_nodes = _int32_tensor(op, "num_nodes", num_nodes, (b,), "[B]", device).contiguous()
+    policy = _policy(op, b, device, temperature, top_k, top_p, min_p, greedy)
+    seed_args = _random(op, device, seed, offset)
+    return _dispatch(_verify_tree_op, _verify_tree_eager)(
+        target_logits, tree_tokens, parents, draft_probs, num_nodes, replacement, *policy,
+        *seed_args)
 
 
 # --- the ops' entry points into verispec._C ----------------------------------------------
@@ -313,7 +388,7 @@ def _(probs, seed, offset, seed_t, offset_t, seeds=None, positions=None):
 
 def _verify_eager(target_logits, draft_tokens, draft_probs, num_draft, temperature, top_k, top_p,
                   min_p, temperature_rows, top_k_rows, top_p_rows, min_p_rows, seed, offset,
-                  seed_t, offset_t):
+                  seed_t, offset_t, block=False):
     b, k1, _ = target_logits.shape
     device = target_logits.device
     tokens = torch.empty((b, k1), dtype=torch.int32, device=device)
@@ -324,7 +399,8 @@ def _verify_eager(target_logits, draft_tokens, draft_probs, num_draft, temperatu
               _pick(temperature, temperature_rows), _pick(top_k, top_k_rows),
               _pick(top_p, top_p_rows), _pick(min_p, min_p_rows),
               _unsigned(seed, seed_t), _unsigned(offset, offset_t),
-              **_launch(target_logits, _C.verify_workspace_bytes(b, k1 - 1), "verify"))
+              **_launch(target_logits, _C.verify_workspace_bytes(b, k1 - 1), "verify"),
+              method="block" if block else "token")
     return tokens, num_emitted, num_accepted
 
 
@@ -335,10 +411,11 @@ def _verify_op(
     temperature_rows: Optional[torch.Tensor], top_k_rows: Optional[torch.Tensor],
     top_p_rows: Optional[torch.Tensor], min_p_rows: Optional[torch.Tensor], seed: int,
     offset: int, seed_t: Optional[torch.Tensor], offset_t: Optional[torch.Tensor],
+    block: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _verify_eager(target_logits, draft_tokens, draft_probs, num_draft, temperature, top_k,
                          top_p, min_p, temperature_rows, top_k_rows, top_p_rows, min_p_rows,
-                         seed, offset, seed_t, offset_t)
+                         seed, offset, seed_t, offset_t, block)
 
 
 @_verify_op.register_fake
@@ -347,6 +424,45 @@ def _(target_logits, draft_tokens, draft_probs, num_draft, *rest):
     return (target_logits.new_empty((b, k1), dtype=torch.int32),
             target_logits.new_empty(b, dtype=torch.int32),
             target_logits.new_empty(b, dtype=torch.int32))
+
+
+def _verify_tree_eager(target_logits, tree_tokens, parents, draft_probs, num_nodes, replacement,
+                       temperature, top_k, top_p, min_p, temperature_rows, top_k_rows,
+                       top_p_rows, min_p_rows, seed, offset, seed_t, offset_t):
+    b, n1, v = target_logits.shape
+    device = target_logits.device
+    tokens = torch.empty((b, n1), dtype=torch.int32, device=device)
+    num_emitted = torch.empty(b, dtype=torch.int32, device=device)
+    accepted_nodes = torch.empty((b, n1 - 1), dtype=torch.int32, device=device)
+    _C.verify_tree(_last_dim_contiguous(target_logits), tree_tokens, parents, draft_probs,
+                   num_nodes, replacement, tokens, num_emitted, accepted_nodes,
+                   _pick(temperature, temperature_rows), _pick(top_k, top_k_rows),
+                   _pick(top_p, top_p_rows), _pick(min_p, min_p_rows),
+                   _unsigned(seed, seed_t), _unsigned(offset, offset_t),
+                   **_launch(target_logits, _C.verify_tree_workspace_bytes(b, v), "verify_tree"))
+    return tokens, num_emitted, accepted_nodes
+
+
+@torch.library.custom_op("verispec::verify_tree", mutates_args=())
+def _verify_tree_op(
+    target_logits: torch.Tensor, tree_tokens: torch.Tensor, parents: torch.Tensor,
+    draft_probs: Optional[torch.Tensor], num_nodes: Optional[torch.Tensor], replacement: bool,
+    temperature: float, top_k: int, top_p: float, min_p: float,
+    temperature_rows: Optional[torch.Tensor], top_k_rows: Optional[torch.Tensor],
+    top_p_rows: Optional[torch.Tensor], min_p_rows: Optional[torch.Tensor], seed: int,
+    offset: int, seed_t: Optional[torch.Tensor], offset_t: Optional[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _verify_tree_eager(target_logits, tree_tokens, parents, draft_probs, num_nodes,
+                              replacement, temperature, top_k, top_p, min_p, temperature_rows,
+                              top_k_rows, top_p_rows, min_p_rows, seed, offset, seed_t, offset_t)
+
+
+@_verify_tree_op.register_fake
+def _(target_logits, tree_tokens, parents, draft_probs, num_nodes, replacement, *rest):
+    b, n1, _ = target_logits.shape
+    return (target_logits.new_empty((b, n1), dtype=torch.int32),
+            target_logits.new_empty(b, dtype=torch.int32),
+            target_logits.new_empty((b, n1 - 1), dtype=torch.int32))
 
 
 def _pick(scalar, rows):

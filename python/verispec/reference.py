@@ -26,7 +26,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RESIDUAL_EPS", "apply_policy", "sample", "verify", "verify_keyed"]
+__all__ = ["RESIDUAL_EPS", "apply_policy", "sample", "verify", "verify_keyed", "verify_tree"]
 
 # A rejection whose residual mass sum(max(p - q, 0)) is below this is roundoff (p and q
 # equal up to float error, or q not quite normalised): the correction is drawn from p.
@@ -106,7 +106,8 @@ def sample(probs, seed=0, offset=0, *, seeds=None, positions=None):
 
 
 def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
-           temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, greedy=False, seed=0, offset=0):
+           temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, greedy=False, seed=0, offset=0,
+           method="token"):
     """Accept or reject a batch of drafts against the target; emit 1..K+1 tokens per row.
 
     target_logits: [B, K+1, V]  target logits at prefix, prefix+d1, ..., prefix+d1..dK
@@ -118,10 +119,16 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
     greedy:        bool or [B] bools: the same as temperature 0 on those rows (a scalar
                    temperature is still range-checked). Greedy rows accept while
                    d == argmax p and emit argmax p: the greedy output token for token.
+    method:        "token" (token-wise: accept each proposal with min(1, p/q), correct at
+                   the first rejection) or "block" (block verification, Sun et al., arXiv
+                   2403.10444: see _block_accepted; rows with draft_probs None or greedy
+                   stay token-wise).
 
     Returns (tokens [B, K+1] int32, -1 after the emitted ones; num_emitted [B] int32 =
     num_accepted + 1; num_accepted [B] int32).
     """
+    if method not in ("token", "block"):
+        raise ValueError(f"verify: method must be 'token' or 'block', got {method!r}")
     b, k, v, num_draft = _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft)
     device = target_logits.device
     temperature, top_k, top_p, min_p = _policy_params(
@@ -150,19 +157,233 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
     u = torch.rand((b, k), generator=gen, device=device)
     accept = torch.where(greedy[:, None], y == p[:, :k].argmax(dim=-1), _accept(u, p_y, q_y))
     num_accepted = (accept & proposed).long().cumprod(dim=-1).sum(dim=-1)  # accepted prefix
+    rows = torch.arange(b, device=device)
+    # Block verification: the accepted length tau from the same ACCEPT coins (eta), and the
+    # weight w_tau that scales p in the final residual; token-wise rows keep weight 1.
+    weight = torch.ones(b, device=device)
+    if method == "block" and draft_probs is not None:
+        tau, w_tau = _block_accepted(p, q, p_y, q_y, u, num_draft)
+        num_accepted = torch.where(greedy, num_accepted, tau)
+        weight = torch.where(greedy, weight, w_tau)
 
     # The emitted position j = num_accepted: a correction after a rejection (j < num_draft),
     # a bonus from p after all proposals passed. Greedy rows emit argmax p either way.
-    rows = torch.arange(b, device=device)
     p_j, q_j = p[rows, num_accepted], q[rows, num_accepted]
     rejected = (num_accepted < num_draft) & ~greedy
-    dist = torch.where(rejected[:, None], _correction_distribution(p_j, q_j), p_j)
+    correction = _correction_distribution(p_j, q_j) if method == "token" else \
+        _block_correction_distribution(p_j, q_j, weight[:, None])
+    dist = torch.where(rejected[:, None], correction, p_j)
     last = _inverse_cdf(dist, torch.rand(b, generator=gen, device=device, dtype=torch.float64))
 
     tokens = torch.full((b, k + 1), -1, dtype=torch.long, device=device)
     tokens[:, :k] = torch.where(positions < num_accepted[:, None], y, -1)
     tokens.scatter_(1, num_accepted[:, None], last[:, None])
     return tokens.int(), (num_accepted + 1).int(), num_accepted.int()
+
+
+def _block_weights(p_y, q_y):
+    """w [B, K+1]: w_0 = 1, w_i = min(1, w_{i-1} p(y_i) / q(y_i)) (1 where q(y) = 0 <
+    w p(y), 0 where w p(y) = 0)."""
+    w = [torch.ones(p_y.shape[0], device=p_y.device)]
+    for j in range(p_y.shape[1]):
+        num = w[-1] * p_y[:, j]
+        ratio = num / torch.where(q_y[:, j] > 0, q_y[:, j], 1.0)
+        w.append(torch.where(num > 0, torch.where(num >= q_y[:, j], 1.0, ratio), 0.0))
+    return torch.stack(w, dim=1)
+
+
+def _block_keep_probabilities(p, q, w, num_draft):
+    """h [B, K]: h[:, i - 1] = h_i = R_i / (R_i + 1 - w_i), R_i = sum max(w_i p_i - q_i, 0),
+    for 1 <= i < n; h_n = w_n; 0 past n (not a candidate). 1 where R = 0 and w = 1."""
+    b, k1, _ = p.shape
+    k = k1 - 1
+    mass = (w[:, :, None] * p - q).clamp(min=0.0).double().sum(dim=-1).float()  # [B, K+1]
+    denom = mass + (1.0 - w)
+    h = torch.where(denom > 0, mass / torch.where(denom > 0, denom, 1.0), 1.0)[:, 1:]
+    i = torch.arange(1, k + 1, device=p.device)
+    n = num_draft[:, None]
+    return torch.where(i == n, w[:, 1:], torch.where(i < n, h, 0.0))
+
+
+def _block_accepted(p, q, p_y, q_y, eta, num_draft):
+    """Block verification (Sun et al., arXiv 2403.10444): tau = the largest i in [1, n]
+    with eta_i < h_i, else 0, and w_tau. eta_i is the ACCEPT coin of draft position i - 1."""
+    w = _block_weights(p_y, q_y)
+    h = _block_keep_probabilities(p, q, w, num_draft)
+    keep = eta < h  # [B, K]
+    i = torch.arange(1, p.shape[1], device=p.device)
+    tau = torch.where(keep, i, 0).amax(dim=-1) if keep.shape[1] else \
+        torch.zeros(p.shape[0], dtype=torch.long, device=p.device)
+    return tau, w.gather(1, tau[:, None]).squeeze(1)
+
+
+def _block_correction_distribution(p, q, w):
+    """The final token's distribution after tau < n: norm(max(w p - q, 0)), p when that
+    mass is roundoff; w = 1 is token-wise's residual."""
+    return _correction_distribution_from(w * p, q, p)
+
+
+def _correction_distribution_from(scaled_p, q, fallback):
+    r = (scaled_p - q).clamp(min=0.0)
+    mass = r.sum(dim=-1, keepdim=True)
+    return torch.where(mass < RESIDUAL_EPS, fallback, r / mass.clamp(min=RESIDUAL_EPS))
+
+
+# --- tree verification ---------------------------------------------------------------
+
+
+def verify_tree(target_logits, tree_tokens, parents, draft_probs=None, *, num_nodes=None,
+                replacement=True, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                greedy=False, seed=0, offset=0):
+    """Verify a tree of drafts per row; emit the accepted path and one more token.
+
+    target_logits [B, N+1, V]: row 0 the root's distribution, row i + 1 node i's.
+    tree_tokens [B, N], parents [B, N] (-1 = the root, else a node < i).
+    draft_probs [B, N+1, V] or None: q at the root (row 0) and at node i (row i + 1), the
+      distribution node i's children were drawn from. None: deterministic candidates.
+    num_nodes [B] or None (= N): row b uses nodes < num_nodes[b].
+    replacement: siblings drawn i.i.d. from q (True) or without replacement (False).
+
+    Deterministic: at a node, x ~ p (argmax for greedy rows); descend into the child whose
+    token is x, else emit x. Sampled: siblings in node order; child c accepted iff
+    u * q_i(c) < r(c), r = p at first, then norm(max(r - q_i, 0)) after each rejected
+    sibling (p if that mass < RESIDUAL_EPS); q_i = q with replacement, else q without the
+    earlier siblings, renormalised; all rejected: a sample of r; a leaf: a sample of p.
+    Coins: u_accept [B, N] (node i's test), u_emit [B, N+1] (the draw at row j), from a
+    generator seeded by (seed, offset).
+
+    Returns (tokens [B, N+1] int32 -1 padded, num_emitted [B] int32, accepted_nodes [B, N]
+    int32 -1 padded).
+    """
+    b, n_max, v, num_nodes = _check_tree_args(target_logits, tree_tokens, parents, draft_probs,
+                                              num_nodes, replacement)
+    device = target_logits.device
+    temperature, top_k, top_p, min_p = _policy_params(
+        "verify_tree", b, device, temperature, top_k, top_p, min_p, greedy)
+    p = apply_policy(target_logits.reshape(b * (n_max + 1), v),
+                     *(t.repeat_interleave(n_max + 1) for t in (temperature, top_k, top_p, min_p))
+                     ).view(b, n_max + 1, v)
+    q = None if draft_probs is None else draft_probs.float()
+    gen = _generator("verify_tree", seed, offset, device)
+    accept_u = torch.rand((b, n_max), generator=gen, device=device)
+    emit_u = torch.rand((b, n_max + 1), generator=gen, device=device)
+    tokens = torch.full((b, n_max + 1), -1, dtype=torch.int32, device=device)
+    nodes = torch.full((b, n_max), -1, dtype=torch.int32, device=device)
+    emitted = torch.zeros(b, dtype=torch.int32, device=device)
+    for r in range(b):
+        n = int(num_nodes[r])
+        toks, pars = tree_tokens[r, :n].tolist(), parents[r, :n].tolist()
+        path, last = _tree_walk(p[r], None if q is None else q[r], toks, pars,
+                                bool(temperature[r] == 0), replacement, accept_u[r], emit_u[r])
+        tokens[r, :len(path)] = torch.tensor([toks[c] for c in path], dtype=torch.int32)
+        tokens[r, len(path)] = last
+        nodes[r, :len(path)] = torch.tensor(path, dtype=torch.int32)
+        emitted[r] = len(path) + 1
+    return tokens, emitted, nodes
+
+
+def _tree_walk(p, q, tokens, parents, greedy, replacement, accept_u, emit_u):
+    """One row's walk: (accepted node path, the last token). p, q: [N+1, V]."""
+    path, cur = [], -1
+    while True:
+        row = cur + 1
+        children = [c for c in range(cur + 1, len(parents)) if parents[c] == cur]
+        if greedy or q is None:
+            x = int(p[row].argmax()) if greedy else _draw(p[row], emit_u[row])
+            child = next((c for c in children if tokens[c] == x), None)
+            if child is None:
+                return path, x
+            path.append(child)
+            cur = child
+            continue
+        r, removed, accepted = p[row], [], None
+        for c in children:
+            q_i = _sibling_q(q[row], removed)
+            if bool(_accept(accept_u[c], r[tokens[c]], q_i[tokens[c]])):
+                accepted = c
+                break
+            r = _tree_residual(r, q_i, p[row])
+            if not replacement:
+                removed.append(tokens[c])
+        if accepted is None:
+            return path, _draw(r, emit_u[row])
+        path.append(accepted)
+        cur = accepted
+
+
+def _sibling_q(q, removed):
+    """q_i: q without the tokens of the earlier (rejected) siblings, renormalised by
+    1 - their mass (summed in float32 in node order); all zero once no mass is left."""
+    if not removed:
+        return q
+    left = torch.tensor(1.0)
+    for t in removed:
+        left = left - q[t]
+    out = q.clone()
+    out[removed] = 0.0
+    return out / left if left > 0 else torch.zeros_like(q)
+
+
+def _tree_residual(r, q_i, p):
+    """r after a rejected sibling: norm(max(r - q_i, 0)), p if that mass is roundoff."""
+    return _correction_distribution_from(r, q_i, p)
+
+
+def _draw(dist, u):
+    """One inverse-CDF draw from dist [V] with coin u."""
+    return int(_inverse_cdf(dist[None], u.double().reshape(1))[0])
+
+
+def _check_tree_args(target_logits, tree_tokens, parents, draft_probs, num_nodes, replacement):
+    op = "verify_tree"
+    _check_logits(op, "target_logits", target_logits, 3)
+    b, n1, v = target_logits.shape
+    n = n1 - 1
+    if n < 0:
+        raise ValueError(f"{op}: target_logits must be [B, N+1, V] with N+1 >= 1, "
+                         f"got {_describe(target_logits)}")
+    if not isinstance(replacement, bool):
+        raise TypeError(f"{op}: replacement must be a bool, got {replacement!r}")
+    for name, t in (("tree_tokens", tree_tokens), ("parents", parents)):
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dtype == torch.bool \
+                or tuple(t.shape) != (b, n):
+            got = _describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{op}: {name} must be an integer tensor [B, N] = [{b}, {n}], "
+                             f"got {got}")
+    if draft_probs is not None and (
+            not isinstance(draft_probs, torch.Tensor) or draft_probs.dtype not in _FLOAT_DTYPES
+            or tuple(draft_probs.shape) != (b, n + 1, v)):
+        got = _describe(draft_probs) if isinstance(draft_probs, torch.Tensor) \
+            else type(draft_probs).__name__
+        raise ValueError(f"{op}: draft_probs must be float [B, N+1, V] = [{b}, {n + 1}, {v}] "
+                         f"or None, got {got}")
+    device = target_logits.device
+    if num_nodes is None:
+        num_nodes = torch.full((b,), n, dtype=torch.long, device=device)
+    else:
+        num_nodes = torch.as_tensor(num_nodes, device=device)
+        if num_nodes.shape != (b,) or num_nodes.is_floating_point() or num_nodes.dtype == torch.bool:
+            raise ValueError(f"{op}: num_nodes must be {b} ints ([B]), got {_describe(num_nodes)}")
+        num_nodes = num_nodes.long()
+    distinct = draft_probs is None or not replacement
+    for r in range(b):
+        m = int(num_nodes[r])
+        if not 0 <= m <= n:
+            raise ValueError(f"{op}: num_nodes must be in [0, N] = [0, {n}], got {m} at "
+                             f"num_nodes[{r}]")
+        toks, pars = tree_tokens[r, :m].tolist(), parents[r, :m].tolist()
+        for i in range(m):
+            if not -1 <= pars[i] < i:
+                raise ValueError(f"{op}: parents must be -1 or an earlier node (in [-1, i)), "
+                                 f"got {pars[i]} at parents[{r}, {i}]")
+            if not 0 <= toks[i] < v:
+                raise ValueError(f"{op}: tree_tokens must be in [0, V) = [0, {v}), got "
+                                 f"{toks[i]} at tree_tokens[{r}, {i}]")
+            if distinct and any(pars[s] == pars[i] and toks[s] == toks[i] for s in range(i)):
+                raise ValueError(f"{op}: sibling nodes must hold distinct tokens (deterministic "
+                                 f"or without replacement), got {toks[i]} again at "
+                                 f"tree_tokens[{r}, {i}]")
+    return b, n, v, num_nodes
 
 
 def verify_keyed(target_logits, draft_tokens, *, num_draft=None, seeds, positions,
@@ -229,9 +450,7 @@ def _accept(u, p_y, q_y):
 
 def _correction_distribution(p, q):
     """After a rejection: r = norm(max(p - q, 0)) over rows [R, V]; p when r's mass is roundoff."""
-    r = (p - q).clamp(min=0.0)
-    mass = r.sum(dim=-1, keepdim=True)
-    return torch.where(mass < RESIDUAL_EPS, p, r / mass.clamp(min=RESIDUAL_EPS))
+    return _correction_distribution_from(p, q, p)
 
 
 def _inverse_cdf(probs, u):

@@ -41,6 +41,9 @@ enum class StatusCode : int32_t {
                             // zero mass): col = vocab index (sample) or position (verify)
   kCudaError = 7,           // a CUDA runtime call failed; `what` is its message
   kCudaNotCompiled = 8,     // a CUDA op was called in a build without CUDA
+  kInvalidParent = 9,       // verify_tree: parents[row, col] not in [-1, col)
+  kDuplicateSibling = 10,   // verify_tree: node col holds the token of an earlier sibling
+                            // (deterministic candidates, or drawn without replacement)
 };
 
 // Which per-row policy value a kInvalidPolicy status is about (its `col`).
@@ -148,6 +151,19 @@ struct SampleArgs {
 // Errors: kInvalidPolicy, kNumDraftOutOfRange, kTokenOutOfRange (col = j),
 //   kNanOrInfLogits (col = j), kInvalidProbs (col = j). Rows at fault: tokens -1,
 //   num_emitted 0, num_accepted 0. The status reports the lowest row at fault.
+//
+// method kBlock: block verification (Sun et al., arXiv 2403.10444) of sampled rows
+// (draft_probs given, not greedy), exact like token-wise and never shorter in expectation:
+// with p_j(y) and q_j(y) as above, w_0 = 1, w_j = block_weight(w_{j-1}, p_{j-1}(y_j),
+// q_{j-1}(y_j)) (sampling_math.h); h_j = block_keep_probability(R_j, w_j) for 1 <= j < n,
+// R_j = sum_x max(w_j p_j(x) - q_j(x), 0), and h_n = w_n; the accepted count tau is the
+// largest j in [1, n] with uniform(.., b, j - 1, kAccept) < h_j, else 0; then the token at
+// position tau is drawn with uniform(.., b, tau, kCorrection) from p_n (tau == n) or from
+// max(w_tau p_tau - q_tau, 0) (roundoff rule: p_tau). Every q_j row for j < n is read (and
+// checked: kInvalidProbs, col = j), and p_j for j <= min(n, the last j with w_j > 0).
+// One-hot drafts (draft_probs null) and greedy rows are verified token-wise.
+enum class VerifyMethod : int32_t { kToken = 0, kBlock = 1 };
+
 struct VerifyArgs {
   const void* target_logits = nullptr;  // [batch, num_spec + 1, vocab]
   LogitsDType target_logits_dtype = LogitsDType::kFloat32;
@@ -162,6 +178,7 @@ struct VerifyArgs {
   int64_t draft_probs_stride_b = 0;
   int64_t draft_probs_stride_k = 0;
   const int32_t* num_draft = nullptr;     // [batch] int32, or null
+  VerifyMethod method = VerifyMethod::kToken;
   PolicyParams policy;                    // per-row arrays: [batch]
   RandomParams rng;
   int32_t* tokens = nullptr;              // out: [batch, num_spec + 1] int32
@@ -170,10 +187,63 @@ struct VerifyArgs {
   int32_t* num_accepted = nullptr;        // out: [batch] int32
 };
 
+// ---- verify_tree ------------------------------------------------------------------------
+// Tree verification of batch rows b < batch, each with n = num_nodes[b] draft nodes
+// (max_nodes if num_nodes is null): node i holds token tree_tokens[b, i] and has parent
+// parents[b, i] (-1 = the root, else a node < i, so nodes are in topological order).
+// Row j of target_logits[b] is the target after the root (j = 0) or after node j - 1;
+// p_j = policy(target_logits[b, j]) (apply_policy semantics). The walk starts at the root;
+// at a node with row j and children C (the nodes whose parent it is, in node order):
+//   deterministic candidates (draft_probs null) and greedy rows: x = a draw from p_j with
+//     uniform(.., b, j, kTreeEmit) (argmax target_logits[b, j] for greedy rows); if a child
+//     c holds x, accept c and continue at c, else emit x and stop (siblings must be
+//     distinct: kDuplicateSibling).
+//   sampled children (draft_probs[b, j] = q, the distribution C was drawn from): r = p_j;
+//     for c in C: accept c iff uniform(.., b, c, kTreeAccept) * q_i(x_c) < r(x_c), then
+//     continue at c; else r = norm(max(r - q_i, 0)) (p_j if that mass < kResidualEps).
+//     q_i = q (replacement), or q with the earlier siblings' tokens removed and divided by
+//     1 - their q mass (sampling_math.h renormalised_q; siblings must be distinct). If all
+//     are rejected, or C is empty (a leaf: the bonus), emit a draw from r with
+//     uniform(.., b, j, kTreeEmit) and stop.
+// Outputs: tokens[b, :num_emitted[b]] = the accepted nodes' tokens then the emitted token
+//   (-1 after); accepted_nodes[b, :num_emitted[b] - 1] = the accepted nodes (-1 after).
+// Checks per row: policy, num_nodes in [0, max_nodes] (kNumDraftOutOfRange), every
+//   parents[b, i] (kInvalidParent, col = i) and tree_tokens[b, i] (kTokenOutOfRange,
+//   col = i) for i < n, distinct siblings where required (kDuplicateSibling, col = the later
+//   node), every logits row j <= n (kNanOrInfLogits, col = j), and q where read: q(x_c) at
+//   a test, the whole row at a rejection (kInvalidProbs, col = the draft_probs row).
+// Rows at fault: tokens -1, accepted_nodes -1, num_emitted 0; the lowest row is reported.
+struct VerifyTreeArgs {
+  const void* target_logits = nullptr;  // [batch, max_nodes + 1, vocab]
+  LogitsDType target_logits_dtype = LogitsDType::kFloat32;
+  int64_t target_logits_stride_b = 0;
+  int64_t target_logits_stride_n = 0;
+  int64_t batch = 0;
+  int64_t max_nodes = 0;                // N
+  int64_t vocab = 0;
+  const int32_t* tree_tokens = nullptr;   // [batch, N] int32 (may be null if N == 0)
+  int64_t tree_tokens_stride_b = 0;
+  const int32_t* parents = nullptr;       // [batch, N] int32 (may be null if N == 0)
+  int64_t parents_stride_b = 0;
+  const float* draft_probs = nullptr;     // [batch, N + 1, vocab] float32, or null
+  int64_t draft_probs_stride_b = 0;
+  int64_t draft_probs_stride_n = 0;
+  const int32_t* num_nodes = nullptr;     // [batch] int32, or null
+  bool replacement = true;                // sampled children: i.i.d. (true) or not
+  PolicyParams policy;                    // per-row arrays: [batch]
+  RandomParams rng;
+  int32_t* tokens = nullptr;              // out: [batch, N + 1] int32
+  int64_t tokens_stride_b = 0;
+  int32_t* num_emitted = nullptr;         // out: [batch] int32
+  int32_t* accepted_nodes = nullptr;      // out: [batch, N] int32 (may be null if N == 0)
+  int64_t accepted_nodes_stride_b = 0;
+};
+
 // ---- CPU launchers (single-threaded; scratch allocated per call) ---------------------
 OpStatus apply_policy_cpu(const ApplyPolicyArgs& args);
 OpStatus sample_cpu(const SampleArgs& args);
 OpStatus verify_cpu(const VerifyArgs& args);
+OpStatus verify_tree_cpu(const VerifyTreeArgs& args);
 
 // ---- CUDA launchers ------------------------------------------------------------------
 // Value errors found on the device go to an error record in the workspace. With
@@ -201,11 +271,18 @@ inline size_t verify_cuda_workspace_bytes(int64_t batch, int64_t num_spec) {
          static_cast<size_t>(batch) * static_cast<size_t>(num_spec + 1) *
              kVerifyStatsBytesPerPosition;
 }
+// verify_tree: the record, then two float rows of vocab per batch row (the residual r and
+// the sibling q without replacement).
+inline size_t verify_tree_cuda_workspace_bytes(int64_t batch, int64_t vocab) {
+  return kCudaErrorRecordBytes +
+         static_cast<size_t>(batch) * 2 * static_cast<size_t>(vocab) * sizeof(float);
+}
 
 // In a build without CUDA these return kCudaNotCompiled.
 OpStatus apply_policy_cuda(const ApplyPolicyArgs& args, const CudaLaunch& launch);
 OpStatus sample_cuda(const SampleArgs& args, const CudaLaunch& launch);
 OpStatus verify_cuda(const VerifyArgs& args, const CudaLaunch& launch);
+OpStatus verify_tree_cuda(const VerifyTreeArgs& args, const CudaLaunch& launch);
 
 // Whether this build has the CUDA launchers.
 bool cuda_compiled();
@@ -215,7 +292,7 @@ bool cuda_compiled();
 // The smallest record wins (atomicMin), so the lowest row at fault is the one reported.
 constexpr uint64_t kNoDeviceError = ~uint64_t{0};
 
-enum class OpKind : int32_t { kApplyPolicy = 0, kSample = 1, kVerify = 2 };
+enum class OpKind : int32_t { kApplyPolicy = 0, kSample = 1, kVerify = 2, kVerifyTree = 3 };
 
 // Status of a record (no value; `what` as the launchers give it). kOk for kNoDeviceError.
 OpStatus decode_device_error(OpKind op, uint64_t record);

@@ -24,6 +24,15 @@
 // stream never repeats and every rank of a sharded run draws the same coins without
 // communication. Only word 0 of each Philox block is used; words 1..3 are reserved.
 //
+// Tree verification (verify_tree) addresses its coins by node: position = i for the
+// acceptance coin of draft node i (Purpose::kTreeAccept), and position = the node's row in
+// target_logits (0 = the root, i + 1 = node i) for the one token drawn there
+// (Purpose::kTreeEmit): the deterministic-candidate draw x of every node the walk passes,
+// and the correction / bonus at the node where it stops. A walk visits a node at most
+// once, so no coin is used twice. Block verification (verify, method "block") uses the
+// chain's addresses: eta_j = (row, j, kAccept) for draft position j, and the final token at
+// position tau with kCorrection.
+//
 // The keyed stream (Purpose::kRace, per-request reproducible sampling) is laid out
 // differently: it is addressed by a request's own seed and a token's position in its
 // sequence, never by a call's offset or a batch row, so a request draws the same
@@ -51,6 +60,8 @@ enum class Purpose : uint32_t {
   kSample = 2,      // u for the plain sample op (position 0)
   kDraft = 3,       // reserved: sampling draft proposals
   kRace = 4,        // the keyed stream: exponentials of a keyed sample (layout above)
+  kTreeAccept = 5,  // verify_tree: u for the acceptance test of draft node i (position i)
+  kTreeEmit = 6,    // verify_tree: u for the token drawn at a node (position = its row)
 };
 
 constexpr uint64_t kPhiloxMaxOffset = uint64_t{1} << 60;  // offsets must stay below

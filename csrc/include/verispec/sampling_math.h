@@ -207,6 +207,53 @@ VERISPEC_HD inline bool residual_usable(float residual_mass) {
   return residual_mass >= kResidualEps;
 }
 
+// ---- tree verification (sampled children) --------------------------------------------
+// Siblings are tried in node order against r (r = p at first): child c with token x is
+// accepted iff u * q_i(x) < r(x); after a rejection r becomes norm(max(r - q_i, 0))
+// (p when that mass is < kResidualEps). With replacement q_i = q; without, q_i is q with
+// the earlier siblings' tokens removed and renormalised: q_i(x) = q(x) / remaining,
+// remaining = 1 - (sum of q over the removed tokens), summed in float in node order.
+
+// q_i(x) of a sibling without replacement (x not removed): q(x) / remaining; 0 once no
+// mass remains (no sibling can then have been drawn).
+VERISPEC_HD inline float renormalised_q(float q_x, float remaining) {
+  return remaining > 0.0f ? q_x / remaining : 0.0f;
+}
+
+// ---- block verification (Sun et al., arXiv 2403.10444) ------------------------------
+// A chain y_1..y_n drawn from q_0..q_{n-1}; p_0..p_n the target's distributions.
+//   weights  w_0 = 1, w_i = min(1, w_{i-1} * p_{i-1}(y_i) / q_{i-1}(y_i))
+//   h_i      = R_i / (R_i + 1 - w_i) for 1 <= i < n, R_i = sum_x max(w_i p_i(x) - q_i(x), 0);
+//            h_n = w_n
+//   tau      = the largest i in [1, n] with eta_i < h_i, else 0  (eta_i: ACCEPT coin i - 1)
+//   emit y_1..y_tau, then a token from p_n if tau == n, else from
+//   norm(max(w_tau p_tau - q_tau, 0)) (roundoff rule: p_tau).
+
+// w_i from w_{i-1} and the proposal's p(y), q(y). q(y) = 0 with p(y) > 0 gives 1, as the
+// token-wise test accepts it; p(y) = 0 gives 0.
+VERISPEC_HD inline float block_weight(float w_prev, float p_y, float q_y) {
+  const float num = w_prev * p_y;
+  if (!(num > 0.0f)) return 0.0f;
+  if (num >= q_y) return 1.0f;
+  return num / q_y;
+}
+
+// One token's weight of the block residual max(w p - q, 0).
+VERISPEC_HD inline float block_residual_weight(float w, float p, float q) {
+  return residual_weight(w * p, q);
+}
+
+// h_i = R / (R + 1 - w): the chance that prefix i is kept as the end of the accepted
+// block given that no longer prefix is; 1 where R = 0 and w = 1 (q = p past a prefix of
+// full weight: every later h is then 1 as well).
+VERISPEC_HD inline float block_keep_probability(float residual_mass, float w) {
+  const float denom = residual_mass + (1.0f - w);
+  return denom > 0.0f ? residual_mass / denom : 1.0f;
+}
+
+// eta_i < h_i keeps prefix i (P = h_i).
+VERISPEC_HD inline bool block_keep(float eta, float h) { return eta < h; }
+
 // ---- inverse CDF ------------------------------------------------------------------------
 
 // Target of the inverse-CDF walk; the picked i is the first whose running sum exceeds it.

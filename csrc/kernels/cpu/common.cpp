@@ -31,17 +31,26 @@ const char* status_what(OpKind op, StatusCode code, int64_t col) {
     case StatusCode::kInvalidPolicy:
       return policy_rule(static_cast<PolicyField>(col));
     case StatusCode::kNumDraftOutOfRange:
+      if (op == OpKind::kVerifyTree) return "num_nodes must be in [0, N]";
       return "num_draft must be in [0, K]";
     case StatusCode::kTokenOutOfRange:
+      if (op == OpKind::kVerifyTree) return "tree_tokens must be in [0, V)";
       return "draft_tokens must be in [0, V)";
+    case StatusCode::kInvalidParent:
+      return "parents must be -1 (the root) or an earlier node: in [-1, i) for node i";
+    case StatusCode::kDuplicateSibling:
+      return "sibling nodes must hold distinct tokens (deterministic candidates, or drawn "
+             "without replacement)";
     case StatusCode::kNanOrInfLogits:
-      if (op == OpKind::kVerify) {
+      if (op == OpKind::kVerify || op == OpKind::kVerifyTree) {
         return "target_logits must not contain NaN or +Inf, nor a row of only -Inf";
       }
       return col < 0 ? "logits must have a finite value in every row (this one is all -Inf)"
                      : "logits must not contain NaN or +Inf";
     case StatusCode::kInvalidProbs:
-      if (op == OpKind::kVerify) return "draft_probs must be finite and >= 0";
+      if (op == OpKind::kVerify || op == OpKind::kVerifyTree) {
+        return "draft_probs must be finite and >= 0";
+      }
       return col < 0 ? "probs row has zero total mass"
                      : "probs must be finite and >= 0";
     case StatusCode::kInvalidArgument:
@@ -131,6 +140,39 @@ OpStatus check_verify_args(const VerifyArgs& a) {
   }
   if (a.batch > 1 && a.tokens_stride_b < a.num_spec + 1) {
     return invalid_argument("tokens row stride must be >= K + 1");
+  }
+  if (a.method != VerifyMethod::kToken && a.method != VerifyMethod::kBlock) {
+    return invalid_argument("method must be token (0) or block (1)");
+  }
+  const OpStatus s = check_policy_scalars(a.policy);
+  if (!s.ok()) return s;
+  return check_rng(a.rng);
+}
+
+OpStatus check_verify_tree_args(const VerifyTreeArgs& a) {
+  if (a.batch < 0 || a.batch > kMaxRows) return invalid_argument("batch must be in [0, 2^31)");
+  if (a.max_nodes < 0 || a.max_nodes > kMaxRows - 1) {
+    return invalid_argument("N must be in [0, 2^31 - 1)");
+  }
+  if (a.batch == 0) return OpStatus{};
+  if (a.vocab < 1 || a.vocab > kMaxVocab) return invalid_argument("vocab must be in [1, 2^31)");
+  if (!valid_dtype(a.target_logits_dtype)) {
+    return invalid_argument("target_logits dtype must be float32, bfloat16 or float16");
+  }
+  if (!a.target_logits || !a.tokens || !a.num_emitted) {
+    return invalid_argument("target_logits, tokens and num_emitted must not be null");
+  }
+  if (a.max_nodes > 0 && (!a.tree_tokens || !a.parents || !a.accepted_nodes)) {
+    return invalid_argument("tree_tokens, parents and accepted_nodes must not be null");
+  }
+  if (a.target_logits_stride_b < 0 || a.target_logits_stride_n < 0 ||
+      a.tree_tokens_stride_b < 0 || a.parents_stride_b < 0 || a.draft_probs_stride_b < 0 ||
+      a.draft_probs_stride_n < 0) {
+    return invalid_argument("strides must be >= 0");
+  }
+  if (a.batch > 1 && (a.tokens_stride_b < a.max_nodes + 1 ||
+                      (a.max_nodes > 0 && a.accepted_nodes_stride_b < a.max_nodes))) {
+    return invalid_argument("tokens / accepted_nodes row strides must be >= N + 1 / N");
   }
   const OpStatus s = check_policy_scalars(a.policy);
   if (!s.ok()) return s;

@@ -84,6 +84,70 @@ struct VerifyRow {
     return OpStatus{};
   }
 
+  // A whole q row is read: every value must be a probability (col = j).
+  OpStatus check_q_row(int64_t b, int64_t j) const {
+    const float* q = q_at(b, j);
+    const float* bad =
+        std::find_if(q, q + a.vocab, [](float v) { return !(v >= 0.0f) || !is_finite(v); });
+    if (bad == q + a.vocab) return OpStatus{};
+    OpStatus s = make_status(OpKind::kVerify, StatusCode::kInvalidProbs, b, j);
+    s.has_value = true;
+    s.value = *bad;
+    return s;
+  }
+
+  // Block verification of row b (ops.h, sampling_math.h): tau from the keep
+  // probabilities h_j, then the token at tau; writes tokens[0, tau] and *accepted = tau.
+  OpStatus walk_block(int64_t b, const RowPolicy& pol, int64_t n, int32_t* out,
+                      int64_t* accepted) {
+    const int32_t* y = draft_row(b);
+    float w = 1.0f;  // w_j
+    int64_t tau = 0;
+    float w_tau = 1.0f;
+    for (int64_t j = 0; j <= n; ++j) {
+      if (j == n) {  // h_n = w_n
+        if (n > 0 && block_keep(coin(b, j - 1, Purpose::kAccept), w)) {
+          tau = j;
+          w_tau = w;
+        }
+        break;
+      }
+      cpu::policy_row(logits_at(b, j), a.vocab, pol, p, *scratch);
+      const OpStatus s = check_q_row(b, j);
+      if (!s.ok()) return s;
+      const float* q = q_at(b, j);
+      if (j >= 1) {
+        const float* pp = p;
+        double mass = 0.0;
+        for (int64_t i = 0; i < a.vocab; ++i) mass += block_residual_weight(w, pp[i], q[i]);
+        const float h = block_keep_probability(static_cast<float>(mass), w);
+        if (block_keep(coin(b, j - 1, Purpose::kAccept), h)) {
+          tau = j;
+          w_tau = w;
+        }
+      }
+      w = block_weight(w, p[y[j]], q[y[j]]);
+      if (!(w > 0.0f)) break;  // every later h is 0
+    }
+    *accepted = tau;
+    for (int64_t j = 0; j < tau; ++j) out[j] = y[j];
+    cpu::policy_row(logits_at(b, tau), a.vocab, pol, p, *scratch);
+    if (tau < n) {
+      const float* pp = p;
+      const float* q = q_at(b, tau);
+      double mass = 0.0;
+      for (int64_t i = 0; i < a.vocab; ++i) mass += block_residual_weight(w_tau, pp[i], q[i]);
+      if (residual_usable(static_cast<float>(mass))) {
+        out[tau] = static_cast<int32_t>(pick_inverse_cdf<double>(
+            [pp, q, w_tau](int64_t i) { return block_residual_weight(w_tau, pp[i], q[i]); },
+            a.vocab, coin(b, tau, Purpose::kCorrection), mass));
+        return OpStatus{};
+      }
+    }
+    out[tau] = pick_from_p(b, tau);
+    return OpStatus{};
+  }
+
   // Walks row b; writes tokens[0, emitted) and returns the number accepted, or a fault.
   OpStatus walk(int64_t b, const RowPolicy& pol, int64_t n, int32_t* out, int64_t* accepted) {
     const int32_t* y = draft_row(b);
@@ -168,7 +232,8 @@ OpStatus verify_cpu(const VerifyArgs& a) {
       const int64_t n = a.num_draft ? a.num_draft[b] : a.num_spec;
       int64_t accepted = 0;
       OpStatus s = v.check(b, pol, n);
-      if (s.ok()) s = v.walk(b, pol, n, out, &accepted);
+      const bool block = a.method == VerifyMethod::kBlock && a.draft_probs && !pol.greedy();
+      if (s.ok()) s = block ? v.walk_block(b, pol, n, out, &accepted) : v.walk(b, pol, n, out, &accepted);
       if (!s.ok()) {
         std::fill(out, out + width, -1);
         a.num_emitted[b] = 0;

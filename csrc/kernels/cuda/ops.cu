@@ -99,4 +99,40 @@ OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
   return s;
 }
 
+// verify_tree: one block per row walks its tree; the workspace payload holds each row's
+// residual and sibling-q rows.
+OpStatus verify_tree_cuda(const VerifyTreeArgs& a, const CudaLaunch& launch) {
+  OpStatus s = check_verify_tree_args(a);
+  if (!s.ok() || a.batch == 0) return s;
+  OpLaunch op(launch);
+  s = op.start(verify_tree_cuda_workspace_bytes(a.batch, a.vocab));
+  if (!s.ok()) return s;
+  auto* scratch = static_cast<float*>(op.payload());
+  const bool all_greedy = !a.policy.temperature_per_row && a.policy.temperature == 0.0f;
+  const bool filter = !all_greedy && policy_may_filter(a.policy, a.vocab);
+  dispatch_dtype(a.target_logits_dtype, a.target_logits, [&](const auto* logits) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
+    const auto grid = static_cast<unsigned>(a.batch);
+    if (filter) {
+      verify_tree_kernel<T, kBlock, true><<<grid, kBlock, 0, op.stream()>>>(a, scratch, op.record());
+    } else {
+      verify_tree_kernel<T, kBlock, false><<<grid, kBlock, 0, op.stream()>>>(a, scratch, op.record());
+    }
+  });
+  s = op.finish(OpKind::kVerifyTree);
+  switch (s.code) {
+    case StatusCode::kInvalidPolicy: fill_policy_value(a.policy, &s); break;
+    case StatusCode::kNumDraftOutOfRange: fill_value(a.num_nodes, s.row, &s); break;
+    case StatusCode::kTokenOutOfRange:
+    case StatusCode::kDuplicateSibling:
+      fill_value(a.tree_tokens, s.row * a.tree_tokens_stride_b + s.col, &s);
+      break;
+    case StatusCode::kInvalidParent:
+      fill_value(a.parents, s.row * a.parents_stride_b + s.col, &s);
+      break;
+    default: break;
+  }
+  return s;
+}
+
 }  // namespace verispec

@@ -222,9 +222,55 @@ __global__ void __launch_bounds__(BLOCK)
   const uint64_t seed = resolve_seed(a.rng);
   const uint64_t offset = resolve_offset(a.rng);
   const auto row32 = static_cast<uint32_t>(b);
+  const int V = static_cast<int>(a.vocab);
+  const bool block_method = a.method == VerifyMethod::kBlock && a.draft_probs && !greedy;
+  float w_tau = 1.0f;  // block verification: the weight scaling p in the final residual
+  if (!fault && block_method) {
+    // Block verification (ops.h): tau = the last j with eta_j < h_j; every thread runs the
+    // same loop, the residual masses R_j are block sums over the vocabulary.
+    float w = 1.0f;
+    int tau = 0;
+    for (int64_t j = 0; j <= n && !fault; ++j) {
+      if (j == n) {
+        if (n > 0 && block_keep(uniform(seed, offset, row32, static_cast<uint32_t>(j - 1),
+                                        Purpose::kAccept), w)) {
+          tau = static_cast<int>(j);
+          w_tau = w;
+        }
+        break;
+      }
+      const float* q = a.draft_probs + b * a.draft_probs_stride_b + j * a.draft_probs_stride_k;
+      int bad = 0;
+      for (int i = tid; i < V; i += BLOCK) bad |= !(q[i] >= 0.0f) || !is_finite(q[i]);
+      if (__syncthreads_or(bad)) {
+        if (tid == 0) report_error(record, b, StatusCode::kInvalidProbs, j);
+        fault = true;
+        break;
+      }
+      if (j >= 1) {
+        const T* x = logits_at<T>(a, b, j);
+        const RowStats sj = rs[j];
+        float part = 0.0f;
+        for (int i = tid; i < V; i += BLOCK) {
+          part += block_residual_weight(
+              w, policy_prob(to_float(x[i]), i, sj, pol.temperature, false), q[i]);
+        }
+        const float h = block_keep_probability(ops.sum(part), w);
+        if (block_keep(uniform(seed, offset, row32, static_cast<uint32_t>(j - 1), Purpose::kAccept),
+                       h)) {
+          tau = static_cast<int>(j);
+          w_tau = w;
+        }
+      }
+      w = block_weight(w, rs[j].p_y, rs[j].q_y);
+      if (!(w > 0.0f)) break;  // every later h is 0
+    }
+    if (tid == 0) accepted_shared = tau;
+    __syncthreads();
+  }
   if (!fault) {
     // The walk: acceptance tests on the per-position scalars.
-    if (tid == 0) {
+    if (tid == 0 && !block_method) {
       int64_t acc = n;
       for (int64_t j = 0; j < n; ++j) {
         const bool pass = greedy ? y[j] == rs[j].argmax
@@ -241,7 +287,6 @@ __global__ void __launch_bounds__(BLOCK)
     __syncthreads();
     const int acc = accepted_shared;
     const RowStats st = rs[acc];
-    const int V = static_cast<int>(a.vocab);
     int token = -1;
     if (greedy) {
       token = st.argmax;
@@ -259,7 +304,7 @@ __global__ void __launch_bounds__(BLOCK)
           if (tid == 0) report_error(record, b, StatusCode::kInvalidProbs, acc);
           fault = true;
         } else {
-          auto r = [&](int i) { return residual_weight(p_at(i), q[i]); };
+          auto r = [&](int i) { return block_residual_weight(w_tau, p_at(i), q[i]); };
           const WeightTotal t = block_total<BLOCK>(r, V, ops);
           if (residual_usable(t.total)) {
             token = block_pick<BLOCK>(r, V, u, t, ops);
@@ -278,6 +323,7 @@ __global__ void __launch_bounds__(BLOCK)
       if (!fault && use_p) token = block_pick<BLOCK>(p_at, V, u, ops);  // bonus, or roundoff
     }
     if (!fault) {
+      __syncthreads();  // every thread has read accepted_shared
       for (int64_t j = tid; j < width; j += BLOCK) out[j] = j < acc ? y[j] : (j == acc ? token : -1);
       if (tid == 0) {
         a.num_accepted[b] = acc;
@@ -292,6 +338,205 @@ __global__ void __launch_bounds__(BLOCK)
     a.num_accepted[b] = 0;
     a.num_emitted[b] = 0;
   }
+}
+
+// ---- verify_tree ---------------------------------------------------------------------
+// grid: batch blocks, one per row; scratch: [batch, 2, V] floats (the residual r and, without
+// replacement, q minus the removed siblings). The row's checks run first (nodes in order,
+// then every logits row j <= n), one fault reported per row as the CPU does; then the walk
+// of ops.h, node by node: the policy of the node's row as RowStats, the draw (block_pick)
+// or the sibling tests (uniform across the block: every thread makes the same decision),
+// the residual updates as block passes over V.
+template <typename T>
+__device__ inline const T* tree_logits_at(const VerifyTreeArgs& a, int64_t b, int64_t j) {
+  return static_cast<const T*>(a.target_logits) + b * a.target_logits_stride_b +
+         j * a.target_logits_stride_n;
+}
+
+__device__ inline bool tree_bad_prob(float v) { return !(v >= 0.0f) || !is_finite(v); }
+
+// The first fault of node i (kOk if none), with the CPU's order: parent, token, sibling.
+__device__ inline StatusCode tree_node_fault(const VerifyTreeArgs& a, const int32_t* tok,
+                                             const int32_t* par, int64_t i, bool distinct) {
+  if (par[i] < -1 || par[i] >= i) return StatusCode::kInvalidParent;
+  if (tok[i] < 0 || tok[i] >= a.vocab) return StatusCode::kTokenOutOfRange;
+  if (distinct) {
+    for (int64_t s = par[i] + 1; s < i; ++s) {
+      if (par[s] == par[i] && tok[s] == tok[i]) return StatusCode::kDuplicateSibling;
+    }
+  }
+  return StatusCode::kOk;
+}
+
+template <typename T, int BLOCK, bool FILTER>
+__global__ void __launch_bounds__(BLOCK)
+    verify_tree_kernel(VerifyTreeArgs a, float* scratch, unsigned long long* record) {
+  __shared__ BlockOps<BLOCK> ops;
+  const int64_t b = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int V = static_cast<int>(a.vocab);
+  const int64_t width = a.max_nodes + 1;
+  int32_t* out = a.tokens + b * a.tokens_stride_b;  // [N + 1]
+  int32_t* nodes = a.max_nodes > 0 ? a.accepted_nodes + b * a.accepted_nodes_stride_b : nullptr;
+  float* r = scratch + static_cast<size_t>(b) * 2 * static_cast<size_t>(V);  // [V]
+  float* qbuf = r + V;                                                       // [V]
+  const RowPolicy pol = resolve_policy(a.policy, b);
+  const int64_t n = a.num_nodes ? a.num_nodes[b] : a.max_nodes;
+  const int32_t* tok = a.max_nodes > 0 ? a.tree_tokens + b * a.tree_tokens_stride_b : nullptr;
+  const int32_t* par = a.max_nodes > 0 ? a.parents + b * a.parents_stride_b : nullptr;
+  for (int64_t j = tid; j < width; j += BLOCK) out[j] = -1;
+  for (int64_t j = tid; nodes && j < a.max_nodes; j += BLOCK) nodes[j] = -1;
+  bool fault = false;
+  const int field = invalid_policy_field(pol);
+  if (field >= 0) {
+    if (tid == 0) report_error(record, b, StatusCode::kInvalidPolicy, field);
+    fault = true;
+  } else if (n < 0 || n > a.max_nodes) {
+    if (tid == 0) report_error(record, b, StatusCode::kNumDraftOutOfRange, -1);
+    fault = true;
+  } else {
+    const bool distinct = !a.draft_probs || !a.replacement;
+    int first = INT_MAX;
+    for (int64_t i = tid; i < n; i += BLOCK) {
+      if (tree_node_fault(a, tok, par, i, distinct) != StatusCode::kOk) {
+        first = min(first, static_cast<int>(i));
+      }
+    }
+    first = ops.min_int(first);
+    if (first != INT_MAX) {
+      if (tid == 0) report_error(record, b, tree_node_fault(a, tok, par, first, distinct), first);
+      fault = true;
+    }
+    for (int64_t j = 0; j <= n && !fault; ++j) {
+      const T* x = tree_logits_at<T>(a, b, j);
+      int bad = 0, finite = 0;
+      for (int i = tid; i < V; i += BLOCK) {
+        const float v = to_float(x[i]);
+        bad |= !logit_valid(v);
+        finite |= is_finite(v);
+      }
+      bad = __syncthreads_or(bad);
+      finite = __syncthreads_or(finite);
+      if (bad || !finite) {
+        if (tid == 0) report_error(record, b, StatusCode::kNanOrInfLogits, j);
+        fault = true;
+      }
+    }
+  }
+  const bool greedy = pol.greedy();
+  const uint64_t seed = resolve_seed(a.rng);
+  const uint64_t offset = resolve_offset(a.rng);
+  const auto row32 = static_cast<uint32_t>(b);
+  int64_t cur = -1;
+  int depth = 0;
+  __syncthreads();  // the padding is written
+  while (!fault) {
+    const int64_t row = cur + 1;
+    const T* x = tree_logits_at<T>(a, b, row);  // [V]
+    RowStats st;
+    compute_row_stats<T, BLOCK, FILTER>(x, V, pol, greedy, ops, &st);  // checked above
+    const float temperature = pol.temperature;
+    auto p_at = [&](int i) { return policy_prob(to_float(x[i]), i, st, temperature, greedy); };
+    int64_t next = -1;
+    int emit = -1;
+    if (greedy || !a.draft_probs) {
+      const int xt = greedy ? st.argmax
+                            : block_pick<BLOCK>(p_at, V,
+                                                uniform(seed, offset, row32,
+                                                        static_cast<uint32_t>(row),
+                                                        Purpose::kTreeEmit),
+                                                ops);
+      for (int64_t c = cur + 1; c < n; ++c) {
+        if (par[c] == cur && tok[c] == xt) {
+          next = c;
+          break;
+        }
+      }
+      if (next < 0) emit = xt;
+    } else {
+      const float* q = a.draft_probs + b * a.draft_probs_stride_b + row * a.draft_probs_stride_n;
+      bool use_r = false;      // r holds the residual (else r = p)
+      float remaining = 1.0f;  // without replacement: 1 - q mass of the removed
+      bool row_checked = false;
+      for (int64_t c = cur + 1; c < n; ++c) {
+        if (par[c] != cur) continue;
+        const int xt = tok[c];
+        const float q_x = q[xt];
+        if (tree_bad_prob(q_x)) {
+          if (tid == 0) report_error(record, b, StatusCode::kInvalidProbs, row);
+          fault = true;
+          break;
+        }
+        const float qi_x = a.replacement ? q_x : renormalised_q(q_x, remaining);
+        const float r_x = use_r ? r[xt] : p_at(xt);
+        if (accept_draft(uniform(seed, offset, row32, static_cast<uint32_t>(c),
+                                 Purpose::kTreeAccept),
+                         r_x, qi_x)) {
+          next = c;
+          break;
+        }
+        if (!row_checked) {
+          int bad = 0;
+          for (int i = tid; i < V; i += BLOCK) bad |= tree_bad_prob(q[i]);
+          if (__syncthreads_or(bad)) {
+            if (tid == 0) report_error(record, b, StatusCode::kInvalidProbs, row);
+            fault = true;
+            break;
+          }
+          row_checked = true;
+          if (!a.replacement) {
+            for (int i = tid; i < V; i += BLOCK) qbuf[i] = q[i];
+          }
+        }
+        const float* qs = a.replacement ? q : qbuf;
+        const float denom = a.replacement ? 1.0f : remaining;
+        float part = 0.0f;
+        for (int i = tid; i < V; i += BLOCK) {
+          const float qi = a.replacement ? qs[i] : renormalised_q(qs[i], denom);
+          const float v = residual_weight(use_r ? r[i] : p_at(i), qi);
+          r[i] = v;
+          part += v;
+        }
+        const float mass = ops.sum(part);
+        if (residual_usable(mass)) {
+          for (int i = tid; i < V; i += BLOCK) r[i] = r[i] / mass;
+        } else {
+          for (int i = tid; i < V; i += BLOCK) r[i] = p_at(i);
+        }
+        use_r = true;
+        if (!a.replacement) {
+          __syncthreads();  // every thread has read qbuf
+          if (tid == 0) qbuf[xt] = 0.0f;
+          remaining -= q_x;
+        }
+        __syncthreads();
+      }
+      if (!fault && next < 0) {  // all rejected, or a leaf
+        const float u = uniform(seed, offset, row32, static_cast<uint32_t>(row), Purpose::kTreeEmit);
+        emit = use_r ? block_pick<BLOCK>([r](int i) { return r[i]; }, V, u, ops)
+                     : block_pick<BLOCK>(p_at, V, u, ops);
+      }
+    }
+    if (fault) break;
+    if (next < 0) {
+      if (tid == 0) {
+        out[depth] = emit;
+        a.num_emitted[b] = depth + 1;
+      }
+      return;
+    }
+    if (tid == 0) {
+      out[depth] = tok[next];
+      nodes[depth] = static_cast<int32_t>(next);
+    }
+    ++depth;
+    cur = next;
+  }
+  // The row is at fault.
+  __syncthreads();
+  for (int64_t j = tid; j < width; j += BLOCK) out[j] = -1;
+  for (int64_t j = tid; nodes && j < a.max_nodes; j += BLOCK) nodes[j] = -1;
+  if (tid == 0) a.num_emitted[b] = 0;
 }
 
 }  // namespace cuda
