@@ -107,14 +107,8 @@ def verify_keyed(target_logits, draft_tokens, *, num_draft=None, seeds, position
     num_accepted + 1; num_accepted [B] int32), like :func:`verify`.
     """
     op = "verify_keyed"
-    _check_float_tensor(op, "target_logits", target_logits, 3, "[B, K+1, V]")
-    b, k1, v = target_logits.shape
-    k = k1 - 1
-    if k < 0:
-        raise ValueError(f"{op}: target_logits must be [B, K+1, V] with K+1 >= 1, "
-                         f"got {_describe(target_logits)}")
-    device = target_logits.device
-    draft_tokens = _int32_tensor(op, "draft_tokens", draft_tokens, (b, k), "[B, K]", device)
+    b, k, v, device, draft_tokens = _chain_inputs(op, target_logits, draft_tokens)
+    k1 = k + 1
     if num_draft is None:
         num_draft = torch.full((b,), k, dtype=torch.int32, device=device)
     else:
@@ -143,6 +137,19 @@ def verify_keyed(target_logits, draft_tokens, *, num_draft=None, seeds, position
     x = sample(probs, seeds=seeds.repeat_interleave(k1),
                positions=(positions[:, None] + steps).reshape(-1)).view(b, k1).long()
     return _keyed_outcome(x, draft_tokens, num_draft)
+
+
+def _chain_inputs(op, target_logits, draft_tokens):
+    """A chain op's (B, K, V, device, draft tokens as int32) from target_logits [B, K+1, V]
+    and draft_tokens [B, K], checked."""
+    _check_float_tensor(op, "target_logits", target_logits, 3, "[B, K+1, V]")
+    b, k1, v = target_logits.shape
+    if k1 < 1:
+        raise ValueError(f"{op}: target_logits must be [B, K+1, V] with K+1 >= 1, "
+                         f"got {_describe(target_logits)}")
+    device = target_logits.device
+    return b, k1 - 1, v, device, _int32_tensor(op, "draft_tokens", draft_tokens, (b, k1 - 1),
+                                               "[B, K]", device)
 
 
 def _keyed_outcome(x, draft_tokens, num_draft):
@@ -194,14 +201,7 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
     op = "verify"
     if method not in ("token", "block"):
         raise ValueError(f"{op}: method must be 'token' or 'block', got {method!r}")
-    _check_float_tensor(op, "target_logits", target_logits, 3, "[B, K+1, V]")
-    b, k1, v = target_logits.shape
-    k = k1 - 1
-    if k < 0:
-        raise ValueError(f"{op}: target_logits must be [B, K+1, V] with K+1 >= 1, "
-                         f"got {_describe(target_logits)}")
-    device = target_logits.device
-    draft_tokens = _int32_tensor(op, "draft_tokens", draft_tokens, (b, k), "[B, K]", device)
+    b, k, v, device, draft_tokens = _chain_inputs(op, target_logits, draft_tokens)
     if draft_probs is not None:
         _check_float_tensor(op, "draft_probs", draft_probs, 3, "[B, K, V]")
         if tuple(draft_probs.shape) != (b, k, v):
