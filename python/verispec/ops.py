@@ -107,18 +107,15 @@ def verify_keyed(target_logits, draft_tokens, *, num_draft=None, seeds, position
     num_accepted + 1; num_accepted [B] int32), like :func:`verify`.
     """
     op = "verify_keyed"
-    b, k, v, device, draft_tokens = _chain_inputs(op, target_logits, draft_tokens)
+    b, k, v, device, draft_tokens = _spec_inputs(op, target_logits, "draft_tokens", draft_tokens)
     k1 = k + 1
+    num_draft = _optional_counts(op, "num_draft", num_draft, b, device)
     if num_draft is None:
         num_draft = torch.full((b,), k, dtype=torch.int32, device=device)
-    else:
-        if not isinstance(num_draft, torch.Tensor):
-            num_draft = torch.as_tensor(num_draft, device=device)
-        num_draft = _int32_tensor(op, "num_draft", num_draft, (b,), "[B]", device)
-        if device.type == "cpu" and b and not bool(((num_draft >= 0) & (num_draft <= k)).all()):
-            row = int(((num_draft < 0) | (num_draft > k)).nonzero()[0, 0])
-            raise ValueError(f"{op}: num_draft must be in [0, K] = [0, {k}], got "
-                             f"{int(num_draft[row])} at num_draft[{row}]")
+    elif device.type == "cpu" and b and not bool(((num_draft >= 0) & (num_draft <= k)).all()):
+        row = int(((num_draft < 0) | (num_draft > k)).nonzero()[0, 0])
+        raise ValueError(f"{op}: num_draft must be in [0, K] = [0, {k}], got "
+                         f"{int(num_draft[row])} at num_draft[{row}]")
     seeds, positions = _keys(op, b, device, seeds, positions)
     if b == 0:
         return (torch.empty((0, k1), dtype=torch.int32, device=device),
@@ -139,17 +136,37 @@ def verify_keyed(target_logits, draft_tokens, *, num_draft=None, seeds, position
     return _keyed_outcome(x, draft_tokens, num_draft)
 
 
-def _chain_inputs(op, target_logits, draft_tokens):
-    """A chain op's (B, K, V, device, draft tokens as int32) from target_logits [B, K+1, V]
-    and draft_tokens [B, K], checked."""
-    _check_float_tensor(op, "target_logits", target_logits, 3, "[B, K+1, V]")
-    b, k1, v = target_logits.shape
-    if k1 < 1:
-        raise ValueError(f"{op}: target_logits must be [B, K+1, V] with K+1 >= 1, "
+def _spec_inputs(op, target_logits, name, tokens, dim="K"):
+    """A verify op's (B, n, V, device, tokens as int32) from target_logits [B, n+1, V] and
+    the proposals `name` [B, n] (n written `dim` in messages), checked."""
+    _check_float_tensor(op, "target_logits", target_logits, 3, f"[B, {dim}+1, V]")
+    b, n1, v = target_logits.shape
+    if n1 < 1:
+        raise ValueError(f"{op}: target_logits must be [B, {dim}+1, V] with {dim}+1 >= 1, "
                          f"got {_describe(target_logits)}")
     device = target_logits.device
-    return b, k1 - 1, v, device, _int32_tensor(op, "draft_tokens", draft_tokens, (b, k1 - 1),
-                                               "[B, K]", device)
+    return b, n1 - 1, v, device, _int32_tensor(op, name, tokens, (b, n1 - 1), f"[B, {dim}]",
+                                               device)
+
+
+def _optional_probs(op, probs, shape, dims):
+    """draft_probs as float32 with a contiguous last dimension, checked to be `shape`."""
+    if probs is None:
+        return None
+    _check_float_tensor(op, "draft_probs", probs, 3, dims)
+    if tuple(probs.shape) != tuple(shape):
+        raise ValueError(f"{op}: draft_probs must be float {dims} = {list(shape)} or None, "
+                         f"got {_describe(probs)}")
+    return _last_dim_contiguous(probs.float())
+
+
+def _optional_counts(op, name, counts, b, device):
+    """Per-row counts ([B] ints: num_draft, num_nodes) as contiguous int32, or None."""
+    if counts is None:
+        return None
+    if not isinstance(counts, torch.Tensor):
+        counts = torch.as_tensor(counts, device=device)
+    return _int32_tensor(op, name, counts, (b,), "[B]", device).contiguous()
 
 
 def _keyed_outcome(x, draft_tokens, num_draft):
@@ -201,17 +218,9 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
     op = "verify"
     if method not in ("token", "block"):
         raise ValueError(f"{op}: method must be 'token' or 'block', got {method!r}")
-    b, k, v, device, draft_tokens = _chain_inputs(op, target_logits, draft_tokens)
-    if draft_probs is not None:
-        _check_float_tensor(op, "draft_probs", draft_probs, 3, "[B, K, V]")
-        if tuple(draft_probs.shape) != (b, k, v):
-            raise ValueError(f"{op}: draft_probs must be float [B, K, V] = [{b}, {k}, {v}] "
-                             f"or None, got {_describe(draft_probs)}")
-        draft_probs = _last_dim_contiguous(draft_probs.float())
-    if num_draft is not None:
-        if not isinstance(num_draft, torch.Tensor):
-            num_draft = torch.as_tensor(num_draft, device=device)
-        num_draft = _int32_tensor(op, "num_draft", num_draft, (b,), "[B]", device).contiguous()
+    b, k, v, device, draft_tokens = _spec_inputs(op, target_logits, "draft_tokens", draft_tokens)
+    draft_probs = _optional_probs(op, draft_probs, (b, k, v), "[B, K, V]")
+    num_draft = _optional_counts(op, "num_draft", num_draft, b, device)
     policy = _policy(op, b, device, temperature, top_k, top_p, min_p, greedy)
     seed_args = _random(op, device, seed, offset)
     return _dispatch(_verify_op, _verify_eager)(target_logits, draft_tokens, draft_probs, num_draft,
@@ -253,27 +262,13 @@ def verify_tree(target_logits, tree_tokens, parents, draft_probs=None, *, num_no
     accepted nodes' indices, -1 after).
     """
     op = "verify_tree"
-    _check_float_tensor(op, "target_logits", target_logits, 3, "[B, N+1, V]")
-    b, n1, v = target_logits.shape
-    n = n1 - 1
-    if n < 0:
-        raise ValueError(f"{op}: target_logits must be [B, N+1, V] with N+1 >= 1, "
-                         f"got {_describe(target_logits)}")
+    b, n, v, device, tree_tokens = _spec_inputs(op, target_logits, "tree_tokens", tree_tokens,
+                                                "N")
     if not isinstance(replacement, bool):
         raise TypeError(f"{op}: replacement must be a bool, got {replacement!r}")
-    device = target_logits.device
-    tree_tokens = _int32_tensor(op, "tree_tokens", tree_tokens, (b, n), "[B, N]", device)
     parents = _int32_tensor(op, "parents", parents, (b, n), "[B, N]", device)
-    if draft_probs is not None:
-        _check_float_tensor(op, "draft_probs", draft_probs, 3, "[B, N+1, V]")
-        if tuple(draft_probs.shape) != (b, n1, v):
-            raise ValueError(f"{op}: draft_probs must be float [B, N+1, V] = [{b}, {n1}, {v}] "
-                             f"or None, got {_describe(draft_probs)}")
-        draft_probs = _last_dim_contiguous(draft_probs.float())
-    if num_nodes is not None:
-        if not isinstance(num_nodes, torch.Tensor):
-            num_nodes = torch.as_tensor(num_nodes, device=device)
-        num_nodes = _int32_tensor(op, "num_nodes", num_nodes, (b,), "[B]", device).contiguous()
+    draft_probs = _optional_probs(op, draft_probs, (b, n + 1, v), "[B, N+1, V]")
+    num_nodes = _optional_counts(op, "num_nodes", num_nodes, b, device)
     policy = _policy(op, b, device, temperature, top_k, top_p, min_p, greedy)
     seed_args = _random(op, device, seed, offset)
     return _dispatch(_verify_tree_op, _verify_tree_eager)(
