@@ -350,13 +350,7 @@ def _check_tree_args(target_logits, tree_tokens, parents, draft_probs, num_nodes
             got = _describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{op}: {name} must be an integer tensor [B, N] = [{b}, {n}], "
                              f"got {got}")
-    if draft_probs is not None and (
-            not isinstance(draft_probs, torch.Tensor) or draft_probs.dtype not in _FLOAT_DTYPES
-            or tuple(draft_probs.shape) != (b, n + 1, v)):
-        got = _describe(draft_probs) if isinstance(draft_probs, torch.Tensor) \
-            else type(draft_probs).__name__
-        raise ValueError(f"{op}: draft_probs must be float [B, N+1, V] = [{b}, {n + 1}, {v}] "
-                         f"or None, got {got}")
+    _check_draft_probs(op, draft_probs, (b, n + 1, v), "[B, N+1, V]")
     device = target_logits.device
     if num_nodes is None:
         num_nodes = torch.full((b,), n, dtype=torch.long, device=device)
@@ -481,6 +475,17 @@ def _splitmix64(z):
 # --- argument checks ----------------------------------------------------------------
 
 
+def _check_draft_probs(op, draft_probs, shape, dims):
+    """draft_probs: None or a float tensor of `shape` (written `dims`)."""
+    if draft_probs is not None and (
+            not isinstance(draft_probs, torch.Tensor) or draft_probs.dtype not in _FLOAT_DTYPES
+            or tuple(draft_probs.shape) != tuple(shape)):
+        got = _describe(draft_probs) if isinstance(draft_probs, torch.Tensor) \
+            else type(draft_probs).__name__
+        raise ValueError(f"{op}: draft_probs must be float {dims} = {list(shape)} or None, "
+                         f"got {got}")
+
+
 def _describe(t):
     return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
 
@@ -600,13 +605,7 @@ def _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft):
             else type(draft_tokens).__name__
         raise ValueError(f"verify: draft_tokens must be an integer tensor [B, K] = "
                          f"[{b}, {k}], got {got}")
-    if draft_probs is not None and (
-            not isinstance(draft_probs, torch.Tensor) or draft_probs.dtype not in _FLOAT_DTYPES
-            or tuple(draft_probs.shape) != (b, k, v)):
-        got = _describe(draft_probs) if isinstance(draft_probs, torch.Tensor) \
-            else type(draft_probs).__name__
-        raise ValueError(f"verify: draft_probs must be float [B, K, V] = [{b}, {k}, {v}] "
-                         f"or None, got {got}")
+    _check_draft_probs("verify", draft_probs, (b, k, v), "[B, K, V]")
     device = target_logits.device
     if num_draft is None:
         num_draft = torch.full((b,), k, dtype=torch.long, device=device)
