@@ -70,7 +70,23 @@ def decode_cases():
                   (f"{draft}-k3-seeded", draft, 3, dict(temperature=0.8, top_p=0.9, seed=7)),
                   (f"{draft}-auto-greedy", draft, "auto", dict(greedy=True)),
                   (f"{draft}-auto-seeded", draft, "auto", dict(temperature=1.0, seed=11))]
+    # rank 1's draft passes take 6 ms longer: the ranks measure different costs, and
+    # only agreeing on the times keeps their k (hence their passes) the same
+    cases.append(("skewed-auto-greedy", "skewed", "auto", dict(greedy=True)))
     return cases
+
+
+class SkewedDraft:
+    """A draft model whose forward sleeps ``delay_s`` more on rank 1 than elsewhere."""
+
+    def __init__(self, model, delay_s: float):
+        self.model, self.delay_s = model, delay_s
+        self.geometry, self.tp = model.geometry, getattr(model, "tp", None)
+
+    def forward(self, batch):
+        if self.tp is not None and self.tp.rank == 1:
+            time.sleep(self.delay_s)
+        return self.model.forward(batch)
 
 
 def run_decodes(target, draft_model) -> dict:
@@ -81,6 +97,7 @@ def run_decodes(target, draft_model) -> dict:
     out = {}
     for name, kind, k, kwargs in decode_cases():
         draft = {"ngram": NGram(1, 3), "model": draft_model,
+                 "skewed": SkewedDraft(draft_model, 0.006),
                  "early_exit": EarlyExit(target, num_layers=1)}[kind]
         dec = SpecDecoder(target, draft, k=k, max_k=4, num_blocks=64, block_size=4)
         results = dec.generate(PROMPTS, max_new_tokens=14, **kwargs)
