@@ -166,3 +166,47 @@ def test_shard_ranges_cover_the_model_once():
         TPShard.of(smol, 0, 4)
     with pytest.raises(ValueError, match="0 <= rank < world_size"):
         TPShard.of(smol, 2, 2)
+
+
+def test_torchrun_generate_streams_the_single_process_text_from_rank_0(tmp_path):
+    """`torchrun --nproc-per-node 2 -m verispec generate --tp 2` (torchrun is
+    `python -m torch.distributed.run`): rank 0 streams the text one process streams,
+    rank 1 prints nothing."""
+    import pathlib
+
+    from toymodels import write_tiny_llama
+
+    folder = write_tiny_llama(pathlib.Path(tmp_path), "")
+    args = ["generate", "--model", str(folder), "--prompt", "the quick brown fox the quick",
+            "--greedy", "--max-new-tokens", "16", "--ignore-eos", "--threads", "1",
+            "--draft", "early-exit", "--early-exit-layers", "1", "--no-compare"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    tp = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                           "-m", "verispec", *args, "--tp", "2", "--tp-timeout", "30",
+                           "--tp-check-every", "1"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        one = subprocess.run([sys.executable, "-m", "verispec", *args], capture_output=True,
+                             text=True, timeout=LAUNCH_LIMIT_S, env=env)
+        out, err = tp.communicate(timeout=LAUNCH_LIMIT_S)
+    finally:
+        if tp.poll() is None:
+            tp.kill()
+            tp.communicate(timeout=30)
+    assert one.returncode == 0, one.stderr
+    assert tp.returncode == 0, err[-3000:]
+    assert "tensor parallel over 2 ranks (1 KV heads here)" in err
+    assert out == one.stdout and len(out.strip()) > 0
+    assert err.count("speculative:") == 1  # rank 0's report only
+
+
+def test_generate_tp_needs_the_launchers_world_size(capsys, monkeypatch):
+    from verispec import cli
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code = cli.main(["generate", "--prompt", "hi", "--tp", "2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "argument --tp: expected the number of processes torchrun started (WORLD_SIZE), " \
+           "got --tp 2 with WORLD_SIZE=None" in err
