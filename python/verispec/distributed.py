@@ -58,8 +58,10 @@ class TensorParallel:
     """The collectives of one tensor-parallel rank, and their measured cost.
 
     ``group``: the process group (None: the default one); ``check_every``: steps between
-    agreement checks (0: never). ``comm_s`` and ``comm_calls`` add up the time spent in
-    this rank's collectives (wall time, so waiting for a slower rank counts too).
+    agreement checks (0: never). ``comm`` adds up this rank's collectives by kind
+    ("all_reduce": the layers', "gather_vocab": the LM head's, "agree_times" and
+    "check": the decoder's) as {kind: [calls, seconds]}, wall time (waiting for a slower
+    rank counts too); ``comm_s`` and ``comm_calls`` are the totals.
     """
 
     def __init__(self, *, group: Any = None, check_every: int = 8,
@@ -75,12 +77,20 @@ class TensorParallel:
         self.world_size = dist.get_world_size(group)
         self.check_every = check_every
         self.timeout_s = timeout_s
-        self.comm_s = 0.0
-        self.comm_calls = 0
+        self.comm: dict[str, list] = {kind: [0, 0.0] for kind in
+                                      ("all_reduce", "gather_vocab", "agree_times", "check")}
 
     def __repr__(self) -> str:
         return (f"TensorParallel(rank={self.rank}, world_size={self.world_size}, "
                 f"check_every={self.check_every})")
+
+    @property
+    def comm_s(self) -> float:
+        return sum(s for _, s in self.comm.values())
+
+    @property
+    def comm_calls(self) -> int:
+        return sum(n for n, _ in self.comm.values())
 
     # -- the model's collectives -------------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -89,7 +99,7 @@ class TensorParallel:
             return t
         start = time.perf_counter()
         dist.all_reduce(t, group=self.group)
-        self._count(start)
+        self._count("all_reduce", start)
         return t
 
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -99,12 +109,13 @@ class TensorParallel:
         start = time.perf_counter()
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(parts, local.contiguous(), group=self.group)
-        self._count(start)
+        self._count("gather_vocab", start)
         return torch.cat(parts, dim=1)[:, :vocab_size]
 
-    def _count(self, start: float) -> None:
-        self.comm_s += time.perf_counter() - start
-        self.comm_calls += 1
+    def _count(self, kind: str, start: float) -> None:
+        entry = self.comm[kind]
+        entry[0] += 1
+        entry[1] += time.perf_counter() - start
 
     # -- the decoder's -----------------------------------------------------------------
     def agree_times(self, draft_forward: Sequence[float], draft_sample: Sequence[float],
@@ -117,7 +128,7 @@ class TensorParallel:
         if self.world_size > 1:
             start = time.perf_counter()
             dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
-            self._count(start)
+            self._count("agree_times", start)
         v = values.tolist()
         return v[:n], v[n:2 * n], v[2 * n], v[2 * n + 1], v[2 * n + 2]
 
@@ -162,7 +173,7 @@ class AgreementCheck:
         start = time.perf_counter()
         everyone = [torch.empty_like(mine) for _ in range(tp.world_size)]
         dist.all_gather(everyone, mine, group=tp.group)
-        tp._count(start)
+        tp._count("check", start)
         table = torch.stack(everyone)                                    # [world, steps]
         differs = (table != table[0]).any(dim=0).nonzero().flatten().tolist()
         if differs:
