@@ -91,7 +91,8 @@ def main_run(tmp_path_factory):
     torch.set_num_threads(1)
     try:
         target, draft = tiny_model(0), tiny_model(1, layers=1)
-        reference = dict(logits=prefill_logits(target), decodes=run_decodes(target, draft))
+        reference = dict(logits=prefill_logits(target), decodes=run_decodes(target, draft),
+                         uneven_logits=prefill_logits(tiny_model(2, kv_heads=3)))
     finally:
         torch.set_num_threads(threads)
         codes, ranks, _ = launch.results()
@@ -104,14 +105,18 @@ def test_each_rank_holds_its_own_kv_heads(main_run):
     assert [r["kv_heads"] for r in ranks] == [1, 1]  # 2 KV heads over 2 ranks
 
 
-def test_tensor_parallel_logits_equal_the_single_process_model(main_run):
+@pytest.mark.parametrize("which", ["logits", "uneven_logits"])
+def test_tensor_parallel_logits_equal_the_single_process_model(main_run, which):
+    """2 KV heads (1 per rank), and 3 (1 and 2, as SmolLM2 on 2 ranks)."""
     ranks, reference = main_run
-    want = torch.tensor([x for row in reference["logits"] for x in row])
+    want = torch.tensor([x for row in reference[which] for x in row])
     for r in ranks:
-        got = torch.tensor([x for row in r["logits"] for x in row])
+        got = torch.tensor([x for row in r[which] for x in row])
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     # every rank holds the same gathered logits, bit for bit (what verify reads)
-    assert ranks[0]["logits"] == ranks[1]["logits"]
+    assert ranks[0][which] == ranks[1][which]
+    if which == "uneven_logits":
+        assert [r["uneven_kv_heads"] for r in ranks] == [1, 2]
 
 
 @pytest.mark.parametrize("case", [c[0] for c in decode_cases()])

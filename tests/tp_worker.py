@@ -20,11 +20,13 @@ VOCAB = 211
 PROMPTS = [[5, 17, 42, 42, 9, 100, 3, 7, 7, 50, 1], [88, 2, 13], [4, 4, 4, 4, 4, 4, 4]]
 
 
-def tiny_model(seed: int, layers: int = 3) -> LlamaModel:
-    """A random Llama (4 heads, 2 KV heads, vocabulary 211: prime, so the LM head's
-    slices are uneven), the same in every process for the same seed."""
+def tiny_model(seed: int, layers: int = 3, *, kv_heads: int = 2) -> LlamaModel:
+    """A random Llama (2 query heads per KV head, head size 16, vocabulary 211: prime, so
+    the LM head's slices are uneven), the same in every process for the same seed.
+    kv_heads=3 splits 1 + 2 over 2 ranks, as SmolLM2's."""
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=layers, num_attention_heads=2 * kv_heads,
+                      num_key_value_heads=kv_heads,
                       head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
                       max_position_embeddings=256, tie_word_embeddings=False)
     g = torch.Generator().manual_seed(seed)
@@ -39,10 +41,10 @@ def tiny_model(seed: int, layers: int = 3) -> LlamaModel:
         p = f"model.layers.{n}."
         state.update({p + "input_layernorm.weight": 1 + rnd(h, scale=0.1),
                       p + "post_attention_layernorm.weight": 1 + rnd(h, scale=0.1),
-                      p + "self_attn.q_proj.weight": rnd(64, h),
-                      p + "self_attn.k_proj.weight": rnd(32, h),
-                      p + "self_attn.v_proj.weight": rnd(32, h),
-                      p + "self_attn.o_proj.weight": rnd(h, 64),
+                      p + "self_attn.q_proj.weight": rnd(32 * kv_heads, h),
+                      p + "self_attn.k_proj.weight": rnd(16 * kv_heads, h),
+                      p + "self_attn.v_proj.weight": rnd(16 * kv_heads, h),
+                      p + "self_attn.o_proj.weight": rnd(h, 32 * kv_heads),
                       p + "mlp.gate_proj.weight": rnd(i, h),
                       p + "mlp.up_proj.weight": rnd(i, h),
                       p + "mlp.down_proj.weight": rnd(h, i)})
@@ -122,6 +124,9 @@ def main() -> int:
             draft = distributed.shard(tiny_model(1, layers=1), tp)
             result["kv_heads"] = target.geometry.num_kv_heads
             result["logits"] = prefill_logits(target)
+            uneven = distributed.shard(tiny_model(2, kv_heads=3), tp)
+            result["uneven_kv_heads"] = uneven.geometry.num_kv_heads
+            result["uneven_logits"] = prefill_logits(uneven)
             result["decodes"] = run_decodes(target, draft)
             # power: rank 1's decoder stream is perturbed (another seed): the check must
             # name the step where the committed tokens first differ
