@@ -71,13 +71,15 @@ def worker(args) -> None:
     try:
         if args.model == "random":
             model = random_llama(8, 1024, 16, 8, 4096, 32000)
+        elif args.model == "random-tiny":  # --quick: the machinery, not a measurement
+            model = random_llama(2, 128, 4, 2, 256, 512)
         else:
             from verispec import models
 
             model, _ = models.load(args.model)
         if tp is not None:
             model = distributed.shard(model, tp)
-        prompt = [(i * 37) % 3000 + 10 for i in range(40)] * 2
+        prompt = [(i * 37) % (model.config.vocab_size - 10) + 10 for i in range(40)] * 2
         out = {"world_size": world, "model": args.model, "config": repr(model.config),
                "kv_heads_rank0": model.geometry.num_kv_heads, "runs": {}}
         for name, draft, k in (("plain", None, 0), ("ngram-auto", NGram(1, 3), "auto")):
@@ -167,12 +169,15 @@ def main() -> int:
     ap.add_argument("--check-every", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", default=os.path.join(os.path.dirname(HERE), "out", "bench_tp.json"))
+    ap.add_argument("--quick", action="store_true", help="a tiny model and 8 tokens: a smoke run")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out-file", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return 0
+    if args.quick:
+        args.model, args.tokens = "random-tiny", 8
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     results = [launch(w, args) for w in args.tp]
     with open(args.json, "w") as f:
