@@ -147,9 +147,10 @@ def test_a_dead_or_stalled_rank_makes_the_other_fail_within_the_timeout(tmp_path
     than the process group's timeout (stall): rank 0's next collective raises, within
     the timeout, instead of hanging."""
     timeout = 10.0 if scenario == "kill" else 3.0
-    codes, ranks, elapsed = Launch(scenario, tmp_path, timeout_s=timeout).results()
-    assert codes[1] == 3 and ranks[1] is None  # died on purpose, wrote nothing
-    assert codes[0] == 0, f"rank 0 exited with {codes[0]}"
+    launch = Launch(scenario, tmp_path, timeout_s=timeout)
+    codes, ranks, elapsed = launch.results()
+    assert codes[1] == 3 and ranks[1] is None, launch._tails()  # died on purpose, wrote nothing
+    assert codes[0] == 0, f"rank 0 exited with {codes[0]}:\n{launch._tails()}"
     assert ranks[0]["steps"] >= 3 and ranks[0]["error"] is not None, ranks[0]
     assert ranks[0]["seconds_to_error"] < timeout + 4, ranks[0]
     if scenario == "stall":  # the timeout, not a closed socket, ended the wait
