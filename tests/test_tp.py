@@ -216,3 +216,24 @@ def test_generate_tp_needs_the_launchers_world_size(capsys, monkeypatch):
     assert code == 2
     assert "argument --tp: expected the number of processes torchrun started (WORLD_SIZE), " \
            "got --tp 2 with WORLD_SIZE=None" in err
+
+
+def test_argument_errors_name_the_argument(monkeypatch):
+    from verispec import distributed
+    from verispec.models.llama import LlamaModel
+
+    model = tiny_model(0, layers=1)
+    s = TPShard.of(model.config, 0, 2)
+    with pytest.raises(ValueError, match="shard and tp must be given together"):
+        LlamaModel(model.config, model.weights, shard=s)
+    with pytest.raises(TypeError, match="shard: model must be a verispec LlamaModel .*got dict"):
+        distributed.shard({}, None)
+    with pytest.raises(ValueError, match="init: timeout_s must be a number > 0, got 0"):
+        distributed.init(timeout_s=0)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="init: expected torchrun's environment"):
+        distributed.init()
+    with pytest.raises(RuntimeError, match="torch.distributed must be initialised first"):
+        distributed.TensorParallel()
+    with pytest.raises(TypeError, match="TPShard: rank must be an int"):
+        TPShard.of(model.config, 0.5, 2)
