@@ -20,6 +20,20 @@ def test_bench_cache_quick(tmp_path):
     assert all(r["native"] > 0 and r["python"] > 0 for r in result["ops_per_second"].values())
 
 
+def test_bench_tp_quick(tmp_path):
+    out = tmp_path / "tp.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "bench_tp.py"), "--quick", "--json", str(out)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    result = json.loads(out.read_text())
+    by_world = {r["world_size"]: r for r in result["results"]}
+    assert set(by_world) == {1, 2}
+    for name in ("plain", "ngram-auto"):  # the same greedy tokens at TP = 1 and 2
+        assert by_world[1]["runs"][name]["first_tokens"] == by_world[2]["runs"][name]["first_tokens"]
+        assert by_world[2]["runs"][name]["comm"]["all_reduce"][0] > 0
+        assert by_world[1]["runs"][name]["comm"] == {}
+    assert by_world[2]["runs"]["ngram-auto"]["comm"]["agree_times"][0] > 0
+
+
 def test_bench_kernels_quick(tmp_path):
     out = tmp_path / "kernels.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "bench_kernels.py"), "--quick", "--out", str(out)],

@@ -27,6 +27,7 @@ API_MODULES = (
     "verispec",
     "verispec.ops",
     "verispec.decoder",
+    "verispec.distributed",
     "verispec.drafters",
     "verispec.models",
     "verispec.lab",

@@ -33,6 +33,7 @@ _LAZY = {
     "slot_mapping": ("verispec.cache", "slot_mapping"),
     "cache": ("verispec.cache", None),
     "decoder": ("verispec.decoder", None),
+    "distributed": ("verispec.distributed", None),
     "drafters": ("verispec.drafters", None),
     "lab": ("verispec.lab", None),
     "models": ("verispec.models", None),

@@ -15,6 +15,7 @@ happen inside the commands, so ``--help`` is instant.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -199,6 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the plain-decoding run that measures the speedup")
     g.add_argument("--profile", action="store_true", help="print the time split per phase")
     g.add_argument("--trace", metavar="PATH", help="write a torch profiler Chrome trace (JSON) of the run")
+    tp = g.add_argument_group("tensor parallelism (launch with torchrun; docs/distributed.md)")
+    tp.add_argument("--tp", type=_int_at_least(1), default=1, metavar="N",
+                    help="split the target (a native Llama) over N processes: torchrun's "
+                         "WORLD_SIZE; rank 0 prints (default: %(default)s)")
+    tp.add_argument("--tp-timeout", type=_float_in(0, 3600, low_open=True), default=60.0,
+                    metavar="S", help="seconds a collective may wait for a rank before every "
+                                      "rank stops with an error (default: %(default)s)")
+    tp.add_argument("--tp-check-every", type=_int_at_least(0), default=8, metavar="N",
+                    help="compare a hash of the ranks' committed tokens every N steps "
+                         "(0: never; default: %(default)s)")
     g.set_defaults(run=cmd_generate)
 
     # serve ---------------------------------------------------------------------------
@@ -538,6 +549,52 @@ def _rate(run: dict) -> float:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.tp == 1:
+        return _generate(args, None)
+    world = os.environ.get("WORLD_SIZE")
+    if world != str(args.tp):
+        raise UsageError(f"argument --tp: expected the number of processes torchrun started "
+                         f"(WORLD_SIZE), got --tp {args.tp} with WORLD_SIZE={world}; launch "
+                         f"with: torchrun --nproc-per-node {args.tp} -m verispec generate --tp "
+                         f"{args.tp} ...")
+    if args.device != "cpu":
+        raise UsageError(f"argument --device: --tp runs on the CPU (gloo), got {args.device!r}")
+    from verispec import distributed
+
+    tp = distributed.init(timeout_s=args.tp_timeout, check_every=args.tp_check_every)
+    try:
+        if tp.rank == 0:
+            return _generate(args, tp)
+        # the other ranks run the same loop in lock-step and print nothing
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), \
+                contextlib.redirect_stderr(quiet):
+            return _generate(args, tp)
+    except (RuntimeError, distributed.RankDivergenceError) as e:
+        # a collective that failed or timed out (a rank died or stalled), or diverging ranks
+        sys.stdout.flush()
+        print(f"{PROG} generate: error: rank {tp.rank} of {tp.world_size}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        distributed.close(tp)
+
+
+def _tp_shard(model, tp, arg: str):
+    """This rank's shard of a native Llama (a draft that is not one stays whole)."""
+    from verispec import distributed
+    from verispec.models.llama import LlamaModel
+
+    if not isinstance(model, LlamaModel):
+        if arg == "--model":
+            raise UsageError(f"argument --tp: expected a target the native Llama runs (GGUF or "
+                             f"a Llama folder), got a {_model_kind(model)} model")
+        return model  # a replicated draft: every rank computes the same proposals
+    try:
+        return distributed.shard(model, tp)
+    except ValueError as e:
+        raise UsageError(f"argument --tp: {e}") from None
+
+
+def _generate(args: argparse.Namespace, tp) -> int:
     import torch
 
     policy = _sampling(args)
@@ -551,14 +608,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     model, tok = _load(args.model, "--model", device=args.device, dtype=dtype)
+    if tp is not None:
+        model = _tp_shard(model, tp, "--model")
     load_s = time.perf_counter() - t0
     prompt = _prompt_ids(args, tok)
     draft, draft_desc, draft_arg = _make_draft(args, model, tok, args.device, dtype)
+    if tp is not None and draft is not None and draft_arg is not None:
+        draft = _tp_shard(draft, tp, draft_arg)
     if draft is None:
         k = 0
     eos = None if args.ignore_eos else list(tok.eos_token_ids)
     err = sys.stderr
-    print(f"[{args.model}: {_model_kind(model)}, {model.geometry.num_layers} layers, "
+    shard = (f", tensor parallel over {tp.world_size} ranks ({model.geometry.num_kv_heads} KV "
+             f"heads here)" if tp is not None else "")
+    print(f"[{args.model}: {_model_kind(model)}{shard}, {model.geometry.num_layers} layers, "
           f"{str(model.geometry.dtype).removeprefix('torch.')} on {args.device}, "
           f"loaded in {load_s:.1f} s; prompt {len(prompt)} tokens; draft {draft_desc}, "
           f"k {k if k != 'auto' else f'auto (<= {args.max_k})'}; {_describe_policy(policy)}]",

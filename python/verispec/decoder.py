@@ -268,6 +268,16 @@ class SpecDecoder:
             draft_max_context=draft.geometry.max_context if draft is not None else 0,
             max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step)
         self.adaptive = adaptive
+        # A tensor-parallel target (verispec.distributed.shard) carries its collectives:
+        # every rank runs this loop in lock-step; the step's times are agreed on (k="auto")
+        # and the committed tokens checked (docs/distributed.md).
+        self._tp = getattr(target, "tp", None)
+        if draft is not None:
+            draft_tp = getattr(getattr(draft, "model", draft), "tp", None)
+            if draft_tp is not None and draft_tp is not self._tp:
+                raise ValueError(f"SpecDecoder: a tensor-parallel draft must share the target's "
+                                 f"collectives (target.tp {self._tp!r}), got {draft_tp!r}")
+        self._agreement = self._tp.agreement() if self._tp is not None else None
         self.block_size = block_size
         self.shares_target_cache = shared
         self._models = {_TARGET: target}
@@ -359,6 +369,8 @@ class SpecDecoder:
             self._core.cancel_step(plan["step_id"])
             raise
         committed, logprobs = committed
+        if self._agreement is not None:  # the ranks' committed tokens, compared every N steps
+            self._agreement.after_step(committed, last=not self._core.has_running())
         return [StepOutput(seq, tokens, None if reason == "running" else reason,
                            logprobs.get(seq))
                 for seq, tokens, reason in committed]
@@ -382,9 +394,9 @@ class SpecDecoder:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the chunk is cached before the commit
             none = torch.empty(0, dtype=torch.int32).numpy()
-            committed = self._core.commit(plan["step_id"], none, none, none, None, [], [],
-                                          sum(timer.seconds("target_forward")), 0.0,
-                                          time.perf_counter() - start)
+            times = self._agreed_times([], [], sum(timer.seconds("target_forward")), 0.0,
+                                       time.perf_counter() - start)
+            committed = self._core.commit(plan["step_id"], none, none, none, None, *times)
             return committed, {}
         deferred = getattr(self._ops, "deferred_errors", None)
         with self._lp_lock:
@@ -400,12 +412,20 @@ class SpecDecoder:
                 result, draft_tokens if plan["draft_model"] else None, records, lp)
             if records is not None:
                 errors.raise_first(host_records)
-        committed = self._core.commit(
-            plan["step_id"], tokens, emitted, accepted, drafts,
+        times = self._agreed_times(
             timer.seconds("draft_forward"), timer.seconds("draft_sample"),
             sum(timer.seconds("target_forward")), sum(timer.seconds("verify")),
             time.perf_counter() - start)
+        committed = self._core.commit(plan["step_id"], tokens, emitted, accepted, drafts, *times)
         return committed, self._record_logprobs(committed, lp_rows, host_lp, K + 1)
+
+    def _agreed_times(self, draft_forward, draft_sample, target_forward, verify, total):
+        """The step's times for commit. Tensor parallel with k="auto": their maximum over
+        the ranks, so every rank's cost model, hence its k, is the same."""
+        if self._tp is not None and self.adaptive:
+            return self._tp.agree_times(draft_forward, draft_sample, target_forward, verify,
+                                        total)
+        return draft_forward, draft_sample, target_forward, verify, total
 
     def _top_width(self, lp_rows) -> int:
         """How many alternatives the step's logprobs carry per token: the most any row

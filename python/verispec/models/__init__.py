@@ -14,7 +14,7 @@ and non-Llama folders need transformers (the ``hf`` extra).
 
 from verispec.models.base import KVPools, Model, ModelGeometry, PagedBatch
 from verispec.models.hf import ATTN_IMPLEMENTATION, HFModel
-from verispec.models.llama import LlamaConfig, LlamaModel, LlamaWeights
+from verispec.models.llama import LlamaConfig, LlamaModel, LlamaWeights, TPShard, shard_weights
 from verispec.models.loaders import KNOWN_MODELS, load, load_model, load_tokenizer
 from verispec.models.tokenizer import Tokenizer
 
@@ -29,8 +29,10 @@ __all__ = [
     "Model",
     "ModelGeometry",
     "PagedBatch",
+    "TPShard",
     "Tokenizer",
     "load",
+    "shard_weights",
     "load_model",
     "load_tokenizer",
 ]

@@ -360,17 +360,122 @@ class _AttentionPlan:
                 self.bias_weight = 1.0
 
 
+def _split(n: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s [start, stop) of n items split as evenly as possible."""
+    return (rank * n) // world_size, ((rank + 1) * n) // world_size
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """What a tensor-parallel rank holds: [start, stop) ranges of the whole model's query
+    heads, KV heads, MLP intermediate units and LM-head rows (vocabulary). The LM head is
+    padded with zero rows to ``vocab_padded`` on every rank, so the ranks' slices have
+    one size (all_gather needs it); the padding's logits are dropped after the gather."""
+
+    rank: int
+    world_size: int
+    heads: tuple[int, int]
+    kv_heads: tuple[int, int]
+    intermediate: tuple[int, int]
+    vocab: tuple[int, int]
+    vocab_padded: int
+
+    @classmethod
+    def of(cls, config: LlamaConfig, rank: int, world_size: int) -> "TPShard":
+        """Rank ``rank``'s shard: KV heads split as evenly as possible (3 heads on 2 ranks:
+        1 and 2), each query head with its KV head (grouped-query attention stays
+        rank-local), intermediate units as evenly as possible, the vocabulary in slices of
+        ceil(V / world_size) rows."""
+        for name, value in (("world_size", world_size), ("rank", rank)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"TPShard: {name} must be an int, got {value!r}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"TPShard: expected world_size >= 1 and 0 <= rank < world_size, "
+                             f"got rank {rank}, world_size {world_size}")
+        nkv = config.num_key_value_heads
+        if nkv < world_size:
+            raise ValueError(f"TPShard: world_size must be <= num_key_value_heads = {nkv} (each "
+                             f"rank holds at least one KV head), got {world_size}")
+        if config.intermediate_size < world_size:
+            raise ValueError(f"TPShard: world_size must be <= intermediate_size = "
+                             f"{config.intermediate_size}, got {world_size}")
+        group = config.num_attention_heads // nkv
+        kv = _split(nkv, world_size, rank)
+        padded = -(-config.vocab_size // world_size)
+        lo = min(rank * padded, config.vocab_size)
+        return cls(rank=rank, world_size=world_size, heads=(kv[0] * group, kv[1] * group),
+                   kv_heads=kv, intermediate=_split(config.intermediate_size, world_size, rank),
+                   vocab=(lo, min(lo + padded, config.vocab_size)), vocab_padded=padded)
+
+
+def shard_weights(config: LlamaConfig, weights: LlamaWeights, shard: TPShard) -> LlamaWeights:
+    """The slice of ``weights`` (the whole model's) that ``shard``'s rank holds, as fresh
+    tensors in the product layout (the whole model's can then be freed).
+
+    Column-parallel (output rows split): the fused QKV (this rank's query heads, then its
+    K and V heads), the fused gate/up (this rank's units of each). Row-parallel (input
+    columns split, partial products summed by an all-reduce): O and down. Vocabulary
+    parallel: the LM head's rows, zero-padded. Replicated: the norms and the embedding
+    table (a lookup of a few rows; sharding it would cost another all-reduce per forward).
+    """
+    c, hd = config, config.head_dim
+    nh, nkv, inter = c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
+    (h0, h1), (k0, k1), (i0, i1) = shard.heads, shard.kv_heads, shard.intermediate
+
+    def rows(w: torch.Tensor, *ranges: tuple[int, int]) -> torch.Tensor:
+        return matmul_layout(torch.cat([w[a:b] for a, b in ranges]).contiguous())
+
+    layers = []
+    for lw in weights.layers:
+        q_off, k_off, v_off = 0, nh * hd, (nh + nkv) * hd
+        layers.append(LayerWeights(
+            attn_norm=lw.attn_norm.clone(),
+            wqkv=rows(lw.wqkv, (q_off + h0 * hd, q_off + h1 * hd),
+                      (k_off + k0 * hd, k_off + k1 * hd), (v_off + k0 * hd, v_off + k1 * hd)),
+            wo=matmul_layout(lw.wo[:, h0 * hd:h1 * hd].contiguous()),
+            mlp_norm=lw.mlp_norm.clone(),
+            w_gate_up=rows(lw.w_gate_up, (i0, i1), (inter + i0, inter + i1)),
+            w_down=matmul_layout(lw.w_down[:, i0:i1].contiguous()),
+        ))
+    v0, v1 = shard.vocab
+    head = weights.lm_head[v0:v1]
+    if v1 - v0 < shard.vocab_padded:
+        head = torch.cat([head, head.new_zeros(shard.vocab_padded - (v1 - v0), head.shape[1])])
+    return LlamaWeights(embed=weights.embed, layers=layers, final_norm=weights.final_norm.clone(),
+                        lm_head=matmul_layout(head.contiguous()))
+
+
 class LlamaModel:
     """A Llama-family model implementing verispec's Model protocol over paged KV pools."""
 
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, *,
-                 max_context: Optional[int] = None):
+                 max_context: Optional[int] = None, shard: Optional["TPShard"] = None,
+                 tp: Any = None):
+        """``shard`` and ``tp`` together make a tensor-parallel rank: ``weights`` are then
+        that rank's shard (``shard_weights``) and ``tp`` the collectives (an object with
+        ``all_reduce(t)`` and ``gather_vocab(t, vocab_size)``, e.g.
+        ``verispec.distributed.TensorParallel``); see ``verispec.distributed.shard``."""
+        if (shard is None) != (tp is None):
+            raise ValueError(f"LlamaModel: shard and tp must be given together, got "
+                             f"shard={shard!r}, tp={tp!r}")
         self.config = config
         self.weights = weights
+        self.shard = shard
+        #: The collectives of a tensor-parallel rank (None: the whole model, one process).
+        self.tp = tp
         dtype, device = weights.embed.dtype, weights.embed.device
         max_context = max_context or config.max_position_embeddings
+        if shard is None:
+            self._nh, self._nkv = config.num_attention_heads, config.num_key_value_heads
+            self._inter = config.intermediate_size
+        else:
+            self._nh = shard.heads[1] - shard.heads[0]
+            self._nkv = shard.kv_heads[1] - shard.kv_heads[0]
+            self._inter = shard.intermediate[1] - shard.intermediate[0]
+        # A rank's pools hold its own KV heads; the logits it returns are the whole
+        # vocabulary's (gathered), so vocab_size is the model's.
         self.geometry = ModelGeometry(
-            num_layers=len(weights.layers), num_kv_heads=config.num_key_value_heads,
+            num_layers=len(weights.layers), num_kv_heads=self._nkv,
             head_dim=config.head_dim, vocab_size=config.vocab_size, max_context=max_context,
             dtype=dtype, device=device)
         # RoPE tables [max_context, head_dim], angles in float32 as transformers does, laid
@@ -423,6 +528,8 @@ class LlamaModel:
         draft.config = replace(self.config, num_hidden_layers=num_layers)
         draft.weights = replace(self.weights, layers=self.weights.layers[:num_layers])
         draft.geometry = replace(self.geometry, num_layers=num_layers)
+        draft.shard, draft.tp = self.shard, self.tp
+        draft._nh, draft._nkv, draft._inter = self._nh, self._nkv, self._inter
         draft._cos, draft._sin = self._cos, self._sin  # share the RoPE tables too
         draft._bind_weights()
         draft.native_linear = self.native_linear and draft._native_linear_ok
@@ -441,8 +548,9 @@ class LlamaModel:
         """
         self._check(batch)
         c, w, g = self.config, self.weights, self.geometry
-        nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        inter = c.intermediate_size
+        nh, nkv, hd = self._nh, self._nkv, c.head_dim  # this rank's heads (all: one process)
+        inter = self._inter
+        reduce = self.tp.all_reduce if self.tp is not None else (lambda t: t)
         device = g.device
         ids = batch.input_ids.to(device)
         positions = batch.positions.to(device=device, dtype=torch.long)
@@ -467,12 +575,16 @@ class LlamaModel:
             write(v_flat, qkv[:, nh + nkv:])
             attn = self._attend(qk[:, :nh], k_flat, v_flat, plan)
             # residual adds after the product (not addmm, which rounds differently)
-            x = x + linear(attn, wo)
+            # (tensor parallel: each rank's partial product, summed over the ranks)
+            x = x + reduce(linear(attn, wo))
             gate_up = linear(norm(x, mlp_norm), w_gate_up)
-            x = x + linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down)
+            x = x + reduce(linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down))
 
         x = x[batch.logits_indices.to(device)]
-        return linear(norm(x, w.final_norm), w.lm_head)
+        logits = linear(norm(x, w.final_norm), w.lm_head)
+        if self.tp is not None:  # this rank's vocabulary slice -> every rank all of it
+            logits = self.tp.gather_vocab(logits, c.vocab_size)
+        return logits
 
     def _linear(self, num_tokens: int):
         """x [T, in] @ w[out, in]^T for this forward: verispec's kernel or torch.mm."""

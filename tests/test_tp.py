@@ -1,0 +1,239 @@
+"""Tensor parallelism over torch.distributed (gloo, CPU): 2 ranks as 2 processes.
+
+tests/tp_worker.py is one rank; this file launches two with torchrun's environment
+variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), computes the single-process
+answers while they run, and compares. Every launch is bounded in time and reaped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tp_worker import PROMPTS, decode_cases, prefill_logits, run_decodes, tiny_model
+from verispec.models.llama import TPShard
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAUNCH_LIMIT_S = 150
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Launch:
+    """Two worker processes of one scenario; results() waits (bounded) and reaps them."""
+
+    def __init__(self, scenario: str, out_dir, *, timeout_s: float = 20.0):
+        self.out_dir = str(out_dir)
+        port = _free_port()
+        self.logs, self.procs = [], []
+        for rank in range(2):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       TP_TEST_TIMEOUT=str(timeout_s), OMP_NUM_THREADS="1")
+            log = open(os.path.join(self.out_dir, f"log{rank}.txt"), "w")
+            self.logs.append(log)
+            self.procs.append(subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "tp_worker.py"), scenario, self.out_dir],
+                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=HERE))
+        self.started = time.monotonic()
+
+    def results(self) -> tuple[list[int], list[dict], float]:
+        codes = []
+        try:
+            for p in self.procs:
+                left = LAUNCH_LIMIT_S - (time.monotonic() - self.started)
+                codes.append(p.wait(timeout=max(left, 1)))
+        except subprocess.TimeoutExpired:
+            for p in self.procs:
+                p.kill()
+            for p in self.procs:
+                p.wait(timeout=30)
+            pytest.fail(f"the 2 ranks did not finish in {LAUNCH_LIMIT_S} s:\n{self._tails()}")
+        finally:
+            for log in self.logs:
+                log.close()
+        elapsed = time.monotonic() - self.started
+        out = []
+        for rank in range(2):
+            path = os.path.join(self.out_dir, f"rank{rank}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    out.append(json.load(f))
+            else:
+                out.append(None)
+        return codes, out, elapsed
+
+    def _tails(self) -> str:
+        text = []
+        for rank in range(2):
+            with open(os.path.join(self.out_dir, f"log{rank}.txt")) as f:
+                text.append(f"--- rank {rank}:\n" + f.read()[-3000:])
+        return "\n".join(text)
+
+
+@pytest.fixture(scope="module")
+def main_run(tmp_path_factory):
+    """Both ranks' results of the main scenario, and the single-process answers
+    (computed here while the ranks run)."""
+    launch = Launch("main", tmp_path_factory.mktemp("tp_main"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target, draft = tiny_model(0), tiny_model(1, layers=1)
+        reference = dict(logits=prefill_logits(target), decodes=run_decodes(target, draft),
+                         uneven_logits=prefill_logits(tiny_model(2, kv_heads=3)))
+    finally:
+        torch.set_num_threads(threads)
+        codes, ranks, _ = launch.results()
+    assert codes == [0, 0], f"ranks exited with {codes}:\n{launch._tails()}"
+    return ranks, reference
+
+
+def test_each_rank_holds_its_own_kv_heads(main_run):
+    ranks, _ = main_run
+    assert [r["kv_heads"] for r in ranks] == [1, 1]  # 2 KV heads over 2 ranks
+
+
+@pytest.mark.parametrize("which", ["logits", "uneven_logits"])
+def test_tensor_parallel_logits_equal_the_single_process_model(main_run, which):
+    """2 KV heads (1 per rank), and 3 (1 and 2, as SmolLM2 on 2 ranks)."""
+    ranks, reference = main_run
+    want = torch.tensor([x for row in reference[which] for x in row])
+    for r in ranks:
+        got = torch.tensor([x for row in r[which] for x in row])
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    # every rank holds the same gathered logits, bit for bit (what verify reads)
+    assert ranks[0][which] == ranks[1][which]
+    if which == "uneven_logits":
+        assert [r["uneven_kv_heads"] for r in ranks] == [1, 2]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in decode_cases()])
+def test_tokens_equal_single_process_decoding(main_run, case):
+    """Greedy and sampled tokens (the decoder's stream at a fixed k, per-request seeds at
+    any k) equal single-process decoding; both ranks' tokens and k histories agree
+    (k="auto" measures different times per rank: the ranks commit their maximum)."""
+    ranks, reference = main_run
+    assert ranks[0]["decodes"][case] == ranks[1]["decodes"][case]
+    assert ranks[0]["decodes"][case]["tokens"] == reference["decodes"][case]["tokens"]
+    assert all(len(t) == 14 for t in reference["decodes"][case]["tokens"])
+    if "-k3-" in case and not case.startswith("ngram"):  # a model draft: k is always 3
+        assert all(max(h) == 3 for h in ranks[0]["decodes"][case]["k_history"])
+
+
+def test_agreement_check_names_the_step_where_ranks_diverge(main_run):
+    """Power: rank 1 decodes from another random stream; the hash check (every 2
+    steps) raises on both ranks, naming the first step whose tokens differ."""
+    ranks, _ = main_run
+    messages = [r["divergence"] for r in ranks]
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "different tokens at step 1 " in messages[0]
+
+
+@pytest.mark.parametrize("scenario", ["kill", "stall"])
+def test_a_dead_or_stalled_rank_makes_the_other_fail_within_the_timeout(tmp_path, scenario):
+    """Rank 1 dies after 3 steps (kill: its sockets close) or stops answering for longer
+    than the process group's timeout (stall): rank 0's next collective raises, within
+    the timeout, instead of hanging."""
+    timeout = 10.0 if scenario == "kill" else 3.0
+    launch = Launch(scenario, tmp_path, timeout_s=timeout)
+    codes, ranks, elapsed = launch.results()
+    assert codes[1] == 3 and ranks[1] is None, launch._tails()  # died on purpose, wrote nothing
+    assert codes[0] == 0, f"rank 0 exited with {codes[0]}:\n{launch._tails()}"
+    assert ranks[0]["steps"] >= 3 and ranks[0]["error"] is not None, ranks[0]
+    assert ranks[0]["seconds_to_error"] < timeout + 4, ranks[0]
+    if scenario == "stall":  # the timeout, not a closed socket, ended the wait
+        assert ranks[0]["seconds_to_error"] >= timeout - 0.5, ranks[0]
+
+
+def test_shard_ranges_cover_the_model_once():
+    cfg = tiny_model(0).config
+    from dataclasses import replace
+
+    smol = replace(cfg, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
+    shards = [TPShard.of(smol, r, 2) for r in range(2)]
+    assert [s.kv_heads for s in shards] == [(0, 1), (1, 3)]
+    assert [s.heads for s in shards] == [(0, 3), (3, 9)]
+    assert [s.intermediate for s in shards] == [(0, 768), (768, 1536)]
+    assert [s.vocab for s in shards] == [(0, 106), (106, 211)]
+    assert {s.vocab_padded for s in shards} == {106}
+    with pytest.raises(ValueError, match="world_size must be <= num_key_value_heads = 3"):
+        TPShard.of(smol, 0, 4)
+    with pytest.raises(ValueError, match="0 <= rank < world_size"):
+        TPShard.of(smol, 2, 2)
+
+
+def test_torchrun_generate_streams_the_single_process_text_from_rank_0(tmp_path):
+    """`torchrun --nproc-per-node 2 -m verispec generate --tp 2` (torchrun is
+    `python -m torch.distributed.run`): rank 0 streams the text one process streams,
+    rank 1 prints nothing."""
+    import pathlib
+
+    from toymodels import write_tiny_llama
+
+    folder = write_tiny_llama(pathlib.Path(tmp_path), "")
+    args = ["generate", "--model", str(folder), "--prompt", "the quick brown fox the quick",
+            "--greedy", "--max-new-tokens", "16", "--ignore-eos", "--threads", "1",
+            "--draft", "early-exit", "--early-exit-layers", "1", "--no-compare"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    tp = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                           "-m", "verispec", *args, "--tp", "2", "--tp-timeout", "30",
+                           "--tp-check-every", "1"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        one = subprocess.run([sys.executable, "-m", "verispec", *args], capture_output=True,
+                             text=True, timeout=LAUNCH_LIMIT_S, env=env)
+        out, err = tp.communicate(timeout=LAUNCH_LIMIT_S)
+    finally:
+        if tp.poll() is None:
+            tp.kill()
+            tp.communicate(timeout=30)
+    assert one.returncode == 0, one.stderr
+    assert tp.returncode == 0, err[-3000:]
+    assert "tensor parallel over 2 ranks (1 KV heads here)" in err
+    assert out == one.stdout and len(out.strip()) > 0
+    assert err.count("speculative:") == 1  # rank 0's report only
+
+
+def test_generate_tp_needs_the_launchers_world_size(capsys, monkeypatch):
+    from verispec import cli
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    code = cli.main(["generate", "--prompt", "hi", "--tp", "2"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "argument --tp: expected the number of processes torchrun started (WORLD_SIZE), " \
+           "got --tp 2 with WORLD_SIZE=None" in err
+
+
+def test_argument_errors_name_the_argument(monkeypatch):
+    from verispec import distributed
+    from verispec.models.llama import LlamaModel
+
+    model = tiny_model(0, layers=1)
+    s = TPShard.of(model.config, 0, 2)
+    with pytest.raises(ValueError, match="shard and tp must be given together"):
+        LlamaModel(model.config, model.weights, shard=s)
+    with pytest.raises(TypeError, match="shard: model must be a verispec LlamaModel .*got dict"):
+        distributed.shard({}, None)
+    with pytest.raises(ValueError, match="init: timeout_s must be a number > 0, got 0"):
+        distributed.init(timeout_s=0)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="init: expected torchrun's environment"):
+        distributed.init()
+    with pytest.raises(RuntimeError, match="torch.distributed must be initialised first"):
+        distributed.TensorParallel()
+    with pytest.raises(TypeError, match="TPShard: rank must be an int"):
+        TPShard.of(model.config, 0.5, 2)

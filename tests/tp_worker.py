@@ -1,0 +1,169 @@
+"""One rank of tests/test_tp.py: python tests/tp_worker.py SCENARIO OUT_DIR, with
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT in the environment (as torchrun sets them).
+
+Writes OUT_DIR/rank{RANK}.json (its results) and exits 0, or 3 for the rank that the
+"kill" scenario ends on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+from verispec.models.llama import LlamaConfig, LlamaModel, LlamaWeights
+
+VOCAB = 211
+PROMPTS = [[5, 17, 42, 42, 9, 100, 3, 7, 7, 50, 1], [88, 2, 13], [4, 4, 4, 4, 4, 4, 4]]
+
+
+def tiny_model(seed: int, layers: int = 3, *, kv_heads: int = 2) -> LlamaModel:
+    """A random Llama (2 query heads per KV head, head size 16, vocabulary 211: prime, so
+    the LM head's slices are uneven), the same in every process for the same seed.
+    kv_heads=3 splits 1 + 2 over 2 ranks, as SmolLM2's."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=layers, num_attention_heads=2 * kv_heads,
+                      num_key_value_heads=kv_heads,
+                      head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=256, tie_word_embeddings=False)
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=0.2):
+        return torch.randn(*shape, generator=g) * scale
+
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    state = {"model.embed_tokens.weight": rnd(VOCAB, h, scale=1.0),
+             "model.norm.weight": 1 + rnd(h, scale=0.1), "lm_head.weight": rnd(VOCAB, h, scale=0.5)}
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        state.update({p + "input_layernorm.weight": 1 + rnd(h, scale=0.1),
+                      p + "post_attention_layernorm.weight": 1 + rnd(h, scale=0.1),
+                      p + "self_attn.q_proj.weight": rnd(32 * kv_heads, h),
+                      p + "self_attn.k_proj.weight": rnd(16 * kv_heads, h),
+                      p + "self_attn.v_proj.weight": rnd(16 * kv_heads, h),
+                      p + "self_attn.o_proj.weight": rnd(h, 32 * kv_heads),
+                      p + "mlp.gate_proj.weight": rnd(i, h),
+                      p + "mlp.up_proj.weight": rnd(i, h),
+                      p + "mlp.down_proj.weight": rnd(h, i)})
+    return LlamaModel(cfg, LlamaWeights.from_state_dict(cfg, state))
+
+
+def prefill_logits(model) -> list:
+    """Logits of every prompt token (one batched prefill), then of a 3-token verify-like
+    pass per row: [rows of logits]."""
+    from verispec.models.testing import PagedRunner
+
+    runner = PagedRunner(model, num_blocks=32, block_size=4)
+    seqs = [runner.add_sequence() for _ in PROMPTS]
+    first = runner.step(dict(zip(seqs, PROMPTS)))
+    second = runner.step({s: [1, 2, 3] for s in seqs})
+    return [t.tolist() for t in (*first, *second)]
+
+
+def decode_cases():
+    """(name, draft kind, k, generate kwargs) of the decode comparison."""
+    cases = []
+    for draft in ("ngram", "model", "early_exit"):
+        cases += [(f"{draft}-k3-greedy", draft, 3, dict(greedy=True)),
+                  (f"{draft}-k3-stream", draft, 3, dict(temperature=1.0, seed=None)),
+                  (f"{draft}-k3-seeded", draft, 3, dict(temperature=0.8, top_p=0.9, seed=7)),
+                  (f"{draft}-auto-greedy", draft, "auto", dict(greedy=True)),
+                  (f"{draft}-auto-seeded", draft, "auto", dict(temperature=1.0, seed=11))]
+    # rank 1's draft passes take 6 ms longer: the ranks measure different costs, and
+    # only agreeing on the times keeps their k (hence their passes) the same
+    cases.append(("skewed-auto-greedy", "skewed", "auto", dict(greedy=True)))
+    return cases
+
+
+class SkewedDraft:
+    """A draft model whose forward sleeps ``delay_s`` more on rank 1 than elsewhere."""
+
+    def __init__(self, model, delay_s: float):
+        self.model, self.delay_s = model, delay_s
+        self.geometry, self.tp = model.geometry, getattr(model, "tp", None)
+
+    def forward(self, batch):
+        if self.tp is not None and self.tp.rank == 1:
+            time.sleep(self.delay_s)
+        return self.model.forward(batch)
+
+
+def run_decodes(target, draft_model) -> dict:
+    """Every decode case on these models (whole or shards): tokens and k histories."""
+    from verispec.decoder import SpecDecoder
+    from verispec.drafters import EarlyExit, NGram
+
+    out = {}
+    for name, kind, k, kwargs in decode_cases():
+        draft = {"ngram": NGram(1, 3), "model": draft_model,
+                 "skewed": SkewedDraft(draft_model, 0.006),
+                 "early_exit": EarlyExit(target, num_layers=1)}[kind]
+        dec = SpecDecoder(target, draft, k=k, max_k=4, num_blocks=64, block_size=4)
+        results = dec.generate(PROMPTS, max_new_tokens=14, **kwargs)
+        out[name] = dict(tokens=[r.tokens for r in results],
+                         k_history=[r.stats.get("k_history") for r in results])
+    return out
+
+
+def main() -> int:
+    scenario, out_dir = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    from verispec import distributed
+    from verispec.decoder import SpecDecoder
+    from verispec.drafters import NGram
+
+    timeout = float(os.environ.get("TP_TEST_TIMEOUT", "20"))
+    tp = distributed.init(timeout_s=timeout, check_every=2)
+    result: dict = {"rank": tp.rank}
+    try:
+        target = distributed.shard(tiny_model(0), tp)
+        if scenario == "main":
+            draft = distributed.shard(tiny_model(1, layers=1), tp)
+            result["kv_heads"] = target.geometry.num_kv_heads
+            result["logits"] = prefill_logits(target)
+            uneven = distributed.shard(tiny_model(2, kv_heads=3), tp)
+            result["uneven_kv_heads"] = uneven.geometry.num_kv_heads
+            result["uneven_logits"] = prefill_logits(uneven)
+            result["decodes"] = run_decodes(target, draft)
+            # power: rank 1's decoder stream is perturbed (another seed): the check must
+            # name the step where the committed tokens first differ
+            dec = SpecDecoder(target, draft, k=3, num_blocks=64, block_size=4, seed=tp.rank)
+            try:
+                dec.generate(PROMPTS, max_new_tokens=30, temperature=1.0)
+                result["divergence"] = None
+            except distributed.RankDivergenceError as e:
+                result["divergence"] = str(e)
+            result["comm_calls"] = tp.comm_calls
+        elif scenario in ("kill", "stall"):
+            dec = SpecDecoder(target, NGram(1, 3), k=3, num_blocks=64, block_size=4)
+            for p in PROMPTS:
+                dec.add(p, max_new_tokens=100, greedy=True)
+            steps, start = 0, time.monotonic()
+            try:
+                while dec.has_running() and steps < 200:
+                    if tp.rank == 1 and steps == 3:
+                        if scenario == "stall":  # alive, silent, past the timeout
+                            time.sleep(timeout + 6)
+                        os._exit(3)  # dies mid-run, without a word to its peer
+                    dec.step()
+                    steps += 1
+                result["error"] = None
+            except Exception as e:  # noqa: BLE001 (what a dead peer raises is the point)
+                result["error"] = f"{type(e).__name__}: {e}"[:500]
+            result["seconds_to_error"] = time.monotonic() - start
+            result["steps"] = steps
+        else:
+            raise ValueError(f"tp_worker: scenario must be 'main', 'kill' or 'stall', "
+                             f"got {scenario!r}")
+    finally:
+        with open(os.path.join(out_dir, f"rank{tp.rank}.json"), "w") as f:
+            json.dump(result, f)
+        distributed.close(tp)  # also after a failed collective, as verispec generate does
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
