@@ -351,6 +351,10 @@ __attribute__((target("avx512f,avx2,fma"))) inline float hsum512(__m512 v) {
   return hsum256(_mm256_add_ps(_mm256_load_ps(a), _mm256_load_ps(a + 8)));
 }
 
+__attribute__((target("avx512f,avx2,fma"))) float reduce_avx512(const float* lanes) {
+  return hsum512(_mm512_loadu_ps(lanes));
+}
+
 template <int MB, int R>
 __attribute__((target("avx512f,avx2,fma"))) void block_avx512(const Tile& t) {
   __m512 acc[MB][R];
@@ -626,6 +630,15 @@ void tile_f32(LinearIsa isa, int mb, int rows, const float* x, int64_t ldx, cons
 
 void run_parallel(int parts, void (*fn)(void*, int), void* ctx, bool own_threads) {
   parallel_parts(parts, fn, ctx, own_threads);
+}
+
+float reduce_avx512_lanes(const float* lanes) {
+#if VERISPEC_X86
+  return reduce_avx512(lanes);  // callers run AVX-512 code already
+#else
+  (void)lanes;
+  return NAN;  // never called without AVX-512
+#endif
 }
 
 LinearIsa resolve_isa(LinearIsa isa) { return isa == LinearIsa::kAuto ? linear_best_isa() : isa; }

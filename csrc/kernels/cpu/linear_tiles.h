@@ -19,6 +19,11 @@ int tile_rows(LinearIsa isa);
 void tile_f32(LinearIsa isa, int mb, int rows, const float* x, int64_t ldx, const float* w,
               int64_t ldw, float* y, int64_t ldy, int64_t k);
 
+// The horizontal sum of a 16-lane AVX-512 accumulator (lanes[0..16)) exactly as
+// linear_f32's AVX-512 kernels reduce theirs: a kernel that keeps linear_f32's lane
+// sums itself (quant_linear.cpp's fused AVX-512 path) finishes with this.
+float reduce_avx512_lanes(const float* lanes);
+
 // Runs fn(ctx, part) for every part in [0, parts) in parallel: on the loaded OpenMP
 // runtime's team (torch's) unless own_threads, else on linear.cpp's worker pool.
 void run_parallel(int parts, void (*fn)(void*, int), void* ctx, bool own_threads);

@@ -7,9 +7,11 @@
 #include "verispec/quant.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "linear_tiles.h"
@@ -232,6 +234,113 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void dequant_
     _mm512_storeu_ps(dst + 16, wh);
   }
 }
+
+// ---- fused AVX-512 products for the 32-weight formats, up to kLinearRowBlock rows -------
+//
+// At few rows the buffered path spends as much on storing and reloading the float tile
+// as on the products. Here a block's 32 weights are unpacked into two registers and used
+// at once. Each output keeps the AVX-512 float kernel's 16 lane sums, one FMA per 16
+// weights in order, and its final reduction (reduce_avx512_lanes): the same float
+// sequence as linear_f32 over the dequantized row, bit for bit (K is a multiple of 32,
+// so there is no masked tail), so the rounding rule does not change.
+
+struct Block32 {
+  __m512 lo, hi;  // weights 0..15, 16..31
+};
+
+template <QuantType T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) inline Block32
+unpack32(const uint8_t* src) {
+  const __m512 d = _mm512_set1_ps(half_f16c(src));
+  if (T == QuantType::kQ8_0) {
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 18));
+    return {_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0))),
+            _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)))};
+  }
+  const bool q41 = T == QuantType::kQ4_1;
+  const __m512i bytes =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (q41 ? 4 : 2))));
+  __m512i lo = _mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)), hi = _mm512_srli_epi32(bytes, 4);
+  if (!q41) {
+    lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
+    hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
+  }
+  __m512 wl = _mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), wh = _mm512_mul_ps(d, _mm512_cvtepi32_ps(hi));
+  if (q41) {
+    const __m512 m = _mm512_set1_ps(half_f16c(src + 2));
+    wl = _mm512_add_ps(wl, m);
+    wh = _mm512_add_ps(wh, m);
+  }
+  return {wl, wh};
+}
+
+struct FusedTile {
+  const float* x;
+  const uint8_t* w;  // the tile's first weight row
+  float* y;
+  int64_t ldx, ldw, ldy, blocks;
+};
+
+// y[0..MB) x [0..R) for R weight rows.
+template <QuantType T, int MB, int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void fused_avx512(
+    const FusedTile& t) {
+  __m512 acc[MB][R];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const int64_t size = quant_block_bytes(T);
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    Block32 wv[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* src = t.w + r * t.ldw + b * size;
+      _mm_prefetch(reinterpret_cast<const char*>(src + 512), _MM_HINT_T0);
+      wv[r] = unpack32<T>(src);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m512 x0 = _mm512_loadu_ps(t.x + m * t.ldx + 32 * b);
+      const __m512 x1 = _mm512_loadu_ps(t.x + m * t.ldx + 32 * b + 16);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        acc[m][r] = _mm512_fmadd_ps(x0, wv[r].lo, acc[m][r]);
+        acc[m][r] = _mm512_fmadd_ps(x1, wv[r].hi, acc[m][r]);
+      }
+    }
+  }
+  alignas(64) float lanes[16];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(lanes, acc[m][r]);
+      t.y[m * t.ldy + r] = linear_detail::reduce_avx512_lanes(lanes);
+    }
+}
+
+using FusedFn = void (*)(const FusedTile&);
+// Weight rows in flight: 8 x 2 sums + 2 x 2 weights + 2 x = 22 of 32 registers.
+constexpr int kFusedRows = 2;
+
+template <QuantType T, size_t... I>
+constexpr std::array<FusedFn, 2 * kLinearRowBlock> fused_table(std::index_sequence<I...>) {
+  return {&fused_avx512<T, static_cast<int>(I) + 1, kFusedRows>...,
+          &fused_avx512<T, static_cast<int>(I) + 1, 1>...};
+}
+
+// [mb - 1] for kFusedRows rows, [kLinearRowBlock + mb - 1] for one; nullptr: no fused path.
+const FusedFn* fused_for(QuantType type) {
+  static constexpr auto q8 = fused_table<QuantType::kQ8_0>(std::make_index_sequence<kLinearRowBlock>{});
+  static constexpr auto q40 = fused_table<QuantType::kQ4_0>(std::make_index_sequence<kLinearRowBlock>{});
+  static constexpr auto q41 = fused_table<QuantType::kQ4_1>(std::make_index_sequence<kLinearRowBlock>{});
+  switch (type) {
+    case QuantType::kQ8_0: return q8.data();
+    case QuantType::kQ4_0: return q40.data();
+    case QuantType::kQ4_1: return q41.data();
+    default: return nullptr;
+  }
+}
 #endif
 
 // The vector dequantizers also need F16C (every AVX2 CPU so far has it) and, for
@@ -255,13 +364,40 @@ struct Job {
   DequantFn dequant;
   int wide;
   int64_t cols_per_part;
+  const void* fused;  // the FusedFn table when the fused AVX-512 path runs this call
 };
+
+#if VERISPEC_X86
+void run_part_fused(const Job& job, int64_t n0, int64_t n1) {
+  const QuantLinearArgs& a = *job.args;
+  const FusedFn* table = static_cast<const FusedFn*>(job.fused);
+  const int mb = static_cast<int>(a.m);  // <= kLinearRowBlock on this path
+  FusedTile t{a.x, nullptr, nullptr, a.ldx, a.ldw, a.ldy, a.k / 32};
+  int64_t n = n0;
+  for (; n + kFusedRows <= n1; n += kFusedRows) {
+    t.w = a.w + n * a.ldw;
+    t.y = a.y + n;
+    table[mb - 1](t);
+  }
+  for (; n < n1; ++n) {
+    t.w = a.w + n * a.ldw;
+    t.y = a.y + n;
+    table[kLinearRowBlock + mb - 1](t);
+  }
+}
+#endif
 
 void run_part(void* ctx, int part) {
   const Job& job = *static_cast<const Job*>(ctx);
   const QuantLinearArgs& a = *job.args;
   const int64_t n0 = part * job.cols_per_part;
   const int64_t n1 = std::min(a.n, n0 + job.cols_per_part);
+#if VERISPEC_X86
+  if (job.fused != nullptr) {
+    run_part_fused(job, n0, n1);
+    return;
+  }
+#endif
   const int64_t blocks = a.k / quant_block_elems(a.type);
   // The dequantized tile: `wide` rows of k floats (18 KB for k = 1536 and 3 rows).
   thread_local std::vector<float> tile;
@@ -362,7 +498,13 @@ std::string quant_linear_f32(const QuantLinearArgs& a) {
   int64_t per = (a.n + parts - 1) / parts;
   per = (per + wide - 1) / wide * wide;
   parts = (a.n + per - 1) / per;
-  Job job{&a, isa, dequant_for(isa), wide, per};
+  const DequantFn dequant = dequant_for(isa);
+  const void* fused = nullptr;
+#if VERISPEC_X86
+  // The fused path: the vector dequantizers of AVX-512 run here, at most one row block.
+  if (dequant == &dequant_avx512 && a.m <= kLinearRowBlock) fused = fused_for(a.type);
+#endif
+  Job job{&a, isa, dequant, wide, per, fused};
   linear_detail::run_parallel(static_cast<int>(parts), &run_part, &job, a.own_threads);
   return "";
 }
