@@ -152,9 +152,10 @@ void dequant_scalar(QuantType type, const uint8_t* src, int64_t blocks, float* d
   dequant_row(type, src, blocks, dst);
 }
 #if VERISPEC_X86
-// The 32-weight formats with explicit vectors (the compiler's vectorization of the plain
-// loops is several times slower); the products and sums are the plain loops' (mul, then
-// add: no fused multiply-add), so the weights are the same bits. K-quants: plain loops.
+// Explicit vectors (the compiler's vectorization of the plain loops is several times
+// slower); the products and sums are the plain loops' (mul, then add or subtract: no
+// fused multiply-add), so the weights are the same bits. AVX2: the 32-weight formats
+// (K-quants run the plain loops); AVX-512: every format.
 // A half scale with the F16C instruction (exact, as half_to_float).
 __attribute__((target("f16c"))) inline float half_f16c(const uint8_t* p) {
   return _cvtsh_ss(load_u16(p));
@@ -199,10 +200,71 @@ __attribute__((target("avx2,fma,f16c"))) void dequant_avx2(QuantType type, const
   }
 }
 
+// 16 bytes at p as 16 int32 lanes.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) inline __m512i
+bytes16(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Lanes shifted right by a count known at run time.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) inline __m512i
+shift_right(__m512i v, int count) {
+  return _mm512_srl_epi32(v, _mm_cvtsi32_si128(count));
+}
+
+// The K-quants with AVX-512: the plain loops' expressions on 16 weights at a time.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void dequant_k_avx512(
+    QuantType type, const uint8_t* src, int64_t blocks, float* dst) {
+  const __m512i low4 = _mm512_set1_epi32(0x0F), one = _mm512_set1_epi32(1),
+                three = _mm512_set1_epi32(3), n32 = _mm512_set1_epi32(32);
+  if (type == QuantType::kQ6_K) {
+    for (int64_t b = 0; b < blocks; ++b, src += 210, dst += 256) {
+      const float d = half_f16c(src + 208);
+      const int8_t* scales = reinterpret_cast<const int8_t*>(src + 192);
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = src + 64 * h;
+        const uint8_t* qh = src + 128 + 32 * h;
+        for (int g = 0; g < 8; ++g) {
+          const __m512 a = _mm512_set1_ps(d * static_cast<float>(scales[8 * h + g]));
+          const int quarter = g / 2, l0 = 16 * (g & 1);
+          const __m512i lo = _mm512_and_si512(
+              shift_right(bytes16(ql + (quarter & 1) * 32 + l0), (quarter / 2) * 4), low4);
+          const __m512i hi = _mm512_and_si512(shift_right(bytes16(qh + l0), 2 * quarter), three);
+          const __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), n32);
+          _mm512_storeu_ps(dst + 128 * h + 32 * quarter + l0, _mm512_mul_ps(a, _mm512_cvtepi32_ps(q)));
+        }
+      }
+    }
+    return;
+  }
+  const bool five = type == QuantType::kQ5_K;
+  const int64_t size = five ? 176 : 144;
+  for (int64_t b = 0; b < blocks; ++b, src += size, dst += 256) {
+    const float d = half_f16c(src), dmin = half_f16c(src + 2);
+    const uint8_t* qh = src + 16;
+    const uint8_t* qs = src + (five ? 48 : 16);
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      scale_min_k4(src + 4, j, &sc, &mn);
+      const __m512 a = _mm512_set1_ps(d * static_cast<float>(sc));
+      const __m512 c = _mm512_set1_ps(dmin * static_cast<float>(mn));
+      for (int half = 0; half < 2; ++half) {
+        __m512i q = _mm512_and_si512(
+            shift_right(bytes16(qs + 32 * (j / 2) + 16 * half), (j & 1) * 4), low4);
+        if (five)
+          q = _mm512_or_si512(q, _mm512_slli_epi32(
+                                     _mm512_and_si512(shift_right(bytes16(qh + 16 * half), j), one), 4));
+        _mm512_storeu_ps(dst + 32 * j + 16 * half,
+                         _mm512_sub_ps(_mm512_mul_ps(a, _mm512_cvtepi32_ps(q)), c));
+      }
+    }
+  }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void dequant_avx512(
     QuantType type, const uint8_t* src, int64_t blocks, float* dst) {
   if (type != QuantType::kQ8_0 && type != QuantType::kQ4_0 && type != QuantType::kQ4_1) {
-    dequant_row(type, src, blocks, dst);
+    dequant_k_avx512(type, src, blocks, dst);
     return;
   }
   const __m512i low4 = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
