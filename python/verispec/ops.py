@@ -30,7 +30,7 @@ import torch
 from verispec import _C
 from verispec._policy import fold_greedy, policy_error
 
-__all__ = ["DeferredErrors", "apply_policy", "deferred_errors", "linear", "sample", "verify",
+__all__ = ["DeferredErrors", "apply_policy", "deferred_errors", "linear", "quant_linear", "sample", "verify",
            "verify_keyed", "verify_tree"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -329,6 +329,51 @@ def linear(x, weight, *, out=None, num_threads=None, isa="auto"):
     if weight.shape[1] > 1 and weight.stride(1) != 1 and weight.shape[0] > 1 and weight.stride(0) != 1:
         weight = weight.contiguous()
     _C.linear(_last_dim_contiguous(x), weight, out, num_threads, isa)
+    return out
+
+
+def quant_linear(x, weight, fmt, *, out=None, num_threads=None, isa="auto"):
+    """``x @ dequantize(weight).T`` with ``weight`` kept in a GGUF block format: ``x``
+    float32 CPU [M, K]; ``weight`` uint8 CPU [N, row_bytes], each row K / block blocks of
+    format ``fmt`` ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K" or "Q6_K") -> float32 [M, N].
+
+    The kernel dequantizes a few weight rows at a time into cache and runs
+    ``linear``'s float32 arithmetic on them: each output is the float32 dot product of
+    ``linear`` over the exactly dequantized row (same batch invariance: bitwise the same
+    whatever M, the row's position, strides and the thread count). Against a float64
+    product of the dequantized weights the error is within K * 2^-24 * sum |x_k w_k|.
+    """
+    from verispec.models.quantized import QUANT_FORMATS, row_bytes
+
+    op = "quant_linear"
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"{op}: fmt must be one of {', '.join(QUANT_FORMATS)}, got {fmt!r}")
+    for name, t, dt in (("x", x, torch.float32), ("weight", weight, torch.uint8)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2 or t.dtype != dt or t.device.type != "cpu":
+            raise ValueError(f"{op}: {name} must be a 2-D {dt} CPU tensor, got {_describe(t)} "
+                             f"on {t.device}")
+    k, block = x.shape[1], QUANT_FORMATS[fmt][1]
+    if k % block:
+        raise ValueError(f"{op}: x.shape[1] (K) must be a multiple of {fmt}'s block of {block}, "
+                         f"got {k}")
+    if weight.shape[1] != row_bytes(fmt, k):
+        raise ValueError(f"{op}: weight must be [N, {row_bytes(fmt, k)}] ({fmt} rows of K = {k}), "
+                         f"got {list(weight.shape)}")
+    if num_threads is None:
+        num_threads = torch.get_num_threads()
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"{op}: num_threads must be an int >= 1, got {num_threads!r}")
+    shape = (x.shape[0], weight.shape[0])
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    elif not isinstance(out, torch.Tensor) or out.dtype != torch.float32 \
+            or out.device.type != "cpu" or tuple(out.shape) != shape:
+        got = _describe(out) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{op}: out must be a float32 CPU tensor {list(shape)}, got {got}")
+    _C.quant_linear(_last_dim_contiguous(x), _last_dim_contiguous(weight),
+                    QUANT_FORMATS[fmt][0], out, num_threads, isa)
     return out
 
 

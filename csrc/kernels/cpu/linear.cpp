@@ -8,6 +8,8 @@
 // which elements are computed together, never how one is computed.
 #include "verispec/linear.h"
 
+#include "linear_tiles.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -349,6 +351,10 @@ __attribute__((target("avx512f,avx2,fma"))) inline float hsum512(__m512 v) {
   return hsum256(_mm256_add_ps(_mm256_load_ps(a), _mm256_load_ps(a + 8)));
 }
 
+__attribute__((target("avx512f,avx2,fma"))) float reduce_avx512(const float* lanes) {
+  return hsum512(_mm512_loadu_ps(lanes));
+}
+
 template <int MB, int R>
 __attribute__((target("avx512f,avx2,fma"))) void block_avx512(const Tile& t) {
   __m512 acc[MB][R];
@@ -610,6 +616,34 @@ bool overlaps(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
 }
 
 }  // namespace
+
+namespace linear_detail {
+
+int tile_rows(LinearIsa isa) { return kernels_for(isa).wide; }
+
+void tile_f32(LinearIsa isa, int mb, int rows, const float* x, int64_t ldx, const float* w,
+              int64_t ldw, float* y, int64_t ldy, int64_t k) {
+  const IsaKernels& kern = kernels_for(isa);
+  const Tile t{x, w, y, ldx, ldw, ldy, k};
+  (rows == 1 ? kern.one_fn : kern.wide_fn)[mb - 1](t);
+}
+
+void run_parallel(int parts, void (*fn)(void*, int), void* ctx, bool own_threads) {
+  parallel_parts(parts, fn, ctx, own_threads);
+}
+
+float reduce_avx512_lanes(const float* lanes) {
+#if VERISPEC_X86
+  return reduce_avx512(lanes);  // callers run AVX-512 code already
+#else
+  (void)lanes;
+  return NAN;  // never called without AVX-512
+#endif
+}
+
+LinearIsa resolve_isa(LinearIsa isa) { return isa == LinearIsa::kAuto ? linear_best_isa() : isa; }
+
+}  // namespace linear_detail
 
 bool linear_isa_supported(LinearIsa isa) {
   switch (isa) {

@@ -16,6 +16,7 @@ from verispec.models.base import KVPools, Model, ModelGeometry, PagedBatch
 from verispec.models.hf import ATTN_IMPLEMENTATION, HFModel
 from verispec.models.llama import LlamaConfig, LlamaModel, LlamaWeights, TPShard, shard_weights
 from verispec.models.loaders import KNOWN_MODELS, load, load_model, load_tokenizer
+from verispec.models.quantized import QuantizedMatrix
 from verispec.models.tokenizer import Tokenizer
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "Model",
     "ModelGeometry",
     "PagedBatch",
+    "QuantizedMatrix",
     "TPShard",
     "Tokenizer",
     "load",

@@ -80,10 +80,19 @@ class GGUFFile:
         for name, shape, ggml_type, offset in entries:
             if ggml_type not in GGML_QUANT_SIZES:
                 raise ValueError(f"{self.path}: tensor {name} has unknown ggml type {ggml_type}")
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+            qtype = GGMLQuantizationType(ggml_type)
+            block, type_size = GGML_QUANT_SIZES[qtype]
             n = int(np.prod(shape)) if shape else 1
-            self.tensors[name] = TensorInfo(name, shape, ggml_type, data_start + offset,
-                                            n // block * type_size)
+            row = shape[-1] if shape else 1
+            if row % block:
+                raise ValueError(f"{self.path}: tensor {name} is {qtype.name} (blocks of {block}) "
+                                 f"but its rows have {row} elements, not a multiple of {block}")
+            nbytes = n // block * type_size
+            if data_start + offset + nbytes > len(buf):
+                raise ValueError(f"{self.path}: tensor {name} ({qtype.name} {list(shape)}) needs "
+                                 f"{nbytes} bytes at offset {data_start + offset}, but the file "
+                                 f"has {len(buf)} bytes")
+            self.tensors[name] = TensorInfo(name, shape, ggml_type, data_start + offset, nbytes)
 
     def _string(self, pos: int) -> tuple[str, int]:
         (n,) = struct.unpack_from("<Q", self._map, pos)
@@ -107,6 +116,22 @@ class GGUFFile:
                 values.append(v)
             return values, pos
         raise ValueError(f"{self.path}: unknown GGUF metadata value type {vtype} at byte {pos}")
+
+    def quantized(self, name: str) -> "QuantizedMatrix | None":
+        """Matrix ``name`` kept in its quantized format (a copy of the file's blocks), or
+        None when its type is not one of verispec's quantized kernels' (floats, other
+        quantizations: read those with ``tensor``)."""
+        from verispec.models.quantized import QuantizedMatrix, quant_format_name
+
+        if name not in self.tensors:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        info = self.tensors[name]
+        fmt = quant_format_name(info.ggml_type)
+        if fmt is None or len(info.shape) != 2:
+            return None
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        data = torch.from_numpy(np.array(raw, copy=True)).view(info.shape[0], -1)
+        return QuantizedMatrix.from_bytes(data, fmt, info.shape[1])
 
     def tensor(self, name: str) -> torch.Tensor:
         """Tensor ``name`` dequantised to float32, in torch order ([rows, cols] for a matrix)."""
@@ -261,6 +286,20 @@ class LlamaGGUF(Mapping):
         if name.endswith("self_attn.k_proj.weight"):
             return unpermute_rows(w, self.config.num_key_value_heads)
         return w
+
+    def quantized(self, name: str) -> "QuantizedMatrix | None":
+        """Tensor ``name`` (a transformers name) kept quantized, Q/K rows un-permuted as
+        ``self[name]``; None when its format has no quantized kernel."""
+        from verispec.models.quantized import QuantizedMatrix, QuantPart
+
+        q = self.file.quantized(self._names[name])
+        heads = (self.config.num_attention_heads if name.endswith("self_attn.q_proj.weight")
+                 else self.config.num_key_value_heads if name.endswith("self_attn.k_proj.weight")
+                 else None)
+        if q is None or heads is None:
+            return q
+        part = q.parts[0]
+        return QuantizedMatrix([QuantPart(part.fmt, unpermute_rows(part.data, heads).contiguous())], q.k)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from verispec import _C
 from verispec.models.base import ModelGeometry, PagedBatch, check_batch
+from verispec.models.quantized import QuantizedMatrix
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Attend all rows in one padded SDPA call while the padded work B * n_max * L_max is at
@@ -140,11 +141,20 @@ class LlamaWeights:
     @classmethod
     def from_state_dict(cls, config: LlamaConfig, state: Mapping[str, torch.Tensor], *,
                         device: torch.device | str = "cpu",
-                        dtype: torch.dtype = torch.float32) -> "LlamaWeights":
+                        dtype: torch.dtype = torch.float32,
+                        quantized: bool = False) -> "LlamaWeights":
         """Weights from transformers' LlamaForCausalLM names (``model.layers.0.self_attn.q_proj.weight``...).
 
         ``state`` may be lazy (any Mapping): each tensor is read once, converted, fused.
+        ``quantized`` (CPU, float32 activations; ``state`` a LlamaGGUF): matrices stay in
+        the file's formats as QuantizedMatrix where verispec has a kernel for them
+        (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K); a fused projection with a piece in any other
+        format is dequantized to ``dtype``.
         """
+        if quantized and (torch.device(device).type != "cpu" or dtype != torch.float32
+                          or not hasattr(state, "quantized")):
+            raise ValueError(f"LlamaWeights: quantized weights need a GGUF state on the CPU with "
+                             f"dtype float32, got {type(state).__name__} on {device} in {dtype}")
         def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             if name not in state:
                 raise KeyError(f"LlamaWeights: missing tensor {name!r} (expected shape {list(shape)})")
@@ -154,6 +164,19 @@ class LlamaWeights:
                                  f"got {list(t.shape)}")
             return t.to(device=device, dtype=dtype)
 
+        def matrix(names: list[tuple[str, tuple[int, int]]]):
+            """The rows of `names` fused: a QuantizedMatrix when each is quantized, else
+            a float matrix in matmul_layout."""
+            if quantized:
+                parts = [state.quantized(name) if name in state else None for name, _ in names]
+                if all(p is not None for p in parts):
+                    for p, (name, shape) in zip(parts, names):
+                        if tuple(p.shape) != shape:
+                            raise ValueError(f"LlamaWeights: {name} must have shape {list(shape)}, "
+                                             f"got {list(p.shape)}")
+                    return parts[0] if len(parts) == 1 else QuantizedMatrix.cat(parts)
+            return matmul_layout(torch.cat([get(name, shape) for name, shape in names]))
+
         c = config
         h, q_dim = c.hidden_size, c.num_attention_heads * c.head_dim
         kv_dim = c.num_key_value_heads * c.head_dim
@@ -162,23 +185,23 @@ class LlamaWeights:
             p = f"model.layers.{i}."
             layers.append(LayerWeights(
                 attn_norm=get(p + "input_layernorm.weight", (h,)),
-                wqkv=matmul_layout(torch.cat([get(p + "self_attn.q_proj.weight", (q_dim, h)),
-                                              get(p + "self_attn.k_proj.weight", (kv_dim, h)),
-                                              get(p + "self_attn.v_proj.weight", (kv_dim, h))])),
-                wo=matmul_layout(get(p + "self_attn.o_proj.weight", (h, q_dim))),
+                wqkv=matrix([(p + "self_attn.q_proj.weight", (q_dim, h)),
+                             (p + "self_attn.k_proj.weight", (kv_dim, h)),
+                             (p + "self_attn.v_proj.weight", (kv_dim, h))]),
+                wo=matrix([(p + "self_attn.o_proj.weight", (h, q_dim))]),
                 mlp_norm=get(p + "post_attention_layernorm.weight", (h,)),
-                w_gate_up=matmul_layout(torch.cat([
-                    get(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
-                    get(p + "mlp.up_proj.weight", (c.intermediate_size, h))])),
-                w_down=matmul_layout(get(p + "mlp.down_proj.weight", (h, c.intermediate_size))),
+                w_gate_up=matrix([(p + "mlp.gate_proj.weight", (c.intermediate_size, h)),
+                                  (p + "mlp.up_proj.weight", (c.intermediate_size, h))]),
+                w_down=matrix([(p + "mlp.down_proj.weight", (h, c.intermediate_size))]),
             ))
-        embed = get("model.embed_tokens.weight", (c.vocab_size, h))
+        # One tensor for embedding and head when tied: the head's layout wins (a lookup
+        # of a few rows from a column-major table costs microseconds; the head's product
+        # is every step). A quantized table is looked up by dequantizing the rows read.
+        embed = matrix([("model.embed_tokens.weight", (c.vocab_size, h))])
         if c.tie_word_embeddings:
-            # One tensor for both: the head's layout wins (a lookup of a few rows from a
-            # column-major table costs microseconds; the head's product is every step).
-            embed = lm_head = matmul_layout(embed)
+            lm_head = embed
         else:
-            lm_head = matmul_layout(get("lm_head.weight", (c.vocab_size, h)))
+            lm_head = matrix([("lm_head.weight", (c.vocab_size, h))])
         return cls(embed=embed, layers=layers, final_norm=get("model.norm.weight", (h,)),
                    lm_head=lm_head)
 
@@ -493,6 +516,10 @@ class LlamaModel:
         self._layers = [(lw.attn_norm, lw.wqkv, lw.wo, lw.mlp_norm, lw.w_gate_up, lw.w_down)
                         for lw in w.layers]
         matrices = [m for lw in self._layers for m in (lw[1], lw[2], lw[4], lw[5])] + [w.lm_head]
+        #: Whether some matrices are kept quantized (QuantizedMatrix: products always in
+        #: verispec's quantized kernels, see QuantizedMatrix.linear).
+        self.quantized = any(isinstance(m, QuantizedMatrix) for m in matrices + [w.embed])
+        matrices = [m for m in matrices if not isinstance(m, QuantizedMatrix)]
         # verispec's kernel reads the column-major float32 CPU matrices, and pays off
         # only with vector instructions (its portable fallback is slower than MKL).
         self._native_linear_ok = (
@@ -565,7 +592,8 @@ class LlamaModel:
         cos = self._cos[positions][:, None, :]                                # [T, 1, hd]
         sin = self._sin[positions][:, None, :]
         linear = self._linear(num_tokens)
-        x = F.embedding(ids, w.embed)
+        x = (w.embed.dequantize(ids) if isinstance(w.embed, QuantizedMatrix)
+             else F.embedding(ids, w.embed))
         for (attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down), k_pool, v_pool in zip(
                 self._layers, batch.kv.k, batch.kv.v):
             qkv = linear(norm(x, attn_norm), wqkv).view(num_tokens, nh + 2 * nkv, hd)
@@ -587,7 +615,20 @@ class LlamaModel:
         return logits
 
     def _linear(self, num_tokens: int):
-        """x [T, in] @ w[out, in]^T for this forward: verispec's kernel or torch.mm."""
+        """x [T, in] @ w[out, in]^T for this forward: verispec's kernel or torch.mm (a
+        QuantizedMatrix: its own products, QuantizedMatrix.linear)."""
+        dense = self._dense_linear(num_tokens)
+        if not self.quantized:
+            return dense
+        threads = torch.get_num_threads()
+
+        def linear(x: torch.Tensor, w) -> torch.Tensor:
+            if isinstance(w, QuantizedMatrix):
+                return w.linear(x if x.is_contiguous() else x.contiguous(), threads)
+            return dense(x, w)
+        return linear
+
+    def _dense_linear(self, num_tokens: int):
         if (self.native_linear and self._native_linear_ok
                 and NATIVE_LINEAR_MIN_ROWS <= num_tokens <= NATIVE_LINEAR_MAX_ROWS):
             threads, native = torch.get_num_threads(), _C._linear_unchecked

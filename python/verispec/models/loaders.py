@@ -17,7 +17,9 @@ Which model runs it:
 Weights come from safetensors (single or sharded through model.safetensors.index.json).
 A name like "org/name" that is no path is looked up in the local Hugging Face cache only
 ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub): verispec never
-downloads. ``dtype=None``: float32 on CPU; on a GPU the checkpoint's dtype
+downloads. ``dtype=None``: on the CPU float32 activations, a GGUF's matrices kept in
+their quantized formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: verispec's quantized kernels;
+``dtype=torch.float32`` dequantizes them at load); on a GPU the checkpoint's dtype
 (config.json "dtype" / "torch_dtype") for Hugging Face folders, float32 for GGUF.
 ``device=None``: the CPU.
 
@@ -253,7 +255,11 @@ def _load(name_or_path: PathLike, device: Optional[DeviceLike], dtype: Optional[
 
         state = LlamaGGUF(path)
         tokenizer = read_tokenizer(lambda: tokenizer_from_gguf_metadata(state.file.metadata, path))
-        model = _native(state.config, state, device, dtype or torch.float32, max_context)
+        # On the CPU with dtype=None the matrices stay in the file's quantized formats
+        # (verispec's quantized kernels); dtype=torch.float32 dequantizes them at load.
+        quantized = dtype is None and device.type == "cpu"
+        model = _native(state.config, state, device, dtype or torch.float32, max_context,
+                        quantized=quantized)
     else:
         from verispec.models.hf_folder import SafetensorsFolder, check_safetensors, read_hf_config
 
@@ -272,11 +278,12 @@ def _load(name_or_path: PathLike, device: Optional[DeviceLike], dtype: Optional[
 
 
 def _native(config, state, device: torch.device, dtype: torch.dtype,
-            max_context: Optional[int]) -> Any:
+            max_context: Optional[int], quantized: bool = False) -> Any:
     from verispec.models.llama import LlamaModel, LlamaWeights
 
     with torch.no_grad():
-        weights = LlamaWeights.from_state_dict(config, state, device=device, dtype=dtype)
+        weights = LlamaWeights.from_state_dict(config, state, device=device, dtype=dtype,
+                                               quantized=quantized)
     return LlamaModel(config, weights, max_context=max_context)
 
 

@@ -1,0 +1,69 @@
+// Linear layers over GGUF-quantized weights, for a few rows (CPU): y = x w^T with w kept
+// in the file's block format ([N, K]: each weight row is K / block_elems blocks, rows
+// row_bytes apart). Framework-free: raw pointers, sizes, strides.
+//
+// Formats (ggml block layouts, little-endian; d, dmin, m: IEEE half floats):
+//   Q8_0 (32 elems, 34 B):  d, int8 q[32]                        w = d * q
+//   Q4_0 (32 elems, 18 B):  d, 16 B of nibbles (low: 0..15, high: 16..31)
+//                                                                 w = d * (q - 8)
+//   Q4_1 (32 elems, 20 B):  d, m, nibbles as Q4_0                  w = d * q + m
+//   Q4_K (256 elems, 144 B): d, dmin, 12 B of 6-bit scales/mins for 8 sub-blocks of 32,
+//        128 B of nibbles (sub-block 2j: low nibbles of bytes 32j.., 2j+1: high ones)
+//                                                                 w = (d*sc) * q - (dmin*mn)
+//   Q5_K (256 elems, 176 B): d, dmin, scales as Q4_K, 32 B of high bits (bit i of byte l:
+//        element 32i + l), 128 B of nibbles as Q4_K              q = nibble + 16 * bit
+//   Q6_K (256 elems, 210 B): 128 B low nibbles, 64 B of 2-bit highs, int8 scales[16] (one
+//        per 16 elements), d at the end                           w = (d*sc) * (q - 32)
+// Every weight is computed in float32 as written (products and the subtraction each
+// rounded once, no fused multiply-add), which is exactly what gguf.quants' numpy
+// dequantization computes: the dequantized weights are the same bits on every path.
+//
+// Arithmetic: the kernel dequantizes a tile of weight rows to float32 (in L1) and runs
+// linear.h's float32 tile kernels on it, so each output is the float sequence of
+// linear_f32 over the dequantized row (the rounding rule of linear.h, batch invariance
+// included: y[m, n] does not depend on M, on the row's position, on strides or on the
+// thread count; it depends on K and the instruction set only).
+// Accuracy against a float64 dot product of the same dequantized weights: the float32
+// sum of K products, |y - y64| <= (K / lanes + log2(lanes) + 1) * 2^-24 * sum_k |x_k w_k|
+// (lanes: 8 on scalar / AVX2, 16 on AVX-512); the tests check the looser K * 2^-24 * sum.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "verispec/linear.h"
+
+namespace verispec {
+
+// ggml's type ids for the supported formats.
+enum class QuantType : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+// Whether `type_id` is a supported ggml type id.
+bool quant_type_supported(int32_t type_id);
+const char* quant_type_name(QuantType type);
+int64_t quant_block_elems(QuantType type);  // weights per block
+int64_t quant_block_bytes(QuantType type);  // bytes per block
+
+struct QuantLinearArgs {
+  const float* x = nullptr;    // [m, k], row stride ldx (elements)
+  const uint8_t* w = nullptr;  // [n, k] in blocks of `type`, row stride ldw (bytes)
+  float* y = nullptr;          // [m, n], row stride ldy (elements)
+  int64_t m = 0, n = 0, k = 0;
+  int64_t ldx = 0, ldw = 0, ldy = 0;
+  QuantType type = QuantType::kQ8_0;
+  int num_threads = 1;         // threads that share the N dimension (the caller included)
+  LinearIsa isa = LinearIsa::kAuto;
+  bool own_threads = false;    // as LinearArgs::own_threads
+};
+
+// y = x w^T. Returns an empty string, or what is wrong with the arguments (nothing is
+// written then): k must be a multiple of the block size, ldw cover a row's blocks.
+std::string quant_linear_f32(const QuantLinearArgs& args);
+
+// out[r, 0..k) = the float32 weights of rows[r] of w ([n, k] blocks, row stride ldw
+// bytes); out row stride ldo elements. rows == nullptr: rows 0..count-1.
+std::string quant_dequantize_rows(QuantType type, const uint8_t* w, int64_t n, int64_t k,
+                                  int64_t ldw, const int64_t* rows, int64_t count, float* out,
+                                  int64_t ldo, LinearIsa isa = LinearIsa::kAuto);
+
+}  // namespace verispec

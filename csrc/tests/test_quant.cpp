@@ -1,0 +1,192 @@
+// The quantized CPU linear kernel (verispec/quant.h) under the sanitizers: for every
+// format and instruction set, the dequantized weights against an element-by-element
+// reference written from the block layouts (bit for bit), products against a double
+// product of those weights within the documented bound, bitwise batch invariance over
+// M, thread counts (the kernel's own workers: no OpenMP runtime here) and row strides,
+// and the argument errors.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "native_check.h"
+#include "verispec/linear.h"
+#include "verispec/quant.h"
+
+using namespace verispec;
+
+namespace {
+
+float half_bits_to_float(uint16_t h) {  // normal halves only (what the test writes)
+  const int exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  const float v = std::ldexp(1.0f + man / 1024.0f, exp - 15);
+  return (h & 0x8000) ? -v : v;
+}
+
+uint16_t u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+
+// Element e of the block at `b`, written from the layout in quant.h one element at a time.
+float reference_weight(QuantType t, const uint8_t* b, int e) {
+  switch (t) {
+    case QuantType::kQ8_0:
+      return half_bits_to_float(u16(b)) * static_cast<float>(static_cast<int8_t>(b[2 + e]));
+    case QuantType::kQ4_0: {
+      const int q = e < 16 ? (b[2 + e] & 15) : (b[2 + e - 16] >> 4);
+      return half_bits_to_float(u16(b)) * static_cast<float>(q - 8);
+    }
+    case QuantType::kQ4_1: {
+      const int q = e < 16 ? (b[4 + e] & 15) : (b[4 + e - 16] >> 4);
+      return half_bits_to_float(u16(b)) * static_cast<float>(q) + half_bits_to_float(u16(b + 2));
+    }
+    case QuantType::kQ4_K:
+    case QuantType::kQ5_K: {
+      const int sub = e / 32, l = e % 32;
+      const uint8_t* s = b + 4;
+      int sc, mn;
+      if (sub < 4) {
+        sc = s[sub] & 63;
+        mn = s[sub + 4] & 63;
+      } else {
+        sc = (s[sub + 4] & 15) | ((s[sub - 4] >> 6) << 4);
+        mn = (s[sub + 4] >> 4) | ((s[sub] >> 6) << 4);
+      }
+      const bool five = t == QuantType::kQ5_K;
+      const uint8_t byte = b[(five ? 48 : 16) + 32 * (sub / 2) + l];
+      int q = sub % 2 ? byte >> 4 : byte & 15;
+      if (five) q += ((b[16 + l] >> sub) & 1) << 4;
+      return (half_bits_to_float(u16(b)) * static_cast<float>(sc)) * static_cast<float>(q) -
+             half_bits_to_float(u16(b + 2)) * static_cast<float>(mn);
+    }
+    case QuantType::kQ6_K: {
+      const int half = e / 128, r = e % 128, quarter = r / 32, l = r % 32;
+      const uint8_t lo = b[64 * half + 32 * (quarter % 2) + l];
+      const int low = quarter < 2 ? lo & 15 : lo >> 4;
+      const int high = (b[128 + 32 * half + l] >> (2 * quarter)) & 3;
+      const int scale = static_cast<int8_t>(b[192 + e / 16]);
+      return (half_bits_to_float(u16(b + 208)) * static_cast<float>(scale)) *
+             static_cast<float>((low | (high << 4)) - 32);
+    }
+  }
+  return NAN;
+}
+
+// Random blocks with normal half scales of about 2^-7..2^-5.
+std::vector<uint8_t> random_rows(QuantType t, int64_t n, int64_t k, std::mt19937& rng) {
+  const int64_t bb = quant_block_bytes(t), blocks = n * k / quant_block_elems(t);
+  std::vector<uint8_t> w(static_cast<size_t>(blocks * bb));
+  for (auto& v : w) v = static_cast<uint8_t>(rng());
+  std::vector<int> halves;
+  if (t == QuantType::kQ6_K) halves = {208};
+  else if (t == QuantType::kQ4_1 || t == QuantType::kQ4_K || t == QuantType::kQ5_K) halves = {0, 2};
+  else halves = {0};
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int off : halves) {
+      const uint16_t h = static_cast<uint16_t>(((8 + rng() % 3) << 10) | (rng() & 0x3FF));
+      w[b * bb + off] = static_cast<uint8_t>(h & 0xFF);
+      w[b * bb + off + 1] = static_cast<uint8_t>(h >> 8);
+    }
+  return w;
+}
+
+void test_format(QuantType t, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t k = quant_block_elems(t) * 2, n = 41, rows = 17, ldx = k + 5;
+  const int64_t row_bytes = k / quant_block_elems(t) * quant_block_bytes(t);
+  const std::vector<uint8_t> w = random_rows(t, n, k, rng);
+  std::vector<float> ref(static_cast<size_t>(n * k));
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t block = j / quant_block_elems(t);
+      ref[r * k + j] = reference_weight(t, w.data() + r * row_bytes + block * quant_block_bytes(t),
+                                        static_cast<int>(j % quant_block_elems(t)));
+    }
+  std::vector<float> x(static_cast<size_t>(rows * ldx), NAN);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < k; ++j) x[r * ldx + j] = normal(rng);
+
+  for (LinearIsa isa : {LinearIsa::kScalar, LinearIsa::kAvx2, LinearIsa::kAvx512}) {
+    if (!linear_isa_supported(isa)) continue;
+    std::vector<float> deq(static_cast<size_t>(n * k));
+    CHECK(quant_dequantize_rows(t, w.data(), n, k, row_bytes, nullptr, n, deq.data(), k, isa).empty());
+    CHECK(std::memcmp(deq.data(), ref.data(), deq.size() * sizeof(float)) == 0);
+    const int64_t picked[] = {40, 3, 3};
+    std::vector<float> some(static_cast<size_t>(3 * k));
+    CHECK(quant_dequantize_rows(t, w.data(), n, k, row_bytes, picked, 3, some.data(), k, isa).empty());
+    CHECK(std::memcmp(some.data(), ref.data() + 40 * k, k * sizeof(float)) == 0);
+
+    std::vector<float> alone(static_cast<size_t>(rows * n));
+    for (int64_t r = 0; r < rows; ++r) {
+      QuantLinearArgs a;
+      a.x = x.data() + r * ldx; a.w = w.data(); a.y = alone.data() + r * n;
+      a.m = 1; a.n = n; a.k = k; a.ldx = ldx; a.ldw = row_bytes; a.ldy = n; a.type = t; a.isa = isa;
+      CHECK(quant_linear_f32(a).empty());
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < n; ++c) {
+        double exact = 0, scale = 0;
+        for (int64_t j = 0; j < k; ++j) {
+          exact += static_cast<double>(x[r * ldx + j]) * ref[c * k + j];
+          scale += std::fabs(static_cast<double>(x[r * ldx + j]) * ref[c * k + j]);
+        }
+        CHECK_NEAR(alone[r * n + c], exact, k * std::ldexp(1.0, -24) * scale + 1e-30);
+      }
+    for (int64_t m : {2, 8, 9, 16, 17})
+      for (int threads : {1, 2, 5}) {
+        std::vector<float> y(static_cast<size_t>(m * (n + 2)), NAN);
+        QuantLinearArgs a;
+        a.x = x.data(); a.w = w.data(); a.y = y.data();
+        a.m = m; a.n = n; a.k = k; a.ldx = ldx; a.ldw = row_bytes; a.ldy = n + 2;
+        a.type = t; a.num_threads = threads; a.isa = isa;
+        CHECK(quant_linear_f32(a).empty());
+        bool same = true;
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = 0; c < n; ++c)
+            same = same && std::memcmp(&y[r * (n + 2) + c], &alone[r * n + c], sizeof(float)) == 0;
+        CHECK(same);
+        CHECK(std::isnan(y[n]) && std::isnan(y[n + 1]));  // the row padding is not written
+      }
+  }
+}
+
+void test_errors() {
+  std::vector<uint8_t> w(2 * 18, 0);
+  std::vector<float> x(64, 1.0f), y(4, -1.0f);
+  QuantLinearArgs a;
+  a.x = x.data(); a.w = w.data(); a.y = y.data();
+  a.m = 2; a.n = 2; a.k = 32; a.ldx = 32; a.ldw = 18; a.ldy = 2; a.type = QuantType::kQ4_0;
+  a.k = 31;
+  a.ldx = 31;
+  CHECK(native_check::has(quant_linear_f32(a), "k must be a multiple of Q4_0's block of 32 weights, got k = 31"));
+  a.k = 32;
+  a.ldx = 32;
+  a.ldw = 17;
+  CHECK(native_check::has(quant_linear_f32(a), "ldw must cover a row's blocks: expected >= 18 bytes, got 17"));
+  a.ldw = 18;
+  a.num_threads = 0;
+  CHECK(native_check::has(quant_linear_f32(a), "num_threads must be >= 1"));
+  a.num_threads = 1;
+  a.type = static_cast<QuantType>(7);
+  CHECK(native_check::has(quant_linear_f32(a), "unsupported quantization type id 7"));
+  a.type = QuantType::kQ4_0;
+  CHECK(y[0] == -1.0f);
+  CHECK(quant_linear_f32(a).empty());
+  CHECK(y[0] == 0.0f);  // d = 0
+  const int64_t bad_row = 2;
+  std::vector<float> out(32);
+  CHECK(native_check::has(quant_dequantize_rows(QuantType::kQ4_0, w.data(), 2, 32, 18, &bad_row, 1,
+                                                out.data(), 32),
+                          "row index 2 at 0 is out of range [0, 2)"));
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937 rng(23);
+  for (QuantType t : {QuantType::kQ8_0, QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ4_K,
+                      QuantType::kQ5_K, QuantType::kQ6_K})
+    test_format(t, rng);
+  test_errors();
+  return native_check::check_summary("test_quant");
+}

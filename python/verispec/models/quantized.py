@@ -1,0 +1,146 @@
+"""Matrices kept in a GGUF file's quantized block formats (CPU), read by verispec's
+native kernels (verispec._C.quant_linear; the formats and the arithmetic are documented
+in csrc/include/verispec/quant.h and docs/design.md).
+
+A QuantizedMatrix is [N, K] as one or more row ranges ("parts"), each a uint8 tensor
+[rows, row_bytes] of one format: a fused projection (q|k|v, gate|up) whose pieces the
+file stores in different formats stays quantized part by part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from verispec import _C
+
+#: name -> (ggml type id, weights per block, bytes per block) of the supported formats.
+QUANT_FORMATS: dict[str, tuple[int, int, int]] = dict(_C.quant_formats())
+_NAMES = {tid: name for name, (tid, _, _) in QUANT_FORMATS.items()}
+# Rows dequantized at a time for a long product (prefill): 256 rows x 1536 floats = 1.5 MB.
+PREFILL_TILE_ROWS = 256
+
+
+def quant_format_name(type_id: int) -> Optional[str]:
+    """The name of a supported ggml type id ("Q4_1"), or None."""
+    return _NAMES.get(type_id)
+
+
+def row_bytes(fmt: str, k: int) -> int:
+    """Bytes of one row of K weights in format ``fmt`` (K a multiple of its block)."""
+    _, block, size = QUANT_FORMATS[fmt]
+    return k // block * size
+
+
+@dataclass(frozen=True)
+class QuantPart:
+    """Rows of a QuantizedMatrix in one format: ``data`` uint8 [rows, row_bytes]."""
+
+    fmt: str
+    data: torch.Tensor
+
+
+class QuantizedMatrix:
+    """An [N, K] weight matrix kept in ggml block formats (CPU), products in float32."""
+
+    dtype = torch.float32  # the dtype of its products and dequantized rows
+    device = torch.device("cpu")
+
+    def __init__(self, parts: Sequence[QuantPart], k: int):
+        if not parts:
+            raise ValueError("QuantizedMatrix: parts must not be empty")
+        for p in parts:
+            if p.fmt not in QUANT_FORMATS:
+                raise ValueError(f"QuantizedMatrix: format must be one of "
+                                 f"{', '.join(QUANT_FORMATS)}, got {p.fmt!r}")
+            block = QUANT_FORMATS[p.fmt][1]
+            if k % block:
+                raise ValueError(f"QuantizedMatrix: K = {k} is not a multiple of {p.fmt}'s "
+                                 f"block of {block} weights")
+            expected = row_bytes(p.fmt, k)
+            if (p.data.dtype != torch.uint8 or p.data.dim() != 2 or p.data.shape[1] != expected
+                    or p.data.device.type != "cpu" or not p.data.is_contiguous()):
+                raise ValueError(f"QuantizedMatrix: a {p.fmt} part must be a contiguous uint8 CPU "
+                                 f"tensor [rows, {expected}], got {p.data.dtype} "
+                                 f"{list(p.data.shape)} on {p.data.device}")
+        self.parts = tuple(parts)
+        self.k = k
+        self.shape = torch.Size((sum(p.data.shape[0] for p in parts), k))
+
+    @classmethod
+    def from_bytes(cls, data: torch.Tensor, fmt: str, k: int) -> "QuantizedMatrix":
+        return cls([QuantPart(fmt, data)], k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.numel() for p in self.parts)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(p.fmt for p in self.parts)
+
+    def dim(self) -> int:
+        return 2
+
+    def __repr__(self) -> str:
+        return f"QuantizedMatrix({list(self.shape)}, {'+'.join(self.formats)}, {self.nbytes} bytes)"
+
+    @staticmethod
+    def cat(matrices: Sequence["QuantizedMatrix"]) -> "QuantizedMatrix":
+        """Rows of ``matrices`` one after another (a fused projection); neighbouring parts
+        of one format are joined."""
+        k = matrices[0].k
+        if any(m.k != k for m in matrices):
+            raise ValueError(f"QuantizedMatrix.cat: every matrix must have K = {k}, got "
+                             f"{[m.k for m in matrices]}")
+        parts: list[QuantPart] = []
+        for p in (p for m in matrices for p in m.parts):
+            if parts and parts[-1].fmt == p.fmt:
+                parts[-1] = QuantPart(p.fmt, torch.cat([parts[-1].data, p.data]))
+            else:
+                parts.append(p)
+        return QuantizedMatrix(parts, k)
+
+    def dequantize(self, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """float32 [len(rows), K] (all rows when None): the exact dequantized weights."""
+        if rows is None:
+            out = torch.empty(self.shape, dtype=torch.float32)
+            n0 = 0
+            for p in self.parts:
+                n = p.data.shape[0]
+                _C.quant_dequantize(p.data, QUANT_FORMATS[p.fmt][0], self.k, None, out[n0:n0 + n])
+                n0 += n
+            return out
+        rows = rows.to(dtype=torch.long, device="cpu").reshape(-1)
+        if len(self.parts) == 1:
+            out = torch.empty((rows.numel(), self.k), dtype=torch.float32)
+            p = self.parts[0]
+            _C.quant_dequantize(p.data, QUANT_FORMATS[p.fmt][0], self.k, rows.contiguous(), out)
+            return out
+        return self.dequantize()[rows]
+
+    def linear(self, x: torch.Tensor, num_threads: int) -> torch.Tensor:
+        """x [M, K] float32 (contiguous) @ self^T -> [M, N]: the native few-row kernel for
+        M <= 16 (batch invariant, verispec/quant.h), dequantized tiles of
+        PREFILL_TILE_ROWS rows into torch.mm for longer products (prefill)."""
+        m = x.shape[0]
+        out = torch.empty((m, self.shape[0]), dtype=torch.float32)
+        n0 = 0
+        for p in self.parts:
+            n, tid = p.data.shape[0], QUANT_FORMATS[p.fmt][0]
+            if m <= 16:
+                _C._quant_linear_unchecked(x.data_ptr(), p.data.data_ptr(),
+                                           out.data_ptr() + 4 * n0, m, n, self.k, x.stride(0),
+                                           p.data.stride(0), out.stride(0), tid, num_threads)
+            else:
+                tile = torch.empty((min(n, PREFILL_TILE_ROWS), self.k), dtype=torch.float32)
+                for r0 in range(0, n, PREFILL_TILE_ROWS):
+                    r1 = min(n, r0 + PREFILL_TILE_ROWS)
+                    t = tile[:r1 - r0]
+                    _C.quant_dequantize(p.data[r0:r1], tid, self.k, None, t)
+                    torch.mm(x, t.t(), out=out[:, n0 + r0:n0 + r1])
+            n0 += n
+        return out

@@ -1,0 +1,326 @@
+"""Quantized weights on the CPU: verispec's kernels over GGUF block formats.
+
+Every format x instruction set: dequantization bit for bit as gguf.quants; products
+against a float64 product of the dequantized weights within a rounding bound (and a
+perturbed block scale falls outside it); bitwise batch invariance; a quantized GGUF model
+against the same file dequantized to float32; greedy speculation on the quantized model
+equals its plain greedy output; bad files and arguments fail naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from verispec import _C, ops
+from verispec.models.quantized import QUANT_FORMATS, QuantizedMatrix, row_bytes
+
+ISAS = _C.linear_isas()
+FORMATS = list(QUANT_FORMATS)
+# byte offsets of the half-float scales in each format's block
+_HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+                "Q6_K": [208]}
+
+
+def random_blocks(fmt: str, n: int, k: int, *, seed: int, scale: float = 0.01) -> torch.Tensor:
+    """A random [n, k] matrix in format `fmt` (uint8 [n, row_bytes]): random quants and
+    scale bytes, the half-float scales set to normal values of about `scale`."""
+    _, block, size = QUANT_FORMATS[fmt]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    for off in _HALF_FIELDS[fmt]:
+        d = (scale * (0.5 + rng.random((n, k // block)))).astype(np.float16)
+        raw[:, :, off:off + 2] = d.view(np.uint8).reshape(n, k // block, 2)
+    return torch.from_numpy(raw.reshape(n, -1).copy())
+
+
+def gguf_dequantize(data: torch.Tensor, fmt: str) -> torch.Tensor:
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+    return torch.from_numpy(np.array(dequantize(data.numpy(), GGMLQuantizationType[fmt]),
+                                     dtype=np.float32))
+
+
+def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The documented bound (verispec/quant.h): K * 2^-24 * sum_k |x_k w_k|."""
+    return x.shape[1] * 2.0 ** -24 * (x.abs().double() @ w.abs().double().t()) + 1e-30
+
+
+def _k_for(fmt: str, blocks: int) -> int:
+    return QUANT_FORMATS[fmt][1] * blocks
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_matches_gguf(fmt, isa):
+    k = _k_for(fmt, 3)
+    data = random_blocks(fmt, 11, k, seed=1)
+    want = gguf_dequantize(data, fmt)
+    out = torch.empty(11, k)
+    _C.quant_dequantize(data, QUANT_FORMATS[fmt][0], k, None, out, isa)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    rows = torch.tensor([10, 0, 3, 3])
+    assert torch.equal(QuantizedMatrix.from_bytes(data, fmt, k).dequantize(rows), want[rows])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,n,blocks", [(1, 1, 1), (3, 7, 2), (8, 40, 3), (16, 33, 1), (5, 300, 6)])
+def test_matches_float64(fmt, isa, m, n, blocks):
+    k = _k_for(fmt, blocks)
+    data = random_blocks(fmt, n, k, seed=m * 100 + n)
+    w = gguf_dequantize(data, fmt)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    y = ops.quant_linear(x, data, fmt, isa=isa, num_threads=2)
+    err = (y.double() - x.double() @ w.double().t()).abs()
+    assert (err <= bound(x, w)).all(), f"max error {err.max().item():.3g}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bound_catches_a_perturbed_scale(fmt):
+    """The value check can fail: the kernel fed a matrix whose first block scale of row 2
+    is 1% off gives outputs outside the bound of the true weights."""
+    k = _k_for(fmt, 2)
+    data = random_blocks(fmt, 6, k, seed=5)
+    w = gguf_dequantize(data, fmt)
+    bad = data.clone()
+    off = _HALF_FIELDS[fmt][0]
+    d = bad[2, off:off + 2].view(torch.float16)
+    bad[2, off:off + 2] = (d * 1.01).view(torch.uint8)
+    x = torch.randn(4, k, generator=torch.Generator().manual_seed(0))
+    ok = (ops.quant_linear(x, data, fmt).double() - x.double() @ w.double().t()).abs() <= bound(x, w)
+    assert ok.all()
+    ok_bad = (ops.quant_linear(x, bad, fmt).double() - x.double() @ w.double().t()).abs() <= bound(x, w)
+    assert not ok_bad[:, 2].any() and ok_bad[:, [0, 1, 3, 4, 5]].all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rows_do_not_depend_on_the_rest_of_the_call(fmt, isa):
+    """Bitwise: each row alone == that row in any call of 1..16 rows, at any position,
+    with 1 or 2 threads, on either thread backend, and with strided rows."""
+    k = _k_for(fmt, 2)
+    n = 70
+    data = random_blocks(fmt, n, k, seed=9)
+    g = torch.Generator().manual_seed(3)
+    xs = torch.randn(16, k, generator=g)
+    alone = torch.stack([ops.quant_linear(xs[i:i + 1], data, fmt, isa=isa, num_threads=1)[0]
+                         for i in range(16)])
+    wide = torch.zeros(16, k + 13)
+    wide[:, 5:5 + k] = xs
+    for m in range(1, 17):
+        for start in {0, 16 - m}:
+            for threads in (1, 2):
+                y = ops.quant_linear(xs[start:start + m], data, fmt, isa=isa, num_threads=threads)
+                assert torch.equal(y, alone[start:start + m]), (m, start, threads)
+        strided = wide[:m, 5:5 + k]
+        out = torch.empty(m, n)
+        _C.quant_linear(strided, data, QUANT_FORMATS[fmt][0], out, 2, isa, True)
+        assert torch.equal(out, alone[:m])
+    # the float kernel over the dequantized rows gives the same bits (one rounding rule)
+    w = gguf_dequantize(data, fmt)
+    assert torch.equal(ops.linear(xs, w, isa=isa, num_threads=1), alone)
+
+
+def test_quantized_matrix_parts_and_prefill_tiles(monkeypatch):
+    """A matrix of parts in different formats: products of few rows (native kernel) and
+    of many rows (dequantized tiles into torch.mm) both match its dequantized rows."""
+    import verispec.models.quantized as qm
+    k = 256
+    parts = [QuantizedMatrix.from_bytes(random_blocks(f, n, k, seed=n), f, k)
+             for f, n in (("Q4_K", 5), ("Q6_K", 9), ("Q6_K", 3), ("Q8_0", 4))]
+    q = QuantizedMatrix.cat(parts)
+    assert q.formats == ("Q4_K", "Q6_K", "Q8_0") and tuple(q.shape) == (21, k)
+    w = q.dequantize()
+    assert torch.equal(w, torch.cat([p.dequantize() for p in parts]))
+    monkeypatch.setattr(qm, "PREFILL_TILE_ROWS", 4)
+    for m in (3, 16, 40):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        err = (q.linear(x, 2).double() - x.double() @ w.double().t()).abs()
+        assert (err <= bound(x, w)).all()
+
+
+def test_argument_errors():
+    data = random_blocks("Q4_0", 4, 64, seed=0)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="fmt must be one of Q4_0, .*got 'Q5_0'"):
+        ops.quant_linear(x, data, "Q5_0")
+    with pytest.raises(ValueError, match=r"weight must be \[N, 36\] \(Q4_0 rows of K = 64\), got \[4, 40\]"):
+        ops.quant_linear(x, torch.zeros(4, 40, dtype=torch.uint8), "Q4_0")
+    with pytest.raises(ValueError, match="multiple of Q4_K's block of 256, got 64"):
+        ops.quant_linear(x, data, "Q4_K")
+    with pytest.raises(ValueError, match="quant_type must be a supported ggml type id .* got 7"):
+        _C.quant_linear(x, data, 7, torch.empty(2, 4), 1)
+    with pytest.raises(ValueError, match="row index 4 at 1 is out of range"):
+        _C.quant_dequantize(data, 2, 64, torch.tensor([0, 4]), torch.empty(2, 64))
+    missing = [i for i in ("avx2", "avx512") if i not in ISAS]
+    if missing:
+        with pytest.raises(ValueError, match=f"instruction set {missing[0]} is not supported"):
+            ops.quant_linear(x, data, "Q4_0", isa=missing[0])
+
+
+# --- a quantized GGUF model -----------------------------------------------------------
+
+HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 300, 2
+# formats of each layer's tensors: K-quants and 32-blocks, mixed inside the fused q|k|v
+LAYER_FORMATS = [
+    {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q8_0",
+     "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q6_K"},
+    {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
+     "ffn_gate": "Q5_K", "ffn_up": "Q5_K", "ffn_down": "Q4_0"},
+]
+
+
+def write_quantized_gguf(path, *, seed=0, tied=False, formats=LAYER_FORMATS, tamper=None):
+    """A tiny random Llama GGUF whose matrices are in ggml block formats (random blocks:
+    verispec's own test quantizer) and whose norms are F32. `tamper(name, fmt, data)`
+    may change a tensor's bytes / format before it is written."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTER)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(VOCAB)
+    rng = np.random.default_rng(seed)
+    hd = HIDDEN // HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * hd, HIDDEN),
+              "attn_v": (KV_HEADS * hd, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
+              "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
+
+    def add(name, fmt, shape, counter=[0]):
+        counter[0] += 1
+        data = random_blocks(fmt, shape[0], shape[1], seed=seed * 1000 + counter[0],
+                             scale=0.4 / shape[1] ** 0.5 / (8 if fmt == "Q8_0" else 1)).numpy()
+        if tamper is not None:
+            fmt, data = tamper(name, fmt, data)
+        w.add_tensor(name, data, raw_dtype=GGMLQuantizationType[fmt])
+
+    add("token_embd.weight", "Q8_0", (VOCAB, HIDDEN))
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    if not tied:
+        add("output.weight", "Q6_K", (VOCAB, HIDDEN))
+    for i in range(LAYERS):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight",
+                         (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        for name, shape in shapes.items():
+            add(f"blk.{i}.{name}.weight", formats[i][name], shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def quantized_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quant")
+    return {tied: write_quantized_gguf(d / f"tiny_{tied}.gguf", tied=tied, seed=int(tied))
+            for tied in (False, True)}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantized_model_matches_dequantized_float32(quantized_files, tied):
+    """load(path) keeps every matrix quantized (resident bytes ~ the file's); its logits
+    equal load(path, dtype=float32)'s within the rounding of the products."""
+    import os
+
+    from verispec.models import load_model
+    from verispec.models.testing import PagedRunner
+
+    path = quantized_files[tied]
+    q = load_model(path)
+    f = load_model(path, dtype=torch.float32)
+    assert q.quantized and not f.quantized
+    lw = q.weights.layers[0]
+    assert isinstance(lw.wqkv, QuantizedMatrix) and lw.wqkv.formats == ("Q4_K", "Q5_K", "Q6_K")
+    assert isinstance(q.weights.embed, QuantizedMatrix)
+    assert (q.weights.lm_head is q.weights.embed) == tied
+    matrices = [q.weights.embed] + ([] if tied else [q.weights.lm_head]) + [
+        m for lw in q.weights.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
+    assert sum(m.nbytes for m in matrices) <= os.path.getsize(path)
+    assert torch.equal(q.weights.layers[1].w_down.dequantize(), f.weights.layers[1].w_down)
+    g = torch.Generator().manual_seed(2)
+    chunks = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (20, 1, 6, 17)]
+
+    def run(model):
+        runner = PagedRunner(model, num_blocks=16, block_size=8)
+        seq = runner.add_sequence()
+        return [runner.step({seq: c})[0] for c in chunks]
+
+    for a, b in zip(run(q), run(f)):
+        scale = b.abs().max().item()
+        assert (a - b).abs().max().item() <= 1e-4 * scale, (a - b).abs().max().item() / scale
+
+
+def test_quantized_verify_rows_equal_single_rows(quantized_files):
+    """A verify pass's last tokens get bitwise the logits a pass of just those tokens
+    gives them (the quantized projections are batch invariant)."""
+    from verispec.models import load_model
+    from verispec.models.testing import PagedRunner
+
+    model = load_model(quantized_files[False])
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, VOCAB, (12,), generator=g).tolist()
+    draft = torch.randint(0, VOCAB, (6,), generator=g).tolist()
+
+    def run(chunks):
+        runner = PagedRunner(model, num_blocks=16, block_size=8)
+        seq = runner.add_sequence()
+        return [runner.step({seq: c})[0] for c in chunks]
+
+    whole, split = run([prompt, draft]), run([prompt, draft[:4], draft[4:]])
+    assert torch.equal(whole[1][4:], split[2])
+
+
+@pytest.mark.parametrize("source", ["ngram", "early_exit"])
+def test_greedy_speculation_equals_plain_greedy_on_the_quantized_model(quantized_files, source):
+    from verispec.decoder import SpecDecoder
+    from verispec.drafters import EarlyExit, NGram
+    from verispec.models import load_model
+
+    model = load_model(quantized_files[True])
+    assert model.quantized
+    prompts = [[5, 17, 42, 42, 9, 100, 3, 7, 7, 50, 1], [88, 2, 13], [4, 4, 4, 4, 4, 4, 4]]
+    plain = SpecDecoder(model, None, num_blocks=64, block_size=4)
+    want = [r.tokens for r in plain.generate(prompts, max_new_tokens=20, greedy=True)]
+    draft = NGram(1, 3) if source == "ngram" else EarlyExit(model, num_layers=1)
+    dec = SpecDecoder(model, draft, k=3, num_blocks=64, block_size=4)
+    got = [r.tokens for r in dec.generate(prompts, max_new_tokens=20, greedy=True)]
+    assert got == want
+
+
+def test_bad_files(tmp_path):
+    from verispec.models import load_model
+
+    path = write_quantized_gguf(tmp_path / "good.gguf")
+    raw = bytearray(path.read_bytes())
+    # the tensor table entry of token_embd.weight: name, n_dims, dims (row length first),
+    # then its type id
+    name = b"token_embd.weight"
+    dims = raw.index(name) + len(name) + 4
+    at = dims + 2 * 8
+    assert int.from_bytes(raw[at:at + 4], "little") == 8  # Q8_0
+    assert int.from_bytes(raw[dims:dims + 8], "little") == HIDDEN
+    bad_size = bytearray(raw)
+    bad_size[dims:dims + 8] = (250).to_bytes(8, "little")  # not a whole number of blocks
+    (tmp_path / "bad_size.gguf").write_bytes(bytes(bad_size))
+    with pytest.raises(ValueError, match=r"tensor token_embd\.weight is Q8_0 \(blocks of 32\) "
+                                         r"but its rows have 250 elements"):
+        load_model(tmp_path / "bad_size.gguf")
+    raw[at:at + 4] = (77).to_bytes(4, "little")
+    (tmp_path / "unknown_type.gguf").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"tensor token_embd\.weight has unknown ggml type 77"):
+        load_model(tmp_path / "unknown_type.gguf")
+    short = tmp_path / "short.gguf"
+    short.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(ValueError, match=r"tensor \S+ \(\w+ \[\d+, \d+\]\) needs \d+ bytes at offset \d+, but the file has"):
+        load_model(short)
