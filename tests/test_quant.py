@@ -324,3 +324,19 @@ def test_bad_files(tmp_path):
     short.write_bytes(path.read_bytes()[:-1000])
     with pytest.raises(ValueError, match=r"tensor \S+ \(\w+ \[\d+, \d+\]\) needs \d+ bytes at offset \d+, but the file has"):
         load_model(short)
+
+
+def test_tensor_parallel_shard_refuses_quantized_weights(quantized_files):
+    """A quantized model cannot be sliced into shards: a clear error telling how to load
+    it (the CLI's --tp loads float32 itself)."""
+    from verispec import distributed
+    from verispec.models import load_model
+
+    model = load_model(quantized_files[False])
+    assert model.quantized
+
+    class OneRank:  # only rank and world size are read before the refusal
+        rank, world_size = 0, 2
+
+    with pytest.raises(ValueError, match="quantized weights.*dtype=torch.float32"):
+        distributed.shard(model, OneRank())

@@ -604,6 +604,8 @@ def _generate(args: argparse.Namespace, tp) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    if tp is not None and dtype is None:
+        dtype = torch.float32  # shards slice float weights (a GGUF is not kept quantized)
     k = args.k
     if args.trace:
         _check_writable(args.trace, "--trace")

@@ -232,6 +232,10 @@ def shard(model: Any, tp: TensorParallel) -> Any:
                         f"{type(model).__name__}")
     if model.tp is not None:
         raise ValueError(f"shard: model is already a shard ({model.shard})")
+    if model.quantized:
+        raise ValueError("shard: model keeps quantized weights (a GGUF loaded on the CPU); "
+                         "tensor parallelism slices float weights: load it with "
+                         "dtype=torch.float32")
     s = TPShard.of(model.config, tp.rank, tp.world_size)
     out = LlamaModel(model.config, shard_weights(model.config, model.weights, s),
                      max_context=model.geometry.max_context, shard=s, tp=tp)
