@@ -443,7 +443,7 @@ class SpecDecoder:
         B, K1, V = logits.shape
         j = torch.arange(K1 - 1, device=logits.device)
         after = torch.where(j[None, :] < num_accepted.long()[:, None], nodes.long() + 1, 0)
-        index = torch.cat([torch.zeros_like(after[:, :1]), after], dim=1)
+        index = torch.cat([after.new_zeros(B, 1), after], dim=1)
         return logits.gather(1, index[:, :, None].expand(B, K1, V))
 
     def _top_width(self, lp_rows) -> int:
