@@ -197,10 +197,12 @@ TREE_PROMPT = [1, 2, 1, 3, 1, 4, 1, 0, 2, 1]  # "1" was followed by 2, 3, 4, 0: 
 
 
 def _tree_counts(dec, n, policy):
+    """Counts of the first DEPTH tokens of n runs of DEPTH + 5 tokens: the prompt's step
+    drafts a chain (a row with uncached prompt tokens does), the steps after it trees."""
     counts: dict = {}
-    for _ in range(n // 1000):
-        for r in dec.generate([TREE_PROMPT] * 1000, max_new_tokens=DEPTH, **policy):
-            counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
+    for _ in range(n // 200):  # small batches: the tree mask is [T, T] over the step
+        for r in dec.generate([TREE_PROMPT] * 200, max_new_tokens=DEPTH + 5, **policy):
+            counts[tuple(r.tokens[:DEPTH])] = counts.get(tuple(r.tokens[:DEPTH]), 0) + 1
     return counts
 
 
