@@ -193,16 +193,18 @@ def test_trees_with_a_token_budget_chunked_prefill_and_keyed_rows():
 
 SV = 5
 DEPTH = 3
-TREE_PROMPT = [1, 2, 1, 3, 1, 4, 1, 0, 2, 1]  # "1" was followed by 2, 3, 4, 0: a wide trie
+# NGram(1, 1): the last token "1" is the key; it was followed by 2 0, 3 1, 2 4, 4 1, so
+# the prompt's own step (2 nodes: max_new_tokens - 1) drafts siblings 2 and 4 (count 2,
+# then the most recent), and later steps draft tries too
+TREE_PROMPT = [1, 2, 0, 1, 3, 1, 2, 4, 1, 4, 1]
 
 
 def _tree_counts(dec, n, policy):
-    """Counts of the first DEPTH tokens of n runs of DEPTH + 5 tokens: the prompt's step
-    drafts a chain (a row with uncached prompt tokens does), the steps after it trees."""
+    """Counts of the first DEPTH tokens of n runs of DEPTH tokens."""
     counts: dict = {}
     for _ in range(n // 200):  # small batches: the tree mask is [T, T] over the step
-        for r in dec.generate([TREE_PROMPT] * 200, max_new_tokens=DEPTH + 5, **policy):
-            counts[tuple(r.tokens[:DEPTH])] = counts.get(tuple(r.tokens[:DEPTH]), 0) + 1
+        for r in dec.generate([TREE_PROMPT] * 200, max_new_tokens=DEPTH, **policy):
+            counts[tuple(r.tokens)] = counts.get(tuple(r.tokens), 0) + 1
     return counts
 
 
@@ -215,7 +217,7 @@ def _sampling_target(strict=True):
 def test_tree_decoding_matches_the_enumerated_target_distribution(monkeypatch, policy):
     seen = _count_tree_passes(monkeypatch)
     target = _sampling_target()
-    dec = SpecDecoder(target, NGram(1, 2, branches=3), k=4, num_blocks=4000, block_size=2,
+    dec = SpecDecoder(target, NGram(1, 1, branches=3), k=4, num_blocks=4000, block_size=2,
                       seed=100)
     probs = exact_continuations(target, TREE_PROMPT, policy)
     assert chi_square_pvalue(_tree_counts(dec, 6000, policy), probs) > ALPHA
@@ -247,7 +249,7 @@ def test_power_a_chain_mask_instead_of_the_ancestor_mask_fails(monkeypatch):
     monkeypatch.setattr(SpecDecoder, "_forward", causal_mask)
     policy = dict(temperature=1.0)
     target = _sampling_target(strict=False)
-    dec = SpecDecoder(target, NGram(1, 2, branches=3), k=4, num_blocks=4000, block_size=2,
+    dec = SpecDecoder(target, NGram(1, 1, branches=3), k=4, num_blocks=4000, block_size=2,
                       seed=100)
     probs = exact_continuations(target, TREE_PROMPT, policy)
     assert chi_square_pvalue(_tree_counts(dec, 6000, policy), probs) < ALPHA
@@ -259,7 +261,7 @@ def test_power_kv_not_moved_fails(monkeypatch):
     monkeypatch.setattr(SpecDecoder, "_move_accepted", lambda self, *a: None)
     policy = dict(temperature=1.0)
     target = _sampling_target(strict=False)
-    dec = SpecDecoder(target, NGram(1, 2, branches=3), k=4, num_blocks=4000, block_size=2,
+    dec = SpecDecoder(target, NGram(1, 1, branches=3), k=4, num_blocks=4000, block_size=2,
                       seed=100)
     probs = exact_continuations(target, TREE_PROMPT, policy)
     assert chi_square_pvalue(_tree_counts(dec, 6000, policy), probs) < ALPHA

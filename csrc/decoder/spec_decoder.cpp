@@ -858,7 +858,7 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
   // with every decoding row at k = 0).
   std::vector<Choice*> verify;
   for (Choice& c : decode) {
-    c.cap = draft_cap(*c.s, &c.proposals, &c.parents, c.pending > 1);
+    c.cap = draft_cap(*c.s, &c.proposals, &c.parents, c.pending > kTreeMaxUncached);
     verify.push_back(&c);
   }
   const int64_t n_decode = static_cast<int64_t>(decode.size());
@@ -896,7 +896,7 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
   for (Choice& c : prefill) {
     if (left == 0) break;
     if (c.pending <= left) {
-      c.cap = draft_cap(*c.s, &c.proposals, &c.parents, c.pending > 1);
+      c.cap = draft_cap(*c.s, &c.proposals, &c.parents, c.pending > kTreeMaxUncached);
       choose_ks({&c}, sofar);
       c.k = std::min(c.k, left - c.pending);
       left -= c.pending + c.k;

@@ -63,9 +63,9 @@
 // ops.verify_tree and hands commit the accepted nodes; before commit it moves the
 // accepted path's K/V into place (cache index C + accepted_nodes[j] -> C + j, j < a,
 // in increasing j; python/verispec/decoder.py _move_accepted is the one place), and
-// commit rolls the target back to C + a as for a chain. Rows with more than one
-// uncached token (a prompt, a recompute) and keyed rows propose chains (parents
-// i - 1) in the same pass.
+// commit rolls the target back to C + a as for a chain. Rows with more than
+// kTreeMaxUncached uncached tokens (a long prompt, a recompute) and keyed rows propose
+// chains (parents i - 1) in the same pass.
 #pragma once
 
 #include <cstdint>
@@ -285,6 +285,9 @@ struct DecoderConfig {
 
 // The largest k a decoder takes.
 constexpr int64_t kMaxK = 64;
+// Tree steps: a row with more uncached tokens than this (a long prompt, a recompute)
+// proposes a chain, so that the verify pass's [T, T] tree mask stays small.
+constexpr int64_t kTreeMaxUncached = 64;
 
 // Wall time by phase, summed over steps (seconds).
 struct PhaseTimes {
@@ -370,7 +373,7 @@ class SpecDecoder {
 
   // begin_step's phases.
   struct Choice;
-  // `chain`: the row proposes a chain even in tree steps (more than one uncached token).
+  // `chain`: the row proposes a chain even in tree steps (see kTreeMaxUncached).
   int64_t draft_cap(Sequence& s, std::vector<int32_t>* ngram_proposals,
                     std::vector<int32_t>* parents, bool chain);
   void choose_ks(const std::vector<Choice*>& rows, BatchRest rest);
