@@ -174,7 +174,8 @@ class SpecDecoder:
 
     ``target`` implements the model protocol (verispec.models.base.Model); ``draft`` is
     a model too (a separate draft, or ``verispec.drafters.EarlyExit``), or
-    ``verispec.drafters.NGram`` (prompt lookup), or None. ``k`` draft tokens are
+    ``verispec.drafters.NGram`` (prompt lookup; ``NGram(branches > 1)``: tries of ``k``
+    nodes verified in one target pass, see docs/design.md "Tree steps"), or None. ``k`` draft tokens are
     proposed per step (0, or ``draft=None``: plain decoding through the same loop), or
     ``k="auto"``: chosen per sequence and step, up to ``max_k``, from the measured
     acceptance rate and the measured draft and target pass costs (k = 0 when
