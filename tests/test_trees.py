@@ -290,14 +290,16 @@ class BadTreeOps:
             logits, tokens, parents, q, **kw))
         n = kw["num_nodes"]
         for b in range(out.shape[0]):
-            if int(n[b]) >= 2:
-                if self.kind == "not_a_path":  # accept node 1 when its parent is node 0
-                    nodes[b, 0] = int((parents[b, :int(n[b])] == 0).nonzero()[0]) \
-                        if bool((parents[b, :int(n[b])] == 0).any()) else 1
-                    emitted[b] = 2
-                    out[b, 0] = tokens[b, nodes[b, 0]]
-                    out[b, 1] = 0
-                elif self.kind == "wrong_token":
+            children_of_0 = (parents[b, :int(n[b])] == 0).nonzero()
+            if self.kind == "not_a_path" and len(children_of_0):
+                # accept a child of node 0 at depth 1, as if it hung from the root
+                nodes[b, 0] = int(children_of_0[0])
+                emitted[b] = 2
+                out[b, 0] = tokens[b, nodes[b, 0]]
+                out[b, 1] = 0
+                break
+            if int(n[b]) >= 2 and self.kind != "not_a_path":
+                if self.kind == "wrong_token":
                     nodes[b, 0] = 0
                     emitted[b] = 2
                     out[b, 0] = (int(tokens[b, 0]) + 1) % V
