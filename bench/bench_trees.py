@@ -42,7 +42,7 @@ PROMPTS = {
     "repeated phrases": "Continue this list of sentences in the same style, ten more:\n\n"
                         + REPEATED,
 }
-CHAIN_KS = (4, 8)
+CHAIN_KS = (4, 8, 16)
 TREES = ((2, 8), (4, 8), (4, 16))  # (branches, k nodes)
 
 
