@@ -1,6 +1,9 @@
 #include "verispec/ngram.h"
 
+#include <algorithm>
+#include <cstddef>
 #include <string>
+#include <vector>
 
 #include "verispec/errors.h"
 
@@ -87,6 +90,99 @@ std::vector<int32_t> NGramIndex::propose(int64_t k, int64_t* matched_n) const {
     }
   }
   return {};
+}
+
+std::vector<int32_t> NGramIndex::propose_tree(int64_t k, int64_t branches,
+                                              std::vector<int32_t>* parents,
+                                              int64_t* matched_n) const {
+  if (parents == nullptr) throw InvalidArgumentError("NGram.propose_tree: parents must not be null");
+  if (branches < 1) {
+    throw InvalidArgumentError("NGram.propose_tree: branches must be >= 1, got " +
+                               std::to_string(branches));
+  }
+  parents->clear();
+  if (matched_n != nullptr) *matched_n = 0;
+  const int64_t len = length();
+  if (k <= 0) return {};
+  // The continuations' starts, most recent first, of the longest n that matches.
+  std::vector<int64_t> froms;
+  for (int64_t n = std::min<int64_t>(max_n_, len); n >= min_n_ && froms.empty(); --n) {
+    const auto& map = maps_[static_cast<size_t>(n - min_n_)];
+    auto it = map.find(key(len - 1, n));
+    if (it == map.end()) continue;
+    const auto& ends = it->second;
+    for (auto e = ends.rbegin(); e != ends.rend(); ++e) {
+      if (*e >= len - 1 || !same(*e, len - 1, n)) continue;
+      froms.push_back(*e + 1);
+      if (static_cast<int64_t>(froms.size()) == kMaxTreeMatches) break;
+    }
+    if (!froms.empty() && matched_n != nullptr) *matched_n = n;
+  }
+  if (froms.empty()) return {};
+  // The trie of the continuations (node 0: the root).
+  struct TrieNode {
+    int32_t token = -1;
+    int64_t count = 0;
+    int64_t recency = 0;      // the most recent occurrence through it (0: the latest)
+    int64_t out = -1;         // its index among the selected nodes
+    int64_t chosen = 0;       // its selected children
+    std::vector<int64_t> children;
+  };
+  std::vector<TrieNode> trie(1);
+  std::vector<int64_t> parent_of(1, -1);
+  for (size_t m = 0; m < froms.size(); ++m) {
+    int64_t at = 0;
+    for (int64_t d = 0; d < k && froms[m] + d < len; ++d) {
+      const int32_t token = tokens_[static_cast<size_t>(froms[m] + d)];
+      int64_t next = -1;
+      for (int64_t c : trie[static_cast<size_t>(at)].children) {
+        if (trie[static_cast<size_t>(c)].token == token) next = c;
+      }
+      if (next < 0) {
+        next = static_cast<int64_t>(trie.size());
+        TrieNode node;
+        node.token = token;
+        node.recency = static_cast<int64_t>(m);
+        trie.push_back(node);
+        parent_of.push_back(at);
+        trie[static_cast<size_t>(at)].children.push_back(next);
+      }
+      trie[static_cast<size_t>(next)].count += 1;
+      at = next;
+    }
+  }
+  // Best first from the root.
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> frontier = trie[0].children;
+  while (static_cast<int64_t>(tokens.size()) < k) {
+    int64_t best = -1;
+    size_t best_at = 0;
+    for (size_t i = 0; i < frontier.size(); ++i) {
+      const TrieNode& c = trie[static_cast<size_t>(frontier[i])];
+      if (trie[static_cast<size_t>(parent_of[static_cast<size_t>(frontier[i])])].chosen >= branches) continue;
+      if (best < 0) {
+        best = frontier[i];
+        best_at = i;
+        continue;
+      }
+      const TrieNode& b = trie[static_cast<size_t>(best)];
+      if (c.count > b.count || (c.count == b.count && (c.recency < b.recency ||
+                                                       (c.recency == b.recency && frontier[i] < best)))) {
+        best = frontier[i];
+        best_at = i;
+      }
+    }
+    if (best < 0) break;
+    frontier.erase(frontier.begin() + static_cast<std::ptrdiff_t>(best_at));
+    TrieNode& node = trie[static_cast<size_t>(best)];
+    TrieNode& parent = trie[static_cast<size_t>(parent_of[static_cast<size_t>(best)])];
+    parent.chosen += 1;
+    node.out = static_cast<int64_t>(tokens.size());
+    tokens.push_back(node.token);
+    parents->push_back(static_cast<int32_t>(parent.out));  // the root's out is -1
+    frontier.insert(frontier.end(), node.children.begin(), node.children.end());
+  }
+  return tokens;
 }
 
 }  // namespace verispec

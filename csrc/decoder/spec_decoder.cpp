@@ -40,6 +40,7 @@ struct Pass {
   std::vector<int64_t> input_ids, positions, query_start, logits_indices, rows, draft_index,
       prev_index, fill_positions, fill_sources;
   std::vector<int32_t> slot_mapping, block_tables, context_lens;
+  std::vector<uint8_t> tree_mask;  // [T, T] when the pass carries a branching tree
   int64_t max_blocks = 1;
   bool steady = false;  // one new token per row: what the cost model learns from
 };
@@ -56,6 +57,8 @@ struct SpecDecoder::OpenStep {
   std::vector<Sequence*> prefill;
   std::vector<int64_t> prefill_chunk, prefill_mark;
   std::vector<std::vector<int32_t>> proposals;  // n-gram proposals (known on the host)
+  std::vector<std::vector<int32_t>> parents;    // tree steps: each proposal's parent node
+  bool tree = false;                  // verified as trees (ops.verify_tree)
   std::vector<int64_t> admitted;      // admitted from the queue by this step's begin_step
   uint64_t base_offset = 0;
   std::vector<Pass> passes;           // draft passes, then the verify pass
@@ -124,6 +127,14 @@ SpecDecoder::SpecDecoder(const DecoderConfig& config)
     throw InvalidArgumentError("SpecDecoder: one draft source at a time: a draft model or n-gram lookup");
   }
   if (ngram) NGramIndex(config.ngram_min_n, config.ngram_max_n);  // validates n
+  if (config.ngram_branches < 1 || config.ngram_branches > kMaxK) {
+    throw InvalidArgumentError("SpecDecoder: ngram_branches must be in [1, " + std::to_string(kMaxK) +
+                               "], got " + std::to_string(config.ngram_branches));
+  }
+  if (config.ngram_branches > 1 && !ngram) {
+    throw InvalidArgumentError("SpecDecoder: ngram_branches = " + std::to_string(config.ngram_branches) +
+                               " (trees) needs n-gram drafting (ngram_min_n > 0)");
+  }
   if (config.draft_shares_target_cache && !config.has_draft_model) {
     throw InvalidArgumentError("SpecDecoder: draft_shares_target_cache needs a draft model");
   }
@@ -453,12 +464,15 @@ struct SpecDecoder::Choice {
   int64_t cap = 0;
   int64_t k = 0;
   std::vector<int32_t> proposals;
+  std::vector<int32_t> parents;           // tree steps: each proposal's parent (-1: root)
   size_t order = 0;                       // index in running_ (arrival order)
   std::vector<AcceptanceTracker> mark;    // the trackers before the step
 };
 
-int64_t SpecDecoder::draft_cap(Sequence& s, std::vector<int32_t>* ngram_proposals) {
+int64_t SpecDecoder::draft_cap(Sequence& s, std::vector<int32_t>* ngram_proposals,
+                               std::vector<int32_t>* parents, bool chain) {
   ngram_proposals->clear();
+  parents->clear();
   s.tracker = 0;
   if (!config_.has_draft_model && !s.ngram) return 0;
   // Never propose what could not be emitted: a step emits at most k + 1 tokens, and
@@ -473,7 +487,12 @@ int64_t SpecDecoder::draft_cap(Sequence& s, std::vector<int32_t>* ngram_proposal
   }
   if (s.ngram && cap > 0) {  // deterministic proposals: at most what the lookup found
     int64_t matched_n = 0;
-    *ngram_proposals = s.ngram->propose(cap, &matched_n);
+    if (config_.ngram_branches > 1 && !chain && !s.sampling.keyed) {
+      *ngram_proposals = s.ngram->propose_tree(cap, config_.ngram_branches, parents, &matched_n);
+    } else {
+      *ngram_proposals = s.ngram->propose(cap, &matched_n);
+      for (size_t i = 0; i < ngram_proposals->size(); ++i) parents->push_back(static_cast<int32_t>(i) - 1);
+    }
     cap = static_cast<int64_t>(ngram_proposals->size());
     if (matched_n > 0) s.tracker = matched_n - config_.ngram_min_n;
   }
@@ -603,6 +622,39 @@ void SpecDecoder::plan_draft_passes(OpenStep& st) {
   }
 }
 
+namespace {
+
+// The verify pass's ancestor mask (PassLayout::tree_mask), when some row branches.
+void plan_tree_mask(const std::vector<std::vector<int32_t>>& rows, Pass* p) {
+  bool branches = false;
+  for (const auto& parents : rows) {
+    for (size_t j = 0; j < parents.size(); ++j) branches = branches || parents[j] != static_cast<int32_t>(j) - 1;
+  }
+  if (!branches) return;  // chains: positions alone give the causal mask
+  const int64_t T = static_cast<int64_t>(p->input_ids.size());
+  p->tree_mask.assign(static_cast<size_t>(T * T), 0);
+  const int64_t R = static_cast<int64_t>(p->query_start.size()) - 1;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t lo = p->query_start[static_cast<size_t>(r)];
+    const int64_t hi = p->query_start[static_cast<size_t>(r + 1)];
+    const std::vector<int32_t> none;
+    const std::vector<int32_t>& parents = r < static_cast<int64_t>(rows.size()) ? rows[static_cast<size_t>(r)] : none;
+    const int64_t nodes = static_cast<int64_t>(parents.size());
+    const int64_t first = hi - nodes;  // the row's first node; before it: committed tokens
+    for (int64_t t = lo; t < hi; ++t) {
+      uint8_t* row = p->tree_mask.data() + t * T;
+      if (t < first) {
+        for (int64_t u = lo; u <= t; ++u) row[u] = 1;
+        continue;
+      }
+      for (int64_t u = lo; u < first; ++u) row[u] = 1;
+      for (int64_t j = t - first; j >= 0; j = parents[static_cast<size_t>(j)]) row[first + j] = 1;
+    }
+  }
+}
+
+}  // namespace
+
 void SpecDecoder::plan_verify_pass(OpenStep& st) {
   const int64_t B = static_cast<int64_t>(st.rows.size());
   const int64_t K = st.K;
@@ -618,6 +670,8 @@ void SpecDecoder::plan_verify_pass(OpenStep& st) {
       p.positions.push_back(pos);
     }
     const auto& ngram = st.proposals[static_cast<size_t>(b)];
+    const auto& parents = st.parents[static_cast<size_t>(b)];
+    std::vector<int64_t> depth;  // tree steps: node j at RoPE position C + depth - 1
     for (int64_t j = 0; j < kb; ++j) {
       if (config_.has_draft_model) {
         p.fill_positions.push_back(static_cast<int64_t>(p.input_ids.size()));
@@ -626,7 +680,13 @@ void SpecDecoder::plan_verify_pass(OpenStep& st) {
       } else {
         p.input_ids.push_back(ngram[static_cast<size_t>(j)]);
       }
-      p.positions.push_back(s.committed() + j);
+      if (st.tree) {
+        const int32_t parent = parents[static_cast<size_t>(j)];
+        depth.push_back(parent < 0 ? 1 : depth[static_cast<size_t>(parent)] + 1);
+        p.positions.push_back(s.committed() + depth.back() - 1);
+      } else {
+        p.positions.push_back(s.committed() + j);
+      }
     }
     p.query_start.push_back(static_cast<int64_t>(p.input_ids.size()));
     // Logits rows laid out [B, K + 1]: row b's position i is its (pending - 1 + i)-th
@@ -650,6 +710,7 @@ void SpecDecoder::plan_verify_pass(OpenStep& st) {
   }
   // No verify row: one logits row (unused), so that a model never gets R = 0.
   if (B == 0) p.logits_indices.push_back(p.query_start.back() - 1);
+  if (st.tree) plan_tree_mask(st.parents, &p);
   allocate_pass(target_alloc_, seqs, &p);
   st.verify_tokens = static_cast<int64_t>(p.input_ids.size());
   st.passes.push_back(std::move(p));
@@ -679,6 +740,8 @@ void SpecDecoder::pack_inputs(OpenStep& st, StepPlan* plan) {
     l.slot_mapping = put(&buf, p.slot_mapping);
     l.block_tables = put(&buf, p.block_tables);
     l.context_lens = put(&buf, p.context_lens);
+    l.has_tree_mask = !p.tree_mask.empty();
+    l.tree_mask = put(&buf, p.tree_mask);
     plan->passes.push_back(l);
   }
   std::vector<int32_t> drafts(static_cast<size_t>(B * K), -1), num_draft(static_cast<size_t>(B));
@@ -689,9 +752,14 @@ void SpecDecoder::pack_inputs(OpenStep& st, StepPlan* plan) {
   PolicyLayout& pol = plan->policy;
   pol.all_keyed = B > 0;
   const SamplingParams s0 = B > 0 ? st.rows[0]->sampling : SamplingParams{};  // B = 0: unused
+  std::vector<int32_t> parents(st.tree ? static_cast<size_t>(B * K) : 0, -1);
   for (int64_t b = 0; b < B; ++b) {
     const auto& ngram = st.proposals[static_cast<size_t>(b)];
     std::copy(ngram.begin(), ngram.end(), drafts.begin() + b * K);
+    if (st.tree) {
+      const auto& par = st.parents[static_cast<size_t>(b)];
+      std::copy(par.begin(), par.end(), parents.begin() + b * K);
+    }
     num_draft[static_cast<size_t>(b)] = static_cast<int32_t>(st.k[static_cast<size_t>(b)]);
     const SamplingParams& sp = st.rows[static_cast<size_t>(b)]->sampling;
     temperature[static_cast<size_t>(b)] = sp.temperature;
@@ -719,6 +787,8 @@ void SpecDecoder::pack_inputs(OpenStep& st, StepPlan* plan) {
   pol.position_rows = put(&buf, position_rows);
   plan->draft_tokens = put(&buf, drafts);
   plan->num_draft = put(&buf, num_draft);
+  plan->tree = st.tree;
+  plan->tree_parents = put(&buf, parents);
   buf.resize((buf.size() + 7) / 8 * 8);
   plan->step_id = st.id;
   plan->batch = B;
@@ -788,7 +858,7 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
   // with every decoding row at k = 0).
   std::vector<Choice*> verify;
   for (Choice& c : decode) {
-    c.cap = draft_cap(*c.s, &c.proposals);
+    c.cap = draft_cap(*c.s, &c.proposals, &c.parents, c.pending > kTreeMaxUncached);
     verify.push_back(&c);
   }
   const int64_t n_decode = static_cast<int64_t>(decode.size());
@@ -826,7 +896,7 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
   for (Choice& c : prefill) {
     if (left == 0) break;
     if (c.pending <= left) {
-      c.cap = draft_cap(*c.s, &c.proposals);
+      c.cap = draft_cap(*c.s, &c.proposals, &c.parents, c.pending > kTreeMaxUncached);
       choose_ks({&c}, sofar);
       c.k = std::min(c.k, left - c.pending);
       left -= c.pending + c.k;
@@ -848,14 +918,19 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
   st->target_mark.resize(B);
   st->draft_mark.resize(B);
   st->proposals.resize(B);
+  st->parents.resize(B);
+  st->tree = config_.ngram_branches > 1;
   for (size_t b = 0; b < B; ++b) {
     Choice& c = *verify[b];
     Sequence& s = *c.s;
     st->rows.push_back(&s);
     st->k[b] = c.k;
     st->K = std::max(st->K, c.k);
+    // Cut to k: the first k nodes of a tree are a tree (parents[i] < i).
     if (s.ngram) c.proposals.resize(static_cast<size_t>(c.k));
+    if (s.ngram) c.parents.resize(static_cast<size_t>(c.k));
     st->proposals[b] = std::move(c.proposals);
+    st->parents[b] = std::move(c.parents);
     st->target_mark[b] = target_alloc_.length(s.target_seq);
     st->draft_mark[b] = draft_alloc_ ? draft_alloc_->length(s.draft_seq) : st->target_mark[b];
     st->tracker_mark.push_back(std::move(c.mark));
@@ -897,6 +972,10 @@ void SpecDecoder::check_outputs(const OpenStep& st, const VerifyOutputs& out) co
   if ((!out.num_emitted && B > 0) || out.num_emitted_len != B) throw size_error("num_emitted", "[B]", B, out.num_emitted_len);
   if ((!out.num_accepted && B > 0) || out.num_accepted_len != B) throw size_error("num_accepted", "[B]", B, out.num_accepted_len);
   const bool model = config_.has_draft_model && K > 0;
+  if (st.tree && ((!out.accepted_nodes && B * K > 0) || out.accepted_nodes_len != B * K)) {
+    throw size_error("accepted_nodes", "[B, K] = [" + std::to_string(B) + ", " + std::to_string(K) + "]",
+                     B * K, out.accepted_nodes_len);
+  }
   if (model || out.draft_tokens) {
     const std::string bk = "[B, K] = [" + std::to_string(B) + ", " + std::to_string(K) + "]";
     if (!out.draft_tokens || out.draft_tokens_len != B * K) {
@@ -929,6 +1008,35 @@ void SpecDecoder::check_outputs(const OpenStep& st, const VerifyOutputs& out) co
                                  std::to_string(a + 1) + ", got " + std::to_string(n));
     }
     const int32_t* row = out.tokens + b * (K + 1);
+    if (st.tree) {  // the accepted path: a chain of nodes from the root, tokens equal theirs
+      const auto& parents = st.parents[static_cast<size_t>(b)];
+      const auto& nodes = st.proposals[static_cast<size_t>(b)];
+      int32_t prev = -1;
+      for (int64_t i = 0; i < a; ++i) {
+        const int32_t node = out.accepted_nodes[b * K + i];
+        if (node < 0 || node >= kb || parents[static_cast<size_t>(node)] != prev) {
+          throw InvalidArgumentError(
+              "commit: accepted_nodes" + row_at(b, i) + " must be a node in [0, " + std::to_string(kb) +
+              ") whose parent is " + (i == 0 ? std::string("the root") : "node " + std::to_string(prev)) +
+              ", got " + std::to_string(node) +
+              (node >= 0 && node < kb ? " (parent " + std::to_string(parents[static_cast<size_t>(node)]) + ")" : ""));
+        }
+        if (row[i] != nodes[static_cast<size_t>(node)]) {
+          throw InvalidArgumentError("commit: tokens" + row_at(b, i) + " is accepted node " +
+                                     std::to_string(node) + ", so it must equal its token " +
+                                     std::to_string(nodes[static_cast<size_t>(node)]) + ", got " +
+                                     std::to_string(row[i]));
+        }
+        prev = node;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        if (row[i] < 0 || row[i] >= V) {
+          throw InvalidArgumentError("commit: tokens" + row_at(b, i) + " must be in [0, " +
+                                     std::to_string(V) + "), got " + std::to_string(row[i]));
+        }
+      }
+      continue;
+    }
     for (int64_t i = 0; i < n; ++i) {
       if (row[i] < 0 || row[i] >= V) {
         throw InvalidArgumentError("commit: tokens" + row_at(b, i) + " must be in [0, " +
@@ -972,6 +1080,8 @@ CommitOutput SpecDecoder::commit_row(OpenStep& st, int64_t b, const VerifyOutput
     stats.proposed_at[static_cast<size_t>(j)] += 1;
     if (j < a) stats.accepted_at[static_cast<size_t>(j)] += 1;
   }
+  // A tree of kb nodes counts as kb proposals of which the accepted depth a were
+  // accepted: a conservative estimate of the chain acceptance rate (see adaptive_k.h).
   s.trackers[static_cast<size_t>(s.tracker)].update(kb, a);
   stats.acceptance_estimate.resize(s.trackers.size());
   for (size_t i = 0; i < s.trackers.size(); ++i) stats.acceptance_estimate[i] = s.trackers[i].rate;

@@ -76,6 +76,8 @@ py::dict pass_dict(const PassLayout& l) {
   d["slot_mapping"] = l.slot_mapping;
   d["block_tables"] = l.block_tables;
   d["context_lens"] = l.context_lens;
+  d["has_tree_mask"] = l.has_tree_mask;
+  d["tree_mask"] = l.tree_mask;
   return d;
 }
 
@@ -97,6 +99,8 @@ py::object plan_dict(const StepPlan& p) {
   d["passes"] = passes;
   d["draft_tokens"] = p.draft_tokens;
   d["num_draft"] = p.num_draft;
+  d["tree"] = p.tree;
+  d["tree_parents"] = p.tree_parents;
   py::dict pol;
   pol["uniform"] = p.policy.uniform;
   pol["temperature"] = p.policy.temperature;
@@ -158,7 +162,7 @@ void register_decoder(py::module_& m) {
                        int64_t max_context, uint64_t seed, int64_t ngram_min_n,
                        int64_t ngram_max_n, bool adaptive_k, bool draft_shares_target_cache,
                        int64_t draft_max_context, int64_t max_num_seqs,
-                       int64_t max_tokens_per_step) {
+                       int64_t max_tokens_per_step, int64_t ngram_branches) {
              DecoderConfig c;
              c.k = k;
              c.has_draft_model = has_draft_model;
@@ -175,6 +179,7 @@ void register_decoder(py::module_& m) {
              c.draft_max_context = draft_max_context;
              c.max_num_seqs = max_num_seqs;
              c.max_tokens_per_step = max_tokens_per_step;
+             c.ngram_branches = ngram_branches;
              return std::make_unique<SpecDecoder>(c);
            }),
            py::arg("k"), py::arg("has_draft_model"), py::arg("target_num_blocks"),
@@ -182,7 +187,8 @@ void register_decoder(py::module_& m) {
            py::arg("max_context"), py::arg("seed"), py::arg("ngram_min_n") = 0,
            py::arg("ngram_max_n") = 0, py::arg("adaptive_k") = false,
            py::arg("draft_shares_target_cache") = false, py::arg("draft_max_context") = 0,
-           py::arg("max_num_seqs") = 0, py::arg("max_tokens_per_step") = 0)
+           py::arg("max_num_seqs") = 0, py::arg("max_tokens_per_step") = 0,
+           py::arg("ngram_branches") = 1)
       .def(
           "add",
           [](SpecDecoder& d, const std::vector<int32_t>& prompt, int64_t max_new_tokens,
@@ -207,12 +213,14 @@ void register_decoder(py::module_& m) {
              const py::object& num_emitted, const py::object& num_accepted,
              const py::object& draft_tokens, std::vector<double> draft_forward,
              std::vector<double> draft_sample, double target_forward, double verify,
-             double total) {
+             double total, const py::object& accepted_nodes) {
             const Int32Array t = int32_array(tokens, "tokens");
+            const Int32Array n = int32_array(accepted_nodes, "accepted_nodes");
             const Int32Array e = int32_array(num_emitted, "num_emitted");
             const Int32Array a = int32_array(num_accepted, "num_accepted");
             const Int32Array q = int32_array(draft_tokens, "draft_tokens");
-            VerifyOutputs out{t.data, t.size, e.data, e.size, a.data, a.size, q.data, q.size};
+            VerifyOutputs out{t.data, t.size, e.data, e.size, a.data, a.size, q.data, q.size,
+                              n.data, n.size};
             StepTimes times{std::move(draft_forward), std::move(draft_sample), target_forward,
                             verify, total};
             py::list result;
@@ -224,6 +232,7 @@ void register_decoder(py::module_& m) {
           py::arg("step_id"), py::arg("tokens"), py::arg("num_emitted"), py::arg("num_accepted"),
           py::arg("draft_tokens"), py::arg("draft_forward"), py::arg("draft_sample"),
           py::arg("target_forward"), py::arg("verify"), py::arg("total"),
+          py::arg("accepted_nodes") = py::none(),
           "Checks the step's outputs and commits them: [(seq, new tokens, finish reason)].")
       .def("cancel_step", &SpecDecoder::cancel_step, py::arg("step_id"))
       .def_property_readonly("step_open", &SpecDecoder::step_open)
@@ -283,7 +292,13 @@ void register_decoder(py::module_& m) {
         g.extend(t.data(), static_cast<int64_t>(t.size()));
       }, py::arg("tokens"))
       .def("rollback", &NGramIndex::rollback, py::arg("new_len"))
-      .def("propose", [](const NGramIndex& g, int64_t k) { return g.propose(k); }, py::arg("k"));
+      .def("propose", [](const NGramIndex& g, int64_t k) { return g.propose(k); }, py::arg("k"))
+      .def("propose_tree", [](const NGramIndex& g, int64_t k, int64_t branches) {
+        std::vector<int32_t> parents;
+        std::vector<int32_t> tokens = g.propose_tree(k, branches, &parents);
+        return py::make_tuple(tokens, parents);
+      }, py::arg("k"), py::arg("branches"),
+         "(tokens, parents) of the n-gram trie (ngram.h): at most k nodes, `branches` children each.");
 
   m.def("expected_tokens", &expected_tokens, py::arg("a"), py::arg("k"),
         "(1 - a^(k+1)) / (1 - a): mean tokens per verify step at acceptance rate a.");

@@ -75,6 +75,26 @@ void test_ngram_propose() {
   CHECK(index_of({2, 1, 2, 3, 1, 2, 3}, 2, 3).propose(2, &m) == Tokens({1, 2}) && m == 3);
 }
 
+void test_ngram_propose_tree() {
+  int64_t m = -1;
+  std::vector<int32_t> parents;
+  // "1 2" was followed by 3 5 1 2 (latest), 4 1 2 3, and 3 1 2 4: the 3-branch counts 2.
+  NGramIndex g = index_of({1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1, 2}, 1, 3);
+  CHECK(g.propose_tree(6, 2, &parents, &m) == Tokens({3, 5, 1, 2, 4, 1}) && m == 2);
+  CHECK(parents == std::vector<int32_t>({-1, 0, 1, 2, -1, 4}));
+  CHECK(g.propose_tree(3, 2, &parents) == Tokens({3, 5, 1}));  // the first k: still a tree
+  CHECK(g.propose_tree(6, 1, &parents) == Tokens({3, 5, 1, 2}));  // one child per node
+  CHECK(parents == std::vector<int32_t>({-1, 0, 1, 2}));
+  // one occurrence: the chain propose() gives
+  NGramIndex one = index_of({4, 5, 6, 7, 4}, 1, 2);
+  CHECK(one.propose_tree(3, 3, &parents, &m) == one.propose(3) && m == 1);
+  CHECK(parents == std::vector<int32_t>({-1, 0, 1}));
+  CHECK(one.propose_tree(0, 3, &parents).empty() && parents.empty());
+  CHECK(index_of({7}, 1, 3).propose_tree(4, 2, &parents, &m).empty() && m == 0);
+  CHECK(has(error_of<InvalidArgumentError>([&] { one.propose_tree(3, 0, &parents); }), "branches"));
+  CHECK(has(error_of<InvalidArgumentError>([&] { one.propose_tree(3, 2, nullptr); }), "parents"));
+}
+
 void test_ngram_rollback() {
   NGramIndex g = index_of({1, 2, 3, 4, 1, 2, 3}, 1, 3);
   int64_t m = -1;
@@ -359,6 +379,7 @@ void test_probe_interval_and_tracker() {
 int main() {
   test_ngram_validation();
   test_ngram_propose();
+  test_ngram_propose_tree();
   test_ngram_rollback();
   for (uint32_t seed = 0; seed < 16; ++seed) test_ngram_random(seed);
   test_ngram_long();

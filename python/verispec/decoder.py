@@ -148,7 +148,7 @@ class _Timer:
         return [e - s for s, e in self.spans[name]]
 
 
-_SIZES = {torch.int64: 8, torch.int32: 4, torch.float32: 4}
+_SIZES = {torch.int64: 8, torch.int32: 4, torch.float32: 4, torch.uint8: 1}
 
 
 def _checked(op: str, name: str, t: Any, shape: tuple, integer: bool) -> torch.Tensor:
@@ -174,7 +174,8 @@ class SpecDecoder:
 
     ``target`` implements the model protocol (verispec.models.base.Model); ``draft`` is
     a model too (a separate draft, or ``verispec.drafters.EarlyExit``), or
-    ``verispec.drafters.NGram`` (prompt lookup), or None. ``k`` draft tokens are
+    ``verispec.drafters.NGram`` (prompt lookup; ``NGram(branches > 1)``: tries of ``k``
+    nodes verified in one target pass, see docs/design.md "Tree steps"), or None. ``k`` draft tokens are
     proposed per step (0, or ``draft=None``: plain decoding through the same loop), or
     ``k="auto"``: chosen per sequence and step, up to ``max_k``, from the measured
     acceptance rate and the measured draft and target pass costs (k = 0 when
@@ -266,7 +267,8 @@ class SpecDecoder:
             ngram_max_n=ngram.max_n if ngram else 0, adaptive_k=adaptive,
             draft_shares_target_cache=shared,
             draft_max_context=draft.geometry.max_context if draft is not None else 0,
-            max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step)
+            max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
+            ngram_branches=ngram.branches if ngram else 1)
         self.adaptive = adaptive
         # A tensor-parallel target (verispec.distributed.shard) carries its collectives:
         # every rank runs this loop in lock-step; the step's times are agreed on (k="auto")
@@ -396,7 +398,8 @@ class SpecDecoder:
             none = torch.empty(0, dtype=torch.int32).numpy()
             times = self._agreed_times([], [], sum(timer.seconds("target_forward")), 0.0,
                                        time.perf_counter() - start)
-            committed = self._core.commit(plan["step_id"], none, none, none, None, *times)
+            committed = self._core.commit(plan["step_id"], none, none, none, None, *times,
+                                          none if plan["tree"] else None)
             return committed, {}
         deferred = getattr(self._ops, "deferred_errors", None)
         with self._lp_lock:
@@ -406,17 +409,23 @@ class SpecDecoder:
             q = self._draft_passes(plan, host, inputs, draft_tokens, policy, keys, timer)
             result, logits = self._verify_pass(plan, host, inputs, draft_tokens, q, policy,
                                                keys, timer)
+            nodes = None
+            if plan["tree"]:  # the accepted path's K/V into place; its logits rows
+                result, nodes = result[:3], result[3]
+                self._move_accepted(plan, inputs, nodes, result[2])
+                logits = self._path_logits(logits, nodes, result[2]) if lp_rows else logits
             lp = self._logprobs(logits, result[0], policy, lp_rows) if lp_rows else None
             records = errors.records() if errors is not None else None
-            tokens, emitted, accepted, drafts, host_records, host_lp = self._download(
-                result, draft_tokens if plan["draft_model"] else None, records, lp)
+            tokens, emitted, accepted, drafts, host_records, host_lp, host_nodes = self._download(
+                result, draft_tokens if plan["draft_model"] else None, records, lp, nodes)
             if records is not None:
                 errors.raise_first(host_records)
         times = self._agreed_times(
             timer.seconds("draft_forward"), timer.seconds("draft_sample"),
             sum(timer.seconds("target_forward")), sum(timer.seconds("verify")),
             time.perf_counter() - start)
-        committed = self._core.commit(plan["step_id"], tokens, emitted, accepted, drafts, *times)
+        committed = self._core.commit(plan["step_id"], tokens, emitted, accepted, drafts, *times,
+                                      host_nodes)
         return committed, self._record_logprobs(committed, lp_rows, host_lp, K + 1)
 
     def _agreed_times(self, draft_forward, draft_sample, target_forward, verify, total):
@@ -426,6 +435,38 @@ class SpecDecoder:
             return self._tp.agree_times(draft_forward, draft_sample, target_forward, verify,
                                         total)
         return draft_forward, draft_sample, target_forward, verify, total
+
+    def _move_accepted(self, plan, inputs, nodes, num_accepted) -> None:
+        """Tree steps: the accepted path's K/V moved to consecutive positions, the one
+        place of this rule. Row b's node i was cached at index C + i (the slot of its
+        verify input root + 1 + i, root being the row's last committed input); accepted
+        node nodes[b, j] (j < num_accepted[b]) moves to index C + j. Sources never lie
+        below their destination (nodes[b, j] >= j), and the copy reads every source
+        before it writes (gather, then scatter), so the order of the moves is free. The
+        rest is dropped by commit's rollback to C + a. On the device, no wait."""
+        B, K = plan["batch"], plan["k"]
+        if K == 0:
+            return
+        p = plan["passes"][-1]
+        slots = _view(inputs, p["slot_mapping"], p["num_tokens"], torch.int32).long()
+        root = _view(inputs, p["logits_indices"], B * (K + 1), torch.int64).view(B, K + 1)[:, :1]
+        j = torch.arange(K, device=root.device)
+        valid = j[None, :] < num_accepted.long()[:, None]
+        # padding moves the root's own slot onto itself (never a destination)
+        dst = slots[torch.where(valid, root + 1 + j, root).view(-1)]
+        src = slots[torch.where(valid, root + 1 + nodes.long(), root).view(-1)]
+        self._pools[_TARGET].move_slots(src, dst)
+
+    @staticmethod
+    def _path_logits(logits, nodes, num_accepted):
+        """[B, K + 1, V]: the target's logits along each row's accepted path (position j:
+        the logits the j-th emitted token was drawn from: the root's, then the accepted
+        nodes'), so that logprobs read them as a chain's."""
+        B, K1, V = logits.shape
+        j = torch.arange(K1 - 1, device=logits.device)
+        after = torch.where(j[None, :] < num_accepted.long()[:, None], nodes.long() + 1, 0)
+        index = torch.cat([after.new_zeros(B, 1), after], dim=1)
+        return logits.gather(1, index[:, :, None].expand(B, K1, V))
 
     def _top_width(self, lp_rows) -> int:
         """How many alternatives the step's logprobs carry per token: the most any row
@@ -574,6 +615,10 @@ class SpecDecoder:
             logits = self._forward(_TARGET, p, host, inputs, ids)
         target = logits.view(B, K + 1, -1)
         num_draft = _view(inputs, plan["num_draft"], B, torch.int32)
+        if plan["tree"]:
+            with timer("verify"), self._nvtx("verispec.verify"):
+                return self._verify_tree(plan, inputs, target, draft_tokens, num_draft, policy,
+                                         keys), target
         with timer("verify"), self._nvtx("verispec.verify"):
             out = None
             if keys is None or not keys["all"]:
@@ -594,6 +639,39 @@ class SpecDecoder:
                 else:  # the keyed rows' results replace the decoder stream's
                     out = tuple(o.index_copy(0, index, kd.to(o.dtype)) for o, kd in zip(out, keyed))
         return out, target
+
+    def _verify_tree(self, plan, inputs, target, draft_tokens, num_draft, policy, keys):
+        """A tree step's verify: ops.verify_tree over every row's nodes (a chain row is a
+        tree too); keyed rows (chains) take verify_keyed's outputs, their accepted nodes
+        being 0..a-1. Returns (tokens, num_emitted, num_accepted, accepted_nodes)."""
+        B, K = plan["batch"], plan["k"]
+        if not hasattr(self._ops, "verify_tree"):
+            raise ValueError(f"SpecDecoder: n-gram trees (NGram(branches > 1)) need ops with "
+                             f"verify_tree; {self._ops!r} has none")
+        parents = _view(inputs, plan["tree_parents"], B * K, torch.int32).view(B, K)
+        out = self._ops.verify_tree(target, draft_tokens, parents, None, num_nodes=num_draft,
+                                    seed=plan["seed"], offset=plan["offset"], **policy)
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise ValueError(f"ops.verify_tree must return (tokens, num_emitted, "
+                             f"accepted_nodes), got {type(out).__name__}")
+        tokens = _checked("verify_tree", "tokens", out[0], (B, K + 1), integer=True)
+        emitted = _checked("verify_tree", "num_emitted", out[1], (B,), integer=True)
+        nodes = _checked("verify_tree", "accepted_nodes", out[2], (B, K), integer=True)
+        accepted = emitted - 1
+        if keys is not None:
+            index = keys["index"]
+            keyed = self._verify_outputs("verify_keyed", self._ops.verify_keyed(
+                target.index_select(0, index), draft_tokens.index_select(0, index),
+                num_draft=num_draft.index_select(0, index),
+                seeds=keys["seeds"].index_select(0, index),
+                positions=keys["positions"].index_select(0, index),
+                **self._rows_policy(policy, index, B)), len(keys["rows"]), K)
+            tokens = tokens.index_copy(0, index, keyed[0].to(tokens.dtype))
+            emitted = emitted.index_copy(0, index, keyed[1].to(emitted.dtype))
+            accepted = accepted.index_copy(0, index, keyed[2].to(accepted.dtype))
+            chain = torch.arange(K, dtype=nodes.dtype, device=nodes.device)
+            nodes = nodes.index_copy(0, index, chain.expand(len(keys["rows"]), K).contiguous())
+        return tokens, emitted, accepted, nodes
 
     @staticmethod
     def _verify_outputs(op, out, B, K):
@@ -625,10 +703,13 @@ class SpecDecoder:
             # embedding for (the prompt's, the target's corrections) as its last id: its
             # proposals get worse, never wrong (q stays what they are drawn from)
             input_ids = input_ids.clamp(max=self._vocab[role] - 1)
+        tree_mask = None
+        if p.get("has_tree_mask"):
+            tree_mask = _view(inputs, p["tree_mask"], T * T, torch.uint8).view(torch.bool).view(T, T)
         batch = PagedBatch(
             input_ids=input_ids,
             kv=self._pools[role], host=on_device if host is inputs else fields(host),
-            **on_device)
+            tree_mask=tree_mask, **on_device)
         with torch.inference_mode():
             logits = self._models[role].forward(batch)
         expect = (p["num_logits"], self._vocab[role])
@@ -658,14 +739,15 @@ class SpecDecoder:
         return out
 
     @staticmethod
-    def _download(result, draft_tokens, records, logprobs=None):
+    def _download(result, draft_tokens, records, logprobs=None, accepted_nodes=None):
         """verify's results, a draft model's proposals, the ops' deferred error records and
         the logprobs asked for (float32, carried bit for bit as int32) on the host: one
         copy (the step's one wait for the device)."""
         tokens, emitted, accepted = result
         parts = [tokens.reshape(-1), emitted.reshape(-1), accepted.reshape(-1),
                  draft_tokens.reshape(-1) if draft_tokens is not None else None, records,
-                 logprobs.reshape(-1).view(torch.int32) if logprobs is not None else None]
+                 logprobs.reshape(-1).view(torch.int32) if logprobs is not None else None,
+                 accepted_nodes.reshape(-1) if accepted_nodes is not None else None]
         present = [t.to(torch.int32) for t in parts if t is not None]
         flat = torch.cat(present).cpu().numpy()
         out, at = [], 0

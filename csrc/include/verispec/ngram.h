@@ -10,6 +10,18 @@
 // that end at it; rollback(new_len) removes exactly those of the dropped positions.
 // Neither rescans the history. Keys are 64-bit hashes; every candidate is compared
 // token by token, so a hash collision can never produce a wrong proposal.
+//
+// Trees (propose_tree, the one place the trie rule is defined; tests/test_ngram.py
+// checks it against a brute force): take the same n (the longest that matches), and of
+// it up to kMaxTreeMatches earlier occurrences, most recent first. Each occurrence's
+// continuation tokens[e + 1 : e + 1 + k] is a path; the paths form a trie whose nodes
+// count how many continuations pass through them (siblings are distinct tokens by
+// construction). Nodes are selected best first, at most k of them and at most
+// `branches` children per node: among the children of the selected nodes (the root
+// first), the largest count wins, ties going to the more recent occurrence, then to the
+// node created first. A node's parent is always selected before it, so parents[i] < i
+// (-1: a child of the root). With one occurrence, or branches = 1 and one dominant
+// path, the tree is a chain; with one occurrence it is exactly propose(k).
 #pragma once
 
 #include <cstdint>
@@ -33,6 +45,13 @@ class NGramIndex {
   // Up to k proposed tokens (possibly none). *matched_n (if given) is the length of
   // the matched suffix, 0 when nothing matched.
   std::vector<int32_t> propose(int64_t k, int64_t* matched_n = nullptr) const;
+  // Up to k tree nodes (tokens; *parents gets each node's parent, -1 for the root)
+  // with at most `branches` (>= 1) children per node; the rule above.
+  std::vector<int32_t> propose_tree(int64_t k, int64_t branches, std::vector<int32_t>* parents,
+                                    int64_t* matched_n = nullptr) const;
+
+  // The most occurrences a tree is built from.
+  static constexpr int64_t kMaxTreeMatches = 32;
 
  private:
   uint64_t key(int64_t end, int64_t n) const;  // hash of tokens[end - n + 1 .. end]

@@ -53,6 +53,19 @@
 //     commit a accepted + 1 correction/bonus; then
 //       target cache = C + a                (the rest held rejected proposals)
 //       draft cache  = min(C + k - 1, C + a)  (k >= 1; a row with k = 0 keeps Ld)
+//
+// Trees (DecoderConfig::ngram_branches > 1): a decoding row's k proposals are the nodes
+// of an n-gram trie (NGramIndex::propose_tree; parents[i] < i, -1: the root), and the
+// verify pass carries them like a chain: node i is input C - Lt + i of its row, cached
+// at index C + i, at RoPE position C + depth(i) - 1 (depth 1: a child of the root), and
+// the pass carries an ancestor mask (PassLayout::tree_mask, the layout of
+// PagedBatch.tree_mask in python/verispec/models/base.py). The caller verifies with
+// ops.verify_tree and hands commit the accepted nodes; before commit it moves the
+// accepted path's K/V into place (cache index C + accepted_nodes[j] -> C + j, j < a,
+// in increasing j; python/verispec/decoder.py _move_accepted is the one place), and
+// commit rolls the target back to C + a as for a chain. Rows with more than
+// kTreeMaxUncached uncached tokens (a long prompt, a recompute) and keyed rows propose
+// chains (parents i - 1) in the same pass.
 #pragma once
 
 #include <cstdint>
@@ -160,6 +173,12 @@ struct PassLayout {
   int64_t slot_mapping = 0;    // [T]
   int64_t block_tables = 0;    // [B, M], -1 padded
   int64_t context_lens = 0;    // [B] cached length after this forward
+  // uint8 [T, T] (the verify pass of a tree step whose rows branch, else absent): token t
+  // of row b sees the row's keys cached before this pass and the row's new tokens u
+  // with tree_mask[t, u] = 1 (its ancestors and itself; a chain token: the row's earlier
+  // new tokens and itself); 0 across rows.
+  bool has_tree_mask = false;
+  int64_t tree_mask = 0;
 };
 
 // Per-row sampling policy of the step's rows (float arrays in the inputs buffer); when
@@ -199,6 +218,10 @@ struct StepPlan {
   int64_t draft_tokens = 0;      // int32 [B, K] proposals, -1 padded (n-gram: filled;
                                  // draft model: -1, filled by the caller's passes)
   int64_t num_draft = 0;         // int32 [B] = row_k
+  // Tree steps (DecoderConfig::ngram_branches > 1): verify with ops.verify_tree over the
+  // proposals as nodes, with parents int32 [B, K] (-1: the root, and padding past k).
+  bool tree = false;
+  int64_t tree_parents = 0;
   PolicyLayout policy;
   std::vector<uint8_t> inputs;   // the packed arrays above
   // Copy-on-write copies to perform on each model's pools before the first pass.
@@ -227,6 +250,8 @@ struct VerifyOutputs {
   int64_t num_accepted_len = 0;
   const int32_t* draft_tokens = nullptr;  // [B, K] the proposals (a draft model's; n-gram: may be null)
   int64_t draft_tokens_len = 0;
+  const int32_t* accepted_nodes = nullptr;  // [B, K] tree steps: the accepted path's nodes
+  int64_t accepted_nodes_len = 0;
 };
 
 struct DecoderConfig {
@@ -241,6 +266,9 @@ struct DecoderConfig {
   bool draft_shares_target_cache = false;
   int64_t ngram_min_n = 0;          // > 0: n-gram prompt lookup proposes (one-hot q)
   int64_t ngram_max_n = 0;
+  // > 1: n-gram drafting proposes tries of at most k nodes with at most this many
+  // children per node (trees; see the top of this file); 1: chains.
+  int64_t ngram_branches = 1;
   int64_t target_num_blocks = 0;
   int64_t draft_num_blocks = 0;
   int64_t block_size = 16;
@@ -257,6 +285,9 @@ struct DecoderConfig {
 
 // The largest k a decoder takes.
 constexpr int64_t kMaxK = 64;
+// Tree steps: a row with more uncached tokens than this (a long prompt, a recompute)
+// proposes a chain, so that the verify pass's [T, T] tree mask stays small.
+constexpr int64_t kTreeMaxUncached = 64;
 
 // Wall time by phase, summed over steps (seconds).
 struct PhaseTimes {
@@ -342,7 +373,9 @@ class SpecDecoder {
 
   // begin_step's phases.
   struct Choice;
-  int64_t draft_cap(Sequence& s, std::vector<int32_t>* ngram_proposals);
+  // `chain`: the row proposes a chain even in tree steps (see kTreeMaxUncached).
+  int64_t draft_cap(Sequence& s, std::vector<int32_t>* ngram_proposals,
+                    std::vector<int32_t>* parents, bool chain);
   void choose_ks(const std::vector<Choice*>& rows, BatchRest rest);
   void plan_draft_passes(OpenStep& st);
   void plan_verify_pass(OpenStep& st);

@@ -87,6 +87,13 @@ class KVPools:
     def num_blocks(self) -> int:
         return self.k[0].shape[0]
 
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies slot src[i] to slot dst[i] in every K and V pool, reading every source
+        before writing (duplicate destinations must carry equal values)."""
+        for pool in (*self.k, *self.v):
+            flat = pool.view(-1, *pool.shape[2:])
+            flat[dst] = flat[src]
+
     def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
         """Performs the allocator's copy-on-write copies (src, dst, num_tokens)."""
         for src, dst, n in copies:
@@ -107,10 +114,17 @@ class PagedBatch:
     logits_indices [R] int64   flattened token indices whose logits to return
     kv             KVPools     the model's pools
     tree_mask      [T, T] bool | None  a draft tree: token t of row b sees the row's keys
-                               before its new tokens (indices < context_lens[b] - n_b) and
-                               the row's new tokens u with tree_mask[t, u]; positions then
-                               give RoPE positions only (siblings share one). None: token t
-                               sees the row's keys 0..positions[t] (a chain)
+                               before its new tokens (cache indices < context_lens[b] - n_b,
+                               n_b the row's new tokens) and the row's new tokens u with
+                               tree_mask[t, u] (the new tokens are cached in input order at
+                               indices context_lens[b] - n_b ..); positions then give RoPE
+                               positions only (siblings share one: committed length + depth
+                               - 1). tree_mask[t, t] is True; entries across rows are False.
+                               SpecDecoder sets it (the core's PassLayout::tree_mask) on the
+                               verify pass of a tree step whose rows branch: a committed
+                               token sees the row's earlier new tokens, a node those and its
+                               ancestors. None: token t sees the row's keys
+                               0..positions[t] (a chain)
     host           dict | None the caller's CPU copies of the index tensors (every field
                                above but input_ids and kv), when it has them: a model that
                                plans on the host reads them through host_tensor() without

@@ -11,6 +11,8 @@ One forward over a PagedBatch, per layer::
     q, k, v = rope(norm(x) @ Wqkv)                          [T, heads, head_dim]
     k_pool[slot_mapping], v_pool[slot_mapping] = k, v       (slot < 0: not written)
     row b, token t: attend to the row's cached keys 0..positions[t]
+        (with batch.tree_mask: the keys cached before the row's new tokens, and the
+        new tokens the mask lets it see; positions are then RoPE positions only)
     x += attn @ Wo;  x += (silu(norm(x) @ Wg) * (norm(x) @ Wu)) @ Wd
 
 then logits = norm(x[logits_indices]) @ Wlm, in the model's dtype (like transformers).
@@ -287,6 +289,14 @@ class _KVWrite:
         flat_pool.index_copy_(0, self.index, values)
 
 
+def _tree_row_mask(tree: torch.Tensor, lo: int, hi: int, ctx: int) -> torch.Tensor:
+    """[n, ctx] bool: row tokens lo..hi-1 (PagedBatch.tree_mask's layout) see every key
+    cached before the row's new tokens and the new tokens the mask lets them see."""
+    n = hi - lo
+    before = torch.ones((n, ctx - n), dtype=torch.bool, device=tree.device)
+    return torch.cat([before, tree[lo:hi, lo:hi]], dim=1)
+
+
 class _AttentionPlan:
     """Per-forward index work shared by all layers.
 
@@ -313,11 +323,19 @@ class _AttentionPlan:
         positions = batch.positions.to(device=device, dtype=torch.long)
         key_pos = torch.arange(l_max, device=device)
         self.single = b == 1
+        tree = batch.tree_mask
+        if tree is not None:
+            tree = tree.to(device)
+            for i in range(b):
+                if q_lens[i] > self.ctx_lens[i]:
+                    raise ValueError(f"LlamaModel.forward: row {i} has {q_lens[i]} new tokens "
+                                     f"but context_lens {self.ctx_lens[i]}")
         if self.single:
-            self._plan_row(batch, positions, key_pos, bs, device, dtype, group)
+            self._plan_row(batch, positions, key_pos, bs, device, dtype, group, tree)
             return
         useful = sum(n * ctx for n, ctx in zip(q_lens, self.ctx_lens))
-        self.batched = b * n_max * l_max <= PADDED_WORK_LIMIT * useful
+        # a tree attends row by row (each row its own ancestor mask)
+        self.batched = tree is None and b * n_max * l_max <= PADDED_WORK_LIMIT * useful
 
         tables = batch.block_tables.to(device=device, dtype=torch.long)
         # ctx_slots[b, j]: pool slot of row b's token j (padding -> slot of token 0).
@@ -348,11 +366,16 @@ class _AttentionPlan:
         else:
             self.row_masks = []
             for i in range(b):
+                if tree is not None:
+                    self.row_masks.append(_tree_row_mask(tree, starts[i], starts[i + 1],
+                                                         self.ctx_lens[i]))
+                    continue
                 pos_b = positions[starts[i]:starts[i + 1]]
                 self.row_masks.append(key_pos[None, :self.ctx_lens[i]] <= pos_b[:, None])
 
     def _plan_row(self, batch: PagedBatch, positions: torch.Tensor, key_pos: torch.Tensor,
-                  bs: int, device: torch.device, dtype: torch.dtype, group: int) -> None:
+                  bs: int, device: torch.device, dtype: torch.dtype, group: int,
+                  tree: Optional[torch.Tensor]) -> None:
         n, ctx = self.starts[1], self.ctx_lens[0]
         self.n = n
         table = batch.host_tensor("block_tables")[0, :-(-ctx // bs)].tolist()
@@ -370,12 +393,15 @@ class _AttentionPlan:
         # attention; otherwise (verify rows, short prefills, padding) query t sees keys
         # 0..positions[t], as a boolean mask for SDPA or an additive one for the matmuls.
         self.small = n <= SMALL_ROW_QUERIES
-        self.is_causal = n == ctx and n > 1 and not self.small
+        self.is_causal = n == ctx and n > 1 and not self.small and tree is None
         self.mask: Optional[torch.Tensor] = None
         self.bias = torch.zeros((), dtype=dtype, device=device)
         self.bias_weight = 0.0
         if n > 1 and not self.is_causal:
-            self.mask = key_pos[None, :ctx] <= positions[:, None]                # [n, L]
+            if tree is not None:
+                self.mask = _tree_row_mask(tree, 0, n, ctx)                    # [n, L]
+            else:
+                self.mask = key_pos[None, :ctx] <= positions[:, None]            # [n, L]
             if self.small:
                 bias = torch.zeros(self.mask.shape, dtype=dtype, device=device)
                 bias.masked_fill_(~self.mask, -math.inf)
@@ -719,7 +745,12 @@ class LlamaModel:
 
     def _check(self, batch: PagedBatch) -> None:
         check_batch(batch, self.geometry, "LlamaModel.forward")
-        if batch.tree_mask is not None:
-            raise ValueError("LlamaModel.forward: batch.tree_mask is not supported by the native "
-                             "Llama (chains only); wrap the model with verispec.models.HFModel "
-                             "to verify draft trees")
+        tree, t = batch.tree_mask, batch.input_ids.shape[0]
+        if tree is not None:
+            if tuple(tree.shape) != (t, t) or tree.dtype != torch.bool:
+                raise ValueError(f"LlamaModel.forward: batch.tree_mask must be bool [T, T] = "
+                                 f"[{t}, {t}], got {tree.dtype} {list(tree.shape)}")
+            if not bool(tree.diagonal().all()):
+                raise ValueError(f"LlamaModel.forward: batch.tree_mask must let every token see "
+                                 f"itself (a True diagonal); token "
+                                 f"{int((~tree.diagonal()).nonzero()[0])} does not")
