@@ -315,17 +315,7 @@ def linear(x, weight, *, out=None, num_threads=None, isa="auto"):
     if weight.shape[1] != x.shape[1]:
         raise ValueError(f"{op}: weight must be [N, K] with K = x.shape[1] = {x.shape[1]}, "
                          f"got {list(weight.shape)}")
-    if num_threads is None:
-        num_threads = torch.get_num_threads()
-    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError(f"{op}: num_threads must be an int >= 1, got {num_threads!r}")
-    shape = (x.shape[0], weight.shape[0])
-    if out is None:
-        out = torch.empty(shape, dtype=torch.float32)
-    elif not isinstance(out, torch.Tensor) or out.dtype != torch.float32 \
-            or out.device.type != "cpu" or tuple(out.shape) != shape:
-        got = _describe(out) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"{op}: out must be a float32 CPU tensor {list(shape)}, got {got}")
+    num_threads, out = _threads_and_out(op, num_threads, out, (x.shape[0], weight.shape[0]))
     if weight.shape[1] > 1 and weight.stride(1) != 1 and weight.shape[0] > 1 and weight.stride(0) != 1:
         weight = weight.contiguous()
     _C.linear(_last_dim_contiguous(x), weight, out, num_threads, isa)
@@ -361,20 +351,26 @@ def quant_linear(x, weight, fmt, *, out=None, num_threads=None, isa="auto"):
     if weight.shape[1] != row_bytes(fmt, k):
         raise ValueError(f"{op}: weight must be [N, {row_bytes(fmt, k)}] ({fmt} rows of K = {k}), "
                          f"got {list(weight.shape)}")
+    num_threads, out = _threads_and_out(op, num_threads, out, (x.shape[0], weight.shape[0]))
+    _C.quant_linear(_last_dim_contiguous(x), _last_dim_contiguous(weight),
+                    QUANT_FORMATS[fmt][0], out, num_threads, isa)
+    return out
+
+
+def _threads_and_out(op, num_threads, out, shape):
+    """A CPU linear's thread count (default: torch's) and float32 output of `shape` (given
+    or allocated), checked."""
     if num_threads is None:
         num_threads = torch.get_num_threads()
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
         raise ValueError(f"{op}: num_threads must be an int >= 1, got {num_threads!r}")
-    shape = (x.shape[0], weight.shape[0])
     if out is None:
         out = torch.empty(shape, dtype=torch.float32)
     elif not isinstance(out, torch.Tensor) or out.dtype != torch.float32 \
             or out.device.type != "cpu" or tuple(out.shape) != shape:
         got = _describe(out) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"{op}: out must be a float32 CPU tensor {list(shape)}, got {got}")
-    _C.quant_linear(_last_dim_contiguous(x), _last_dim_contiguous(weight),
-                    QUANT_FORMATS[fmt][0], out, num_threads, isa)
-    return out
+    return num_threads, out
 
 
 def _dispatch(op, eager):
