@@ -233,6 +233,19 @@ def test_generate_plain_no_compare(capsys, tiny_model):
     assert "speedup" not in err and "decoding:" in err
 
 
+def test_generate_header_names_the_weights(capsys):
+    """The default model (SmolLM2's GGUF) keeps its quantization on the CPU, and the
+    header says so; --dtype float32 dequantizes it."""
+    args = ["generate", "--prompt", "Hi", "--draft", "none", "--max-new-tokens", 2,
+            "--no-compare", "--greedy"]
+    code, _, err = run(capsys, *args)
+    assert code == 0, err
+    assert "Q4_1/Q8_0 weights, float32 activations on cpu" in err, err
+    code, _, err = run(capsys, *args, "--dtype", "float32")
+    assert code == 0, err
+    assert "30 layers, float32 on cpu" in err, err
+
+
 def test_generate_errors(capsys, tiny_model, tmp_path, monkeypatch):
     code, _, err = run(capsys, "generate", "--model", tmp_path / "nope", "--prompt", "hi")
     assert_usage_error(code, err, "argument --model", "unknown model", "nope")

@@ -445,6 +445,21 @@ def _model_kind(model) -> str:
     return "native"
 
 
+def _weights_desc(model) -> str:
+    """The model's weights as the header says them: its dtype, or the quantized formats
+    it keeps (activations in its dtype)."""
+    from verispec.models import QuantizedMatrix
+
+    dtype = str(model.geometry.dtype).removeprefix("torch.")
+    if not getattr(model, "quantized", False):
+        return dtype
+    w = model.weights
+    matrices = [w.embed, w.lm_head] + [m for lw in w.layers
+                                       for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
+    formats = sorted({f for m in matrices if isinstance(m, QuantizedMatrix) for f in m.formats})
+    return f"{'/'.join(formats)} weights, {dtype} activations"
+
+
 def _fingerprint(model, tok) -> str:
     from verispec.models.tokenizer import vocabulary_fingerprint
 
@@ -626,7 +641,7 @@ def _generate(args: argparse.Namespace, tp) -> int:
     shard = (f", tensor parallel over {tp.world_size} ranks ({model.geometry.num_kv_heads} KV "
              f"heads here)" if tp is not None else "")
     print(f"[{args.model}: {_model_kind(model)}{shard}, {model.geometry.num_layers} layers, "
-          f"{str(model.geometry.dtype).removeprefix('torch.')} on {args.device}, "
+          f"{_weights_desc(model)} on {args.device}, "
           f"loaded in {load_s:.1f} s; prompt {len(prompt)} tokens; draft {draft_desc}, "
           f"k {k if k != 'auto' else f'auto (<= {args.max_k})'}; {_describe_policy(policy)}]",
           file=err, flush=True)
@@ -791,7 +806,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"argument {draft_arg or '--k'}: {e}") from None
     name = args.served_model_name or args.model
     print(f"[verispec serve: {args.model} ({_model_kind(model)}, {model.geometry.num_layers} "
-          f"layers, {str(model.geometry.dtype).removeprefix('torch.')} on {args.device}, loaded "
+          f"layers, {_weights_desc(model)} on {args.device}, loaded "
           f"in {load_s:.1f} s) as {name!r}; draft {draft_desc}, "
           f"k {k if k != 'auto' else f'auto (<= {args.max_k})'}; {args.num_blocks} KV blocks "
           f"of {BLOCK_SIZE} tokens; http://{args.host}:{args.port}/v1]", file=sys.stderr, flush=True)
