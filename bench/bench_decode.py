@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         raise SystemExit("bench_decode: transformers needs accelerate to load a GGUF: "
                          ".venv/bin/pip install accelerate")
 
-    model, tok = load("smollm2")
+    model, tok = load("smollm2", dtype=torch.float32)  # transformers runs the GGUF in float32
     _, path = resolve("smollm2")
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()

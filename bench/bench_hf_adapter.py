@@ -143,7 +143,7 @@ def build_models(transformers, hf_weights: str):
     from verispec.models import load
     from verispec.models.loaders import resolve
 
-    native, tok = load(benchmark.MODEL)
+    native, tok = load(benchmark.MODEL, dtype=torch.float32)  # float32 weights in every engine
     if hf_weights == "gguf":
         gen = benchmark._load_transformers(transformers, resolve(benchmark.MODEL)[1])
         state = {k: v for k, v in gen.state_dict().items() if k != "lm_head.weight"

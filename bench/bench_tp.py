@@ -76,7 +76,7 @@ def worker(args) -> None:
         else:
             from verispec import models
 
-            model, _ = models.load(args.model)
+            model, _ = models.load(args.model, dtype=torch.float32)  # shards slice float weights
         if tp is not None:
             model = distributed.shard(model, tp)
         prompt = [(i * 37) % (model.config.vocab_size - 10) + 10 for i in range(40)] * 2
