@@ -389,7 +389,7 @@ def test_ops_without_verify_tree_are_refused_clearly():
 def test_native_llama_attends_with_the_tree_mask_like_hf(tmp_path):
     """LlamaModel's logits over a tree batch equal its own logits of each node's path
     decoded as a chain; and a wrong mask changes them (power)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from test_decode_llama import tiny_llama
 
     from verispec.models.base import KVPools, PagedBatch
@@ -445,7 +445,6 @@ def test_native_llama_attends_with_the_tree_mask_like_hf(tmp_path):
 
 @pytest.mark.parametrize("batched", [False, True])
 def test_greedy_trees_on_the_native_llama(monkeypatch, tmp_path, batched):
-    pytest.importorskip("transformers")
     from test_decode_llama import plain_greedy, tiny_llama
     seen = _count_tree_passes(monkeypatch)
     target = tiny_llama(tmp_path, seed=0)
@@ -459,7 +458,7 @@ def test_greedy_trees_on_the_native_llama(monkeypatch, tmp_path, batched):
 
 
 def test_greedy_trees_on_the_hf_adapter(monkeypatch):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     from verispec.models import HFModel
     from verispec.models.testing import randomize_weights
     seen = _count_tree_passes(monkeypatch)
