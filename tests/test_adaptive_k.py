@@ -85,8 +85,9 @@ def test_the_decoder_speculates_less_for_a_large_batch():
         results = dec.generate([[i, 3, 4] for i in range(n)], max_new_tokens=30, greedy=True)
         ks = [k for r in results for k in r.stats["k_history"][-10:]]
         mean_k[n] = sum(ks) / len(ks)
-        # the fit sees at least the synthetic growth (a loaded machine adds its own)
-        assert dec.cost_model()["target_fit"]["slope_s_per_token"] >= 0.0005
+        # the fit sees the growth (its size is left alone: sleeps on a loaded machine
+        # overshoot at random, which moves the fitted slope either way)
+        assert dec.cost_model()["target_fit"]["slope_s_per_token"] > 0
     assert mean_k[1] >= 2 and mean_k[24] <= 1, mean_k
 
 
@@ -154,16 +155,29 @@ def test_the_rest_of_the_step_counts():
         _C.best_batch_k([0.8, 0.8], [8], 0.02, cm)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("draft", [0.0, 0.1, 0.5, 3.0])
 @pytest.mark.parametrize("slope", [0.0, 0.2, 1.0])
-def test_probes_spend_at_most_the_budget(draft, slope):
+def test_probes_spend_at_most_the_budget(draft, slope, rows):
+    # `rows` rows each probing every `interval` plain steps: rows / interval probes per
+    # step on average, each costing a k = 1 step beyond a plain step
     target = [1.0 + slope * n for n in range(9)]
-    interval = _C.probe_interval(draft, target)
-    probe_cost = draft + (target[1] - target[0])  # a k = 1 step beyond a plain step
+    interval = _C.probe_interval(draft, target, rows)
+    probe_cost = draft + (target[1] - target[0])
     assert interval >= 8
-    assert probe_cost <= _C.PROBE_BUDGET * interval * target[0] * (1 + 1e-9)
+    assert rows * probe_cost <= _C.PROBE_BUDGET * interval * target[0] * (1 + 1e-9)
     if interval > 8:  # and not more sparing than the budget requires
-        assert probe_cost > _C.PROBE_BUDGET * (interval - 1) * target[0]
+        assert rows * probe_cost > _C.PROBE_BUDGET * (interval - 1) * target[0]
+
+
+def test_a_batch_shares_the_probe_budget():
+    # power for the rows factor: a batch's rows probing at the one-row interval would
+    # spend `rows` times the budget
+    target = [1.0 + 0.2 * n for n in range(9)]
+    alone = _C.probe_interval(0.0, target)
+    batch = _C.probe_interval(0.0, target, 64)
+    assert 64 * 0.2 > _C.PROBE_BUDGET * alone * target[0]  # the one-row interval overspends
+    assert batch >= 64 * (alone - 1)
 
 
 def test_adaptive_keeps_greedy_output_and_reports_a_time_split():

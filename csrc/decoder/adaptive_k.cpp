@@ -177,10 +177,12 @@ std::vector<int64_t> best_batch_k(const std::vector<double>& a, const std::vecto
 
 // ---- probes and acceptance --------------------------------------------------------
 
-int64_t probe_interval(double draft_pass, const std::vector<double>& target_pass) {
+int64_t probe_interval(double draft_pass, const std::vector<double>& target_pass,
+                       int64_t rows) {
   if (target_pass.size() < 2 || !(target_pass[0] > 0)) return kMinProbeInterval;
   const double probe_cost = draft_pass + std::max(target_pass[1] - target_pass[0], 0.0);
-  const double steps = std::ceil(probe_cost / (kProbeBudget * target_pass[0]));
+  const double n = static_cast<double>(std::max<int64_t>(rows, 1));
+  const double steps = std::ceil(n * probe_cost / (kProbeBudget * target_pass[0]));
   return std::max<int64_t>(kMinProbeInterval, static_cast<int64_t>(std::min(steps, 1e6)));
 }
 

@@ -533,6 +533,7 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
     // n-gram lookups cost nothing next to a model pass; a draft model is measured.
     const double draft_pass = config_.has_draft_model ? cost_.draft_pass() : 0.0;
     const std::vector<int64_t> k = best_batch_k(rate, cap, draft_pass, cost_, rest);
+    const int64_t batch_rows = static_cast<int64_t>(free.size());  // rows that may probe
     int64_t tokens = rest.tokens;  // the step's target tokens at the chosen k
     for (size_t i = 0; i < free.size(); ++i) tokens += k[i] + 1;
     for (size_t i = 0; i < free.size(); ++i) {
@@ -543,9 +544,10 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
         acc.steps_without_drafts = 0;
         continue;
       }
-      // this row's plain step against a probe at k = 1, in this batch
+      // this row's plain step against a probe at k = 1, in this batch; every row of the
+      // batch may probe, so the budget is shared by all of them
       const std::vector<double> probe = cost_.target_passes(tokens, 2);
-      if (++acc.steps_without_drafts >= probe_interval(draft_pass, probe)) {
+      if (++acc.steps_without_drafts >= probe_interval(draft_pass, probe, batch_rows)) {
         acc.steps_without_drafts = 0;  // probe: one step at k = 1
         c.k = 1;
       }

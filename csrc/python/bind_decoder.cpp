@@ -334,7 +334,9 @@ void register_decoder(py::module_& m) {
       py::arg("rest_expected") = 0.0, py::arg("rest_k") = 0, py::arg("rest_tokens") = 0,
       "k per row maximising the batch's tokens per second (adaptive_k.h).");
   m.def("probe_interval", &probe_interval, py::arg("draft_pass"), py::arg("target_pass"),
-        "Plain steps between probes at k = 1 while adaptive k keeps speculation off.");
+        py::arg("rows") = 1,
+        "Plain steps between a row's probes at k = 1 while adaptive k keeps speculation off, "
+        "in a batch of `rows` rows that may all probe.");
   m.attr("PROBE_BUDGET") = kProbeBudget;
 
   m.def(

@@ -354,6 +354,8 @@ void test_probe_interval_and_tracker() {
   CHECK(every == 75);
   CHECK(0.75 <= verispec::kProbeBudget * static_cast<double>(every) * 1.0 * (1 + 1e-12));
   CHECK(0.75 > verispec::kProbeBudget * static_cast<double>(every - 1) * 1.0);
+  // Ten rows that may all probe share the budget: ten times the interval.
+  CHECK(verispec::probe_interval(0.5, {1.0, 1.25, 1.5}, 10) == 750);
   // A free probe still waits the minimum; missing or zero costs fall back to it.
   CHECK(verispec::probe_interval(0.0, {1.0, 1.0}) == verispec::kMinProbeInterval);
   CHECK(verispec::probe_interval(0.5, {1.0}) == verispec::kMinProbeInterval);

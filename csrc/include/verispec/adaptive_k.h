@@ -113,12 +113,17 @@ struct AcceptanceTracker {
 };
 
 // While k = 0, a probe (one step at k = 1) now and then notices a draft that starts
-// agreeing. A probe costs what a k = 1 step costs beyond a plain step; probing every
-// probe_interval(...) plain steps spends at most kProbeBudget of the plain decoding
-// time on probes, whatever the draft costs. target_pass = {the step's target pass with
-// the row at 1 token, at 2 tokens} (in a batch: the other rows' tokens included).
+// agreeing. A probe costs what a k = 1 step costs beyond a plain step. In a batch of
+// `rows` rows that each probe every N plain steps, rows / N probes land in an average
+// step, so probing every
+//   N = max(kMinProbeInterval, ceil(rows * probe_cost / (kProbeBudget * plain_step)))
+// steps spends at most kProbeBudget of the plain decoding time on probes, whatever the
+// draft costs and however many rows share the step. target_pass = {the step's target
+// pass with the row at 1 token, at 2 tokens} (in a batch: the other rows' tokens
+// included); plain_step = target_pass[0].
 constexpr double kProbeBudget = 0.01;
 constexpr int64_t kMinProbeInterval = 8;
-int64_t probe_interval(double draft_pass, const std::vector<double>& target_pass);
+int64_t probe_interval(double draft_pass, const std::vector<double>& target_pass,
+                       int64_t rows = 1);
 
 }  // namespace verispec
