@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a model hu
 import transformers  # noqa: E402
 
 import verispec.models as vm  # noqa: E402
+from verispec.models import base as vbase  # noqa: E402
 from verispec.models import llama as vllama  # noqa: E402
 from verispec.models.testing import PagedRunner, randomize_weights  # noqa: E402
 from verispec.models.tokenizer import vocabulary_fingerprint  # noqa: E402
@@ -141,9 +142,49 @@ def test_matches_transformers(tiny, variant):
 def test_attention_paths_agree(tiny, monkeypatch, padding_limit, lengths):
     """Every attention strategy matches transformers: one SDPA per row; one padded SDPA
     with a mask; plain causal (equal fresh prefills); no mask (equal-length decode)."""
-    monkeypatch.setattr(vllama, "PADDED_WORK_LIMIT", padding_limit)
+    monkeypatch.setattr(vbase, "PADDED_WORK_LIMIT", padding_limit)
     folder, hf = tiny["llama3_rope"]
     _check_against_hf(vm.load_model(folder), hf, block_size=3, lengths=lengths)
+
+
+def test_attention_groups_rule():
+    """Rows share a padded attention call while padding stays within the limit; else by
+    query count, and by context length within one."""
+    groups = vbase.attention_groups
+    assert groups([1] * 8, [40] * 8) == [list(range(8))]                 # plain decoding
+    assert groups([1, 1, 0, 1], [9, 30, 5, 31]) == [[0, 1, 3]]            # idle row left out
+    # one row verifying 6 tokens next to 63 decoding rows: its own call, not 63 padded
+    assert groups([1] * 63 + [6], [100] * 64) == [list(range(63)), [63]]
+    # a long prefill next to decode rows
+    assert groups([1, 500, 1, 1], [120, 500, 80, 90]) == [[0, 2, 3], [1]]
+    # one query count, contexts far apart: longest first, a row joins while the group's
+    # padded keys stay within the limit (1000 + 12 useful, 2 x 1000 padded: in; 11: out)
+    assert groups([2] * 4, [1000, 10, 12, 11]) == [[0, 2], [1, 3]]
+    assert groups([], []) == []
+
+
+@pytest.mark.parametrize("limit", [2.0, math.inf])
+def test_mixed_query_counts_match_transformers(tiny, monkeypatch, limit):
+    """Nine decoding rows and one verifying five tokens: grouped by query count (default
+    limit) or all padded together (no limit), the logits are transformers'."""
+    monkeypatch.setattr(vbase, "PADDED_WORK_LIMIT", limit)
+    folder, hf = tiny["untied"]
+    model = vm.load_model(folder)
+    vocab = model.geometry.vocab_size
+    runner = PagedRunner(model, num_blocks=64, block_size=4)
+    seqs = [runner.add_sequence() for _ in range(10)]
+    history = dict(zip(seqs, _prompts(vocab, [5 + i for i in range(10)], seed=4)))
+    runner.step({s: history[s] for s in seqs})
+    g = torch.Generator().manual_seed(5)
+    new = {s: torch.randint(0, vocab, (5 if i == 3 else 1,), generator=g).tolist()
+           for i, s in enumerate(seqs)}
+    got = runner.step(new)
+    for s, logits in zip(new, got):
+        ref = _hf_logits(hf, history[s] + new[s])[-len(new[s]):]
+        torch.testing.assert_close(logits.float(), ref, rtol=0, atol=ATOL)
+    lens = [len(new[s]) for s in seqs]
+    ctx = [len(history[s]) + len(new[s]) for s in seqs]
+    assert len(vbase.attention_groups(lens, ctx)) == (2 if limit == 2.0 else 1)
 
 
 def test_padding_tokens_write_nothing(tiny):

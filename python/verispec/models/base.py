@@ -167,6 +167,47 @@ class Model(Protocol):
     def forward(self, batch: PagedBatch) -> torch.Tensor: ...
 
 
+# Rows attended in one padded call (padded to the group's most queries and keys) while
+# the padded work b * n_max * L_max is at most this many times the useful work
+# sum(n_b * L_b); see attention_groups.
+PADDED_WORK_LIMIT = 2.0
+
+
+def attention_groups(q_lens: list[int], ctx_lens: list[int]) -> list[list[int]]:
+    """How a forward's rows share attention calls (the rule of LlamaModel and HFModel):
+    lists of row indices (rows with no new tokens left out), each attended in one call
+    padded to its most queries and keys.
+
+    All rows together while the padding stays within PADDED_WORK_LIMIT x the useful
+    work (plain decoding, equal verify rows). Otherwise rows with the same number of new
+    tokens go together, a group split (longest contexts first) where its key padding
+    would pass the limit: so one speculating row, or one long prefill, next to many
+    decoding rows costs its own call instead of padding every row to its size."""
+    rows = [r for r, n in enumerate(q_lens) if n > 0]
+    if not rows:
+        return []
+    useful = sum(q_lens[r] * ctx_lens[r] for r in rows)
+    padded = len(rows) * max(q_lens[r] for r in rows) * max(ctx_lens[r] for r in rows)
+    if padded <= PADDED_WORK_LIMIT * useful:
+        return [rows]
+    by_n: dict[int, list[int]] = {}
+    for r in rows:
+        by_n.setdefault(q_lens[r], []).append(r)
+    groups = []
+    for n in sorted(by_n):
+        group: list[int] = []
+        keys = 0
+        for r in sorted(by_n[n], key=lambda r: -ctx_lens[r]):  # the first sets the padding
+            padded_keys = (len(group) + 1) * ctx_lens[group[0]] if group else 0
+            if padded_keys > PADDED_WORK_LIMIT * (keys + ctx_lens[r]):
+                groups.append(sorted(group))
+                group, keys = [], 0
+            group.append(r)
+            keys += ctx_lens[r]
+        groups.append(sorted(group))
+    return groups
+
+
 def check_batch(batch: PagedBatch, geometry: ModelGeometry, who: str) -> None:
     """The checks every model's forward makes before reading a batch: the pools match the
     geometry (per layer: K/V heads, K and V head sizes, dtype) and the batch's shapes

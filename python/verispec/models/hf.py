@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from verispec.models.base import ModelGeometry, PagedBatch, check_batch
+from verispec.models.base import ModelGeometry, PagedBatch, attention_groups, check_batch
 # Forwards of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS tokens (verify passes) of a
 # float32 CPU model run their linear layers on verispec's CPU kernel, as LlamaModel's do.
 from verispec.models.llama import NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS
@@ -55,9 +55,6 @@ _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention", "g
 # Rows of at most this many queries, and any row with softcapping or sinks, attend with
 # two batched matmuls; longer rows (prefill) call SDPA.
 SMALL_ROW_QUERIES = 16
-# Attend all rows in one padded call while the padded work B * n_max * L_max is at most
-# this many times the useful work; beyond it (a long prefill next to decode rows), per row.
-PADDED_WORK_LIMIT = 2.0
 
 _registered = False
 
@@ -120,7 +117,13 @@ class _Group:
         q_lens = [starts[r + 1] - starts[r] for r in rows]
         self.n = n = max(q_lens)
         self.l = l = max(ctx_lens[r] for r in rows)
+        # the group's tokens in the batch: [lo, hi) when its rows are consecutive, else
+        # gathered by `tokens`
         self.lo, self.hi = starts[rows[0]], starts[rows[-1] + 1]
+        self.tokens: Optional[torch.Tensor] = None
+        if rows != list(range(rows[0], rows[-1] + 1)):
+            self.tokens = torch.tensor([t for r in rows for t in range(starts[r], starts[r + 1])],
+                                       dtype=torch.long)
         bs = plan.block_size
         # Queries: padded index of each of the group's tokens (None: no padding).
         self.q_index: Optional[torch.Tensor] = None
@@ -175,6 +178,8 @@ class _Group:
         self.device = plan.device
         if self.q_index is not None:
             self.q_index = self.q_index.to(self.device)
+        if self.tokens is not None:
+            self.tokens = self.tokens.to(self.device)
         if self.key_slots is not None:
             self.key_slots = self.key_slots.to(self.device)
 
@@ -242,14 +247,8 @@ class _Plan:
                                  f"{int((~tree.diagonal()).nonzero()[0])} does not")
         self.tree = tree
         self.write = _KVWrite(batch.host_tensor("slot_mapping"), device)
-        rows = [r for r in range(len(self.ctx_lens)) if starts[r + 1] > starts[r]]
-        q_lens = [starts[r + 1] - starts[r] for r in rows]
-        useful = sum(q * self.ctx_lens[r] for q, r in zip(q_lens, rows))
-        padded = len(rows) * max(q_lens) * max(self.ctx_lens[r] for r in rows)
-        if len(rows) == 1 or padded <= PADDED_WORK_LIMIT * useful:
-            self.groups = [_Group(rows, self)]
-        else:
-            self.groups = [_Group([r], self) for r in rows]
+        q_lens = [starts[r + 1] - starts[r] for r in range(len(self.ctx_lens))]
+        self.groups = [_Group(rows, self) for rows in attention_groups(q_lens, self.ctx_lens)]
 
     def attend(self, module, query, key, value, *, scaling, window, softcap, sinks):
         pool = self.pool_of.get(id(module))
@@ -270,13 +269,19 @@ class _Plan:
         if len(self.groups) == 1 and self.groups[0].lean and softcap is None and sinks is None:
             return self._attend_lean(self.groups[0], query[0], k_flat, v_flat, scaling, window)
         q = query[0].transpose(0, 1)                                           # [T, H, Dk]
-        if len(self.groups) == 1 and self.groups[0].lo == 0 and self.groups[0].hi == t:
-            return self._attend_group(self.groups[0], q, k_flat, v_flat, scaling, window,
-                                      softcap, sinks)[None]
+        g0 = self.groups[0]
+        if len(self.groups) == 1 and g0.tokens is None and g0.lo == 0 and g0.hi == t:
+            return self._attend_group(g0, q, k_flat, v_flat, scaling, window, softcap,
+                                      sinks)[None]
         out = q.new_empty(t, h, dv)
         for g in self.groups:
-            out[g.lo:g.hi] = self._attend_group(g, q[g.lo:g.hi], k_flat, v_flat, scaling,
-                                                window, softcap, sinks)
+            if g.tokens is None:
+                out[g.lo:g.hi] = self._attend_group(g, q[g.lo:g.hi], k_flat, v_flat, scaling,
+                                                    window, softcap, sinks)
+            else:
+                out.index_copy_(0, g.tokens, self._attend_group(
+                    g, q.index_select(0, g.tokens), k_flat, v_flat, scaling, window, softcap,
+                    sinks))
         return out[None]
 
     @staticmethod

@@ -44,13 +44,10 @@ import torch
 import torch.nn.functional as F
 
 from verispec import _C
-from verispec.models.base import ModelGeometry, PagedBatch, check_batch
+from verispec.models.base import ModelGeometry, PagedBatch, attention_groups, check_batch
 from verispec.models.quantized import QuantizedMatrix
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# Attend all rows in one padded SDPA call while the padded work B * n_max * L_max is at
-# most this many times the useful work sum(n_b * L_b); beyond it, one call per row.
-PADDED_WORK_LIMIT = 2.0
 # A row of at most this many queries attends with two batched matmuls (its scores,
 # [kv_heads, queries * group, keys], stay small); longer rows (prefill) call SDPA.
 SMALL_ROW_QUERIES = 16
@@ -301,10 +298,9 @@ class _AttentionPlan:
     """Per-forward index work shared by all layers.
 
     One row (the common decode / verify / prefill call) reads its keys as a slice of
-    the pool when its blocks are consecutive, else through one index. Several rows are
-    padded to [B, n_max] queries and [B, L_max] keys and attended in one SDPA call,
-    unless padding would cost more than PADDED_WORK_LIMIT x the useful work (e.g. one
-    long prefill next to short decode rows): then each row is attended on its own.
+    the pool when its blocks are consecutive, else through one index. Several rows go
+    in groups (``attention_groups``, the rule shared with HFModel), each padded to its
+    [b, n_max] queries and [b, L_max] keys and attended in one SDPA call.
     """
 
     def __init__(self, batch: PagedBatch, num_tokens: int, device: torch.device, *,
@@ -318,7 +314,7 @@ class _AttentionPlan:
         self.starts = starts
         self.num_rows = b = len(self.ctx_lens)
         q_lens = [starts[i + 1] - starts[i] for i in range(b)]
-        n_max, l_max = max(q_lens), max(self.ctx_lens)
+        l_max = max(self.ctx_lens)
         bs = batch.kv.block_size
         positions = batch.positions.to(device=device, dtype=torch.long)
         key_pos = torch.arange(l_max, device=device)
@@ -333,45 +329,19 @@ class _AttentionPlan:
         if self.single:
             self._plan_row(batch, positions, key_pos, bs, device, dtype, group, tree)
             return
-        useful = sum(n * ctx for n, ctx in zip(q_lens, self.ctx_lens))
-        # a tree attends row by row (each row its own ancestor mask)
-        self.batched = tree is None and b * n_max * l_max <= PADDED_WORK_LIMIT * useful
-
         tables = batch.block_tables.to(device=device, dtype=torch.long)
         # ctx_slots[b, j]: pool slot of row b's token j (padding -> slot of token 0).
         lens = torch.tensor(self.ctx_lens, device=device)
         key_valid = key_pos[None, :] < lens[:, None]                          # [B, L_max]
         j = torch.where(key_valid, key_pos[None, :], 0)
         self.ctx_slots = (torch.gather(tables, 1, j // bs) * bs + j % bs).clamp_(min=0)  # [B, L_max]
-
-        if self.batched:
-            # token t of row b sits at padded index b * n_max + i
-            row = torch.repeat_interleave(torch.arange(b, device=device),
-                                          torch.tensor(q_lens, device=device),
-                                          output_size=num_tokens)
-            qs = batch.query_start.to(device=device, dtype=torch.long)
-            self.pad_index = row * n_max + torch.arange(num_tokens, device=device) - qs[row]
-            self.n_max = n_max
-            self.uniform = all(n == n_max for n in q_lens)  # no query padding at all
-            same_len = self.uniform and all(ctx == l_max for ctx in self.ctx_lens)
-            # Fresh prefills (each row's queries are its whole context) are plain causal
-            # attention; uniform decode sees every key; otherwise an explicit mask.
-            self.is_causal = same_len and n_max == l_max and n_max > 1
-            self.mask: Optional[torch.Tensor] = None
-            if not (self.is_causal or (same_len and n_max == 1)):
-                q_pos = torch.zeros(b * n_max, dtype=torch.long, device=device)  # padding: key 0
-                q_pos[self.pad_index] = positions
-                mask = (key_pos[None, None, :] <= q_pos.view(b, n_max, 1)) & key_valid[:, None, :]
-                self.mask = mask[:, None]                                     # [B, 1, n, L]
-        else:
-            self.row_masks = []
-            for i in range(b):
-                if tree is not None:
-                    self.row_masks.append(_tree_row_mask(tree, starts[i], starts[i + 1],
-                                                         self.ctx_lens[i]))
-                    continue
-                pos_b = positions[starts[i]:starts[i + 1]]
-                self.row_masks.append(key_pos[None, :self.ctx_lens[i]] <= pos_b[:, None])
+        if tree is not None:  # a tree attends row by row (each row its own ancestor mask)
+            self.groups: list[_RowGroup] = []
+            self.row_masks = [_tree_row_mask(tree, starts[i], starts[i + 1], self.ctx_lens[i])
+                              for i in range(b)]
+            return
+        self.groups = [_RowGroup(rows, self, q_lens, positions, key_pos, key_valid, num_tokens)
+                       for rows in attention_groups(q_lens, self.ctx_lens)]
 
     def _plan_row(self, batch: PagedBatch, positions: torch.Tensor, key_pos: torch.Tensor,
                   bs: int, device: torch.device, dtype: torch.dtype, group: int,
@@ -407,6 +377,49 @@ class _AttentionPlan:
                 bias.masked_fill_(~self.mask, -math.inf)
                 self.bias = bias.repeat_interleave(group, dim=0)            # [n * group, L]
                 self.bias_weight = 1.0
+
+
+class _RowGroup:
+    """Rows of a batch attended in one padded SDPA call: their queries (gathered by
+    ``tokens`` unless the group is the whole batch in order), keys and mask."""
+
+    def __init__(self, rows: list[int], plan: _AttentionPlan, q_lens: list[int],
+                 positions: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor,
+                 num_tokens: int):
+        device = positions.device
+        starts = plan.starts
+        self.b = b = len(rows)
+        self.n = n = max(q_lens[r] for r in rows)
+        ctx = [plan.ctx_lens[r] for r in rows]
+        self.l = l_max = max(ctx)
+        index = [t for r in rows for t in range(starts[r], starts[r + 1])]
+        # the group's tokens in the batch (None: all of them, in order)
+        self.tokens: Optional[torch.Tensor] = (
+            None if index == list(range(num_tokens))
+            else torch.tensor(index, dtype=torch.long, device=device))
+        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+        self.slots = plan.ctx_slots.index_select(0, rows_t)[:, :l_max].reshape(-1)  # [b * L]
+        # token i of the group sits at padded index pad_index[i] (None: no query padding)
+        self.pad_index: Optional[torch.Tensor] = None
+        if any(q_lens[r] != n for r in rows):
+            self.pad_index = torch.tensor(
+                [i * n + j for i, r in enumerate(rows) for j in range(q_lens[r])],
+                dtype=torch.long, device=device)
+        same_len = self.pad_index is None and all(c == l_max for c in ctx)
+        # Fresh prefills of one length are plain causal attention; decode rows of one
+        # context length see every key; otherwise an explicit mask.
+        self.is_causal = same_len and n == l_max and n > 1
+        self.mask: Optional[torch.Tensor] = None
+        if not (self.is_causal or (same_len and n == 1)):
+            pos = positions if self.tokens is None else positions.index_select(0, self.tokens)
+            q_pos = torch.zeros(b * n, dtype=torch.long, device=device)  # padding: key 0
+            if self.pad_index is None:
+                q_pos = pos
+            else:
+                q_pos[self.pad_index] = pos
+            valid = key_valid.index_select(0, rows_t)[:, :l_max]
+            mask = (key_pos[None, None, :l_max] <= q_pos.view(b, n, 1)) & valid[:, None, :]
+            self.mask = mask[:, None]                                         # [b, 1, n, L]
 
 
 def _split(n: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -715,23 +728,28 @@ class LlamaModel:
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                 attn_mask=plan.mask, is_causal=plan.is_causal, enable_gqa=nh != nkv)  # [1, nh, n, hd]
             return out[0].transpose(0, 1).reshape(num_tokens, nh * hd)
-        if plan.batched:
-            b, n_max = plan.num_rows, plan.n_max
-            if plan.uniform:
-                q_pad = q
-            else:
-                q_pad = q.new_zeros(b * n_max, nh, hd)
-                q_pad[plan.pad_index] = q
-            q_pad = q_pad.reshape(b, n_max, nh, hd).transpose(1, 2)           # [B, nh, n, hd]
-            slots = plan.ctx_slots.view(-1)
-            k = k_flat.index_select(0, slots).view(b, -1, nkv, hd).transpose(1, 2)  # [B, nkv, L, hd]
-            v = v_flat.index_select(0, slots).view(b, -1, nkv, hd).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q_pad, k, v, attn_mask=plan.mask,
-                                                 is_causal=plan.is_causal, enable_gqa=nh != nkv)
-            out = out.transpose(1, 2).reshape(b * n_max, nh * hd)
-            return out if plan.uniform else out[plan.pad_index]
+        if plan.groups:
+            out = None if plan.groups[0].tokens is None else q.new_empty(num_tokens, nh * hd)
+            for g in plan.groups:
+                qg = q if g.tokens is None else q.index_select(0, g.tokens)
+                if g.pad_index is not None:
+                    q_pad = qg.new_zeros(g.b * g.n, nh, hd)
+                    q_pad[g.pad_index] = qg
+                    qg = q_pad
+                qg = qg.reshape(g.b, g.n, nh, hd).transpose(1, 2)              # [b, nh, n, hd]
+                k = k_flat.index_select(0, g.slots).view(g.b, -1, nkv, hd).transpose(1, 2)
+                v = v_flat.index_select(0, g.slots).view(g.b, -1, nkv, hd).transpose(1, 2)
+                o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask,
+                                                   is_causal=g.is_causal, enable_gqa=nh != nkv)
+                o = o.transpose(1, 2).reshape(g.b * g.n, nh * hd)
+                if g.pad_index is not None:
+                    o = o[g.pad_index]
+                if g.tokens is None:
+                    return o
+                out.index_copy_(0, g.tokens, o)
+            return out
         out = q.new_empty(num_tokens, nh * hd)
-        for i in range(plan.num_rows):
+        for i in range(plan.num_rows):  # a tree: row by row, each with its ancestor mask
             lo, hi, ctx = plan.starts[i], plan.starts[i + 1], plan.ctx_lens[i]
             if hi == lo:
                 continue
