@@ -282,6 +282,56 @@ def test_max_num_seqs_admits_in_arrival_order():
         SpecDecoder(target, draft, max_num_seqs=-1)
 
 
+def test_priority_orders_the_queue_and_picks_who_is_preempted():
+    """max_num_seqs=2: four waiting sequences run higher priority first, FIFO within a
+    priority; a later arrival of higher priority takes the place of the running one of
+    the lowest priority (preempted: blocks freed, tokens kept); every result equals the
+    prompt decoded alone."""
+    target, draft = models()
+    dec = SpecDecoder(target, draft, k=2, num_blocks=64, block_size=4, max_num_seqs=2)
+    prompts = [[1, 2], [3, 4], [5, 6], [7, 8]]
+    low, mid, high, mid2 = (dec.add(p, max_new_tokens=6, greedy=True, priority=q)
+                            for p, q in zip(prompts, (-1, 0, 5, 0)))
+    assert {o.seq for o in dec.step()} == {high, mid}
+    dec.step()
+    urgent = dec.add([9, 10], max_new_tokens=6, greedy=True, priority=9)
+    rows = {o.seq for o in dec.step()}
+    assert rows == {urgent, high}  # mid (lowest running, priority 0) made room
+    assert dec.result(mid).stats["preemptions"] == 1 and dec.num_preemptions() == 1
+    order = []
+    while dec.has_running():
+        for o in dec.step():
+            if o.finish_reason is not None:
+                order.append(o.seq)
+    assert order.index(mid) < order.index(low) and order.index(mid2) < order.index(low)
+    assert dec.result(high).stats["preemptions"] == 0
+    for seq, p in zip((low, mid, high, mid2, urgent), prompts + [[9, 10]]):
+        assert dec.result(seq).tokens == greedy_reference(target, p, 6)
+    assert_no_leaks(dec)
+    for bad, err in ((1.5, TypeError), (True, TypeError), (1 << 63, ValueError)):
+        with pytest.raises(err, match="add: priority must be"):
+            dec.add([1], max_new_tokens=1, priority=bad)
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_a_full_cache_preempts_the_lowest_priority(ops):
+    """Blocks run out: the running sequence of the lowest priority is preempted, even the
+    older one; both still get the target's greedy output."""
+    target, draft = models()
+    dec = SpecDecoder(target, draft, k=4, num_blocks=6, draft_num_blocks=64, block_size=4, ops=ops)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 0, 1]]
+    old = dec.add(prompts[0], max_new_tokens=12, greedy=True, priority=-3)
+    dec.step()  # the old one runs alone first
+    new = dec.add(prompts[1], max_new_tokens=12, greedy=True)
+    while dec.has_running():
+        dec.step()
+    assert dec.result(old).stats["preemptions"] >= 1
+    assert dec.result(new).stats["preemptions"] == 0
+    for s, p in zip((old, new), prompts):
+        assert dec.result(s).tokens == greedy_reference(target, p, 12)
+    assert_no_leaks(dec)
+
+
 @pytest.mark.parametrize("ops", OPS)
 def test_one_sequence_that_cannot_fit_raises_and_changes_nothing(ops):
     target, draft = models()

@@ -379,6 +379,8 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, client, 
          ["KV blocks", str(NUM_BLOCKS)]),
         ("completions", dict(ok, prompt=[10 ** 9]), 400, "prompt", ["token ids"]),
         ("completions", dict(ok, echo=True), 400, "echo", ["not supported"]),
+        ("completions", dict(ok, priority=1.5), 400, "priority", ["an int", "1.5"]),
+        ("completions", dict(ok, priority=2 ** 63), 400, "priority", [str(2 ** 63)]),
         ("chat/completions", dict(chat_ok, top_logprobs=21, logprobs=True), 400,
          "top_logprobs", ["21"]),
         ("chat/completions", dict(chat_ok, top_logprobs=2), 400, "top_logprobs",
@@ -465,8 +467,11 @@ def test_seed_is_passed_to_add_only_when_the_request_has_one(smollm2):
     with running_server(create_app(spy, tok, MODEL)) as url:
         with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as c:
             c.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0.8, seed=7)
-            c.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0.8)
+            c.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0.8,
+                                 extra_body={"priority": -4})
     assert spy.calls[0]["seed"] == 7 and spy.calls[1].get("seed") is None
+    # the priority extension reaches add() as given; unset, add's default (0)
+    assert spy.calls[1]["priority"] == -4 and "priority" not in spy.calls[0]
     assert spy.calls[0]["temperature"] == 0.8 and spy.calls[0]["max_new_tokens"] == 2
     assert spy.calls[0]["eos_token_id"] == list(tok.eos_token_ids)
 

@@ -21,7 +21,8 @@ struct SpecDecoder::Sequence {
   int64_t draft_seq = -1;
   FinishReason finish = FinishReason::kNone;
   bool in_step = false;         // a row of the open step
-  uint64_t arrival = 0;         // add order: the queue's and preemption's order
+  uint64_t arrival = 0;         // add order
+  int64_t priority = 0;         // higher first; with arrival, the queue's and preemption's order
   SequenceStats stats;
   std::unique_ptr<NGramIndex> ngram;  // n-gram drafter state: the committed tokens
   // Adaptive k: acceptance of a draft model in trackers[0]; of n-gram proposals by
@@ -165,7 +166,7 @@ const SpecDecoder::Sequence& SpecDecoder::get(int64_t seq) const {
 }
 
 int64_t SpecDecoder::add(const std::vector<int32_t>& prompt, const SamplingParams& sampling,
-                         const StopParams& stop) {
+                         const StopParams& stop, int64_t priority) {
   std::lock_guard<std::mutex> lock(mu_);
   if (prompt.empty()) throw InvalidArgumentError("add: prompt must hold at least 1 token, got 0");
   for (size_t i = 0; i < prompt.size(); ++i) {
@@ -218,17 +219,25 @@ int64_t SpecDecoder::add(const std::vector<int32_t>& prompt, const SamplingParam
   if (draft_alloc_) s->draft_seq = draft_alloc_->add_sequence();
   if (!free_ids_.empty()) free_ids_.pop_back();
   s->arrival = next_arrival_++;
+  s->priority = priority;
   seqs_[static_cast<size_t>(id)] = std::move(s);
-  waiting_.push_back(id);  // the newest arrival: the back of the queue
+  enqueue(id);  // behind every sequence of its priority or higher (reserved above)
   return id;
 }
 
-void SpecDecoder::enqueue(int64_t seq) {
-  const uint64_t arrival = get(seq).arrival;
-  auto at = std::find_if(waiting_.begin(), waiting_.end(),
-                         [&](int64_t w) { return get(w).arrival > arrival; });
-  waiting_.insert(at, seq);
+bool SpecDecoder::ahead(int64_t a, int64_t b) const {
+  const Sequence& x = get(a);
+  const Sequence& y = get(b);
+  return x.priority != y.priority ? x.priority > y.priority : x.arrival < y.arrival;
 }
+
+// Inserts `seq` into `order` (a list in rank order) at its rank.
+void SpecDecoder::insert_ranked(std::vector<int64_t>* order, int64_t seq) const {
+  auto at = std::find_if(order->begin(), order->end(), [&](int64_t w) { return ahead(seq, w); });
+  order->insert(at, seq);
+}
+
+void SpecDecoder::enqueue(int64_t seq) { insert_ranked(&waiting_, seq); }
 
 std::vector<int64_t> SpecDecoder::admit() {
   std::vector<int64_t> admitted;
@@ -239,11 +248,19 @@ std::vector<int64_t> SpecDecoder::admit() {
   if (config_.max_tokens_per_step > 0) {
     limit = std::min(limit, static_cast<size_t>(config_.max_tokens_per_step));
   }
-  while (!waiting_.empty() && running_.size() < limit) {
+  while (!waiting_.empty()) {
     const int64_t seq = waiting_.front();
-    // FIFO: the head waits (and so does everyone behind it) while its whole context plus
-    // a step's drafts would not fit the free blocks; with nothing running it is admitted
-    // anyway, so a sequence that can never fit gets its CacheFullError.
+    // A head that outranks the last running sequence (a higher priority) takes its place
+    // when there is no room: that one is preempted, as when blocks run out.
+    const bool outranks = !running_.empty() && ahead(seq, running_.back());
+    if (running_.size() >= limit) {
+      if (!outranks) break;
+      preempt_newest();
+      continue;
+    }
+    // In rank order: the head waits (and so does everyone behind it) while its whole
+    // context plus a step's drafts would not fit the free blocks; with nothing running
+    // it is admitted anyway, so a sequence that can never fit gets its CacheFullError.
     const Sequence& head = get(seq);
     const int64_t need = head.committed() + config_.k + 1;
     const bool fits =
@@ -252,12 +269,13 @@ std::vector<int64_t> SpecDecoder::admit() {
         (!draft_alloc_ ||
          draft_alloc_->blocks_needed(head.draft_seq, need - draft_alloc_->length(head.draft_seq)) <=
              draft_alloc_->num_free_blocks());
-    if (!fits && !running_.empty()) break;
+    if (!fits && !running_.empty()) {
+      if (!outranks) break;
+      preempt_newest();
+      continue;
+    }
     waiting_.erase(waiting_.begin());
-    const uint64_t arrival = get(seq).arrival;
-    auto at = std::find_if(running_.begin(), running_.end(),
-                           [&](int64_t r) { return get(r).arrival > arrival; });
-    running_.insert(at, seq);
+    insert_ranked(&running_, seq);
     admitted.push_back(seq);
   }
   return admitted;
@@ -273,7 +291,7 @@ void SpecDecoder::unadmit(const std::vector<int64_t>& seqs) {
 }
 
 void SpecDecoder::preempt_newest() {
-  const int64_t seq = running_.back();
+  const int64_t seq = running_.back();  // the last in rank: lowest priority, then newest
   running_.pop_back();
   Sequence& s = get(seq);
   const bool held = target_alloc_.length(s.target_seq) > 0 ||
@@ -465,7 +483,7 @@ struct SpecDecoder::Choice {
   int64_t k = 0;
   std::vector<int32_t> proposals;
   std::vector<int32_t> parents;           // tree steps: each proposal's parent (-1: root)
-  size_t order = 0;                       // index in running_ (arrival order)
+  size_t order = 0;                       // index in running_ (rank order)
   std::vector<AcceptanceTracker> mark;    // the trackers before the step
 };
 
@@ -819,7 +837,7 @@ StepPlan SpecDecoder::begin_step() {
   if (running_.empty()) return plan;
   NvtxRange range("verispec.plan");
   // Plan with every running sequence; when the passes do not fit the free blocks,
-  // preempt the newest and plan again. One sequence alone that does not fit: the
+  // preempt the last in rank (lowest priority, then newest) and plan again. One sequence alone that does not fit: the
   // CacheFullError goes to the caller (the step's admissions undone; sequences
   // preempted on the way keep their tokens and wait).
   try {
@@ -839,7 +857,7 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
   const int64_t budget = config_.max_tokens_per_step > 0 ? config_.max_tokens_per_step
                                                         : std::numeric_limits<int64_t>::max() / 4;
   // The running sequences by what they need: decoding rows (one uncached token) come
-  // first in the budget, then the others (a prompt, a recompute) in arrival order.
+  // first in the budget, then the others (a prompt, a recompute) in rank order.
   std::vector<Choice> decode, prefill;
   int64_t prefill_pending = 0;
   for (size_t i = 0; i < running_.size(); ++i) {
@@ -887,7 +905,7 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
       used += c.k + 1;
     }
   }
-  // The rest of the budget to the others, in arrival order: whole (a verify row) or a
+  // The rest of the budget to the others, in rank order: whole (a verify row) or a
   // chunk (a prefill row); what gets nothing waits for the next step.
   int64_t left = std::max<int64_t>(0, budget - used);
   BatchRest sofar{0.0, 0, used};

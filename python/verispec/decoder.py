@@ -308,7 +308,7 @@ class SpecDecoder:
             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
             eos_token_id: int | Sequence[int] | None = None,
             stop: Sequence[Sequence[int]] | None = None, logprobs: int | None = None,
-            seed: int | None = None) -> int:
+            seed: int | None = None, priority: int = 0) -> int:
         """Adds a sequence (any time, from any thread); returns its id. ``greedy=True``
         is temperature 0. Ids of released sequences are reused. ``logprobs=n`` (an int
         in [0, MAX_TOP_LOGPROBS]) reports each emitted token's TokenLogprob with the n
@@ -319,7 +319,17 @@ class SpecDecoder:
         (``verispec.ops.verify_keyed``): its tokens are the same alone or in any batch, in
         any row order, with any k or draft, and across preemption. Without a seed it
         draws from the decoder's stream (``generate``'s ``seed=None``), where a draft
-        model's proposals are accepted a little more often."""
+        model's proposals are accepted a little more often.
+
+        ``priority`` (an int in [-2**63, 2**63), default 0): waiting sequences are admitted
+        higher priority first, then in arrival order; when blocks or ``max_num_seqs``
+        run out, the running sequence of the lowest priority (then the newest) is
+        preempted, also to make room for a waiting one of higher priority. A preempted
+        sequence keeps its tokens and recomputes its cache when it runs again."""
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+            raise TypeError(f"add: priority must be an int, got {priority!r}")
+        if not -(1 << 63) <= priority < 1 << 63:
+            raise ValueError(f"add: priority must be in [-2**63, 2**63), got {priority}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
             raise TypeError(f"add: seed must be an int or None, got {seed!r}")
         if seed is not None and not 0 <= seed < 1 << 64:
@@ -347,7 +357,7 @@ class SpecDecoder:
             seq = self._core.add(list(prompt), int(max_new_tokens),
                                  fold_greedy("add", greedy, float(temperature)), int(top_k),
                                  float(top_p), float(min_p), eos, [list(s) for s in (stop or [])],
-                                 None if seed is None else int(seed))
+                                 None if seed is None else int(seed), int(priority))
             self._lp.pop(seq, None)
             if logprobs is not None:
                 self._lp[seq] = (int(logprobs), [])

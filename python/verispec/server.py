@@ -54,6 +54,7 @@ MAX_TOP_LOGPROBS = 20      # SpecDecoder.add's logprobs range, [0, 20]
 MAX_STOP_STRINGS = 16
 _LOGPROB_FLOOR = -9999.0   # JSON has no -inf; a token the policy excludes reads as this
 _SEED_MAX = 2 ** 64 - 1
+_PRIORITY_MAX = 2 ** 63 - 1
 
 
 # --- the decode thread ---------------------------------------------------------------
@@ -315,6 +316,7 @@ class _Params:
     stream: bool
     include_usage: bool
     logprobs: Optional[int]   # top-n asked for, None: off
+    priority: int = 0         # higher runs first (SpecDecoder.add)
 
 
 # Parameters OpenAI defines that this server does not implement, with the value that
@@ -370,6 +372,12 @@ def _parse_params(body: dict, *, chat: bool) -> _Params:
     seed = body.get("seed")
     if seed is not None and not (_is_int(seed) and 0 <= seed <= _SEED_MAX):
         raise _bad("seed", "an int in [0, 2**64 - 1] or null", seed)
+    # an extension (not OpenAI's): admitted and kept running before lower priorities
+    priority = body.get("priority")
+    priority = 0 if priority is None else priority
+    if not (_is_int(priority) and -_PRIORITY_MAX <= priority <= _PRIORITY_MAX):
+        raise _bad("priority", f"an int in [-{_PRIORITY_MAX}, {_PRIORITY_MAX}] or null "
+                               f"(higher runs first)", priority)
 
     stop = body.get("stop")
     if stop is None:
@@ -414,7 +422,8 @@ def _parse_params(body: dict, *, chat: bool) -> _Params:
 
     policy = dict(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
                   min_p=float(min_p))
-    return _Params(max_tokens, policy, seed, stop, stream, include_usage, logprobs)
+    return _Params(max_tokens, policy, seed, stop, stream, include_usage, logprobs,
+                   int(priority))
 
 
 # --- text: incremental detokenizing and stop strings ---------------------------------------------
@@ -709,6 +718,8 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str, *,
                             **params.policy)
         if params.seed is not None:  # the request's own stream: the same text in any batch
             kwargs["seed"] = params.seed
+        if params.priority:
+            kwargs["priority"] = params.priority
         try:
             return engine.submit(prompt, **kwargs)
         except (ValueError, TypeError) as e:

@@ -17,19 +17,22 @@
 //                  were before begin_step. commit() does the same itself when its inputs
 //                  fail a check.
 //
-// Scheduling: add() queues a sequence; each begin_step() admits waiting sequences in
-// arrival order (at most max_num_seqs running, and at most max_tokens_per_step: every
-// decoding sequence takes at least one token of a step). When the step's passes do not
-// fit the free cache blocks, the newest running sequence is preempted: its blocks are
-// freed, its committed tokens kept, and it waits at its place in the queue; admitted
-// again, it recomputes its caches (its next input is committed[0:]). CacheFullError
-// reaches the caller only when one sequence alone does not fit.
+// Scheduling: add() queues a sequence; each begin_step() admits waiting sequences in rank
+// order: higher priority first (add's `priority`, 0 by default), then arrival (FIFO), at
+// most max_num_seqs running, and at most max_tokens_per_step (every decoding sequence
+// takes at least one token of a step). When the step's passes do not fit the free cache
+// blocks, the last running sequence in rank order (lowest priority, then newest) is
+// preempted: its blocks are freed, its committed tokens kept, and it waits at its place
+// in the queue; admitted again, it recomputes its caches (its next input is
+// committed[0:]). A waiting sequence that outranks the last running one and finds no room
+// (blocks or max_num_seqs) preempts it the same way. CacheFullError reaches the caller
+// only when one sequence alone does not fit.
 //
 // Token budget and chunked prefill (max_tokens_per_step > 0): the target pass carries at
 // most that many tokens. Decoding rows (one uncached token) come first, k + 1 tokens each;
 // when they do not fit, k shrinks (to 0 at worst: a decoding row always runs). Then rows
 // with more uncached tokens (a new prompt, a preempted sequence's recompute) take the
-// rest in arrival order: a row whose uncached tokens fit becomes a verify row as usual
+// rest in rank order: a row whose uncached tokens fit becomes a verify row as usual
 // (its k shrunk to what is left); the first that does not fit prefills a chunk of them
 // and emits nothing this step. Such a prefill row is an extra row of the verify pass
 // after the B verify rows (see PassLayout): no logits, no draft passes; its target cache
@@ -277,7 +280,7 @@ struct DecoderConfig {
   int64_t draft_max_context = 0;    // a draft model's (0: the target's); rows past it stop drafting
   uint64_t seed = 0;
   // Admission: at most this many sequences run in a step (0: no limit); the others wait
-  // in arrival order (FIFO).
+  // in rank order (priority, then FIFO).
   int64_t max_num_seqs = 0;
   // The target pass's token budget (0: no limit; else >= 1): see "Token budget" above.
   int64_t max_tokens_per_step = 0;
@@ -315,9 +318,10 @@ class SpecDecoder {
 
   // Adds a sequence (any time, also while a step is open: it joins the next one).
   // Validates the prompt against the vocabulary and the context length, and the policy.
-  // Returns its id; ids of released sequences are reused.
+  // `priority`: higher runs first (see "Scheduling" above). Returns its id; ids of
+  // released sequences are reused.
   int64_t add(const std::vector<int32_t>& prompt, const SamplingParams& sampling,
-              const StopParams& stop);
+              const StopParams& stop, int64_t priority = 0);
   // Ends a sequence (finish reason kAborted if it was running) and frees its cache
   // blocks; its record stays until release(). Queued while it takes part in an open step.
   void abort(int64_t seq);
@@ -386,13 +390,15 @@ class SpecDecoder {
   void record_times(const OpenStep& st, const StepTimes& times);
   // Ends the open step: restores its marks if `restore`, then applies queued calls.
   void end_step(bool restore);
-  // Scheduling: admits waiting sequences (arrival order, within max_num_seqs); frees the
-  // newest running sequence's caches and puts it back in the queue (it keeps its tokens
-  // and recomputes its caches when admitted again).
+  // Scheduling: admits waiting sequences (rank order, within max_num_seqs); frees the
+  // last running sequence's caches (lowest priority, then newest) and puts it back in the
+  // queue (it keeps its tokens and recomputes its caches when admitted again).
   std::vector<int64_t> admit();
   void unadmit(const std::vector<int64_t>& seqs);  // back to the queue (a cancelled step)
   void preempt_newest();
   void enqueue(int64_t seq);
+  bool ahead(int64_t a, int64_t b) const;  // a ranks before b: higher priority, then older
+  void insert_ranked(std::vector<int64_t>* order, int64_t seq) const;
   bool plan_step(StepPlan* plan, const std::vector<int64_t>& admitted);
 
   DecoderConfig config_;
@@ -401,8 +407,8 @@ class SpecDecoder {
   std::unique_ptr<BlockAllocator> draft_alloc_;
   std::vector<std::unique_ptr<Sequence>> seqs_;  // by id; null when free
   std::vector<int64_t> free_ids_;                // released ids, reused by add()
-  std::vector<int64_t> running_;                 // running ids in arrival order
-  std::vector<int64_t> waiting_;                 // waiting ids in arrival order (FIFO)
+  std::vector<int64_t> running_;                 // running ids in rank order
+  std::vector<int64_t> waiting_;                 // waiting ids in rank order
   uint64_t next_arrival_ = 0;
   int64_t preemptions_ = 0;
   std::unique_ptr<OpenStep> open_;               // the open step, if any
