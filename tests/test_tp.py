@@ -174,15 +174,33 @@ def test_shard_ranges_cover_the_model_once():
         TPShard.of(smol, 2, 2)
 
 
-def test_torchrun_generate_streams_the_single_process_text_from_rank_0(tmp_path):
+def _write_tiny_qwen2(folder):
+    """A 2-layer random Qwen2 as a Hugging Face folder (save_pretrained, a byte-level BPE
+    tokenizer.json): verispec runs it through transformers (HFModel)."""
+    import json
+
+    from toymodels import train_byte_bpe
+    from tp_worker import hf_tiny
+
+    tok = train_byte_bpe(["the quick brown fox jumps over the lazy dog"] * 4)
+    tok.save(str(folder / "tokenizer.json"))
+    hf_tiny("qwen2", seed=3, vocab_size=tok.get_vocab_size()).save_pretrained(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["native", "transformers"])
+def test_torchrun_generate_streams_the_single_process_text_from_rank_0(tmp_path, kind):
     """`torchrun --nproc-per-node 2 -m verispec generate --tp 2` (torchrun is
-    `python -m torch.distributed.run`): rank 0 streams the text one process streams,
+    `python -m torch.distributed.run`) on a Llama folder (the native model) and on a
+    Qwen2 folder (through transformers): rank 0 streams the text one process streams,
     rank 1 prints nothing."""
     import pathlib
 
     from toymodels import write_tiny_llama
 
-    folder = write_tiny_llama(pathlib.Path(tmp_path), "")
+    folder = (write_tiny_llama(pathlib.Path(tmp_path), "") if kind == "native"
+              else _write_tiny_qwen2(pathlib.Path(tmp_path)))
     args = ["generate", "--model", str(folder), "--prompt", "the quick brown fox the quick",
             "--greedy", "--max-new-tokens", "16", "--ignore-eos", "--threads", "1",
             "--draft", "early-exit", "--early-exit-layers", "1", "--no-compare"]
@@ -202,7 +220,8 @@ def test_torchrun_generate_streams_the_single_process_text_from_rank_0(tmp_path)
             tp.communicate(timeout=30)
     assert one.returncode == 0, one.stderr
     assert tp.returncode == 0, err[-3000:]
-    assert "tensor parallel over 2 ranks (1 KV heads here)" in err
+    assert f"{'native' if kind == 'native' else 'transformers qwen2'}, tensor parallel over " \
+           f"2 ranks (1 KV heads here)" in err
     assert out == one.stdout and len(out.strip()) > 0
     assert err.count("speculative:") == 1  # rank 0's report only
 
