@@ -381,3 +381,19 @@ def test_hf_refuses_models_it_cannot_split(model_type, words, overrides, drop):
     (mixtral), a fused QKV whose features are not whole heads of one projection
     (gpt_neox), fewer KV heads than ranks."""
     _refuse_tp(model_type, words, overrides, drop)
+
+
+def test_a_draft_hfmodel_of_other_collectives_is_refused():
+    """SpecDecoder finds an HFModel draft's tp on the model itself (an EarlyExit's on its
+    model): a draft cut over other collectives than the target's is refused."""
+    import types
+
+    from tp_worker import hf_tiny
+    from verispec.decoder import SpecDecoder
+    from verispec.models import HFModel
+
+    target, draft = HFModel(hf_tiny("llama", layers=1)), HFModel(hf_tiny("llama", seed=5, layers=1))
+    target.tp, draft.tp = types.SimpleNamespace(name="a"), types.SimpleNamespace(name="b")
+    with pytest.raises(ValueError, match="a tensor-parallel draft must share the target's "
+                                         "collectives .*got namespace\\(name='b'\\)"):
+        SpecDecoder(target, draft, k=2)
