@@ -80,7 +80,6 @@ def hf_tiny(name: str, seed: int = 0, layers: int = 2, **overrides):
               bos_token_id=1, eos_token_id=2, pad_token_id=0)
     kw.update(HF_CONFIGS[name], **overrides)
     model_type = name.split("_")[0]
-    torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(model_type, **kw)).float().eval()
     randomize_weights(model, seed=seed + 1)

@@ -24,6 +24,9 @@ attention does not go through the interface, hybrids whose other layers keep rec
 or convolution state (that state would need rollback), bidirectional (encoder) models,
 encoder-decoders, chunked attention (applied by transformers' mask, not passed down).
 
+Tensor parallelism: ``HFModel(hf_model, tp=tp)`` cuts the model in place along its
+config's ``base_model_tp_plan`` (``verispec.models.hf_tp``), one rank of a group.
+
 The wrapped model keeps working for transformers' own generate only after
 ``set_attn_implementation("sdpa")`` (HFModel selected its function on it).
 """
