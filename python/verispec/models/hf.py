@@ -696,9 +696,10 @@ class HFModel:
             try:                         # parameters, not inference tensors
                 got = self._eager_logits(ids)
             except RuntimeError as e:
-                raise _refuse(self.model, f"tensor parallelism: its forward fails on this "
-                                          f"rank's cut heads (does it reshape by the config's "
-                                          f"head count?): {e}") from e
+                raise _refuse(self.model, f"tensor parallelism: the cut model's forward "
+                                          f"failed on rank {tp.rank} (a model that reshapes "
+                                          f"by the config's head count cannot run a rank's "
+                                          f"heads): {e}") from e
             scale = want.abs().max().double().clamp_min(1e-30)
             err = ((got - want).abs().max().double() / scale).reshape(1)
             tp.all_reduce(err)

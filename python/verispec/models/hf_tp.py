@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 import torch
 
+from verispec.models.hf import _refuse as hf_refuse
 from verispec.models.llama import split_evenly, split_heads, split_vocab
 
 #: Plan styles verispec applies.
@@ -70,9 +71,7 @@ class ShardPlan:
 
 
 def _refuse(model: Any, why: str) -> ValueError:
-    from verispec.models.hf import _refuse as refuse
-
-    return refuse(model, f"tensor parallelism: {why}")
+    return hf_refuse(model, f"tensor parallelism: {why}")
 
 
 def _pattern(key: str) -> re.Pattern:
