@@ -383,7 +383,7 @@ def test_hf_refuses_models_it_cannot_split(model_type, words, overrides, drop):
     _refuse_tp(model_type, words, overrides, drop)
 
 
-def test_a_draft_hfmodel_of_other_collectives_is_refused():
+def test_a_draft_hfmodel_of_other_collectives_or_a_shard_resharded_is_refused():
     """SpecDecoder finds an HFModel draft's tp on the model itself (an EarlyExit's on its
     model): a draft cut over other collectives than the target's is refused."""
     import types
@@ -397,3 +397,8 @@ def test_a_draft_hfmodel_of_other_collectives_is_refused():
     with pytest.raises(ValueError, match="a tensor-parallel draft must share the target's "
                                          "collectives .*got namespace\\(name='b'\\)"):
         SpecDecoder(target, draft, k=2)
+    from verispec import distributed
+
+    draft.tp = types.SimpleNamespace(rank=1, world_size=2)
+    with pytest.raises(ValueError, match=r"shard: model is already a shard \(rank 1 of 2\)"):
+        distributed.shard(draft, draft.tp)
