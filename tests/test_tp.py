@@ -174,15 +174,33 @@ def test_shard_ranges_cover_the_model_once():
         TPShard.of(smol, 2, 2)
 
 
-def test_torchrun_generate_streams_the_single_process_text_from_rank_0(tmp_path):
+def _write_tiny_qwen2(folder):
+    """A 2-layer random Qwen2 as a Hugging Face folder (save_pretrained, a byte-level BPE
+    tokenizer.json): verispec runs it through transformers (HFModel)."""
+    import json
+
+    from toymodels import train_byte_bpe
+    from tp_worker import hf_tiny
+
+    tok = train_byte_bpe(["the quick brown fox jumps over the lazy dog"] * 4)
+    tok.save(str(folder / "tokenizer.json"))
+    hf_tiny("qwen2", seed=3, vocab_size=tok.get_vocab_size()).save_pretrained(folder)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["native", "transformers"])
+def test_torchrun_generate_streams_the_single_process_text_from_rank_0(tmp_path, kind):
     """`torchrun --nproc-per-node 2 -m verispec generate --tp 2` (torchrun is
-    `python -m torch.distributed.run`): rank 0 streams the text one process streams,
+    `python -m torch.distributed.run`) on a Llama folder (the native model) and on a
+    Qwen2 folder (through transformers): rank 0 streams the text one process streams,
     rank 1 prints nothing."""
     import pathlib
 
     from toymodels import write_tiny_llama
 
-    folder = write_tiny_llama(pathlib.Path(tmp_path), "")
+    folder = (write_tiny_llama(pathlib.Path(tmp_path), "") if kind == "native"
+              else _write_tiny_qwen2(pathlib.Path(tmp_path)))
     args = ["generate", "--model", str(folder), "--prompt", "the quick brown fox the quick",
             "--greedy", "--max-new-tokens", "16", "--ignore-eos", "--threads", "1",
             "--draft", "early-exit", "--early-exit-layers", "1", "--no-compare"]
@@ -202,7 +220,8 @@ def test_torchrun_generate_streams_the_single_process_text_from_rank_0(tmp_path)
             tp.communicate(timeout=30)
     assert one.returncode == 0, one.stderr
     assert tp.returncode == 0, err[-3000:]
-    assert "tensor parallel over 2 ranks (1 KV heads here)" in err
+    assert f"{'native' if kind == 'native' else 'transformers qwen2'}, tensor parallel over " \
+           f"2 ranks (1 KV heads here)" in err
     assert out == one.stdout and len(out.strip()) > 0
     assert err.count("speculative:") == 1  # rank 0's report only
 
@@ -237,3 +256,149 @@ def test_argument_errors_name_the_argument(monkeypatch):
         distributed.TensorParallel()
     with pytest.raises(TypeError, match="TPShard: rank must be an int"):
         TPShard.of(model.config, 0.5, 2)
+
+
+# ---------------------------------------------------------------- the transformers adapter
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory):
+    """Both ranks' results of the adapter's scenario (tp_worker.run_hf), and the
+    single-process HFModel's answers (computed here while the ranks run)."""
+    from tp_worker import HF_CONFIGS, hf_decode_cases, hf_tiny
+    from verispec.models import HFModel
+
+    launch = Launch("hf", tmp_path_factory.mktemp("tp_hf"), timeout_s=60)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        logits = {name: prefill_logits(HFModel(hf_tiny(name))) for name in HF_CONFIGS}
+        decodes = run_decodes(HFModel(hf_tiny("llama", layers=3)),
+                              HFModel(hf_tiny("llama", seed=5, layers=1)), hf_decode_cases())
+    finally:
+        torch.set_num_threads(threads)
+        codes, ranks, _ = launch.results()
+    assert codes == [0, 0], f"ranks exited with {codes}:\n{launch._tails()}"
+    return ranks, dict(logits=logits, decodes=decodes)
+
+
+def _flat(rows) -> torch.Tensor:
+    return torch.tensor([x for row in rows for x in row])
+
+
+def test_hf_each_rank_holds_its_own_kv_heads(hf_run):
+    ranks, _ = hf_run
+    for r, want in zip(ranks, ({"llama_kv3": 1}, {"llama_kv3": 2})):
+        assert r["kv_heads"] == {name: want.get(name, 1) for name in r["kv_heads"]}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma2", "phi", "llama_kv3"])
+def test_hf_tensor_parallel_logits_equal_the_single_process_model(hf_run, name):
+    """A ragged 3-row prefill, then a 3-token verify-like pass per row, through HFModels
+    cut by their configs' tensor-parallel plans on 2 ranks, against the whole HFModel."""
+    ranks, reference = hf_run
+    want = _flat(reference["logits"][name])
+    for r in ranks:
+        torch.testing.assert_close(_flat(r["logits"][name]), want, atol=2e-5, rtol=1e-5)
+    assert ranks[0]["logits"][name] == ranks[1]["logits"][name]  # bit for bit
+
+
+@pytest.mark.parametrize("case", ["ngram-k3-greedy", "ngram-k3-seeded", "model-k3-greedy",
+                                  "model-k3-seeded", "model-auto-greedy",
+                                  "early_exit-k3-seeded"])
+def test_hf_tokens_equal_single_process_decoding(hf_run, case):
+    """SpecDecoder over a tensor-parallel HFModel target (an n-gram draft, a cut HF draft
+    model, the target's early exit) commits the single-process tokens on both ranks."""
+    ranks, reference = hf_run
+    assert ranks[0]["decodes"][case] == ranks[1]["decodes"][case]
+    assert ranks[0]["decodes"][case]["tokens"] == reference["decodes"][case]["tokens"]
+    assert all(len(t) == 14 for t in reference["decodes"][case]["tokens"])
+
+
+@pytest.mark.parametrize("what", ["no_all_reduce", "other_ranks_kv_heads"])
+def test_hf_a_wrong_cut_is_refused_and_fails_the_comparison(hf_run, what):
+    """Power: row-parallel outputs not summed, or each rank's query heads paired with the
+    other rank's KV heads. HFModel's check of the cut refuses both (on every rank); with
+    that check off, their logits miss the single-process ones by far more than the
+    tolerance of the comparison above."""
+    ranks, reference = hf_run
+    want = _flat(reference["logits"]["llama"])
+    for r in ranks:
+        wrong = r["wrong"][what]
+        assert "LlamaForCausalLM is not supported: tensor parallelism: its base_model_tp_plan " \
+               "does not reproduce the model" in wrong["refusal"]
+        assert (_flat(wrong["logits"]) - want).abs().max() > 1e-2
+
+
+def test_hf_shard_voids_the_whole_model_wrapper(hf_run):
+    ranks, _ = hf_run
+    for r in ranks:
+        assert "HFModel: this wrapper's modules were cut by verispec.distributed.shard" in r["void"]
+
+
+def _refuse_tp(model_type: str, words, overrides, drop=()):
+    """HFModel(tp=) on a tiny model of 2 ranks (rank 0) must refuse before any collective,
+    naming the model and the words."""
+    import types
+
+    import transformers
+
+    from verispec.models import HFModel
+
+    kw = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(overrides)
+    for name in drop:
+        del kw[name]
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(model_type, **kw)).eval()
+    no_collectives = types.SimpleNamespace(rank=0, world_size=2)  # an all_reduce would fail
+    with pytest.raises(ValueError) as info:
+        HFModel(model, tp=no_collectives)
+    msg = str(info.value)
+    assert f"HFModel: {type(model).__name__} is not supported: tensor parallelism: " in msg, msg
+    for w in words:
+        assert w in msg, f"{w!r} not in {msg!r}"
+    # refused before cutting: the model is whole, and back in its own attention
+    assert model.config._attn_implementation != "verispec_paged"
+    assert model.lm_head.weight.shape[0] == 97
+
+
+@pytest.mark.parametrize("model_type, words, overrides, drop", [
+    ("opt", ["model_type 'opt'", "has no base_model_tp_plan"],
+     dict(ffn_dim=96, word_embed_proj_dim=64), ("intermediate_size", "num_key_value_heads")),
+    ("phi3", ["'layers.*.self_attn.qkv_proj' as 'colwise_gather_output'",
+              "every rank would attend over every head"], {}, ()),
+    ("mixtral", ["'packed_colwise', a mixture-of-experts style"],
+     dict(num_local_experts=4, num_experts_per_tok=2), ()),
+    ("gpt_neox", ["layers.0.attention.query_key_value (colwise) has 192 output features, not "
+                  "whole heads of 4 x 16 (Q)"], {}, ("num_key_value_heads", "pad_token_id")),
+    ("llama", ["world_size must be <= num_key_value_heads = 1 (each rank holds at least one "
+               "KV head), got 2"], dict(num_key_value_heads=1), ()),
+])
+def test_hf_refuses_models_it_cannot_split(model_type, words, overrides, drop):
+    """No plan (opt), a plan that gathers the fused QKV (phi3), mixture of experts
+    (mixtral), a fused QKV whose features are not whole heads of one projection
+    (gpt_neox), fewer KV heads than ranks."""
+    _refuse_tp(model_type, words, overrides, drop)
+
+
+def test_a_draft_hfmodel_of_other_collectives_or_a_shard_resharded_is_refused():
+    """SpecDecoder finds an HFModel draft's tp on the model itself (an EarlyExit's on its
+    model): a draft cut over other collectives than the target's is refused."""
+    import types
+
+    from tp_worker import hf_tiny
+    from verispec.decoder import SpecDecoder
+    from verispec.models import HFModel
+
+    target, draft = HFModel(hf_tiny("llama", layers=1)), HFModel(hf_tiny("llama", seed=5, layers=1))
+    target.tp, draft.tp = types.SimpleNamespace(name="a"), types.SimpleNamespace(name="b")
+    with pytest.raises(ValueError, match="a tensor-parallel draft must share the target's "
+                                         "collectives .*got namespace\\(name='b'\\)"):
+        SpecDecoder(target, draft, k=2)
+    from verispec import distributed
+
+    draft.tp = types.SimpleNamespace(rank=1, world_size=2)
+    with pytest.raises(ValueError, match=r"shard: model is already a shard \(rank 1 of 2\)"):
+        distributed.shard(draft, draft.tp)

@@ -51,6 +51,54 @@ def tiny_model(seed: int, layers: int = 3, *, kv_heads: int = 2) -> LlamaModel:
     return LlamaModel(cfg, LlamaWeights.from_state_dict(cfg, state))
 
 
+# Tiny random transformers models of the adapter test (HFModel), by name: llama with
+# biases on every projection (the row-parallel O and down add theirs once, after the
+# sum), qwen2 (Q/K/V biases), qwen3 (per-head q/k norms: replicated entries of its plan),
+# gemma2 (tied LM head, attention and final softcaps, a sliding window), phi (a plan of
+# other names: dense, fc1 / fc2; partial rotary), and a llama of 3 KV heads (split 1 + 2
+# over 2 ranks).
+HF_CONFIGS = {
+    "llama": dict(attention_bias=True, mlp_bias=True),
+    "qwen2": dict(),
+    "qwen3": dict(head_dim=16),
+    "gemma2": dict(head_dim=16, sliding_window=5, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0),
+    "phi": dict(partial_rotary_factor=0.5),
+    "llama_kv3": dict(num_attention_heads=6, num_key_value_heads=3, head_dim=16, hidden_size=96),
+}
+
+
+def hf_tiny(name: str, seed: int = 0, layers: int = 2, **overrides):
+    """A tiny random transformers *ForCausalLM (float32, vocabulary 211), the same in
+    every process for the same name and seed (not wrapped)."""
+    import transformers
+
+    from verispec.models.testing import randomize_weights
+
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(HF_CONFIGS[name], **overrides)
+    model_type = name.split("_")[0]
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(model_type, **kw)).float().eval()
+    randomize_weights(model, seed=seed + 1)
+    if model_type.startswith("gemma"):  # its RMSNorm scales by (1 + weight): centre on 0
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.sub_(1.0)
+    return model
+
+
+def hf_decode_cases():
+    """The decode cases the adapter's tensor-parallel test runs (a subset: HF passes are
+    slower than the native Llama's)."""
+    keep = ("ngram-k3-greedy", "ngram-k3-seeded", "model-k3-greedy", "model-k3-seeded",
+            "model-auto-greedy", "early_exit-k3-seeded")
+    return [c for c in decode_cases() if c[0] in keep]
+
+
 def prefill_logits(model) -> list:
     """Logits of every prompt token (one batched prefill), then of a 3-token verify-like
     pass per row: [rows of logits]."""
@@ -91,13 +139,14 @@ class SkewedDraft:
         return self.model.forward(batch)
 
 
-def run_decodes(target, draft_model) -> dict:
-    """Every decode case on these models (whole or shards): tokens and k histories."""
+def run_decodes(target, draft_model, cases=None) -> dict:
+    """Every decode case (default: decode_cases()) on these models (whole or shards):
+    tokens and k histories."""
     from verispec.decoder import SpecDecoder
     from verispec.drafters import EarlyExit, NGram
 
     out = {}
-    for name, kind, k, kwargs in decode_cases():
+    for name, kind, k, kwargs in (decode_cases() if cases is None else cases):
         draft = {"ngram": NGram(1, 3), "model": draft_model,
                  "skewed": SkewedDraft(draft_model, 0.006),
                  "early_exit": EarlyExit(target, num_layers=1)}[kind]
@@ -105,6 +154,58 @@ def run_decodes(target, draft_model) -> dict:
         results = dec.generate(PROMPTS, max_new_tokens=14, **kwargs)
         out[name] = dict(tokens=[r.tokens for r in results],
                          k_history=[r.stats.get("k_history") for r in results])
+    return out
+
+
+def run_hf(tp) -> dict:
+    """The adapter's scenario on this rank: every HF_CONFIGS model's KV heads and logits,
+    the decodes through a sharded HF target, and two wrong cuts (power)."""
+    from verispec import distributed
+    import verispec.models.hf as hf_mod
+    import verispec.models.hf_tp as hf_tp
+    from verispec.models import HFModel
+    from verispec.models.llama import split_heads
+
+    out: dict = {"kv_heads": {}, "logits": {}}
+    for name in HF_CONFIGS:
+        model = HFModel(hf_tiny(name), tp=tp)
+        out["kv_heads"][name] = model.geometry.num_kv_heads
+        out["logits"][name] = prefill_logits(model)
+    # the decodes: a target cut by HFModel(tp=), a draft model cut by distributed.shard
+    target = HFModel(hf_tiny("llama", layers=3), tp=tp)
+    whole = HFModel(hf_tiny("llama", seed=5, layers=1))
+    draft = distributed.shard(whole, tp)
+    try:  # its modules are the shard's now
+        prefill_logits(whole)
+        out["void"] = None
+    except RuntimeError as e:
+        out["void"] = str(e)
+    out["decodes"] = run_decodes(target, draft, hf_decode_cases())
+    # power: cuts that are wrong on purpose; the cut's own check refuses them, and with
+    # the check switched off their logits are what the test compares
+    wrong = {"no_all_reduce": (hf_tp, "_sum_over_ranks", lambda module, inputs, output: output),
+             # each rank's query heads with the other rank's KV heads
+             "other_ranks_kv_heads": (hf_tp, "split_heads", lambda h, kvh, ws, rank: (
+                 split_heads(h, kvh, ws, rank)[0], split_heads(h, kvh, ws, ws - 1 - rank)[1]))}
+    out["wrong"] = {}
+    for what, (module, attr, fake) in wrong.items():
+        original = getattr(module, attr)
+        setattr(module, attr, fake)
+        try:
+            try:
+                HFModel(hf_tiny("llama"), tp=tp)
+                refusal = None
+            except ValueError as e:
+                refusal = str(e)
+            checks = hf_mod.SHARD_CHECK_RTOL
+            hf_mod.SHARD_CHECK_RTOL = {None: float("inf")}
+            try:
+                logits = prefill_logits(HFModel(hf_tiny("llama"), tp=tp))
+            finally:
+                hf_mod.SHARD_CHECK_RTOL = checks
+        finally:
+            setattr(module, attr, original)
+        out["wrong"][what] = dict(refusal=refusal, logits=logits)
     return out
 
 
@@ -137,6 +238,8 @@ def main() -> int:
             except distributed.RankDivergenceError as e:
                 result["divergence"] = str(e)
             result["comm_calls"] = tp.comm_calls
+        elif scenario == "hf":
+            result.update(run_hf(tp))
         elif scenario in ("kill", "stall"):
             dec = SpecDecoder(target, NGram(1, 3), k=3, num_blocks=64, block_size=4)
             for p in PROMPTS:
@@ -156,7 +259,7 @@ def main() -> int:
             result["seconds_to_error"] = time.monotonic() - start
             result["steps"] = steps
         else:
-            raise ValueError(f"tp_worker: scenario must be 'main', 'kill' or 'stall', "
+            raise ValueError(f"tp_worker: scenario must be 'main', 'hf', 'kill' or 'stall', "
                              f"got {scenario!r}")
     finally:
         with open(os.path.join(out_dir, f"rank{tp.rank}.json"), "w") as f:

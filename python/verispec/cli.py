@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--trace", metavar="PATH", help="write a torch profiler Chrome trace (JSON) of the run")
     tp = g.add_argument_group("tensor parallelism (launch with torchrun; docs/distributed.md)")
     tp.add_argument("--tp", type=_int_at_least(1), default=1, metavar="N",
-                    help="split the target (a native Llama) over N processes: torchrun's "
+                    help="split the target (a native Llama, or a transformers model along its "
+                         "config's tensor-parallel plan) over N processes: torchrun's "
                          "WORLD_SIZE; rank 0 prints (default: %(default)s)")
     tp.add_argument("--tp-timeout", type=_float_in(0, 3600, low_open=True), default=60.0,
                     metavar="S", help="seconds a collective may wait for a rank before every "
@@ -596,14 +597,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _tp_shard(model, tp, arg: str):
-    """This rank's shard of a native Llama (a draft that is not one stays whole)."""
+    """This rank's shard of the target (a native Llama, or a transformers model along its
+    config's tensor-parallel plan) or of a native Llama draft (other drafts stay whole)."""
     from verispec import distributed
+    from verispec.models import HFModel
     from verispec.models.llama import LlamaModel
 
-    if not isinstance(model, LlamaModel):
-        if arg == "--model":
-            raise UsageError(f"argument --tp: expected a target the native Llama runs (GGUF or "
-                             f"a Llama folder), got a {_model_kind(model)} model")
+    if not isinstance(model, LlamaModel) and not (arg == "--model" and isinstance(model, HFModel)):
         return model  # a replicated draft: every rank computes the same proposals
     try:
         return distributed.shard(model, tp)

@@ -275,7 +275,9 @@ class SpecDecoder:
         # and the committed tokens checked (docs/distributed.md).
         self._tp = getattr(target, "tp", None)
         if draft is not None:
-            draft_tp = getattr(getattr(draft, "model", draft), "tp", None)
+            # a model (LlamaModel, HFModel) carries tp; a drafter (EarlyExit) its model's
+            draft_tp = getattr(draft, "tp", None) or getattr(getattr(draft, "model", None),
+                                                             "tp", None)
             if draft_tp is not None and draft_tp is not self._tp:
                 raise ValueError(f"SpecDecoder: a tensor-parallel draft must share the target's "
                                  f"collectives (target.tp {self._tp!r}), got {draft_tp!r}")

@@ -218,17 +218,30 @@ def close(tp: Optional[TensorParallel] = None) -> None:
 
 
 def shard(model: Any, tp: TensorParallel) -> Any:
-    """This rank's shard of a whole ``LlamaModel``, as a LlamaModel whose forward runs
-    the collectives of ``tp`` (the whole model's tensors are not kept by the shard).
+    """This rank's shard of a whole ``LlamaModel`` or ``HFModel``, whose forward runs the
+    collectives of ``tp``. Every rank must call it with the same model and the same
+    ``tp`` world.
 
-    Every rank must call it with the same model and the same ``tp`` world. Models of
-    the transformers adapter (HFModel) are refused: their layers are transformers' own
-    modules (see docs/distributed.md).
+    A LlamaModel's shard is a new LlamaModel (the whole model's tensors are not kept).
+    An HFModel's transformers modules are cut in place, along the config's
+    ``base_model_tp_plan`` (``verispec.models.hf_tp``, docs/distributed.md): the shard is
+    a new HFModel over them, and the HFModel passed in refuses to run afterwards.
     """
+    from verispec.models.hf import HFModel
     from verispec.models.llama import LlamaModel, TPShard, shard_weights
 
+    if isinstance(model, HFModel):
+        if model.tp is not None:
+            raise ValueError(f"shard: model is already a shard (rank {model.tp.rank} of "
+                             f"{model.tp.world_size})")
+        out = HFModel(model.model, max_context=model.geometry.max_context,
+                      cpu_kernels=model._kernels is not None, tp=tp)
+        out.tokenizer_fingerprint = model.tokenizer_fingerprint
+        out.native_linear, out.native_norm = model.native_linear, model.native_norm
+        model.model = None  # its modules are this rank's now: the whole-model wrapper is void
+        return out
     if not isinstance(model, LlamaModel):
-        raise TypeError(f"shard: model must be a verispec LlamaModel (the native Llama), got "
+        raise TypeError(f"shard: model must be a verispec LlamaModel or HFModel, got "
                         f"{type(model).__name__}")
     if model.tp is not None:
         raise ValueError(f"shard: model is already a shard ({model.shard})")

@@ -24,6 +24,9 @@ attention does not go through the interface, hybrids whose other layers keep rec
 or convolution state (that state would need rollback), bidirectional (encoder) models,
 encoder-decoders, chunked attention (applied by transformers' mask, not passed down).
 
+Tensor parallelism: ``HFModel(hf_model, tp=tp)`` cuts the model in place along its
+config's ``base_model_tp_plan`` (``verispec.models.hf_tp``), one rank of a group.
+
 The wrapped model keeps working for transformers' own generate only after
 ``set_attn_implementation("sdpa")`` (HFModel selected its function on it).
 """
@@ -55,6 +58,11 @@ _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention", "g
 # Rows of at most this many queries, and any row with softcapping or sinks, attend with
 # two batched matmuls; longer rows (prefill) call SDPA.
 SMALL_ROW_QUERIES = 16
+# The check of a tensor-parallel cut (HFModel._shard): logits of this many tokens before
+# and after, within this fraction of their largest (rounding only; a wrong cut misses by
+# O(1)), by dtype (None: any other).
+SHARD_CHECK_TOKENS = 6
+SHARD_CHECK_RTOL = {torch.float64: 1e-6, torch.float32: 1e-4, None: 3e-2}
 
 _registered = False
 
@@ -88,6 +96,8 @@ def _paged_attention(module, query, key, value, attention_mask, *, scaling=None,
 @dataclass
 class _LayerRecord:
     module: Any
+    num_heads: int
+    q_head_dim: int
     num_kv_heads: int
     k_head_dim: int
     v_head_dim: int
@@ -102,7 +112,8 @@ class _Probe:
 
     def attend(self, module, query, key, value, *, scaling, window, softcap, sinks):
         self.layers.append(_LayerRecord(
-            module=module, num_kv_heads=key.shape[1], k_head_dim=key.shape[3],
+            module=module, num_heads=query.shape[1], q_head_dim=query.shape[3],
+            num_kv_heads=key.shape[1], k_head_dim=key.shape[3],
             v_head_dim=value.shape[3],
             causal=getattr(module, "is_causal", True) is not False))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
@@ -486,10 +497,15 @@ class HFModel:
     ``nn.Linear`` layers of verify passes and its plain RMSNorm modules on verispec's CPU
     kernels, and store its weight matrices column-major (same values). This sets
     instance-level ``forward`` methods on those modules of ``hf_model``.
+    ``tp`` (a ``verispec.distributed.TensorParallel``): make this model one rank of a
+    tensor-parallel group by cutting ``hf_model``'s modules in place along its config's
+    ``base_model_tp_plan`` (``verispec.models.hf_tp``; every rank must pass the same model);
+    ``geometry`` then reports this rank's KV heads. ``verispec.distributed.shard`` does it
+    for a wrapped model.
     """
 
     def __init__(self, hf_model: Any, *, max_context: Optional[int] = None,
-                 tokenizer: Any = None, cpu_kernels: bool = True) -> None:
+                 tokenizer: Any = None, cpu_kernels: bool = True, tp: Any = None) -> None:
         if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "config"):
             raise TypeError(f"HFModel: hf_model must be a loaded transformers model "
                             f"(*ForCausalLM), got {type(hf_model).__name__}")
@@ -550,6 +566,10 @@ class HFModel:
             if logits.dim() != 3 or logits.shape[:2] != (1, 1):
                 raise _refuse(hf_model, f"its forward ignored logits_to_keep (logits "
                                         f"{list(logits.shape)} for one kept row)")
+            if tp is not None:
+                self._shard(tp, layers, int(logits.shape[-1]), device)
+                probe, logits = self._probe(device)  # this rank's heads
+                layers = probe.layers
         except BaseException:
             hf_model.train(was_training)
             if previous is not None and previous != ATTN_IMPLEMENTATION:
@@ -566,6 +586,7 @@ class HFModel:
         if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
             raise ValueError(f"HFModel: max_context must be a positive int, got {max_context!r}")
         self.layers = layers
+        self.tp = tp
         self._pool_of = {id(r.module): i for i, r in enumerate(layers)}
         shapes = tuple((r.num_kv_heads, r.k_head_dim, r.v_head_dim) for r in layers)
         uniform = len(set(shapes)) == 1 and shapes[0][1] == shapes[0][2]
@@ -641,6 +662,7 @@ class HFModel:
         draft.geometry = replace(self.geometry, num_layers=num_layers,
                                  layer_kv=None if layer_kv is None else layer_kv[:num_layers])
         draft.model_type = self.model_type
+        draft.tp = self.tp  # the draft runs the shared (cut) modules, collectives included
         draft._kernels = self._kernels
         draft.tokenizer_fingerprint = self.tokenizer_fingerprint
         probe, _ = draft._probe(self.geometry.device)
@@ -662,6 +684,46 @@ class HFModel:
         raise ValueError(f"early_exit: {type(self.model).__name__} keeps no nn.ModuleList of "
                          f"its {len(attention)} decoder layers")
 
+    def _shard(self, tp: Any, layers: list[_LayerRecord], vocab_size: int,
+               device: torch.device) -> None:
+        """Cuts the wrapped model to this rank's shard (``hf_tp``) and checks the cut: the
+        logits of a few tokens in transformers' eager attention, before and after, must
+        agree to rounding on every rank (the ranks decide together, so all refuse or
+        none). A refusal here leaves the model cut: load it again."""
+        from verispec.models import hf_tp
+
+        plan = hf_tp.plan_shard(self.model, layers, tp.world_size, tp.rank)
+        ids = (torch.arange(SHARD_CHECK_TOKENS, device=device) * 7 + 1) % vocab_size
+        self.model.set_attn_implementation("eager")
+        try:
+            want = self._eager_logits(ids)
+            hf_tp.apply_shard(plan, tp)  # outside inference_mode: the cut weights are
+            try:                         # parameters, not inference tensors
+                got = self._eager_logits(ids)
+            except RuntimeError as e:
+                raise _refuse(self.model, f"tensor parallelism: the cut model's forward "
+                                          f"failed on rank {tp.rank} (a model that reshapes "
+                                          f"by the config's head count cannot run a rank's "
+                                          f"heads): {e}") from e
+            scale = want.abs().max().double().clamp_min(1e-30)
+            err = ((got - want).abs().max().double() / scale).reshape(1)
+            tp.all_reduce(err)
+        finally:
+            self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        tol = SHARD_CHECK_RTOL.get(want.dtype, SHARD_CHECK_RTOL[None])
+        if not float(err) <= tol:
+            raise _refuse(self.model, f"tensor parallelism: its base_model_tp_plan does not "
+                                      f"reproduce the model: the cut model's logits differ by "
+                                      f"{float(err):.3g} of their largest (summed over the "
+                                      f"ranks), expected <= {tol:g}")
+
+    def _eager_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """All logits of ``ids`` as one sequence, in the model's own (eager) attention."""
+        positions = torch.arange(ids.shape[0], device=ids.device)
+        with torch.inference_mode():
+            return self.model(input_ids=ids[None], position_ids=positions[None],
+                              use_cache=False, return_dict=True).logits[0]
+
     def _probe(self, device: torch.device) -> tuple[_Probe, torch.Tensor]:
         """One recording forward of 2 tokens keeping the last one's logits: what each
         layer passed to the attention function, and the logits."""
@@ -673,6 +735,9 @@ class HFModel:
 
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
               ctx: Any) -> torch.Tensor:
+        if self.model is None:
+            raise RuntimeError("HFModel: this wrapper's modules were cut by "
+                               "verispec.distributed.shard; use the model shard returned")
         with torch.inference_mode():
             out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
                              logits_to_keep=keep, return_dict=True, **{_CTX: ctx})

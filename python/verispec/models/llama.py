@@ -422,9 +422,29 @@ class _RowGroup:
             self.mask = mask[:, None]                                         # [b, 1, n, L]
 
 
-def _split(n: int, world_size: int, rank: int) -> tuple[int, int]:
+def split_evenly(n: int, world_size: int, rank: int) -> tuple[int, int]:
     """Rank ``rank``'s [start, stop) of n items split as evenly as possible."""
     return (rank * n) // world_size, ((rank + 1) * n) // world_size
+
+
+def split_heads(num_heads: int, num_kv_heads: int, world_size: int,
+                rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Rank ``rank``'s [start, stop) of the query heads and of the KV heads: KV heads as
+    evenly as possible (3 over 2 ranks: 1 and 2), each query head with its KV head
+    (grouped-query attention stays rank-local). The tensor-parallel rule of the native
+    Llama and of HFModel; callers check world_size <= num_kv_heads first."""
+    group = num_heads // num_kv_heads
+    kv = split_evenly(num_kv_heads, world_size, rank)
+    return (kv[0] * group, kv[1] * group), kv
+
+
+def split_vocab(vocab_size: int, world_size: int, rank: int) -> tuple[tuple[int, int], int]:
+    """Rank ``rank``'s [start, stop) of the LM head's rows and the padded slice size
+    ceil(V / world_size) every rank's slice is zero-padded to (all_gather needs one size;
+    the padding's logits are dropped after the gather)."""
+    padded = -(-vocab_size // world_size)
+    lo = min(rank * padded, vocab_size)
+    return (lo, min(lo + padded, vocab_size)), padded
 
 
 @dataclass(frozen=True)
@@ -461,13 +481,11 @@ class TPShard:
         if config.intermediate_size < world_size:
             raise ValueError(f"TPShard: world_size must be <= intermediate_size = "
                              f"{config.intermediate_size}, got {world_size}")
-        group = config.num_attention_heads // nkv
-        kv = _split(nkv, world_size, rank)
-        padded = -(-config.vocab_size // world_size)
-        lo = min(rank * padded, config.vocab_size)
-        return cls(rank=rank, world_size=world_size, heads=(kv[0] * group, kv[1] * group),
-                   kv_heads=kv, intermediate=_split(config.intermediate_size, world_size, rank),
-                   vocab=(lo, min(lo + padded, config.vocab_size)), vocab_padded=padded)
+        heads, kv = split_heads(config.num_attention_heads, nkv, world_size, rank)
+        vocab, padded = split_vocab(config.vocab_size, world_size, rank)
+        return cls(rank=rank, world_size=world_size, heads=heads, kv_heads=kv,
+                   intermediate=split_evenly(config.intermediate_size, world_size, rank),
+                   vocab=vocab, vocab_padded=padded)
 
 
 def shard_weights(config: LlamaConfig, weights: LlamaWeights, shard: TPShard) -> LlamaWeights:
