@@ -691,6 +691,34 @@ def test_wrapped_model_on_its_own():
 
 # ---------------------------------------------------------------- verispec's CPU kernels
 
+def test_linear_layers_reading_one_input_share_one_product():
+    """q/k/v and gate/up read the same tensor one after another: the probe finds them,
+    their weights become views of one stacked matrix (no copy), and the leader's product
+    serves all of them. A sibling called on another input computes its own product
+    (power: with the stacked product reused it would return q's values)."""
+    model = _wrap("llama")
+    layer = model.model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    s = attn.q_proj._verispec_siblings
+    assert [m._verispec_sibling for m in qkv] == [0, 1, 2]
+    assert all(m._verispec_siblings is s for m in qkv)
+    assert s.weight.shape[0] == sum(m.out_features for m in qkv)
+    assert all(m.weight.untyped_storage().data_ptr() == s.weight.untyped_storage().data_ptr()
+               for m in qkv)
+    assert mlp.gate_proj._verispec_siblings is mlp.up_proj._verispec_siblings
+    assert not hasattr(attn.o_proj, "_verispec_siblings")  # its input is the attention's
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(1, 3, attn.q_proj.in_features, generator=g) for _ in range(2))
+    with torch.no_grad():
+        q, k_same = attn.q_proj(x), attn.k_proj(x)
+        k_other, v = attn.k_proj(y), attn.v_proj(x)
+        for got, m, inp in ((q, attn.q_proj, x), (k_same, attn.k_proj, x),
+                            (k_other, attn.k_proj, y), (v, attn.v_proj, x)):
+            want = inp @ m.weight.t() + (0 if m.bias is None else m.bias)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_kernels_are_installed_and_agree_with_the_modules_own_code(monkeypatch):
     """float32 on CPU: nn.Linear layers and plain RMSNorm modules get verispec's kernels
     (instance-level forwards; weights column-major, same values); Gemma's (1 + weight)
@@ -719,10 +747,11 @@ def test_cpu_kernels_are_installed_and_agree_with_the_modules_own_code(monkeypat
         runner.step({seq: list(range(3, 13))})
         calls.update(linear=0, norm=0)
         fast = runner.step({seq: [20, 21, 22, 23, 24, 25]})[0]
-        # a verify pass: every linear layer (7 per layer + the head) and, for plain
-        # RMSNorm, every norm (2 per layer + the final one) on verispec's kernels
+        # a verify pass: every linear layer on verispec's kernels, q/k/v and gate/up
+        # each as one product (4 per layer + the head), and, for plain RMSNorm, every
+        # norm (2 per layer + the final one)
         layers = model.num_layers
-        assert calls["linear"] == 7 * layers + 1, (name, calls)
+        assert calls["linear"] == 4 * layers + 1, (name, calls)
         assert calls["norm"] == (2 * layers + 1 if plain_norms else 0), (name, calls)
         runner.rollback(seq, 10)
         model.native_linear = model.native_norm = False

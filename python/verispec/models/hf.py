@@ -385,14 +385,14 @@ class _CpuKernels:
         self.norm = True
 
 
-def _linear_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """nn.Linear.forward of a float32 CPU model wrapped by HFModel: products of
+def _product(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+             kernels: _CpuKernels) -> torch.Tensor:
+    """x @ w^T + bias for HFModel's float32 CPU linear layers: products of
     NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS rows (a verify pass) on verispec's
     kernel (``verispec.ops.linear``: it reads the weight once for up to 8 rows, where
     MKL costs ~2.2x a one-row product for 6 rows), anything else through F.linear."""
-    w = self.weight
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (self._verispec_kernels.linear and NATIVE_LINEAR_MIN_ROWS <= rows <= NATIVE_LINEAR_MAX_ROWS
+    if (kernels.linear and NATIVE_LINEAR_MIN_ROWS <= rows <= NATIVE_LINEAR_MAX_ROWS
             and x.dtype == torch.float32 and x.device.type == "cpu"
             and w.dtype == torch.float32 and w.device.type == "cpu"):
         from verispec import _C
@@ -406,10 +406,108 @@ def _linear_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         _C._linear_unchecked(x2.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k, k,
                              w.stride(1) if column_major else w.stride(0), n,
                              torch.get_num_threads(), column_major)
-        if self.bias is not None:
-            out += self.bias
+        if bias is not None:
+            out += bias
         return out.view(*x.shape[:-1], n)
-    return F.linear(x, w, self.bias)
+    return F.linear(x, w, bias)
+
+
+def _linear_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward of a float32 CPU model wrapped by HFModel (see _product)."""
+    return _product(x, self.weight, self.bias, self._verispec_kernels)
+
+
+class _Siblings:
+    """Linear layers that read the same input one after another (q/k/v projections,
+    gate/up): one product over their weights stacked in one matrix, each layer's output
+    its slice of it. Seven products per Llama layer become four, as in LlamaModel's fused
+    layout; each layer's weight becomes a view of the stacked matrix (no copy kept)."""
+
+    def __init__(self, modules: list[torch.nn.Module], kernels: _CpuKernels) -> None:
+        from verispec.models.llama import matmul_layout
+
+        self.kernels = kernels
+        self.weight = matmul_layout(torch.cat([m.weight.data for m in modules]))
+        self.bias = (None if modules[0].bias is None
+                     else torch.cat([m.bias.data for m in modules]))
+        self.bounds = []
+        start = 0
+        for m in modules:
+            stop = start + m.weight.shape[0]
+            m.weight.data = self.weight[start:stop]
+            if self.bias is not None:
+                m.bias.data = self.bias[start:stop]
+            self.bounds.append((start, stop))
+            start = stop
+        self.input: Optional[torch.Tensor] = None   # the leader's input, until the last reads
+        self.output: Optional[torch.Tensor] = None
+
+
+def _sibling_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A fused sibling's forward: the first computes every sibling's output for its input;
+    the others take their slice when they are called with that same tensor (else, as in
+    a code path the probe did not see, their own product)."""
+    s: _Siblings = self._verispec_siblings
+    i = self._verispec_sibling
+    if i == 0:
+        s.input, s.output = x, _product(x, s.weight, s.bias, s.kernels)
+    elif s.input is not x:
+        return _product(x, self.weight, self.bias, s.kernels)
+    start, stop = s.bounds[i]
+    out = s.output[..., start:stop].contiguous()
+    if i == len(s.bounds) - 1:
+        s.input = s.output = None
+    return out
+
+
+def _record_linear_inputs(model: torch.nn.Module, run) -> list[tuple[torch.nn.Module, Any]]:
+    """(module, input tensor) of every nn.Linear call in one forward ``run()``."""
+    calls: list[tuple[torch.nn.Module, Any]] = []
+    handles = [m.register_forward_pre_hook(lambda mod, args: calls.append((mod, args[0])))
+               for m in model.modules() if type(m) is torch.nn.Linear]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def _sibling_groups(model: torch.nn.Module, calls) -> list[list[torch.nn.Module]]:
+    """Runs of consecutive linear calls on the same input tensor whose layers can share
+    one product: float32 CPU weights, the same input size, biases on all or none, each
+    layer called once per forward, no hooks, no weight shared with another layer."""
+    count: dict[int, int] = {}
+    for m, _ in calls:
+        count[id(m)] = count.get(id(m), 0) + 1
+    owners: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+
+    def fusable(m: torch.nn.Module) -> bool:
+        w = m.weight
+        return (count[id(m)] == 1 and w.dtype == torch.float32 and w.device.type == "cpu"
+                and owners.get(id(w), 0) == 1
+                and (m.bias is None or owners.get(id(m.bias), 0) == 1)
+                and not (m._forward_hooks or m._forward_pre_hooks))
+
+    groups, run = [], []
+    for m, x in calls:
+        if run and x is run[-1][1]:
+            run.append((m, x))
+            continue
+        groups.append(run)
+        run = [(m, x)]
+    groups.append(run)
+    out = []
+    for run in groups:
+        mods = [m for m, _ in run]
+        if (len(mods) >= 2 and all(fusable(m) for m in mods)
+                and len({m.in_features for m in mods}) == 1
+                and len({m.bias is None for m in mods}) == 1):
+            out.append(mods)
+    return out
 
 
 def _norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -430,17 +528,30 @@ def _norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return type(self).forward(self, x)
 
 
-def _install_cpu_kernels(model: torch.nn.Module) -> _CpuKernels:
+def _install_cpu_kernels(model: torch.nn.Module, run) -> _CpuKernels:
     """Puts verispec's CPU kernels under a float32 CPU model's linear layers and plain
     RMSNorm modules (instance-level forwards; values and parameters unchanged, weight
-    matrices stored column-major, which MKL's one-row products read ~10% faster)."""
+    matrices stored column-major, which MKL's one-row products read ~10% faster).
+    Linear layers that one recording forward ``run()`` shows reading the same input one
+    after another share one product (_Siblings)."""
     import types
 
     from verispec.models.llama import matmul_layout
 
     kernels = _CpuKernels()
+    groups = _sibling_groups(model, _record_linear_inputs(model, run))
     with torch.no_grad():
+        fused = set()
+        for mods in groups:
+            siblings = _Siblings(mods, kernels)
+            for i, m in enumerate(mods):
+                m._verispec_siblings, m._verispec_sibling = siblings, i
+                m._verispec_kernels = kernels
+                m.forward = types.MethodType(_sibling_forward, m)
+                fused.add(id(m))
         for module in model.modules():
+            if id(module) in fused:
+                continue
             if type(module) is torch.nn.Linear and module.weight.dtype == torch.float32:
                 module.weight.data = matmul_layout(module.weight.data)
                 module._verispec_kernels = kernels
@@ -449,6 +560,23 @@ def _install_cpu_kernels(model: torch.nn.Module) -> _CpuKernels:
                 module._verispec_kernels = kernels
                 module.forward = types.MethodType(_norm_forward, module)
     return kernels
+
+
+def _uninstall_cpu_kernels(model: torch.nn.Module) -> None:
+    """Undoes _install_cpu_kernels (a model wrapped again, e.g. to be cut for tensor
+    parallelism): the modules' own forwards back, and each fused sibling's weight its
+    own tensor again (same values), so that cutting one does not leave a stale stack."""
+    with torch.no_grad():
+        for m in model.modules():
+            if not hasattr(m, "_verispec_kernels"):
+                continue
+            if hasattr(m, "_verispec_siblings"):
+                m.weight.data = m.weight.data.clone()
+                if m.bias is not None:
+                    m.bias.data = m.bias.data.clone()
+                del m._verispec_siblings, m._verispec_sibling
+            vars(m).pop("forward", None)
+            del m._verispec_kernels
 
 
 def _is_plain_rms_norm(module: torch.nn.Module) -> bool:
@@ -510,6 +638,7 @@ class HFModel:
             raise TypeError(f"HFModel: hf_model must be a loaded transformers model "
                             f"(*ForCausalLM), got {type(hf_model).__name__}")
         register_attention()
+        _uninstall_cpu_kernels(hf_model)  # wrapped before: start from the modules' own code
         config = hf_model.config
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         if getattr(config, "is_encoder_decoder", False):
@@ -600,7 +729,7 @@ class HFModel:
         self._kernels: Optional[_CpuKernels] = None
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32 and (
                 _C.linear_best_isa() != "scalar"):
-            self._kernels = _install_cpu_kernels(hf_model)
+            self._kernels = _install_cpu_kernels(hf_model, lambda: self._probe(device))
         self.tokenizer_fingerprint: Optional[str] = None
         if tokenizer is not None:
             from verispec.models.tokenizer import vocabulary_fingerprint
