@@ -194,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "draft or k (default: %(default)s)")
     g.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="(default: %(default)s)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    g.add_argument("--verify", choices=("token", "block"), default="token",
+                   help="how a draft model's sampled proposals are verified: token by token, or "
+                        "block verification (exact too, accepts at least as many on average; "
+                        "the request then draws from the decoder's stream seeded by --seed, so "
+                        "its text depends on the draft and k). Needs a draft model or early-exit "
+                        "and sampling (default: %(default)s)")
     _device_arguments(g)
     g.add_argument("--repeats", type=_int_at_least(1), default=1,
                    help="timed runs of each decoder, alternating, median reported; the first "
@@ -541,10 +547,14 @@ def _decode_run(model, draft, k, max_k: int, prompt: list[int], policy: dict, ar
     lookahead = k if isinstance(k, int) else max_k  # draft tokens a step may append
     need = len(prompt) + args.max_new_tokens + lookahead + 2
     num_blocks = math.ceil(need / BLOCK_SIZE) + 2
+    # block verification is not the keyed rule: the request draws from the decoder's
+    # stream, seeded by --seed (reproducible for the same command)
+    block = getattr(args, "verify", "token") == "block" and draft is not None
     dec = SpecDecoder(model, draft, k=k, max_k=max_k, num_blocks=num_blocks,
-                      block_size=BLOCK_SIZE, seed=args.seed)
-    seq = dec.add(prompt, max_new_tokens=args.max_new_tokens, eos_token_id=eos, seed=args.seed,
-                  **policy)
+                      block_size=BLOCK_SIZE, seed=args.seed,
+                      verify_method="block" if block else "token")
+    seq = dec.add(prompt, max_new_tokens=args.max_new_tokens, eos_token_id=eos,
+                  seed=None if block else args.seed, **policy)
     elapsed = 0.0
     while dec.has_running():
         t0 = time.perf_counter()
@@ -636,6 +646,15 @@ def _generate(args: argparse.Namespace, tp) -> int:
         draft = _tp_shard(draft, tp, draft_arg)
     if draft is None:
         k = 0
+    if args.verify == "block":
+        from verispec.drafters import NGram
+        if draft is None or isinstance(draft, NGram):
+            raise UsageError(f"argument --verify: block verification needs sampled proposals "
+                             f"from a draft model (--draft early-exit or a model), got the "
+                             f"draft {draft_desc}")
+        if _greedy(policy):
+            raise UsageError("argument --verify: block verification needs sampling, got greedy "
+                             "decoding (greedy drafts are verified token by token)")
     eos = None if args.ignore_eos else list(tok.eos_token_ids)
     err = sys.stderr
     shard = (f", tensor parallel over {tp.world_size} ranks ({model.geometry.num_kv_heads} KV "
@@ -643,7 +662,8 @@ def _generate(args: argparse.Namespace, tp) -> int:
     print(f"[{args.model}: {_model_kind(model)}{shard}, {model.geometry.num_layers} layers, "
           f"{_weights_desc(model)} on {args.device}, "
           f"loaded in {load_s:.1f} s; prompt {len(prompt)} tokens; draft {draft_desc}, "
-          f"k {k if k != 'auto' else f'auto (<= {args.max_k})'}; {_describe_policy(policy)}]",
+          f"k {k if k != 'auto' else f'auto (<= {args.max_k})'}; {_describe_policy(policy)}"
+          f"{'; block verification' if args.verify == 'block' else ''}]",
           file=err, flush=True)
 
     _warm_up(model, draft, prompt, draft_arg)

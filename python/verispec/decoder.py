@@ -199,6 +199,12 @@ class SpecDecoder:
     (temperature, top-k, top-p, min-p, applied identically to target and draft).
     Greedy output is the target's greedy output token for token.
 
+    ``verify_method="block"``: a draft model's sampled chains are verified by block
+    verification (``verispec.ops.verify(method="block")``, Sun et al., arXiv 2403.10444):
+    exact as well, and on average it accepts at least as many proposals as the
+    token-wise rule (``"token"``, the default). Greedy rows, n-gram proposals (one-hot)
+    and sequences added with a seed (the keyed rule) are verified as before.
+
     ``ops`` (default :mod:`verispec.ops`) is any object with ``apply_policy``, ``sample``
     and ``verify`` of those signatures (e.g. :mod:`verispec.reference`); whatever it
     returns is checked by the core before anything is committed.
@@ -207,7 +213,11 @@ class SpecDecoder:
     def __init__(self, target: Model, draft: Model | NGram | None = None, *, k: int | str = 4,
                  max_k: int = 8, num_blocks: int = 512, draft_num_blocks: int | None = None,
                  block_size: int = 16, seed: int = 0, ops: Any = None,
-                 max_num_seqs: int = 0, max_tokens_per_step: int = 0) -> None:
+                 max_num_seqs: int = 0, max_tokens_per_step: int = 0,
+                 verify_method: str = "token") -> None:
+        if verify_method not in ("token", "block"):
+            raise ValueError(f"SpecDecoder: verify_method must be 'token' or 'block', "
+                             f"got {verify_method!r}")
         ngram = draft if isinstance(draft, NGram) else None
         if ngram is not None:
             draft = None
@@ -250,6 +260,7 @@ class SpecDecoder:
             from verispec import ops
         self._ops = ops
         self.target, self.draft, self.ngram, self.k = target, draft, ngram, k
+        self.verify_method = verify_method
         self.vocab_size = g.vocab_size
         self._vocab = {_TARGET: g.vocab_size}
         if draft is not None:
@@ -622,9 +633,13 @@ class SpecDecoder:
         with timer("verify"), self._nvtx("verispec.verify"):
             out = None
             if keys is None or not keys["all"]:
+                # block verification for a draft model's sampled proposals (q kept);
+                # one-hot proposals (n-gram) are verified token-wise either way
+                block = q is not None and self.verify_method == "block"
+                method = {"method": "block"} if block else {}
                 out = self._verify_outputs("verify", self._ops.verify(
                     target, draft_tokens, q, num_draft=num_draft, seed=plan["seed"],
-                    offset=plan["offset"], **policy), B, K)
+                    offset=plan["offset"], **policy, **method), B, K)
             if keys is not None:
                 index = keys["index"]
                 n = len(keys["rows"])
