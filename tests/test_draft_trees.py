@@ -57,6 +57,45 @@ class Watch:
         monkeypatch.setattr(SpecDecoder, "_verify_tree", verify_tree)
 
 
+# ---- the core's plan of a draft-tree step ----------------------------------------------
+
+def _ints(buf, offset, n, dtype):
+    size = torch.tensor([], dtype=dtype).element_size()
+    return torch.frombuffer(buf, dtype=torch.uint8)[offset:offset + n * size].view(dtype).tolist()
+
+
+def test_the_core_plans_the_draft_tree_shape():
+    """k = 7, f = 3: nodes in levels of 3 (the last of 1), level l >= 1 hanging from node
+    (l - 1) * 3; 3 draft passes whose children go to b * K + 3 j, with q rows 0, 1, 4; a
+    keyed row beside it is a chain (7 passes of 1 child, q rows j)."""
+    core = _C.SpecDecoder(k=7, has_draft_model=True, target_num_blocks=64, draft_num_blocks=64,
+                          block_size=4, vocab_size=V, max_context=256, seed=0,
+                          draft_branches=3)
+    core.add([1, 2, 3], 20, 1.0, 0, 1.0, 0.0, [], [])
+    core.add([4, 5], 20, 1.0, 0, 1.0, 0.0, [], [], seed=9)  # keyed: a chain
+    plan = core.begin_step()
+    buf, K = plan["inputs"], plan["k"]
+    assert plan["tree"] and plan["draft_tree"] and K == 7 and plan["row_k"] == [7, 7]
+    parents = _ints(buf, plan["tree_parents"], 2 * K, torch.int32)
+    assert parents[:K] == [-1, -1, -1, 0, 0, 0, 3]
+    assert parents[K:] == [-1, 0, 1, 2, 3, 4, 5]
+    drafts = plan["passes"][:-1]
+    assert len(drafts) == 7
+    for j, p in enumerate(drafts):
+        n = p["num_rows"]
+        rows = _ints(buf, p["rows"], n, torch.int64)
+        index = dict(zip(rows, _ints(buf, p["draft_index"], n, torch.int64)))
+        children = dict(zip(rows, _ints(buf, p["num_children"], n, torch.int64)))
+        q_rows = dict(zip(rows, _ints(buf, p["q_index"], n, torch.int64)))
+        if j < 3:
+            assert index[0] == 3 * j and children[0] == [3, 3, 1][j]
+            assert q_rows[0] == [0, 1, 4][j]
+        else:
+            assert 0 not in rows  # the tree row's passes are done
+        assert index[1] == K + j and children[1] == 1 and q_rows[1] == (K + 1) + j
+    core.cancel_step(plan["step_id"])
+
+
 # ---- greedy: the target's own tokens, the draft's top f as candidates -----------------
 
 @pytest.mark.parametrize("ops", OPS)
