@@ -258,6 +258,36 @@ def test_block_verification_needs_a_sampled_draft_model(capsys, tiny_model, extr
     assert_usage_error(code, err, "argument --verify", needle)
 
 
+@pytest.mark.parametrize("draft,extra,needle", [
+    ("early-exit", [], "draft trees of 2 branches (i.i.d. siblings)"),
+    ("early-exit", ["--distinct-siblings"], "draft trees of 2 branches (distinct siblings)"),
+    ("ngram", [], "n-gram lookup 1..4, tries of 2 branches"),
+])
+def test_generate_with_trees(capsys, tiny_model, draft, extra, needle):
+    code, _, err = run(capsys, "generate", "--model", tiny_model, "--prompt",
+                       "the quick brown fox the quick brown fox", "--greedy", "--draft", draft,
+                       "--branches", 2, "--k", 4, "--max-new-tokens", 12, "--ignore-eos", *extra)
+    assert code == 0, err
+    assert needle in err
+    assert "greedy outputs identical: yes" in err, err
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--draft", "none", "--branches", 2], "argument --branches: trees need a draft"),
+    (["--draft", "ngram", "--branches", 2, "--distinct-siblings"],
+     "argument --distinct-siblings: expected draft-model trees"),
+    (["--draft", "early-exit", "--distinct-siblings"],
+     "argument --distinct-siblings: expected draft-model trees (--branches > 1 and a draft "
+     "model), got --branches 1"),
+    (["--draft", "early-exit", "--branches", 2, "--verify", "block", "--temperature", 0.8],
+     "argument --verify: block verification verifies chains, got --branches 2"),
+])
+def test_tree_arguments_are_usage_errors(capsys, tiny_model, extra, needle):
+    code, _, err = run(capsys, "generate", "--model", tiny_model, "--prompt", "over the",
+                       "--max-new-tokens", 4, *extra)
+    assert_usage_error(code, err, needle)
+
+
 def test_generate_plain_no_compare(capsys, tiny_model):
     code, out, err = run(capsys, "generate", "--model", tiny_model, "--prompt", "over the",
                          "--draft", "none", "--max-new-tokens", 4, "--no-compare")
