@@ -645,10 +645,14 @@ class SpecDecoder:
         rows, width = logits.shape
         probs = _checked("apply_policy", "probs", self._ops.apply_policy(logits, **policy),
                          (rows, width), integer=False)
-        wide = probs.repeat_interleave(f, dim=0)
-        if self.draft_replacement:
-            tokens = _checked("sample", "tokens", self._ops.sample(wide, seed=seed, offset=offset),
-                              (rows * f,), integer=True).view(rows, f).long()
+        temperature = policy["temperature"]
+        greedy = (temperature == 0) if isinstance(temperature, torch.Tensor) else None
+        if greedy is None and temperature == 0:  # every row greedy: nothing to sample
+            tokens = None
+        elif self.draft_replacement:
+            tokens = _checked("sample", "tokens", self._ops.sample(
+                probs.repeat_interleave(f, dim=0), seed=seed, offset=offset),
+                (rows * f,), integer=True).view(rows, f).long()
         else:
             taken = torch.zeros_like(probs, dtype=torch.bool)
             picks = []
@@ -667,8 +671,6 @@ class SpecDecoder:
                 taken.scatter_(1, draw[:, None], True)
                 picks.append(draw)
             tokens = torch.stack(picks, dim=1)
-        temperature = policy["temperature"]
-        greedy = (temperature == 0) if isinstance(temperature, torch.Tensor) else None
         if greedy is not None or temperature == 0:
             top = logits.float().topk(min(f, width), dim=-1).indices
             if top.shape[1] < f:  # fewer tokens than children: repeat the last
