@@ -110,7 +110,8 @@ def acceptance(method, prompts, seed):
                       verify_method=method)
     results = dec.generate(prompts, max_new_tokens=48, temperature=0.7)
     per_seq = [r.stats["accepted"] / r.stats["steps"] for r in results]
-    return per_seq, sum(r.stats["accepted"] for r in results), sum(r.stats["steps"] for r in results)
+    accepted, steps = (sum(r.stats[key] for r in results) for key in ("accepted", "steps"))
+    return per_seq, accepted, steps
 
 
 def test_block_accepts_at_least_as_many_as_token_wise_in_a_seeded_run():
