@@ -1,13 +1,24 @@
-"""n-gram chains against n-gram tries on SmolLM2-135M (CPU): tokens per target pass and
-tokens/s.
+"""Chains against trees on SmolLM2-135M (CPU): n-gram tries and draft-model trees, and
+block verification against token-wise: tokens per target pass, acceptance and tokens/s.
 
-Prompts: a copy-heavy rewrite, an open chat, and a text of repeated phrases whose
-continuations differ (where a trie's other branches should pay). Drafts: plain
-decoding, n-gram chains (NGram(1, 4), k in CHAIN_KS; the best chain is the one with the
-highest tokens/s), and n-gram tries (NGram(1, 4, branches=b), k nodes). Greedy, so every
-config emits the same tokens (checked). Each config runs `--repeats` times, interleaved
-(plain, c1, ..., plain, c1, ...), and reports the median tokens/s; writes JSON and prints
-a table.
+Prompts: a copy-heavy rewrite, an open chat, a text of repeated phrases whose
+continuations differ, and a longer one of many such phrases (where a tree's other
+branches should pay).
+
+Greedy section (every config emits plain decoding's tokens: checked): plain; n-gram
+chains (NGram(1, 4), k in CHAIN_KS) and tries (NGram(1, 4, branches=b), k nodes); a
+draft model (--draft quantized: the float32 target's own GGUF kept in Q4_1, a close and
+cheaper copy; --draft early-exit: the target's first --early-exit-layers layers) as
+chains (k in DRAFT_KS, and k="auto") and as draft trees (draft_branches=b, k nodes; and
+k="auto"). The best chain of a family is its fastest fixed-k chain.
+
+Sampled section (temperature 0.7, --sampled-seqs sequences per run from the decoder's
+seeded stream): the draft model's chain verified token-wise and by block verification
+(SpecDecoder(verify_method="block")), and draft trees with i.i.d. and distinct
+siblings: accepted proposals per step and tokens/s.
+
+Each config runs --repeats times, interleaved (plain, c1, ..., plain, c1, ...), and
+reports the median tokens/s; writes JSON (--out) and a PNG beside it, prints a table.
 
     .venv/bin/python bench/bench_trees.py [--threads 2] [--new-tokens 96] [--repeats 3]
 """
@@ -25,7 +36,7 @@ import torch
 
 import verispec
 from verispec.decoder import SpecDecoder
-from verispec.drafters import NGram
+from verispec.drafters import EarlyExit, NGram
 from verispec.models import load
 
 PARAGRAPH = ("On Tuesday the city councel met to discuss the new park. Residents asked for more "
@@ -35,23 +46,76 @@ PARAGRAPH = ("On Tuesday the city councel met to discuss the new park. Residents
 REPEATED = ("The red box holds the keys. The red box holds the maps. The red box sits on the "
             "shelf. The blue box holds the coins. The blue box sits under the desk. The red box "
             "holds the letters. The blue box holds the stamps.")
+MANY = ("Tom went to the market and bought apples. Tom went to the market and sold pears. Tom "
+        "went to the park and read a book. Anna went to the market and bought bread. Anna went "
+        "to the park and met Tom. Tom went to the market and bought milk. Anna went to the "
+        "station and took the train. Tom went to the station and missed the train. Anna went to "
+        "the market and sold apples. Tom went to the park and fed the ducks.")
 PROMPTS = {
     "rewrite (copy-heavy)": "Correct the spelling of 'libary' in this text and return the whole "
                             "text:\n\n" + PARAGRAPH,
     "open chat": "Tell me a short story about a robot who learns to paint.",
     "repeated phrases": "Continue this list of sentences in the same style, ten more:\n\n"
                         + REPEATED,
+    "many repeated phrases": "Continue this diary in the same style, twenty more sentences, each "
+                             "starting with Tom or Anna:\n\n" + MANY,
 }
 CHAIN_KS = (4, 8, 16)
-TREES = ((2, 8), (4, 8), (4, 16))  # (branches, k nodes)
+TREES = ((2, 8), (4, 8), (4, 16))  # n-gram tries: (branches, k nodes)
+DRAFT_KS = (2, 3, 4)
+DRAFT_TREES = ((2, 4), (2, 6), (3, 6))  # draft trees: (branches, k nodes)
+SAMPLED = dict(temperature=0.7)
 
 
-def configs():
-    yield "plain", None, 0
+def greedy_configs(ee):
+    """(name, family, draft, decoder keywords)."""
+    yield "plain", "plain", None, dict(k=0)
     for k in CHAIN_KS:
-        yield f"chain k={k}", NGram(1, 4), k
+        yield f"ngram chain k={k}", "ngram chain", NGram(1, 4), dict(k=k)
     for b, k in TREES:
-        yield f"trie b={b} k={k}", NGram(1, 4, branches=b), k
+        yield f"ngram trie b={b} k={k}", "ngram tree", NGram(1, 4, branches=b), dict(k=k)
+    for k in DRAFT_KS:
+        yield f"draft chain k={k}", "draft chain", ee, dict(k=k)
+    yield "draft chain auto", "draft auto", ee, dict(k="auto", max_k=6)
+    for b, k in DRAFT_TREES:
+        yield f"draft tree b={b} k={k}", "draft tree", ee, dict(k=k, draft_branches=b)
+    yield "draft tree b=2 auto", "draft tree auto", ee, dict(k="auto", max_k=6, draft_branches=2)
+
+
+def sampled_configs(ee):
+    yield "plain", "plain", None, dict(k=0)
+    for k in (2, 4):
+        yield f"draft chain k={k} token", "token", ee, dict(k=k)
+        yield f"draft chain k={k} block", "block", ee, dict(k=k, verify_method="block")
+    yield "draft tree b=2 k=6 iid", "draft tree", ee, dict(k=6, draft_branches=2)
+    yield "draft tree b=2 k=6 distinct", "draft tree", ee, dict(k=6, draft_branches=2,
+                                                          draft_replacement=False)
+
+
+def run_section(model, ids, configs, *, greedy, repeats, new_tokens, seqs, eos):
+    """Median tokens/s and the statistics of each config on one prompt."""
+    decs = [(name, family, SpecDecoder(model, draft, num_blocks=96 * seqs, block_size=16,
+                                       seed=7, **kw))
+            for name, family, draft, kw in configs]
+    rates = {name: [] for name, _, _ in decs}
+    out = {}
+    policy = dict(greedy=True) if greedy else SAMPLED
+    for _ in range(repeats):
+        for name, family, dec in decs:
+            dec._core.reseed(7)
+            start = time.perf_counter()
+            rs = dec.generate([ids] * seqs, max_new_tokens=new_tokens, eos_token_id=eos, **policy)
+            n = sum(len(r.tokens) for r in rs)
+            rates[name].append(n / (time.perf_counter() - start))
+            steps = sum(r.stats["steps"] for r in rs)
+            out[name] = dict(family=family, tokens=[r.tokens for r in rs],
+                             tokens_per_target_pass=n / max(steps, 1),
+                             accepted_per_step=sum(r.stats["accepted"] for r in rs) / max(steps, 1),
+                             acceptance_rate=(sum(r.stats["accepted"] for r in rs)
+                                              / max(1, sum(r.stats["proposed"] for r in rs))))
+    for name, _, _ in decs:
+        out[name]["tokens_per_s"] = statistics.median(rates[name])
+    return out
 
 
 def main(argv=None) -> int:
@@ -59,58 +123,133 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft", choices=("quantized", "early-exit"), default="quantized",
+                    help="the draft model: the same GGUF kept quantized (Q4_1 kernels) for a "
+                         "float32 target, or the target's first --early-exit-layers layers")
+    ap.add_argument("--early-exit-layers", type=int, default=8)
+    ap.add_argument("--sampled-seqs", type=int, default=4,
+                    help="sequences per sampled run (acceptance is averaged over them)")
+    ap.add_argument("--prompts", default=",".join(PROMPTS),
+                    help="comma-separated prompt names (default: all)")
+    ap.add_argument("--sections", default="greedy,sampled")
     ap.add_argument("--out", type=Path, default=Path("bench/out/trees.json"))
     args = ap.parse_args(argv)
+    names = [p.strip() for p in args.prompts.split(",")]
+    unknown = [p for p in names if p not in PROMPTS]
+    if unknown:
+        raise SystemExit(f"--prompts: expected names among {list(PROMPTS)}, got {unknown}")
+    sections = [x.strip() for x in args.sections.split(",")]
+    if not set(sections) <= {"greedy", "sampled"}:
+        raise SystemExit(f"--sections: expected greedy and/or sampled, got {args.sections!r}")
     torch.set_num_threads(args.threads)
-    model, tok = load("smollm2")
-    SpecDecoder(model, NGram(1, 4, branches=2), k=4, num_blocks=16).generate(
+    if args.draft == "quantized":
+        model, tok = load("smollm2", dtype=torch.float32)
+        ee, _ = load("smollm2")  # the same weights in Q4_1: close to the target, cheaper
+    else:
+        model, tok = load("smollm2")
+        ee = EarlyExit(model, num_layers=args.early_exit_layers)
+    SpecDecoder(model, ee, k=4, num_blocks=16, draft_branches=2).generate(
         [[1, 2, 3, 1, 2]], max_new_tokens=4)  # warm up
-    rows = []
-    for pname, text in PROMPTS.items():
-        ids = list(tok.apply_chat_template([{"role": "user", "content": text}],
+    eos = list(tok.eos_token_ids)
+    rows, summary = [], {}
+    for pname in names:
+        ids = list(tok.apply_chat_template([{"role": "user", "content": PROMPTS[pname]}],
                                            add_generation_prompt=True, tokenize=True))
-        decs = [(name, SpecDecoder(model, draft, k=k, num_blocks=128, block_size=16))
-                for name, draft, k in configs()]
-        rates = {name: [] for name, _ in decs}
-        passes = {}
-        tokens = {}
-        for _ in range(args.repeats):
-            for name, dec in decs:
-                start = time.perf_counter()
-                r = dec.generate([ids], max_new_tokens=args.new_tokens, greedy=True,
-                                 eos_token_id=tok.eos_token_ids)[0]
-                rates[name].append(len(r.tokens) / (time.perf_counter() - start))
-                passes[name] = r.stats["tokens_per_target_pass"]
-                tokens[name] = r.tokens
-        for name, _ in decs:
-            if tokens[name] != tokens["plain"]:
-                raise SystemExit(f"{pname} / {name}: greedy tokens differ from plain decoding")
-        plain = statistics.median(rates["plain"])
-        for name, _ in decs:
-            tps = statistics.median(rates[name])
-            rows.append(dict(prompt=pname, draft=name, tokens=len(tokens[name]),
-                             tokens_per_s=tps, speedup=tps / plain,
-                             tokens_per_target_pass=passes[name]))
-    best = {}
-    for pname in PROMPTS:
-        mine = [r for r in rows if r["prompt"] == pname]
-        chain = max((r for r in mine if r["draft"].startswith("chain")), key=lambda r: r["tokens_per_s"])
-        trie = max((r for r in mine if r["draft"].startswith("trie")), key=lambda r: r["tokens_per_s"])
-        best[pname] = dict(best_chain=chain["draft"], best_trie=trie["draft"],
-                           trie_over_chain=trie["tokens_per_s"] / chain["tokens_per_s"])
-    print(f"{'prompt':22} {'draft':16} {'tok/s':>7} {'x plain':>8} {'tok/pass':>9}")
+        for section in sections:
+            greedy = section == "greedy"
+            configs = list(greedy_configs(ee) if greedy else sampled_configs(ee))
+            got = run_section(model, ids, configs, greedy=greedy, repeats=args.repeats,
+                              new_tokens=args.new_tokens, seqs=1 if greedy else args.sampled_seqs,
+                              eos=eos)
+            if greedy:
+                for name, r in got.items():
+                    if r["tokens"] != got["plain"]["tokens"]:
+                        raise SystemExit(f"{pname} / {name}: greedy tokens differ from plain")
+            plain = got["plain"]["tokens_per_s"]
+            for name, r in got.items():
+                rows.append(dict(prompt=pname, section=section, draft=name, family=r["family"],
+                                 tokens=sum(len(t) for t in r["tokens"]),
+                                 tokens_per_s=r["tokens_per_s"], speedup=r["tokens_per_s"] / plain,
+                                 tokens_per_target_pass=r["tokens_per_target_pass"],
+                                 accepted_per_step=r["accepted_per_step"],
+                                 acceptance_rate=r["acceptance_rate"]))
+            summary.setdefault(pname, {}).update(summarize(rows, pname, section))
+    print(f"{'prompt':22} {'section':8} {'draft':26} {'tok/s':>7} {'x plain':>8} {'tok/pass':>9} "
+          f"{'acc/step':>9}")
     for r in rows:
-        print(f"{r['prompt']:22} {r['draft']:16} {r['tokens_per_s']:7.1f} {r['speedup']:8.2f} "
-              f"{r['tokens_per_target_pass']:9.2f}")
-    for pname, b in best.items():
-        print(f"{pname}: best trie ({b['best_trie']}) / best chain ({b['best_chain']}) = "
-              f"{b['trie_over_chain']:.2f}x tokens/s")
+        print(f"{r['prompt']:22} {r['section']:8} {r['draft']:26} {r['tokens_per_s']:7.1f} "
+              f"{r['speedup']:8.2f} {r['tokens_per_target_pass']:9.2f} {r['accepted_per_step']:9.2f}")
+    for pname, s in summary.items():
+        for key, value in s.items():
+            print(f"{pname}: {key} = {value}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(
-        verispec=verispec.__version__, machine=platform.machine(), threads=args.threads,
-        new_tokens=args.new_tokens, repeats=args.repeats, rows=rows, best=best), indent=2))
+        benchmark="bench_trees", verispec=verispec.__version__, machine=platform.machine(),
+        threads=args.threads, new_tokens=args.new_tokens, repeats=args.repeats,
+        draft=args.draft, early_exit_layers=args.early_exit_layers if args.draft == "early-exit"
+        else None, sampled_seqs=args.sampled_seqs,
+        sampled_policy=SAMPLED, rows=rows, summary=summary), indent=2) + "\n")
     print(f"wrote {args.out}")
+    plot(rows, args.out.with_suffix(".png"))
+    print(f"wrote {args.out.with_suffix('.png')}")
     return 0
+
+
+def summarize(rows, pname, section) -> dict:
+    """The issue's ratios for one prompt and section (tokens/s unless said)."""
+    mine = [r for r in rows if r["prompt"] == pname and r["section"] == section]
+
+    def best(family):
+        fam = [r for r in mine if r["family"] == family]
+        return max(fam, key=lambda r: r["tokens_per_s"]) if fam else None
+
+    out = {}
+    if section == "greedy":
+        for chain, tree, auto in (("ngram chain", "ngram tree", None),
+                                  ("draft chain", "draft tree", "draft tree auto")):
+            c, t = best(chain), best(tree)
+            out[f"{tree} / best {chain}"] = (f"{t['tokens_per_s'] / c['tokens_per_s']:.2f}x "
+                                             f"({t['draft']} vs {c['draft']})")
+            # tokens per target pass does not move with the machine's load
+            tp = max(r["tokens_per_target_pass"] for r in mine if r["family"] == tree)
+            cp = max(r["tokens_per_target_pass"] for r in mine if r["family"] == chain)
+            out[f"{tree} / {chain}, best tokens per target pass"] = f"{tp:.2f} / {cp:.2f}"
+            if auto is not None:
+                a = best(auto)
+                out[f"{auto} / best {chain}"] = f"{a['tokens_per_s'] / c['tokens_per_s']:.2f}x"
+        a = best("draft auto")
+        out["draft chain auto / best draft chain"] = (
+            f"{a['tokens_per_s'] / best('draft chain')['tokens_per_s']:.2f}x")
+    else:
+        for k in (2, 4):
+            tok = next(r for r in mine if r["draft"] == f"draft chain k={k} token")
+            blk = next(r for r in mine if r["draft"] == f"draft chain k={k} block")
+            out[f"block / token accepted per step, k={k}"] = (
+                f"{blk['accepted_per_step']:.3f} / {tok['accepted_per_step']:.3f}")
+    return out
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["prompt"], r["section"]) for r in rows))
+    fig, axes = plt.subplots(len(groups), 1, figsize=(11, 2.6 * len(groups)), squeeze=False)
+    for ax, g in zip(axes[:, 0], groups):
+        mine = [r for r in rows if (r["prompt"], r["section"]) == g]
+        colors = ["tab:green" if "tree" in r["family"] or "trie" in r["draft"] else
+                  "tab:orange" if r["family"] == "block" else "tab:blue" for r in mine]
+        ax.bar(range(len(mine)), [r["speedup"] for r in mine], color=colors)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(mine)))
+        ax.set_xticklabels([r["draft"] for r in mine], rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("x plain")
+        ax.set_title(f"{g[0]}, {g[1]}", fontsize=9)
+    fig.suptitle("chains (blue), trees (green), block verification (orange): SmolLM2-135M, CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

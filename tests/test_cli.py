@@ -226,6 +226,68 @@ def test_generate_chat_sampled_early_exit_profile_trace(capsys, tiny_model, tmp_
     assert "traceEvents" in json.loads(trace.read_text())
 
 
+def test_generate_with_block_verification(capsys, tiny_model, monkeypatch):
+    from verispec import decoder
+    made = []
+    real = decoder.SpecDecoder
+
+    def recording(*args, **kw):
+        made.append(kw.get("verify_method", "token"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(decoder, "SpecDecoder", recording)
+    argv = ["generate", "--model", tiny_model, "--prompt", "the lazy dog", "--draft",
+            "early-exit", "--k", 2, "--temperature", 0.8, "--max-new-tokens", 8, "--seed", 3,
+            "--verify", "block", "--no-compare"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert "temperature 0.8; block verification]" in err
+    assert "block" in made
+    again = run(capsys, *argv)  # the decoder's stream, seeded by --seed: reproducible
+    assert again[0] == 0 and again[1] == out
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--draft", "ngram", "--temperature", 0.8], "got the draft n-gram lookup 1..4"),
+    (["--draft", "none", "--temperature", 0.8], "got the draft none (plain decoding)"),
+    (["--draft", "early-exit", "--greedy"], "needs sampling, got greedy decoding"),
+])
+def test_block_verification_needs_a_sampled_draft_model(capsys, tiny_model, extra, needle):
+    code, _, err = run(capsys, "generate", "--model", tiny_model, "--prompt", "over the",
+                       "--verify", "block", "--max-new-tokens", 4, *extra)
+    assert_usage_error(code, err, "argument --verify", needle)
+
+
+@pytest.mark.parametrize("draft,extra,needle", [
+    ("early-exit", [], "draft trees of 2 branches (i.i.d. siblings)"),
+    ("early-exit", ["--distinct-siblings"], "draft trees of 2 branches (distinct siblings)"),
+    ("ngram", [], "n-gram lookup 1..4, tries of 2 branches"),
+])
+def test_generate_with_trees(capsys, tiny_model, draft, extra, needle):
+    code, _, err = run(capsys, "generate", "--model", tiny_model, "--prompt",
+                       "the quick brown fox the quick brown fox", "--greedy", "--draft", draft,
+                       "--branches", 2, "--k", 4, "--max-new-tokens", 12, "--ignore-eos", *extra)
+    assert code == 0, err
+    assert needle in err
+    assert "greedy outputs identical: yes" in err, err
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--draft", "none", "--branches", 2], "argument --branches: trees need a draft"),
+    (["--draft", "ngram", "--branches", 2, "--distinct-siblings"],
+     "argument --distinct-siblings: expected draft-model trees"),
+    (["--draft", "early-exit", "--distinct-siblings"],
+     "argument --distinct-siblings: expected draft-model trees (--branches > 1 and a draft "
+     "model), got --branches 1"),
+    (["--draft", "early-exit", "--branches", 2, "--verify", "block", "--temperature", 0.8],
+     "argument --verify: block verification verifies chains, got --branches 2"),
+])
+def test_tree_arguments_are_usage_errors(capsys, tiny_model, extra, needle):
+    code, _, err = run(capsys, "generate", "--model", tiny_model, "--prompt", "over the",
+                       "--max-new-tokens", 4, *extra)
+    assert_usage_error(code, err, needle)
+
+
 def test_generate_plain_no_compare(capsys, tiny_model):
     code, out, err = run(capsys, "generate", "--model", tiny_model, "--prompt", "over the",
                          "--draft", "none", "--max-new-tokens", 4, "--no-compare")

@@ -39,7 +39,7 @@ struct SpecDecoder::Sequence {
 struct Pass {
   ModelRole role = ModelRole::kTarget;
   std::vector<int64_t> input_ids, positions, query_start, logits_indices, rows, draft_index,
-      prev_index, fill_positions, fill_sources;
+      prev_index, fill_positions, fill_sources, num_children, q_index;
   std::vector<int32_t> slot_mapping, block_tables, context_lens;
   std::vector<uint8_t> tree_mask;  // [T, T] when the pass carries a branching tree
   int64_t max_blocks = 1;
@@ -60,6 +60,8 @@ struct SpecDecoder::OpenStep {
   std::vector<std::vector<int32_t>> proposals;  // n-gram proposals (known on the host)
   std::vector<std::vector<int32_t>> parents;    // tree steps: each proposal's parent node
   bool tree = false;                  // verified as trees (ops.verify_tree)
+  bool draft_tree = false;            // a draft model proposes trees (draft_branches > 1)
+  std::vector<int64_t> fanout;        // draft trees: children per expanded node (1: a chain row)
   std::vector<int64_t> admitted;      // admitted from the queue by this step's begin_step
   uint64_t base_offset = 0;
   std::vector<Pass> passes;           // draft passes, then the verify pass
@@ -135,6 +137,14 @@ SpecDecoder::SpecDecoder(const DecoderConfig& config)
   if (config.ngram_branches > 1 && !ngram) {
     throw InvalidArgumentError("SpecDecoder: ngram_branches = " + std::to_string(config.ngram_branches) +
                                " (trees) needs n-gram drafting (ngram_min_n > 0)");
+  }
+  if (config.draft_branches < 1 || config.draft_branches > kMaxK) {
+    throw InvalidArgumentError("SpecDecoder: draft_branches must be in [1, " + std::to_string(kMaxK) +
+                               "], got " + std::to_string(config.draft_branches));
+  }
+  if (config.draft_branches > 1 && !config.has_draft_model) {
+    throw InvalidArgumentError("SpecDecoder: draft_branches = " + std::to_string(config.draft_branches) +
+                               " (draft trees) needs a draft model (has_draft_model)");
   }
   if (config.draft_shares_target_cache && !config.has_draft_model) {
     throw InvalidArgumentError("SpecDecoder: draft_shares_target_cache needs a draft model");
@@ -487,6 +497,10 @@ struct SpecDecoder::Choice {
   std::vector<AcceptanceTracker> mark;    // the trackers before the step
 };
 
+int64_t SpecDecoder::draft_fanout(const Sequence& s, bool chain) const {
+  return config_.draft_branches > 1 && !chain && !s.sampling.keyed ? config_.draft_branches : 1;
+}
+
 int64_t SpecDecoder::draft_cap(Sequence& s, std::vector<int32_t>* ngram_proposals,
                                std::vector<int32_t>* parents, bool chain) {
   ngram_proposals->clear();
@@ -502,6 +516,12 @@ int64_t SpecDecoder::draft_cap(Sequence& s, std::vector<int32_t>* ngram_proposal
   if (config_.has_draft_model) {
     const int64_t draft_room = config_.draft_max_context - s.committed();
     cap = draft_room < 1 ? 0 : std::min(cap, draft_room + 1);
+  }
+  if (config_.has_draft_model) {  // the shape of the row's nodes (see "Draft trees")
+    const int64_t f = draft_fanout(s, chain);
+    for (int64_t i = 0; i < cap; ++i) {
+      parents->push_back(static_cast<int32_t>(i < f ? -1 : (i / f - 1) * f));
+    }
   }
   if (s.ngram && cap > 0) {  // deterministic proposals: at most what the lookup found
     int64_t matched_n = 0;
@@ -605,13 +625,18 @@ void SpecDecoder::plan_draft_passes(OpenStep& st) {
   if (!config_.has_draft_model) return;
   const int64_t B = static_cast<int64_t>(st.rows.size());
   std::vector<int64_t> prev_pos(static_cast<size_t>(B), -1);  // row -> index in the last pass
-  for (int64_t j = 0; j < st.K; ++j) {
+  // A row's passes: k for a chain, ceil(k / f) for a draft tree of fanout f.
+  auto fanout = [&](int64_t b) { return st.draft_tree ? st.fanout[static_cast<size_t>(b)] : 1; };
+  auto depth = [&](int64_t b) { return (st.k[static_cast<size_t>(b)] + fanout(b) - 1) / fanout(b); };
+  int64_t passes = 0;
+  for (int64_t b = 0; b < B; ++b) passes = std::max(passes, depth(b));
+  for (int64_t j = 0; j < passes; ++j) {
     Pass p;
     p.role = ModelRole::kDraft;
     p.query_start.push_back(0);
     std::vector<int64_t> seqs;
     for (int64_t b = 0; b < B; ++b) {
-      if (st.k[static_cast<size_t>(b)] <= j) continue;
+      if (depth(b) <= j) continue;
       const Sequence& s = *st.rows[static_cast<size_t>(b)];
       if (j == 0) {  // catch up: committed[draft cache_len:]
         for (int64_t pos = st.draft_mark[static_cast<size_t>(b)]; pos < s.committed(); ++pos) {
@@ -626,7 +651,12 @@ void SpecDecoder::plan_draft_passes(OpenStep& st) {
       p.query_start.push_back(static_cast<int64_t>(p.input_ids.size()));
       p.logits_indices.push_back(p.query_start.back() - 1);
       p.rows.push_back(b);
-      p.draft_index.push_back(b * st.K + j);
+      const int64_t f = fanout(b);
+      p.draft_index.push_back(b * st.K + j * f);
+      if (st.draft_tree) {
+        p.num_children.push_back(std::min(f, st.k[static_cast<size_t>(b)] - j * f));
+        p.q_index.push_back(b * (st.K + 1) + (j == 0 ? 0 : (j - 1) * f + 1));
+      }
       seqs.push_back(seq_for(s, ModelRole::kDraft));
     }
     for (size_t i = 0; i < p.rows.size(); ++i) prev_pos[static_cast<size_t>(p.rows[i])] = static_cast<int64_t>(i);
@@ -754,6 +784,8 @@ void SpecDecoder::pack_inputs(OpenStep& st, StepPlan* plan) {
     l.rows = put(&buf, p.rows);
     l.draft_index = put(&buf, p.draft_index);
     l.prev_index = put(&buf, p.prev_index);
+    l.num_children = put(&buf, p.num_children);
+    l.q_index = put(&buf, p.q_index);
     l.fill_positions = put(&buf, p.fill_positions);
     l.fill_sources = put(&buf, p.fill_sources);
     l.num_fill = static_cast<int64_t>(p.fill_positions.size());
@@ -809,6 +841,7 @@ void SpecDecoder::pack_inputs(OpenStep& st, StepPlan* plan) {
   plan->num_draft = put(&buf, num_draft);
   plan->tree = st.tree;
   plan->tree_parents = put(&buf, parents);
+  plan->draft_tree = st.draft_tree && K > 0;
   buf.resize((buf.size() + 7) / 8 * 8);
   plan->step_id = st.id;
   plan->batch = B;
@@ -939,7 +972,9 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
   st->draft_mark.resize(B);
   st->proposals.resize(B);
   st->parents.resize(B);
-  st->tree = config_.ngram_branches > 1;
+  st->draft_tree = config_.has_draft_model && config_.draft_branches > 1;
+  st->tree = config_.ngram_branches > 1 || st->draft_tree;
+  st->fanout.assign(B, 1);
   for (size_t b = 0; b < B; ++b) {
     Choice& c = *verify[b];
     Sequence& s = *c.s;
@@ -948,7 +983,8 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
     st->K = std::max(st->K, c.k);
     // Cut to k: the first k nodes of a tree are a tree (parents[i] < i).
     if (s.ngram) c.proposals.resize(static_cast<size_t>(c.k));
-    if (s.ngram) c.parents.resize(static_cast<size_t>(c.k));
+    if (s.ngram || st->draft_tree) c.parents.resize(static_cast<size_t>(c.k));
+    if (st->draft_tree) st->fanout[b] = draft_fanout(s, c.pending > kTreeMaxUncached);
     st->proposals[b] = std::move(c.proposals);
     st->parents[b] = std::move(c.parents);
     st->target_mark[b] = target_alloc_.length(s.target_seq);
@@ -1030,7 +1066,11 @@ void SpecDecoder::check_outputs(const OpenStep& st, const VerifyOutputs& out) co
     const int32_t* row = out.tokens + b * (K + 1);
     if (st.tree) {  // the accepted path: a chain of nodes from the root, tokens equal theirs
       const auto& parents = st.parents[static_cast<size_t>(b)];
-      const auto& nodes = st.proposals[static_cast<size_t>(b)];
+      const auto& ngram = st.proposals[static_cast<size_t>(b)];
+      // a node's token: the draft model's proposal (checked above), else the trie's
+      auto token_of = [&](int32_t node) {
+        return model ? out.draft_tokens[b * K + node] : ngram[static_cast<size_t>(node)];
+      };
       int32_t prev = -1;
       for (int64_t i = 0; i < a; ++i) {
         const int32_t node = out.accepted_nodes[b * K + i];
@@ -1041,10 +1081,10 @@ void SpecDecoder::check_outputs(const OpenStep& st, const VerifyOutputs& out) co
               ", got " + std::to_string(node) +
               (node >= 0 && node < kb ? " (parent " + std::to_string(parents[static_cast<size_t>(node)]) + ")" : ""));
         }
-        if (row[i] != nodes[static_cast<size_t>(node)]) {
+        if (row[i] != token_of(node)) {
           throw InvalidArgumentError("commit: tokens" + row_at(b, i) + " is accepted node " +
                                      std::to_string(node) + ", so it must equal its token " +
-                                     std::to_string(nodes[static_cast<size_t>(node)]) + ", got " +
+                                     std::to_string(token_of(node)) + ", got " +
                                      std::to_string(row[i]));
         }
         prev = node;
@@ -1087,7 +1127,8 @@ CommitOutput SpecDecoder::commit_row(OpenStep& st, int64_t b, const VerifyOutput
 
   SequenceStats& stats = s.stats;
   stats.steps += 1;
-  if (config_.has_draft_model) stats.draft_forwards += kb;
+  const int64_t f = st.draft_tree ? st.fanout[static_cast<size_t>(b)] : 1;
+  if (config_.has_draft_model) stats.draft_forwards += (kb + f - 1) / f;
   stats.proposed += kb;
   stats.accepted += a;
   stats.emitted += keep;
@@ -1115,8 +1156,15 @@ CommitOutput SpecDecoder::commit_row(OpenStep& st, int64_t b, const VerifyOutput
     // What the committed tokens justify: the target cached C + k positions, of which
     // C + a hold accepted tokens; the draft cached up to C + k - 1.
     target_alloc_.rollback(s.target_seq, C + a);
+    // The draft cached the spine (a chain row: every node is): valid for the accepted
+    // path's leading spine nodes, node j * f at level j.
+    int64_t spine = a;
+    if (st.draft_tree) {
+      spine = 0;
+      while (spine < a && out.accepted_nodes[b * K + spine] == spine * f) ++spine;
+    }
     if (draft_alloc_) {
-      draft_alloc_->rollback(s.draft_seq, std::min(draft_alloc_->length(s.draft_seq), C + a));
+      draft_alloc_->rollback(s.draft_seq, std::min(draft_alloc_->length(s.draft_seq), C + spine));
     }
   }
   return o;

@@ -70,6 +70,8 @@ py::dict pass_dict(const PassLayout& l) {
   d["rows"] = l.rows;
   d["draft_index"] = l.draft_index;
   d["prev_index"] = l.prev_index;
+  d["num_children"] = l.num_children;
+  d["q_index"] = l.q_index;
   d["fill_positions"] = l.fill_positions;
   d["fill_sources"] = l.fill_sources;
   d["num_fill"] = l.num_fill;
@@ -101,6 +103,7 @@ py::object plan_dict(const StepPlan& p) {
   d["num_draft"] = p.num_draft;
   d["tree"] = p.tree;
   d["tree_parents"] = p.tree_parents;
+  d["draft_tree"] = p.draft_tree;
   py::dict pol;
   pol["uniform"] = p.policy.uniform;
   pol["temperature"] = p.policy.temperature;
@@ -162,7 +165,8 @@ void register_decoder(py::module_& m) {
                        int64_t max_context, uint64_t seed, int64_t ngram_min_n,
                        int64_t ngram_max_n, bool adaptive_k, bool draft_shares_target_cache,
                        int64_t draft_max_context, int64_t max_num_seqs,
-                       int64_t max_tokens_per_step, int64_t ngram_branches) {
+                       int64_t max_tokens_per_step, int64_t ngram_branches,
+                       int64_t draft_branches) {
              DecoderConfig c;
              c.k = k;
              c.has_draft_model = has_draft_model;
@@ -180,6 +184,7 @@ void register_decoder(py::module_& m) {
              c.max_num_seqs = max_num_seqs;
              c.max_tokens_per_step = max_tokens_per_step;
              c.ngram_branches = ngram_branches;
+             c.draft_branches = draft_branches;
              return std::make_unique<SpecDecoder>(c);
            }),
            py::arg("k"), py::arg("has_draft_model"), py::arg("target_num_blocks"),
@@ -188,7 +193,7 @@ void register_decoder(py::module_& m) {
            py::arg("ngram_max_n") = 0, py::arg("adaptive_k") = false,
            py::arg("draft_shares_target_cache") = false, py::arg("draft_max_context") = 0,
            py::arg("max_num_seqs") = 0, py::arg("max_tokens_per_step") = 0,
-           py::arg("ngram_branches") = 1)
+           py::arg("ngram_branches") = 1, py::arg("draft_branches") = 1)
       .def(
           "add",
           [](SpecDecoder& d, const std::vector<int32_t>& prompt, int64_t max_new_tokens,

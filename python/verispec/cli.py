@@ -194,6 +194,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "draft or k (default: %(default)s)")
     g.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="(default: %(default)s)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    g.add_argument("--branches", type=_int_at_least(1), default=1, metavar="N",
+                   help="tree speculation with N children per expanded node: n-gram tries "
+                        "(--draft ngram) or draft-model trees whose siblings are drawn from "
+                        "the draft's distribution (greedy: its top N); --k is then the node "
+                        "budget (default: %(default)s, chains)")
+    g.add_argument("--distinct-siblings", action="store_true",
+                   help="draft-model trees: draw siblings without replacement (distinct "
+                        "tokens) instead of i.i.d.")
+    g.add_argument("--verify", choices=("token", "block"), default="token",
+                   help="how a draft model's sampled proposals are verified: token by token, or "
+                        "block verification (exact too, accepts at least as many on average; "
+                        "the request then draws from the decoder's stream seeded by --seed, so "
+                        "its text depends on the draft and k). Needs a draft model or early-exit "
+                        "and sampling (default: %(default)s)")
     _device_arguments(g)
     g.add_argument("--repeats", type=_int_at_least(1), default=1,
                    help="timed runs of each decoder, alternating, median reported; the first "
@@ -398,6 +412,15 @@ def _greedy(policy: dict) -> bool:
     return policy["temperature"] == 0
 
 
+def _tree_desc(args, draft) -> str:
+    from verispec.drafters import NGram
+
+    if args.branches == 1 or draft is None or isinstance(draft, NGram):
+        return ""  # an n-gram trie is named with the draft
+    siblings = "distinct" if args.distinct_siblings else "i.i.d."
+    return f"; draft trees of {args.branches} branches ({siblings} siblings)"
+
+
 def _describe_policy(policy: dict) -> str:
     if _greedy(policy):
         return "greedy"
@@ -479,9 +502,11 @@ def _make_draft(args: argparse.Namespace, model, tok, device: str, dtype):
         if args.ngram_min > args.ngram_max:
             raise UsageError(f"argument --ngram-min: expected <= --ngram-max ({args.ngram_max}), "
                              f"got {args.ngram_min}")
+        branches = getattr(args, "branches", 1)
         try:
-            return (NGram(args.ngram_min, args.ngram_max),
-                    f"n-gram lookup {args.ngram_min}..{args.ngram_max}", None)
+            return (NGram(args.ngram_min, args.ngram_max, branches=branches),
+                    f"n-gram lookup {args.ngram_min}..{args.ngram_max}"
+                    + (f", tries of {branches} branches" if branches > 1 else ""), None)
         except ValueError as e:
             raise UsageError(f"argument --ngram-min/--ngram-max: {e}") from None
     layers = model.geometry.num_layers
@@ -542,10 +567,19 @@ def _decode_run(model, draft, k, max_k: int, prompt: list[int], policy: dict, ar
     lookahead = k if isinstance(k, int) else max_k  # draft tokens a step may append
     need = len(prompt) + args.max_new_tokens + lookahead + 2
     num_blocks = math.ceil(need / BLOCK_SIZE) + 2
+    # block verification is not the keyed rule: the request draws from the decoder's
+    # stream, seeded by --seed (reproducible for the same command)
+    from verispec.drafters import NGram
+
+    block = getattr(args, "verify", "token") == "block" and draft is not None
+    model_draft = draft is not None and not isinstance(draft, NGram)
+    branches = getattr(args, "branches", 1) if model_draft else 1
     dec = SpecDecoder(model, draft, k=k, max_k=max_k, num_blocks=num_blocks,
-                      block_size=BLOCK_SIZE, seed=args.seed)
-    seq = dec.add(prompt, max_new_tokens=args.max_new_tokens, eos_token_id=eos, seed=args.seed,
-                  **policy)
+                      block_size=BLOCK_SIZE, seed=args.seed,
+                      verify_method="block" if block else "token", draft_branches=branches,
+                      draft_replacement=not getattr(args, "distinct_siblings", False))
+    seq = dec.add(prompt, max_new_tokens=args.max_new_tokens, eos_token_id=eos,
+                  seed=None if block else args.seed, **policy)
     elapsed = 0.0
     while dec.has_running():
         t0 = time.perf_counter()
@@ -636,6 +670,26 @@ def _generate(args: argparse.Namespace, tp) -> int:
         draft = _tp_shard(draft, tp, draft_arg)
     if draft is None:
         k = 0
+    from verispec.drafters import NGram
+    if args.branches > 1 and draft is None:
+        raise UsageError(f"argument --branches: trees need a draft (--draft ngram, early-exit "
+                         f"or a model), got {args.branches} with the draft {draft_desc}")
+    if args.distinct_siblings and (args.branches == 1 or draft is None
+                                   or isinstance(draft, NGram)):
+        raise UsageError(f"argument --distinct-siblings: expected draft-model trees (--branches "
+                         f"> 1 and a draft model), got --branches {args.branches} with the draft "
+                         f"{draft_desc}")
+    if args.verify == "block" and args.branches > 1:
+        raise UsageError(f"argument --verify: block verification verifies chains, got --branches "
+                         f"{args.branches} (trees are verified by verify_tree)")
+    if args.verify == "block":
+        if draft is None or isinstance(draft, NGram):
+            raise UsageError(f"argument --verify: block verification needs sampled proposals "
+                             f"from a draft model (--draft early-exit or a model), got the "
+                             f"draft {draft_desc}")
+        if _greedy(policy):
+            raise UsageError("argument --verify: block verification needs sampling, got greedy "
+                             "decoding (greedy drafts are verified token by token)")
     eos = None if args.ignore_eos else list(tok.eos_token_ids)
     err = sys.stderr
     shard = (f", tensor parallel over {tp.world_size} ranks ({model.geometry.num_kv_heads} KV "
@@ -643,7 +697,9 @@ def _generate(args: argparse.Namespace, tp) -> int:
     print(f"[{args.model}: {_model_kind(model)}{shard}, {model.geometry.num_layers} layers, "
           f"{_weights_desc(model)} on {args.device}, "
           f"loaded in {load_s:.1f} s; prompt {len(prompt)} tokens; draft {draft_desc}, "
-          f"k {k if k != 'auto' else f'auto (<= {args.max_k})'}; {_describe_policy(policy)}]",
+          f"k {k if k != 'auto' else f'auto (<= {args.max_k})'}; {_describe_policy(policy)}"
+          f"{'; block verification' if args.verify == 'block' else ''}"
+          f"{_tree_desc(args, draft)}]",
           file=err, flush=True)
 
     _warm_up(model, draft, prompt, draft_arg)

@@ -199,6 +199,12 @@ class SpecDecoder:
     (temperature, top-k, top-p, min-p, applied identically to target and draft).
     Greedy output is the target's greedy output token for token.
 
+    ``verify_method="block"``: a draft model's sampled chains are verified by block
+    verification (``verispec.ops.verify(method="block")``, Sun et al., arXiv 2403.10444):
+    exact as well, and on average it accepts at least as many proposals as the
+    token-wise rule (``"token"``, the default). Greedy rows, n-gram proposals (one-hot)
+    and sequences added with a seed (the keyed rule) are verified as before.
+
     ``ops`` (default :mod:`verispec.ops`) is any object with ``apply_policy``, ``sample``
     and ``verify`` of those signatures (e.g. :mod:`verispec.reference`); whatever it
     returns is checked by the core before anything is committed.
@@ -207,7 +213,26 @@ class SpecDecoder:
     def __init__(self, target: Model, draft: Model | NGram | None = None, *, k: int | str = 4,
                  max_k: int = 8, num_blocks: int = 512, draft_num_blocks: int | None = None,
                  block_size: int = 16, seed: int = 0, ops: Any = None,
-                 max_num_seqs: int = 0, max_tokens_per_step: int = 0) -> None:
+                 max_num_seqs: int = 0, max_tokens_per_step: int = 0,
+                 verify_method: str = "token", draft_branches: int = 1,
+                 draft_replacement: bool = True) -> None:
+        if verify_method not in ("token", "block"):
+            raise ValueError(f"SpecDecoder: verify_method must be 'token' or 'block', "
+                             f"got {verify_method!r}")
+        if (isinstance(draft_branches, bool) or not isinstance(draft_branches, int)
+                or not 1 <= draft_branches <= _C.MAX_K):
+            raise ValueError(f"SpecDecoder: draft_branches must be an int in [1, {_C.MAX_K}], "
+                             f"got {draft_branches!r}")
+        if not isinstance(draft_replacement, bool):
+            raise TypeError(f"SpecDecoder: draft_replacement must be a bool, "
+                            f"got {draft_replacement!r}")
+        if draft_branches > 1 and (draft is None or isinstance(draft, NGram)):
+            raise ValueError(f"SpecDecoder: draft_branches = {draft_branches} (draft trees) needs "
+                             f"a draft model, got {draft!r} (n-gram tries: NGram(branches=b))")
+        if draft_branches > 1 and verify_method == "block":
+            raise ValueError(f"SpecDecoder: verify_method='block' verifies chains; draft trees "
+                             f"(draft_branches = {draft_branches}) are verified by "
+                             f"ops.verify_tree: use verify_method='token' or draft_branches=1")
         ngram = draft if isinstance(draft, NGram) else None
         if ngram is not None:
             draft = None
@@ -250,6 +275,8 @@ class SpecDecoder:
             from verispec import ops
         self._ops = ops
         self.target, self.draft, self.ngram, self.k = target, draft, ngram, k
+        self.verify_method = verify_method
+        self.draft_branches, self.draft_replacement = draft_branches, draft_replacement
         self.vocab_size = g.vocab_size
         self._vocab = {_TARGET: g.vocab_size}
         if draft is not None:
@@ -268,7 +295,7 @@ class SpecDecoder:
             draft_shares_target_cache=shared,
             draft_max_context=draft.geometry.max_context if draft is not None else 0,
             max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
-            ngram_branches=ngram.branches if ngram else 1)
+            ngram_branches=ngram.branches if ngram else 1, draft_branches=draft_branches)
         self.adaptive = adaptive
         # A tensor-parallel target (verispec.distributed.shard) carries its collectives:
         # every rank runs this loop in lock-step; the step's times are agreed on (k="auto")
@@ -556,6 +583,8 @@ class SpecDecoder:
         on the device (pass j >= 1 reads its input from pass j - 1's proposals)."""
         if not plan["draft_model"]:
             return None
+        if plan["draft_tree"]:
+            return self._draft_tree_passes(plan, host, inputs, draft_tokens, policy, keys, timer)
         B, K = plan["batch"], plan["k"]
         q = self._draft_probs(B, K)
         flat_tokens, flat_q = draft_tokens.view(-1), q.view(B * K, -1)
@@ -578,6 +607,90 @@ class SpecDecoder:
             flat_q.index_copy_(0, where, probs.float())
             previous = tokens
         return q
+
+    def _draft_tree_passes(self, plan, host, inputs, draft_tokens, policy, keys, timer):
+        """Draft-tree steps (draft_branches = f > 1; the shape is in spec_decoder.h "Draft
+        trees"): pass j draws each row's num_children children of level j from one q and
+        stores q at the row's q_index of the [B, K + 1, V] draft probabilities; pass j >= 1
+        reads the first child of the previous level (the spine). Returns those probabilities."""
+        B, K, f = plan["batch"], plan["k"], self.draft_branches
+        q = self._draft_probs(B, K + 1)
+        flat_tokens, flat_q = draft_tokens.view(-1), q.view(B * (K + 1), -1)
+        children = torch.arange(f, device=self.device)
+        previous = None
+        for j, p in enumerate(plan["passes"][:-1]):
+            R = p["num_rows"]
+            ids = None
+            if j > 0:
+                ids = previous.index_select(0, _view(inputs, p["prev_index"], R,
+                                                     torch.int64)).long()
+            with timer("draft_forward"), self._nvtx("verispec.draft_forward"):
+                logits = self._forward(_DRAFT, p, host, inputs, ids)
+            rows = _view(inputs, p["rows"], R, torch.int64)
+            row_policy = self._rows_policy(policy, rows, B)
+            with timer("draft_sample"), self._nvtx("verispec.draft_sample"):
+                tokens, probs = self._sample_children(logits, row_policy, plan["seed"],
+                                                      plan["offset"] + 1 + j)
+                if keys is not None:  # keyed rows are chains: one keyed sample of q
+                    first = self._keyed_proposals(tokens[:, 0], probs, rows, keys, j)
+                    tokens = torch.cat([first[:, None].to(tokens.dtype), tokens[:, 1:]], dim=1)
+            count = _view(inputs, p["num_children"], R, torch.int64)
+            where = _view(inputs, p["draft_index"], R, torch.int64)[:, None] + children
+            valid = children[None, :] < count[:, None]
+            flat_tokens.index_copy_(0, where[valid], tokens[valid].to(torch.int32))
+            flat_q.index_copy_(0, _view(inputs, p["q_index"], R, torch.int64), probs.float())
+            previous = tokens[:, 0]
+        return q
+
+    def _sample_children(self, logits, policy, seed, offset):
+        """f children per row from the draft's logits [R, V']: (tokens [R, f], the q [R, V]
+        the sampled ones were drawn from). Sampled rows: i.i.d. from q
+        (draft_replacement=True: one sample call over the rows repeated f times, row
+        r * f + c drawing child c) or without replacement (child c drawn from q without
+        children 0..c-1, renormalised: the law verify_tree's replacement=False assumes;
+        call c at row r * f + c again, so every draw has its own coin). Greedy rows
+        (temperature 0): the draft's f most likely tokens, most likely first
+        (deterministic candidates; verify_tree walks greedy rows by the target's argmax)."""
+        f, vocab = self.draft_branches, self.vocab_size
+        if logits.shape[1] > vocab:
+            logits = logits[:, :vocab]
+        rows, width = logits.shape
+        probs = _checked("apply_policy", "probs", self._ops.apply_policy(logits, **policy),
+                         (rows, width), integer=False)
+        temperature = policy["temperature"]
+        greedy = (temperature == 0) if isinstance(temperature, torch.Tensor) else None
+        if greedy is None and temperature == 0:  # every row greedy: nothing to sample
+            tokens = None
+        elif self.draft_replacement:
+            tokens = _checked("sample", "tokens", self._ops.sample(
+                probs.repeat_interleave(f, dim=0), seed=seed, offset=offset),
+                (rows * f,), integer=True).view(rows, f).long()
+        else:
+            taken = torch.zeros_like(probs, dtype=torch.bool)
+            picks = []
+            for c in range(f):
+                left = probs.masked_fill(taken, 0.0)
+                mass = left.sum(dim=-1, keepdim=True)
+                left = torch.where(mass > 0, left / mass.clamp(min=1e-30), probs)
+                draw = _checked("sample", "tokens", self._ops.sample(
+                    left.repeat_interleave(f, dim=0), seed=seed,
+                    offset=offset), (rows * f,), integer=True).view(rows, f)[:, c].long()
+                if c > 0:
+                    # No mass left (f beyond q's support): repeat the token that used it up.
+                    # Its rejection left the residual nothing on it, and a sibling with no
+                    # q mass adds none, so verify_tree never accepts the repeat.
+                    draw = torch.where(mass[:, 0] > 0, draw, picks[-1])
+                taken.scatter_(1, draw[:, None], True)
+                picks.append(draw)
+            tokens = torch.stack(picks, dim=1)
+        if greedy is not None or temperature == 0:
+            top = logits.float().topk(min(f, width), dim=-1).indices
+            if top.shape[1] < f:  # fewer tokens than children: repeat the last
+                top = torch.cat([top, top[:, -1:].expand(rows, f - top.shape[1])], dim=1)
+            tokens = top if greedy is None else torch.where(greedy[:, None], top, tokens)
+        if width < vocab:
+            probs = torch.nn.functional.pad(probs, (0, vocab - width))
+        return tokens, probs
 
     def _sample_draft(self, logits, policy, seed, offset):
         """Proposals from the draft's logits: (tokens [R], the distribution q [R, V] they
@@ -629,14 +742,18 @@ class SpecDecoder:
         num_draft = _view(inputs, plan["num_draft"], B, torch.int32)
         if plan["tree"]:
             with timer("verify"), self._nvtx("verispec.verify"):
-                return self._verify_tree(plan, inputs, target, draft_tokens, num_draft, policy,
-                                         keys), target
+                return self._verify_tree(plan, inputs, target, draft_tokens, num_draft, q,
+                                         policy, keys), target
         with timer("verify"), self._nvtx("verispec.verify"):
             out = None
             if keys is None or not keys["all"]:
+                # block verification for a draft model's sampled proposals (q kept);
+                # one-hot proposals (n-gram) are verified token-wise either way
+                block = q is not None and self.verify_method == "block"
+                method = {"method": "block"} if block else {}
                 out = self._verify_outputs("verify", self._ops.verify(
                     target, draft_tokens, q, num_draft=num_draft, seed=plan["seed"],
-                    offset=plan["offset"], **policy), B, K)
+                    offset=plan["offset"], **policy, **method), B, K)
             if keys is not None:
                 index = keys["index"]
                 n = len(keys["rows"])
@@ -652,17 +769,20 @@ class SpecDecoder:
                     out = tuple(o.index_copy(0, index, kd.to(o.dtype)) for o, kd in zip(out, keyed))
         return out, target
 
-    def _verify_tree(self, plan, inputs, target, draft_tokens, num_draft, policy, keys):
+    def _verify_tree(self, plan, inputs, target, draft_tokens, num_draft, q, policy, keys):
         """A tree step's verify: ops.verify_tree over every row's nodes (a chain row is a
         tree too); keyed rows (chains) take verify_keyed's outputs, their accepted nodes
         being 0..a-1. Returns (tokens, num_emitted, num_accepted, accepted_nodes)."""
         B, K = plan["batch"], plan["k"]
         if not hasattr(self._ops, "verify_tree"):
-            raise ValueError(f"SpecDecoder: n-gram trees (NGram(branches > 1)) need ops with "
-                             f"verify_tree; {self._ops!r} has none")
+            raise ValueError(f"SpecDecoder: trees (NGram(branches > 1), draft_branches > 1) "
+                             f"need ops with verify_tree; {self._ops!r} has none")
         parents = _view(inputs, plan["tree_parents"], B * K, torch.int32).view(B, K)
-        out = self._ops.verify_tree(target, draft_tokens, parents, None, num_nodes=num_draft,
-                                    seed=plan["seed"], offset=plan["offset"], **policy)
+        extra = {}
+        if q is not None:  # a draft model's tree: its children were drawn from q
+            extra = dict(replacement=self.draft_replacement)
+        out = self._ops.verify_tree(target, draft_tokens, parents, q, num_nodes=num_draft,
+                                    seed=plan["seed"], offset=plan["offset"], **policy, **extra)
         if not isinstance(out, (tuple, list)) or len(out) != 3:
             raise ValueError(f"ops.verify_tree must return (tokens, num_emitted, "
                              f"accepted_nodes), got {type(out).__name__}")

@@ -69,6 +69,18 @@
 // commit rolls the target back to C + a as for a chain. Rows with more than
 // kTreeMaxUncached uncached tokens (a long prompt, a recompute) and keyed rows propose
 // chains (parents i - 1) in the same pass.
+//
+// Draft trees (DecoderConfig::draft_branches = f > 1, a draft model): a row's k nodes
+// have a fixed shape, level by level: node i is child i % f of level i / f; the f
+// children of level 0 are the root's, and level l >= 1's are the children of node
+// (l - 1) * f, the first child of level l - 1 (the "spine"). Draft pass j (j < depth =
+// ceil(k / f)) draws level j's children from one q: pass 0 after the catch-up as for a
+// chain, pass j >= 1 with the spine node of level j - 1 as its one input, at position
+// C + j - 1. So the draft's passes and cache are a chain's (no tree mask there: only
+// spine nodes are ever fed to the draft), and its cache stays valid for the accepted
+// path's leading spine nodes: commit rolls the draft back to C + that many (capped by
+// what it cached). The target verifies the whole tree in one pass as for n-gram tries;
+// keyed rows and rows with more than kTreeMaxUncached uncached tokens propose chains.
 #pragma once
 
 #include <cstdint>
@@ -166,7 +178,14 @@ struct PassLayout {
   int64_t rows = 0;            // [B] the step row (verify row) of each of this pass's rows
                                //      (-1: a prefill row of the verify pass)
   int64_t draft_index = 0;     // [B] draft passes: rows[i] * K + j, where this pass's
-                               //      proposals go in the [B, K] draft tokens
+                               //      proposals go in the [B, K] draft tokens (draft
+                               //      trees: the first of its children, rows[i] * K + j * f)
+  int64_t num_children = 0;    // [B] draft passes of a draft-tree step: proposals this
+                               //      row draws from this pass's q (1 .. f), stored at
+                               //      draft_index .. draft_index + num_children - 1
+  int64_t q_index = 0;         // [B] draft passes of a draft-tree step: the row of the
+                               //      [B, K + 1, V] draft probabilities this pass's q goes
+                               //      to: rows[i] * (K + 1) + (j == 0 ? 0 : (j - 1) * f + 1)
   int64_t prev_index = 0;      // [B] draft passes j >= 1: index of each row in the
                                //      previous pass's proposals (its input token)
   int64_t fill_positions = 0;  // [P] verify pass: flattened input indices that take
@@ -225,6 +244,10 @@ struct StepPlan {
   // proposals as nodes, with parents int32 [B, K] (-1: the root, and padding past k).
   bool tree = false;
   int64_t tree_parents = 0;
+  // Draft-tree steps (DecoderConfig::draft_branches > 1, a draft model): the draft passes
+  // sample each row's children (PassLayout::num_children, q_index), and verify_tree gets
+  // the draft probabilities [B, K + 1, V] (row 0: q at the root, row i + 1: q at node i).
+  bool draft_tree = false;
   PolicyLayout policy;
   std::vector<uint8_t> inputs;   // the packed arrays above
   // Copy-on-write copies to perform on each model's pools before the first pass.
@@ -272,6 +295,9 @@ struct DecoderConfig {
   // > 1: n-gram drafting proposes tries of at most k nodes with at most this many
   // children per node (trees; see the top of this file); 1: chains.
   int64_t ngram_branches = 1;
+  // > 1: a draft model proposes trees (draft trees, below) of at most k nodes with this
+  // many children per expanded node; 1: chains. Needs has_draft_model.
+  int64_t draft_branches = 1;
   int64_t target_num_blocks = 0;
   int64_t draft_num_blocks = 0;
   int64_t block_size = 16;
@@ -378,6 +404,7 @@ class SpecDecoder {
   // begin_step's phases.
   struct Choice;
   // `chain`: the row proposes a chain even in tree steps (see kTreeMaxUncached).
+  int64_t draft_fanout(const Sequence& s, bool chain) const;
   int64_t draft_cap(Sequence& s, std::vector<int32_t>* ngram_proposals,
                     std::vector<int32_t>* parents, bool chain);
   void choose_ks(const std::vector<Choice*>& rows, BatchRest rest);
