@@ -35,6 +35,13 @@
 
 namespace verispec {
 
+// The arithmetic of quant_linear_f32 (see "Arithmetic" above and "int8 arithmetic" below).
+enum class QuantArith : int32_t { kFloat = 0, kInt8 = 1 };
+const char* quant_arith_name(QuantArith arith);
+// The int8 arithmetic's code path for `isa` (kAuto: the best): "avx512-vnni", "avx-vnni",
+// "avx2-maddubs" or "scalar" (every one computes the same bits).
+const char* quant_int8_path_name(LinearIsa isa);
+
 // ggml's type ids for the supported formats.
 enum class QuantType : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
@@ -54,6 +61,7 @@ struct QuantLinearArgs {
   int num_threads = 1;         // threads that share the N dimension (the caller included)
   LinearIsa isa = LinearIsa::kAuto;
   bool own_threads = false;    // as LinearArgs::own_threads
+  QuantArith arith = QuantArith::kInt8;
 };
 
 // y = x w^T. Returns an empty string, or what is wrong with the arguments (nothing is
