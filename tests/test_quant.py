@@ -173,6 +173,37 @@ def test_rows_do_not_depend_on_the_rest_of_the_call(fmt, isa, arithmetic):
         assert torch.equal(ops.linear(xs, w, isa=isa, num_threads=1), alone)
 
 
+INT8_PATHS = ["scalar", "avx2-maddubs", "avx-vnni", "avx512-vnni"]
+
+
+@pytest.mark.parametrize("path", INT8_PATHS)
+def test_int8_paths_compute_the_same_bits(path):
+    """Each int8 code path this CPU runs (forced, whatever the isa) gives the scalar path's
+    bits for every format, M = 1..16 and an odd block count; a path it lacks is refused."""
+    try:
+        _C._quant_int8_force_path(path)
+    except ValueError as e:
+        assert "does not run on this CPU" in str(e)
+        assert _C.quant_int8_path("auto") != path
+        return
+    try:
+        for fmt in FORMATS:
+            k = _k_for(fmt, 3)
+            data = random_blocks(fmt, 37, k, seed=4)
+            x = torch.randn(16, k, generator=torch.Generator().manual_seed(6))
+            got = ops.quant_linear(x, data, fmt, num_threads=2)
+            _C._quant_int8_force_path("scalar")
+            want = ops.quant_linear(x, data, fmt, num_threads=1)
+            _C._quant_int8_force_path(path)
+            assert torch.equal(got, want), fmt
+            for m in (1, 5):
+                assert torch.equal(ops.quant_linear(x[:m], data, fmt, num_threads=1), want[:m])
+    finally:
+        _C._quant_int8_force_path("")
+    with pytest.raises(ValueError, match="unknown int8 path"):
+        _C._quant_int8_force_path("avx9")
+
+
 def test_int8_rows_with_zeros_and_non_finite_values():
     """int8: an all-zero block of x contributes nothing (scale 0); a row holding an inf or
     a NaN gives NaN outputs for that row only."""

@@ -270,6 +270,11 @@ void register_linear(py::module_& m) {
         }, py::arg("isa") = "auto",
         "the int8 quantized kernel's code path for isa (auto: the best): avx512-vnni, avx-vnni, "
         "avx2-maddubs or scalar (all compute the same bits)");
+  m.def("_quant_int8_force_path", [](const std::string& name) {
+          const std::string error = quant_int8_force_path(name);
+          if (!error.empty()) throw py::value_error("_quant_int8_force_path: " + error);
+        }, py::arg("name"),
+        "tests: run every int8 quantized product on the named path ('' undoes it)");
   m.def("quant_formats", &quant_formats,
         "{name: (ggml type id, weights per block, bytes per block)} of the quantized kernels");
   m.def("linear_isas", &supported_isas, "instruction sets the linear kernel can use here");

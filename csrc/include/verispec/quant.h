@@ -41,6 +41,8 @@ const char* quant_arith_name(QuantArith arith);
 // The int8 arithmetic's code path for `isa` (kAuto: the best): "avx512-vnni", "avx-vnni",
 // "avx2-maddubs" or "scalar" (every one computes the same bits).
 const char* quant_int8_path_name(LinearIsa isa);
+// Tests: every int8 call runs the path named ("" to undo); the error when it cannot.
+std::string quant_int8_force_path(const std::string& name);
 
 // ggml's type ids for the supported formats.
 enum class QuantType : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };

@@ -6,6 +6,7 @@
 // on the rest). The float part is one fixed sequence (quant.h, "int8 arithmetic"), the
 // same on every instruction set: integers are exact, so every path computes the same bits.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -274,9 +275,47 @@ void run_part(void* ctx, int part) {
   if (n0 < n1) j.rows(*j.args, *j.xq, n0, n1);
 }
 
+// A path forced by quant_int8_force_path (-1: none).
+std::atomic<int> forced_path{-1};
+
+bool path_runs(Int8Path p) {
+#if VERISPEC_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  switch (p) {
+    case Int8Path::kAvx512Vnni:
+      return avx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512bw");
+    case Int8Path::kAvxVnni: return avx2 && __builtin_cpu_supports("avxvnni");
+    case Int8Path::kAvx2: return avx2;
+    case Int8Path::kScalar: return true;
+  }
+  return false;
+#else
+  return p == Int8Path::kScalar;
+#endif
+}
+
 }  // namespace
 
+std::string int8_force_path(const char* name) {
+  if (name == nullptr || *name == 0) {
+    forced_path = -1;
+    return "";
+  }
+  for (Int8Path p : {Int8Path::kScalar, Int8Path::kAvx2, Int8Path::kAvxVnni, Int8Path::kAvx512Vnni})
+    if (std::strcmp(name, int8_path_name(p)) == 0) {
+      if (!path_runs(p)) return std::string("int8 path ") + name + " does not run on this CPU";
+      forced_path = static_cast<int>(p);
+      return "";
+    }
+  return std::string("unknown int8 path ") + name;
+}
+
 Int8Path int8_path(LinearIsa isa) {
+  const int forced = forced_path.load();
+  if (forced >= 0) return static_cast<Int8Path>(forced);
 #if VERISPEC_X86
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "verispec/quant.h"
 
@@ -51,6 +52,9 @@ enum class Int8Path { kScalar, kAvx2, kAvxVnni, kAvx512Vnni };
 // (or AVX-512 without VNNI) -> kAvxVnni where the CPU has AVX-VNNI, else kAvx2.
 Int8Path int8_path(LinearIsa isa);
 const char* int8_path_name(Int8Path path);
+// Tests: run every int8 call on the path named (int8_path_name), whatever the isa; an
+// empty name undoes it. Returns an error when the name is unknown or the CPU lacks it.
+std::string int8_force_path(const char* name);
 
 // y = x w^T in the int8 arithmetic; arguments checked by quant_linear_f32.
 void quant_linear_int8(const QuantLinearArgs& args, LinearIsa isa);

@@ -476,6 +476,10 @@ const char* quant_int8_path_name(LinearIsa isa) {
   return quant_detail::int8_path_name(quant_detail::int8_path(linear_detail::resolve_isa(isa)));
 }
 
+std::string quant_int8_force_path(const std::string& name) {
+  return quant_detail::int8_force_path(name.c_str());
+}
+
 bool quant_type_supported(int32_t id) {
   return id == 2 || id == 3 || id == 8 || id == 12 || id == 13 || id == 14;
 }
