@@ -452,3 +452,19 @@ def test_tensor_parallel_shard_refuses_quantized_weights(quantized_files):
 
     with pytest.raises(ValueError, match="quantized weights.*dtype=torch.float32"):
         distributed.shard(model, OneRank())
+
+
+def test_arithmetic_from_the_environment(monkeypatch):
+    """VERISPEC_QUANT_ARITHMETIC picks the models' arithmetic (default int8); anything else
+    than int8 / float is refused, naming the variable."""
+    import verispec.models.quantized as qm
+    monkeypatch.delenv("VERISPEC_QUANT_ARITHMETIC", raising=False)
+    assert qm._arithmetic_from_env() == "int8"
+    monkeypatch.setenv("VERISPEC_QUANT_ARITHMETIC", "float")
+    assert qm._arithmetic_from_env() == "float"
+    monkeypatch.setenv("VERISPEC_QUANT_ARITHMETIC", "int4")
+    with pytest.raises(ValueError, match="VERISPEC_QUANT_ARITHMETIC must be 'int8' or 'float', got 'int4'"):
+        qm._arithmetic_from_env()
+    with pytest.raises(ValueError, match="arithmetic must be 'int8' or 'float'"):
+        ops.quant_linear(torch.zeros(1, 32), random_blocks("Q8_0", 2, 32, seed=0), "Q8_0",
+                         arithmetic="double")
