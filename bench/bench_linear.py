@@ -12,7 +12,8 @@ step). Writes JSON.
 
 Then the quantized kernels (``--quant``, default every format): the same pass with the
 matrices in each GGUF block format (random blocks), verispec's quantized kernel at every
-M (``quant_<fmt>_ms``, and its weight bytes per pass). K-quants need K to be a multiple
+M in each arithmetic (``quant_<fmt>_ms``: int8, the default; ``quant_<fmt>_float_ms``:
+dequantized float32; alternating with the rest), and its weight bytes per pass. K-quants need K to be a multiple
 of 256, so for them K = 576 is rounded up to 768 (their pass reads 4/3 of the inputs).
 
     .venv/bin/python bench/bench_linear.py --out bench/out/linear.json
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
             mats[-1] = (data.reshape(n, -1).contiguous(), k)
         quant_bytes[fmt] = sum(d.numel() for d, _ in mats)
 
-        def quant_pass(mats=mats, tid=tid):
+        def quant_pass(mats=mats, tid=tid, int8=True):
             def run(xs):
                 native = _C._quant_linear_unchecked
                 for data, k in mats:
@@ -104,9 +105,10 @@ def main(argv=None) -> int:
                     n = data.shape[0]
                     out = torch.empty((m, n))
                     native(x.data_ptr(), data.data_ptr(), out.data_ptr(), m, n, k, k,
-                           data.stride(0), n, tid, threads)
+                           data.stride(0), n, tid, threads, int8)
             return run
         engines[f"quant_{fmt}"] = quant_pass()
+        engines[f"quant_{fmt}_float"] = quant_pass(int8=False)
     rows = []
     print(f"verispec {verispec.__version__}, torch {torch.__version__}, {threads} threads, "
           f"isa {_C.linear_best_isa()}, threads on {_C.linear_threads()}; "
@@ -143,15 +145,16 @@ def main(argv=None) -> int:
                      f"**{r['speedup_row']:.2f}x** | {r['torch_col_ms']:.1f} | {r['verispec_col_ms']:.1f} | "
                      f"**{r['speedup_col']:.2f}x** | {rel} |")
     if args.quant:
-        lines += ["", "| rows M | " + " | ".join(f"{f} ms" for f in args.quant)
+        lines += ["", "| rows M | " + " | ".join(f"{f} int8 / float ms" for f in args.quant)
                   + " | float32 column-major verispec/torch.mm ms |",
                   "|---:|" + "---:|" * (len(args.quant) + 1),
                   "| MB per pass | " + " | ".join(f"{quant_bytes[f] / 1e6:.0f}" for f in args.quant)
                   + f" | {weight_bytes / 1e6:.0f} |"]
         for r in rows:
             best_f32 = r["verispec_col_ms"] if r["rows"] > 1 else r["torch_col_ms"]
-            lines.append(f"| {r['rows']} | " + " | ".join(f"{r[f'quant_{f}_ms']:.1f}" for f in args.quant)
-                         + f" | {best_f32:.1f} |")
+            lines.append(f"| {r['rows']} | " + " | ".join(
+                f"{r[f'quant_{f}_ms']:.1f} / {r[f'quant_{f}_float_ms']:.1f}" for f in args.quant)
+                + f" | {best_f32:.1f} |")
     table = "\n".join(lines)
     print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)

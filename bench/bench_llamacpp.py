@@ -5,6 +5,8 @@ prompt ids (a copy-heavy rewrite prompt through the model's chat template), gree
 ``--threads`` threads (default 2) for every engine:
 
     verispec quantized   load(path): matrices in the file's formats, verispec's kernels
+                         (int8 arithmetic, the default; "quantized/float": the same model
+                         with VERISPEC_QUANT_ARITHMETIC=float's arithmetic, alternating)
     verispec float32     load(path, dtype=torch.float32): dequantized at load
     llama.cpp            llama-cpp-python's Llama(path, n_threads=..., use_extra_bufts=False)
 
@@ -43,6 +45,7 @@ from verispec.decoder import SpecDecoder
 from verispec.drafters import NGram
 from verispec.models import load
 from verispec.models.loaders import resolve
+from verispec.models import quantized
 from verispec.models.quantized import QuantizedMatrix
 
 INSTALL_HINT = ("pip install llama-cpp-python  (builds llama.cpp; this bench loads it with "
@@ -76,17 +79,22 @@ def read_bandwidth(threads: int) -> float:
 
 
 class Verispec:
-    def __init__(self, model, ngram: bool, capacity: int):
+    def __init__(self, model, ngram: bool, capacity: int, arithmetic: str = "int8"):
         self.model, self.ngram = model, ngram
         self.capacity = capacity
+        self.arithmetic = arithmetic  # of the quantized kernels (models.quantized.ARITHMETIC)
 
     def run(self, ids: list[int], n: int) -> tuple[list[int], float]:
         draft = NGram(1, NGRAM_N) if self.ngram else None
         dec = SpecDecoder(self.model, draft, k=NGRAM_K, num_blocks=-(-self.capacity // 16) + 2,
                           block_size=16)
-        t0 = time.perf_counter()
-        r = dec.generate([ids], max_new_tokens=n, greedy=True, eos_token_id=[])[0]
-        return list(r.tokens), time.perf_counter() - t0
+        saved, quantized.ARITHMETIC = quantized.ARITHMETIC, self.arithmetic
+        try:
+            t0 = time.perf_counter()
+            r = dec.generate([ids], max_new_tokens=n, greedy=True, eos_token_id=[])[0]
+            return list(r.tokens), time.perf_counter() - t0
+        finally:
+            quantized.ARITHMETIC = saved
 
 
 class LlamaCpp:
@@ -132,6 +140,8 @@ def main(argv=None) -> int:
     engines = {}
     for mode in ("plain", "ngram"):
         engines[f"verispec quantized {mode}"] = Verispec(q_model, mode == "ngram", capacity)
+        engines[f"verispec quantized/float {mode}"] = Verispec(q_model, mode == "ngram", capacity,
+                                                                "float")
         engines[f"verispec float32 {mode}"] = Verispec(f_model, mode == "ngram", capacity)
     llama_error = None
     try:
@@ -178,10 +188,10 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{Path(path).name}, {len(ids)} prompt tokens, {n} new, {args.threads} threads, "
           f"read bandwidth {bandwidth:.1f} GB/s, commit {commit}")
-    print(f"| {'engine':<26} | gen tok/s | weights MB/token | bandwidth-bound tok/s | same tokens |")
-    print(f"|{'-' * 28}|-----------|------------------|-----------------------|-------------|")
+    print(f"| {'engine':<30} | gen tok/s | weights MB/token | bandwidth-bound tok/s | same tokens |")
+    print(f"|{'-' * 32}|-----------|------------------|-----------------------|-------------|")
     for r in rows:
-        print(f"| {r['engine']:<26} | {r['gen_tok_s']:9.1f} | {r['weight_bytes_per_token'] / 1e6:16.1f} "
+        print(f"| {r['engine']:<30} | {r['gen_tok_s']:9.1f} | {r['weight_bytes_per_token'] / 1e6:16.1f} "
               f"| {r['bandwidth_bound_tok_s']:21.1f} | {str(r['same_tokens_as_verispec_quantized_plain']):>11} |")
     if llama_error:
         print(f"llama.cpp: not measured ({llama_error})")

@@ -47,6 +47,36 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.shape[1] * 2.0 ** -24 * (x.abs().double() @ w.abs().double().t()) + 1e-30
 
 
+def min_terms(data: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
+    """C_b per block of 32 of each row (float64 [n, k / 32]): the size of the block's min
+    term, Q4_1 |m|, Q4_K / Q5_K 63 |dmin| (the largest 6-bit min), else 0."""
+    _, block, size = QUANT_FORMATS[fmt]
+    n = data.shape[0]
+    if fmt not in ("Q4_1", "Q4_K", "Q5_K"):
+        return torch.zeros(n, k // 32, dtype=torch.float64)
+    raw = data.reshape(n, k // block, size)
+    c = raw[:, :, 2:4].contiguous().view(torch.float16).reshape(n, k // block).double().abs()
+    if fmt != "Q4_1":
+        c = 63 * c
+    return c.repeat_interleave(block // 32, dim=1)
+
+
+def int8_bound(x: torch.Tensor, w: torch.Tensor, data: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The documented bound of the int8 arithmetic (verispec/quant.h), [M, N]:
+    sum_b 0.50003 amax_b / 127 sum_{k in b} |w_k|
+      + (K/32 + 8) 2^-23 sum_k (|x_k| + amax_b / 254) (|w_k| + C_b)
+    (amax_b: max |x| over block b of the row; C_b: min_terms)."""
+    m, k = x.shape
+    xb = x.double().abs().reshape(m, k // 32, 32)
+    amax = xb.amax(dim=2)                                                 # [m, nb]
+    wa = w.double().abs().reshape(w.shape[0], k // 32, 32)                # [n, nb, 32]
+    quant = 0.50003 / 127 * torch.einsum("mb,nb->mn", amax, wa.sum(dim=2))
+    xs = xb + (amax / 254)[:, :, None]                                    # [m, nb, 32]
+    c = min_terms(data, fmt, k)                                           # [n, nb]
+    rounding = torch.einsum("mbi,nbi->mn", xs, wa) + torch.einsum("mb,nb->mn", xs.sum(dim=2), c)
+    return quant + (k // 32 + 8) * 2.0 ** -23 * rounding + 1e-30
+
+
 def _k_for(fmt: str, blocks: int) -> int:
     return QUANT_FORMATS[fmt][1] * blocks
 
@@ -72,32 +102,50 @@ def test_matches_float64(fmt, isa, m, n, blocks):
     data = random_blocks(fmt, n, k, seed=m * 100 + n)
     w = gguf_dequantize(data, fmt)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
-    y = ops.quant_linear(x, data, fmt, isa=isa, num_threads=2)
-    err = (y.double() - x.double() @ w.double().t()).abs()
-    assert (err <= bound(x, w)).all(), f"max error {err.max().item():.3g}"
+    want = x.double() @ w.double().t()
+    y = ops.quant_linear(x, data, fmt, isa=isa, num_threads=2, arithmetic="float")
+    err = (y.double() - want).abs()
+    assert (err <= bound(x, w)).all(), f"float: max error {err.max().item():.3g}"
+    y8 = ops.quant_linear(x, data, fmt, isa=isa, num_threads=2)  # int8, the default
+    err = (y8.double() - want).abs()
+    assert (err <= int8_bound(x, w, data, fmt)).all(), f"int8: max error {err.max().item():.3g}"
+    # int8: integer sums and one float order, so every instruction set gives the same bits
+    assert torch.equal(y8, ops.quant_linear(x, data, fmt, isa="scalar", num_threads=1))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_bound_catches_a_perturbed_scale(fmt):
-    """The value check can fail: the kernel fed a matrix whose first block scale of row 2
-    is 1% off gives outputs outside the bound of the true weights."""
+    """The value checks can fail: the kernel fed a matrix whose first block scale of row 2
+    is off (float: 1%, int8: 5%) gives outputs outside the bound of the true weights, for
+    that row only. For int8, x follows the signs of row 2's weights, so the perturbed
+    block's share of the output (~3.7% of sum |w| over it) is well over the bound (~0.4% of
+    sum |w| over the row)."""
     k = _k_for(fmt, 2)
     data = random_blocks(fmt, 6, k, seed=5)
     w = gguf_dequantize(data, fmt)
-    bad = data.clone()
     off = _HALF_FIELDS[fmt][0]
-    d = bad[2, off:off + 2].view(torch.float16)
-    bad[2, off:off + 2] = (d * 1.01).view(torch.uint8)
-    x = torch.randn(4, k, generator=torch.Generator().manual_seed(0))
-    ok = (ops.quant_linear(x, data, fmt).double() - x.double() @ w.double().t()).abs() <= bound(x, w)
-    assert ok.all()
-    ok_bad = (ops.quant_linear(x, bad, fmt).double() - x.double() @ w.double().t()).abs() <= bound(x, w)
-    assert not ok_bad[:, 2].any() and ok_bad[:, [0, 1, 3, 4, 5]].all()
+    for arithmetic, factor in (("float", 1.01), ("int8", 1.05)):
+        bad = data.clone()
+        d = bad[2, off:off + 2].view(torch.float16)
+        bad[2, off:off + 2] = (d * factor).view(torch.uint8)
+        g = torch.Generator().manual_seed(0)
+        if arithmetic == "float":
+            x = torch.randn(4, k, generator=g)
+            limit = bound(x, w)
+        else:
+            x = torch.sign(w[2]) * (0.5 + 0.5 * torch.rand(4, k, generator=g))
+            limit = int8_bound(x, w, data, fmt)
+        want = x.double() @ w.double().t()
+        ok = (ops.quant_linear(x, data, fmt, arithmetic=arithmetic).double() - want).abs() <= limit
+        assert ok.all(), arithmetic
+        ok_bad = (ops.quant_linear(x, bad, fmt, arithmetic=arithmetic).double() - want).abs() <= limit
+        assert not ok_bad[:, 2].any() and ok_bad[:, [0, 1, 3, 4, 5]].all(), arithmetic
 
 
+@pytest.mark.parametrize("arithmetic", ["int8", "float"])
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_rows_do_not_depend_on_the_rest_of_the_call(fmt, isa):
+def test_rows_do_not_depend_on_the_rest_of_the_call(fmt, isa, arithmetic):
     """Bitwise: each row alone == that row in any call of 1..16 rows, at any position,
     with 1 or 2 threads, on either thread backend, and with strided rows."""
     k = _k_for(fmt, 2)
@@ -105,27 +153,78 @@ def test_rows_do_not_depend_on_the_rest_of_the_call(fmt, isa):
     data = random_blocks(fmt, n, k, seed=9)
     g = torch.Generator().manual_seed(3)
     xs = torch.randn(16, k, generator=g)
-    alone = torch.stack([ops.quant_linear(xs[i:i + 1], data, fmt, isa=isa, num_threads=1)[0]
-                         for i in range(16)])
+    alone = torch.stack([ops.quant_linear(xs[i:i + 1], data, fmt, isa=isa, num_threads=1,
+                                          arithmetic=arithmetic)[0] for i in range(16)])
     wide = torch.zeros(16, k + 13)
     wide[:, 5:5 + k] = xs
     for m in range(1, 17):
         for start in {0, 16 - m}:
             for threads in (1, 2):
-                y = ops.quant_linear(xs[start:start + m], data, fmt, isa=isa, num_threads=threads)
+                y = ops.quant_linear(xs[start:start + m], data, fmt, isa=isa, num_threads=threads,
+                                     arithmetic=arithmetic)
                 assert torch.equal(y, alone[start:start + m]), (m, start, threads)
         strided = wide[:m, 5:5 + k]
         out = torch.empty(m, n)
-        _C.quant_linear(strided, data, QUANT_FORMATS[fmt][0], out, 2, isa, True)
+        _C.quant_linear(strided, data, QUANT_FORMATS[fmt][0], out, 2, isa, True, arithmetic)
         assert torch.equal(out, alone[:m])
-    # the float kernel over the dequantized rows gives the same bits (one rounding rule)
-    w = gguf_dequantize(data, fmt)
-    assert torch.equal(ops.linear(xs, w, isa=isa, num_threads=1), alone)
+    if arithmetic == "float":
+        # the float kernel over the dequantized rows gives the same bits (one rounding rule)
+        w = gguf_dequantize(data, fmt)
+        assert torch.equal(ops.linear(xs, w, isa=isa, num_threads=1), alone)
+
+
+INT8_PATHS = ["scalar", "avx2-maddubs", "avx-vnni", "avx512-vnni"]
+
+
+@pytest.mark.parametrize("path", INT8_PATHS)
+def test_int8_paths_compute_the_same_bits(path):
+    """Each int8 code path this CPU runs (forced, whatever the isa) gives the scalar path's
+    bits for every format, M = 1..16 and an odd block count; a path it lacks is refused."""
+    try:
+        _C._quant_int8_force_path(path)
+    except ValueError as e:
+        assert "does not run on this CPU" in str(e)
+        assert _C.quant_int8_path("auto") != path
+        return
+    try:
+        for fmt in FORMATS:
+            k = _k_for(fmt, 3)
+            data = random_blocks(fmt, 37, k, seed=4)
+            x = torch.randn(16, k, generator=torch.Generator().manual_seed(6))
+            got = ops.quant_linear(x, data, fmt, num_threads=2)
+            _C._quant_int8_force_path("scalar")
+            want = ops.quant_linear(x, data, fmt, num_threads=1)
+            _C._quant_int8_force_path(path)
+            assert torch.equal(got, want), fmt
+            for m in (1, 5):
+                assert torch.equal(ops.quant_linear(x[:m], data, fmt, num_threads=1), want[:m])
+    finally:
+        _C._quant_int8_force_path("")
+    with pytest.raises(ValueError, match="unknown int8 path"):
+        _C._quant_int8_force_path("avx9")
+
+
+def test_int8_rows_with_zeros_and_non_finite_values():
+    """int8: an all-zero block of x contributes nothing (scale 0); a row holding an inf or
+    a NaN gives NaN outputs for that row only."""
+    k = 64
+    data = random_blocks("Q4_1", 5, k, seed=2)
+    w = gguf_dequantize(data, "Q4_1")
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+    x[0, :32] = 0
+    x[1, 7] = float("inf")
+    x[2, 40] = float("nan")
+    y = ops.quant_linear(x, data, "Q4_1")
+    assert torch.isnan(y[1:]).all()
+    want = x[0].double() @ w.double().t()
+    assert ((y[0].double() - want).abs() <= int8_bound(x[:1], w, data, "Q4_1")[0]).all()
+    assert torch.equal(ops.quant_linear(x[:1], data, "Q4_1")[0], y[0])
 
 
 def test_quantized_matrix_parts_and_prefill_tiles(monkeypatch):
-    """A matrix of parts in different formats: products of few rows (native kernel) and
-    of many rows (dequantized tiles into torch.mm) both match its dequantized rows."""
+    """A matrix of parts in different formats: products of few rows (native kernel, in
+    either arithmetic) and of many rows (dequantized tiles into torch.mm) both match its
+    dequantized rows."""
     import verispec.models.quantized as qm
     k = 256
     parts = [QuantizedMatrix.from_bytes(random_blocks(f, n, k, seed=n), f, k)
@@ -135,10 +234,17 @@ def test_quantized_matrix_parts_and_prefill_tiles(monkeypatch):
     w = q.dequantize()
     assert torch.equal(w, torch.cat([p.dequantize() for p in parts]))
     monkeypatch.setattr(qm, "PREFILL_TILE_ROWS", 4)
-    for m in (3, 16, 40):
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        err = (q.linear(x, 2).double() - x.double() @ w.double().t()).abs()
-        assert (err <= bound(x, w)).all()
+    for arithmetic in ("int8", "float"):
+        monkeypatch.setattr(qm, "ARITHMETIC", arithmetic)
+        for m in (3, 16, 40):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            err = (q.linear(x, 2).double() - x.double() @ w.double().t()).abs()
+            if arithmetic == "int8" and m <= 16:
+                limit = torch.cat([int8_bound(x, p.dequantize(), p.parts[0].data, p.formats[0])
+                                   for p in parts], dim=1)
+            else:
+                limit = bound(x, w)
+            assert (err <= limit).all(), (arithmetic, m)
 
 
 def test_argument_errors():
@@ -228,10 +334,16 @@ def quantized_files(tmp_path_factory):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_quantized_model_matches_dequantized_float32(quantized_files, tied):
-    """load(path) keeps every matrix quantized (resident bytes ~ the file's); its logits
-    equal load(path, dtype=float32)'s within the rounding of the products."""
+def test_quantized_model_matches_dequantized_float32(quantized_files, tied, monkeypatch):
+    """load(path) keeps every matrix quantized (resident bytes ~ the file's); in the float
+    arithmetic its logits equal load(path, dtype=float32)'s within the rounding of the
+    products. (The int8 arithmetic's products are checked against their bound above; this
+    random tiny model amplifies any product error through its layers, so end-to-end
+    logits are no measure of it.)"""
     import os
+
+    import verispec.models.quantized as qm
+    monkeypatch.setattr(qm, "ARITHMETIC", "float")
 
     from verispec.models import load_model
     from verispec.models.testing import PagedRunner
@@ -340,3 +452,19 @@ def test_tensor_parallel_shard_refuses_quantized_weights(quantized_files):
 
     with pytest.raises(ValueError, match="quantized weights.*dtype=torch.float32"):
         distributed.shard(model, OneRank())
+
+
+def test_arithmetic_from_the_environment(monkeypatch):
+    """VERISPEC_QUANT_ARITHMETIC picks the models' arithmetic (default int8); anything else
+    than int8 / float is refused, naming the variable."""
+    import verispec.models.quantized as qm
+    monkeypatch.delenv("VERISPEC_QUANT_ARITHMETIC", raising=False)
+    assert qm._arithmetic_from_env() == "int8"
+    monkeypatch.setenv("VERISPEC_QUANT_ARITHMETIC", "float")
+    assert qm._arithmetic_from_env() == "float"
+    monkeypatch.setenv("VERISPEC_QUANT_ARITHMETIC", "int4")
+    with pytest.raises(ValueError, match="VERISPEC_QUANT_ARITHMETIC must be 'int8' or 'float', got 'int4'"):
+        qm._arithmetic_from_env()
+    with pytest.raises(ValueError, match="arithmetic must be 'int8' or 'float'"):
+        ops.quant_linear(torch.zeros(1, 32), random_blocks("Q8_0", 2, 32, seed=0), "Q8_0",
+                         arithmetic="double")

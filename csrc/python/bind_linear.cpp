@@ -118,9 +118,16 @@ void expect_quant_weight(const TensorView& w, QuantType type, int64_t k) {
       .expect_last_dim_contiguous();
 }
 
+QuantArith parse_arith(const char* fn, const std::string& name) {
+  if (name == "int8") return QuantArith::kInt8;
+  if (name == "float") return QuantArith::kFloat;
+  throw py::value_error(std::string(fn) + ": arithmetic must be 'int8' or 'float', got '" + name + "'");
+}
+
 void quant_linear(const py::handle& x_obj, const py::handle& w_obj, int type_id,
                   const py::handle& out_obj, int num_threads, const std::string& isa_name,
-                  bool own_threads) {
+                  bool own_threads, const std::string& arith_name) {
+  const QuantArith arith = parse_arith("quant_linear", arith_name);
   const QuantType type = parse_quant_type("quant_linear", type_id);
   const LinearIsa isa = parse_isa(isa_name);
   const TensorView x = TensorView::from(x_obj, "quant_linear", "x");
@@ -150,6 +157,7 @@ void quant_linear(const py::handle& x_obj, const py::handle& w_obj, int type_id,
   a.num_threads = num_threads;
   a.isa = isa;
   a.own_threads = own_threads;
+  a.arith = arith;
   std::string error;
   {
     py::gil_scoped_release release;
@@ -161,7 +169,7 @@ void quant_linear(const py::handle& x_obj, const py::handle& w_obj, int type_id,
 // verispec.models.llama's hot path, unchecked like linear_unchecked.
 void quant_linear_unchecked(uintptr_t x, uintptr_t w, uintptr_t out, int64_t m, int64_t n,
                             int64_t k, int64_t ldx, int64_t ldw, int64_t ldy, int type_id,
-                            int num_threads) {
+                            int num_threads, bool int8) {
   QuantLinearArgs a;
   a.x = reinterpret_cast<const float*>(x);
   a.w = reinterpret_cast<const uint8_t*>(w);
@@ -174,6 +182,7 @@ void quant_linear_unchecked(uintptr_t x, uintptr_t w, uintptr_t out, int64_t m, 
   a.ldy = ldy;
   a.type = parse_quant_type("quant_linear", type_id);
   a.num_threads = num_threads;
+  a.arith = int8 ? QuantArith::kInt8 : QuantArith::kFloat;
   if (m > 0 && n > 0 && (out == 0 || (k > 0 && (x == 0 || w == 0))))
     throw py::value_error("quant_linear: null data pointer");
   std::string error;
@@ -246,16 +255,26 @@ void register_linear(py::module_& m) {
         py::arg("ldy"), "RMSNorm on raw float32 CPU pointers (verispec.models.llama; no checks)");
   m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("weight"), py::arg("quant_type"),
         py::arg("out"), py::arg("num_threads"), py::arg("isa") = "auto",
-        py::arg("own_threads") = false,
+        py::arg("own_threads") = false, py::arg("arithmetic") = "int8",
         "out[M, N] = x[M, K] @ dequant(weight)[N, K]^T, weight uint8 [N, row_bytes] in ggml "
         "blocks (CPU); see verispec.ops.quant_linear");
   m.def("_quant_linear_unchecked", &quant_linear_unchecked, py::arg("x_ptr"), py::arg("w_ptr"),
         py::arg("out_ptr"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("ldx"),
         py::arg("ldw"), py::arg("ldy"), py::arg("quant_type"), py::arg("num_threads"),
-        "quant_linear on raw CPU pointers (verispec.models.llama's hot path; no checks)");
+        py::arg("int8") = true, "quant_linear on raw CPU pointers (verispec.models.llama's hot path; no checks)");
   m.def("quant_dequantize", &quant_dequantize, py::arg("weight"), py::arg("quant_type"),
         py::arg("k"), py::arg("rows"), py::arg("out"), py::arg("isa") = "auto",
         "out[R, K] = float32 weights of rows (int64 [R], or None: all) of a quantized matrix");
+  m.def("quant_int8_path", [](const std::string& isa) {
+          return std::string(quant_int8_path_name(parse_isa(isa)));
+        }, py::arg("isa") = "auto",
+        "the int8 quantized kernel's code path for isa (auto: the best): avx512-vnni, avx-vnni, "
+        "avx2-maddubs or scalar (all compute the same bits)");
+  m.def("_quant_int8_force_path", [](const std::string& name) {
+          const std::string error = quant_int8_force_path(name);
+          if (!error.empty()) throw py::value_error("_quant_int8_force_path: " + error);
+        }, py::arg("name"),
+        "tests: run every int8 quantized product on the named path ('' undoes it)");
   m.def("quant_formats", &quant_formats,
         "{name: (ggml type id, weights per block, bytes per block)} of the quantized kernels");
   m.def("linear_isas", &supported_isas, "instruction sets the linear kernel can use here");

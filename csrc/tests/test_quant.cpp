@@ -90,6 +90,35 @@ std::vector<uint8_t> random_rows(QuantType t, int64_t n, int64_t k, std::mt19937
   return w;
 }
 
+// The size of a block's min term (quant.h, int8 arithmetic): Q4_1 |m|, Q4_K / Q5_K
+// 63 |dmin| (the largest 6-bit min), else 0.
+double min_term(QuantType t, const uint8_t* b) {
+  if (t == QuantType::kQ4_1) return std::fabs(half_bits_to_float(u16(b + 2)));
+  if (t == QuantType::kQ4_K || t == QuantType::kQ5_K) return 63.0 * std::fabs(half_bits_to_float(u16(b + 2)));
+  return 0.0;
+}
+
+// The int8 arithmetic's bound (quant.h) for x row `x` against dequantized row `w`:
+// sum_b 0.50003 * amax_b / 127 * sum_{k in b} |w_k| + (K/32 + 8) * 2^-23 * sum_k
+// (|x_k| + amax_b / 254) * (|w_k| + C_b).
+double int8_bound(QuantType t, const float* x, const float* w, const uint8_t* wrow, int64_t k) {
+  double quant = 0, rounding = 0;
+  for (int64_t b = 0; b < k / 32; ++b) {
+    double amax = 0, wsum = 0;
+    for (int i = 0; i < 32; ++i) {
+      amax = std::fmax(amax, std::fabs(static_cast<double>(x[32 * b + i])));
+      wsum += std::fabs(static_cast<double>(w[32 * b + i]));
+    }
+    const int64_t block = 32 * b / quant_block_elems(t);
+    const double c = min_term(t, wrow + block * quant_block_bytes(t));
+    quant += 0.50003 * amax / 127.0 * wsum;
+    for (int i = 0; i < 32; ++i)
+      rounding += (std::fabs(static_cast<double>(x[32 * b + i])) + amax / 254.0) *
+                  (std::fabs(static_cast<double>(w[32 * b + i])) + c);
+  }
+  return quant + (k / 32 + 8) * std::ldexp(1.0, -23) * rounding + 1e-30;
+}
+
 void test_format(QuantType t, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const int64_t k = quant_block_elems(t) * 2, n = 41, rows = 17, ldx = k + 5;
@@ -106,6 +135,7 @@ void test_format(QuantType t, std::mt19937& rng) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < k; ++j) x[r * ldx + j] = normal(rng);
 
+  std::vector<float> int8_scalar;  // the int8 arithmetic's outputs on the scalar path
   for (LinearIsa isa : {LinearIsa::kScalar, LinearIsa::kAvx2, LinearIsa::kAvx512}) {
     if (!linear_isa_supported(isa)) continue;
     std::vector<float> deq(static_cast<size_t>(n * k));
@@ -116,11 +146,13 @@ void test_format(QuantType t, std::mt19937& rng) {
     CHECK(quant_dequantize_rows(t, w.data(), n, k, row_bytes, picked, 3, some.data(), k, isa).empty());
     CHECK(std::memcmp(some.data(), ref.data() + 40 * k, k * sizeof(float)) == 0);
 
+   for (QuantArith arith : {QuantArith::kFloat, QuantArith::kInt8}) {
     std::vector<float> alone(static_cast<size_t>(rows * n));
     for (int64_t r = 0; r < rows; ++r) {
       QuantLinearArgs a;
       a.x = x.data() + r * ldx; a.w = w.data(); a.y = alone.data() + r * n;
       a.m = 1; a.n = n; a.k = k; a.ldx = ldx; a.ldw = row_bytes; a.ldy = n; a.type = t; a.isa = isa;
+      a.arith = arith;
       CHECK(quant_linear_f32(a).empty());
     }
     for (int64_t r = 0; r < rows; ++r)
@@ -130,15 +162,24 @@ void test_format(QuantType t, std::mt19937& rng) {
           exact += static_cast<double>(x[r * ldx + j]) * ref[c * k + j];
           scale += std::fabs(static_cast<double>(x[r * ldx + j]) * ref[c * k + j]);
         }
-        CHECK_NEAR(alone[r * n + c], exact, k * std::ldexp(1.0, -24) * scale + 1e-30);
+        const double tol = arith == QuantArith::kFloat
+                               ? k * std::ldexp(1.0, -24) * scale + 1e-30
+                               : int8_bound(t, x.data() + r * ldx, ref.data() + c * k,
+                                            w.data() + c * row_bytes, k);
+        CHECK_NEAR(alone[r * n + c], exact, tol);
       }
+    // int8: every instruction set computes the scalar path's bits
+    if (arith == QuantArith::kInt8) {
+      if (isa == LinearIsa::kScalar) int8_scalar = alone;
+      else CHECK(std::memcmp(alone.data(), int8_scalar.data(), alone.size() * sizeof(float)) == 0);
+    }
     for (int64_t m : {2, 8, 9, 16, 17})
       for (int threads : {1, 2, 5}) {
         std::vector<float> y(static_cast<size_t>(m * (n + 2)), NAN);
         QuantLinearArgs a;
         a.x = x.data(); a.w = w.data(); a.y = y.data();
         a.m = m; a.n = n; a.k = k; a.ldx = ldx; a.ldw = row_bytes; a.ldy = n + 2;
-        a.type = t; a.num_threads = threads; a.isa = isa;
+        a.type = t; a.num_threads = threads; a.isa = isa; a.arith = arith;
         CHECK(quant_linear_f32(a).empty());
         bool same = true;
         for (int64_t r = 0; r < m; ++r)
@@ -147,6 +188,7 @@ void test_format(QuantType t, std::mt19937& rng) {
         CHECK(same);
         CHECK(std::isnan(y[n]) && std::isnan(y[n + 1]));  // the row padding is not written
       }
+   }
   }
 }
 

@@ -1000,6 +1000,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # --- info -----------------------------------------------------------------------------
 
 
+def _quant_arithmetic() -> str:
+    """The quantized kernels' arithmetic and code path: "int8 avx512-vnni" or "float avx512"
+    (VERISPEC_QUANT_ARITHMETIC)."""
+    import verispec
+    from verispec.models import quantized
+
+    if quantized.ARITHMETIC == "int8":
+        return f"int8 {verispec._C.quant_int8_path()}"
+    return f"float {verispec._C.linear_best_isa()}"
+
+
 def collect_info() -> dict:
     """Everything ``verispec info`` reports, as a JSON-able dict."""
     import verispec
@@ -1045,7 +1056,7 @@ def collect_info() -> dict:
     info["cpu_kernels"] = {
         "float32_linear": f"{verispec._C.linear_best_isa()} (float32 models: verify passes of "
                           f"2-16 tokens; 1 token and prefill: torch.mm)",
-        "quantized_linear": f"{verispec._C.linear_best_isa()}, formats "
+        "quantized_linear": f"{_quant_arithmetic()}, formats "
                             f"{', '.join(verispec._C.quant_formats())} (GGUF on CPU, dtype auto: "
                             f"1-16 tokens; prefill: dequantized 256-row tiles into torch.mm)",
         "threads": verispec._C.linear_threads()}

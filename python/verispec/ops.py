@@ -322,20 +322,33 @@ def linear(x, weight, *, out=None, num_threads=None, isa="auto"):
     return out
 
 
-def quant_linear(x, weight, fmt, *, out=None, num_threads=None, isa="auto"):
+def quant_linear(x, weight, fmt, *, out=None, num_threads=None, isa="auto", arithmetic="int8"):
     """``x @ dequantize(weight).T`` with ``weight`` kept in a GGUF block format: ``x``
     float32 CPU [M, K]; ``weight`` uint8 CPU [N, row_bytes], each row K / block blocks of
     format ``fmt`` ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K" or "Q6_K") -> float32 [M, N].
 
-    The kernel dequantizes a few weight rows at a time into cache and runs
-    ``linear``'s float32 arithmetic on them: each output is the float32 dot product of
-    ``linear`` over the exactly dequantized row (same batch invariance: bitwise the same
-    whatever M, the row's position, strides and the thread count). Against a float64
-    product of the dequantized weights the error is within K * 2^-24 * sum |x_k w_k|.
+    ``arithmetic="int8"`` (default, the faster): each row of ``x`` is quantized per block
+    of 32 to int8 with a float scale (amax / 127), the weights' quants are unpacked to
+    8-bit integers and the block dot products summed exactly in int32, then scaled and
+    summed in float32 in one fixed order: every instruction set gives the same bits.
+    Against a float64 product of the dequantized weights the error is within
+    sum_b 0.50003 * amax_b / 127 * sum_{k in b} |w_k| + (K/32 + 8) * 2^-23 *
+    sum_k (|x_k| + amax_b / 254) * (|w_k| + C_b) (amax_b: max |x| of block b; C_b the
+    block's min term, Q4_1 |m|, Q4_K/Q5_K 63 |dmin|, else 0); see csrc/include/verispec/quant.h.
+
+    ``arithmetic="float"``: the kernel dequantizes a few weight rows at a time into cache
+    and runs ``linear``'s float32 arithmetic on them: each output is the float32 dot
+    product of ``linear`` over the exactly dequantized row. Against a float64 product of
+    the dequantized weights the error is within K * 2^-24 * sum |x_k w_k|.
+
+    Either way batch invariant: a row's output is bitwise the same whatever M, the row's
+    position, strides and the thread count.
     """
     from verispec.models.quantized import QUANT_FORMATS, row_bytes
 
     op = "quant_linear"
+    if arithmetic not in ("int8", "float"):
+        raise ValueError(f"{op}: arithmetic must be 'int8' or 'float', got {arithmetic!r}")
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"{op}: fmt must be one of {', '.join(QUANT_FORMATS)}, got {fmt!r}")
     for name, t, dt in (("x", x, torch.float32), ("weight", weight, torch.uint8)):
@@ -353,7 +366,7 @@ def quant_linear(x, weight, fmt, *, out=None, num_threads=None, isa="auto"):
                          f"got {list(weight.shape)}")
     num_threads, out = _threads_and_out(op, num_threads, out, (x.shape[0], weight.shape[0]))
     _C.quant_linear(_last_dim_contiguous(x), _last_dim_contiguous(weight),
-                    QUANT_FORMATS[fmt][0], out, num_threads, isa)
+                    QUANT_FORMATS[fmt][0], out, num_threads, isa, False, arithmetic)
     return out
 
 

@@ -18,14 +18,39 @@
 // rounded once, no fused multiply-add), which is exactly what gguf.quants' numpy
 // dequantization computes: the dequantized weights are the same bits on every path.
 //
-// Arithmetic: the kernel dequantizes a tile of weight rows to float32 (in L1) and runs
+// Two arithmetics (QuantLinearArgs::arith); both are batch invariant: y[m, n] does not
+// depend on M, on the row's position, on strides or on the thread count.
+//
+// kFloat: the kernel dequantizes a tile of weight rows to float32 (in L1) and runs
 // linear.h's float32 tile kernels on it, so each output is the float sequence of
-// linear_f32 over the dequantized row (the rounding rule of linear.h, batch invariance
-// included: y[m, n] does not depend on M, on the row's position, on strides or on the
-// thread count; it depends on K and the instruction set only).
-// Accuracy against a float64 dot product of the same dequantized weights: the float32
-// sum of K products, |y - y64| <= (K / lanes + log2(lanes) + 1) * 2^-24 * sum_k |x_k w_k|
+// linear_f32 over the dequantized row (the rounding rule of linear.h; it depends on K and
+// the instruction set only). Accuracy against a float64 dot product of the same
+// dequantized weights: the float32 sum of K products,
+// |y - y64| <= (K / lanes + log2(lanes) + 1) * 2^-24 * sum_k |x_k w_k|
 // (lanes: 8 on scalar / AVX2, 16 on AVX-512); the tests check the looser K * 2^-24 * sum.
+//
+// kInt8 (the default; quant_int8.cpp): each row of x is quantized per block b of 32
+// values: amax_b = max |x|, dx_b = fl(amax_b / 127), q = round-half-even(fl(x * fl(127 /
+// amax_b))) in [-127, 127] (a zero block: dx = 0; a non-finite value: dx = NaN, so the row
+// is NaN). Row-local, so batch invariance holds. A weight block of 32 is unpacked to 8-bit
+// integers u (Q8_0: signed; Q4_0: 0..15 with offset 8; Q4_1, Q4_K, Q5_K: 0..15 / 0..31;
+// Q6_K: 0..63 with offset 32 and one int8 sub-scale per 16) and for each of the 8 lanes j
+// (elements 4j..4j+3) the exact integer
+//   P_j = (sum_{t<4} u_{4j+t} q_{4j+t} - offset * L_j) * subscale_j     (L_j = sum of the q)
+// is formed (vpdpbusd on AVX-512 VNNI / AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2, C++).
+// With ws the block's weight scale (Q8_0/Q4_0/Q4_1/Q6_K: d; Q4_K/Q5_K: d * sc, exact)
+// and wc its min (Q4_1: m; Q4_K/Q5_K: -(dmin * mn), exact; else none), 16 float lanes
+// (lanes 0..7: even blocks, 8..15: odd ones) take, block by block in order,
+//   lane = fma(float(P_j), fl(ws * dx_b), lane);  lane = fma(float(L_j), fl(wc * dx_b), lane)
+// and y = ((l[i] + l[i+8]) then + 4, + 2, + 1 apart): one float sequence on every
+// instruction set, so every path computes the same bits (tested).
+// Accuracy against a float64 dot product of the dequantized weights w (the activation
+// rounding dominates: |x_k - dx_b q_k| <= 0.50003 amax_b / 127):
+//   |y - y64| <= sum_b 0.50003 * amax_b / 127 * sum_{k in b} |w_k|
+//              + (K/32 + 8) * 2^-23 * sum_k (|x_k| + amax_b / 254) * (|w_k| + C_b)
+// with C_b the block's min term (Q4_1 |m|, Q4_K/Q5_K 63 |dmin|, else 0); relative to
+// sum |x_k w_k| the first term is about 2^-8. Tested per format x instruction set, and a
+// block scale 5% off falls outside it.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +59,15 @@
 #include "verispec/linear.h"
 
 namespace verispec {
+
+// The arithmetic of quant_linear_f32 (see "Arithmetic" above and "int8 arithmetic" below).
+enum class QuantArith : int32_t { kFloat = 0, kInt8 = 1 };
+const char* quant_arith_name(QuantArith arith);
+// The int8 arithmetic's code path for `isa` (kAuto: the best): "avx512-vnni", "avx-vnni",
+// "avx2-maddubs" or "scalar" (every one computes the same bits).
+const char* quant_int8_path_name(LinearIsa isa);
+// Tests: every int8 call runs the path named ("" to undo); the error when it cannot.
+std::string quant_int8_force_path(const std::string& name);
 
 // ggml's type ids for the supported formats.
 enum class QuantType : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
@@ -54,6 +88,7 @@ struct QuantLinearArgs {
   int num_threads = 1;         // threads that share the N dimension (the caller included)
   LinearIsa isa = LinearIsa::kAuto;
   bool own_threads = false;    // as LinearArgs::own_threads
+  QuantArith arith = QuantArith::kInt8;
 };
 
 // y = x w^T. Returns an empty string, or what is wrong with the arguments (nothing is

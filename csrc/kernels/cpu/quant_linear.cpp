@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "linear_tiles.h"
+#include "quant_internal.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define VERISPEC_X86 1
@@ -24,40 +25,9 @@
 namespace verispec {
 namespace {
 
-inline uint16_t load_u16(const uint8_t* p) {
-  return static_cast<uint16_t>(p[0] | (static_cast<unsigned>(p[1]) << 8));
-}
-
-// IEEE half -> float (exact: every half is a float).
-inline float half_to_float(const uint8_t* p) {
-  const uint32_t h = load_u16(p);
-  const uint32_t sign = (h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-  uint32_t bits;
-  if (exp == 0) {
-    const float f = static_cast<float>(man) * 5.9604644775390625e-8f;  // man * 2^-24, exact
-    std::memcpy(&bits, &f, 4);
-    bits |= sign;
-  } else if (exp == 31) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K block's 12 bytes.
-inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* mn) {
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *mn = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
+using quant_detail::half_to_float;
+using quant_detail::load_u16;
+using quant_detail::scale_min_k4;
 
 // One row of `blocks` blocks -> float32. Plain loops the compiler vectorizes for the
 // instruction set of the function it is inlined into (the wrappers below); every weight
@@ -498,6 +468,18 @@ std::string check_weights(QuantType type, int64_t n, int64_t k, int64_t ldw) {
 
 }  // namespace
 
+const char* quant_arith_name(QuantArith arith) {
+  return arith == QuantArith::kInt8 ? "int8" : "float";
+}
+
+const char* quant_int8_path_name(LinearIsa isa) {
+  return quant_detail::int8_path_name(quant_detail::int8_path(linear_detail::resolve_isa(isa)));
+}
+
+std::string quant_int8_force_path(const std::string& name) {
+  return quant_detail::int8_force_path(name.c_str());
+}
+
 bool quant_type_supported(int32_t id) {
   return id == 2 || id == 3 || id == 8 || id == 12 || id == 13 || id == 14;
 }
@@ -553,6 +535,10 @@ std::string quant_linear_f32(const QuantLinearArgs& a) {
     return "the output must not overlap x or w";
 
   const LinearIsa isa = linear_detail::resolve_isa(a.isa);
+  if (a.arith == QuantArith::kInt8) {
+    quant_detail::quant_linear_int8(a, isa);
+    return "";
+  }
   const int wide = linear_detail::tile_rows(isa);
   const int64_t work = a.m * a.n * std::max<int64_t>(a.k, 1);
   int64_t parts = std::min<int64_t>(a.num_threads, std::max<int64_t>(1, work / kMinWorkPerThread));

@@ -9,6 +9,7 @@ file stores in different formats stays quantized part by part.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -22,6 +23,23 @@ QUANT_FORMATS: dict[str, tuple[int, int, int]] = dict(_C.quant_formats())
 _NAMES = {tid: name for name, (tid, _, _) in QUANT_FORMATS.items()}
 # Rows dequantized at a time for a long product (prefill): 256 rows x 1536 floats = 1.5 MB.
 PREFILL_TILE_ROWS = 256
+_ARITHMETICS = ("int8", "float")
+
+
+def _arithmetic_from_env() -> str:
+    value = os.environ.get("VERISPEC_QUANT_ARITHMETIC", "int8")
+    if value not in _ARITHMETICS:
+        raise ValueError(f"VERISPEC_QUANT_ARITHMETIC must be 'int8' or 'float', got {value!r}")
+    return value
+
+
+#: The arithmetic of the few-row products (M <= 16, decoding and verification; quant.h):
+#: "int8" (x quantized per block of 32 to int8, integer dot products: the faster one,
+#: relative error ~ 2^-8 per product, see docs/how-it-works.md) or "float" (dequantized
+#: weights, float32 products). From the environment variable VERISPEC_QUANT_ARITHMETIC at
+#: import (default int8); one arithmetic for every call keeps speculative and plain greedy
+#: outputs equal. Prefill (M > 16) always runs float32 tiles.
+ARITHMETIC = _arithmetic_from_env()
 
 
 def quant_format_name(type_id: int) -> Optional[str]:
@@ -124,9 +142,10 @@ class QuantizedMatrix:
 
     def linear(self, x: torch.Tensor, num_threads: int) -> torch.Tensor:
         """x [M, K] float32 (contiguous) @ self^T -> [M, N]: the native few-row kernel for
-        M <= 16 (batch invariant, verispec/quant.h), dequantized tiles of
+        M <= 16 in ARITHMETIC (batch invariant, verispec/quant.h), dequantized tiles of
         PREFILL_TILE_ROWS rows into torch.mm for longer products (prefill)."""
         m = x.shape[0]
+        int8 = ARITHMETIC == "int8"
         out = torch.empty((m, self.shape[0]), dtype=torch.float32)
         n0 = 0
         for p in self.parts:
@@ -134,7 +153,8 @@ class QuantizedMatrix:
             if m <= 16:
                 _C._quant_linear_unchecked(x.data_ptr(), p.data.data_ptr(),
                                            out.data_ptr() + 4 * n0, m, n, self.k, x.stride(0),
-                                           p.data.stride(0), out.stride(0), tid, num_threads)
+                                           p.data.stride(0), out.stride(0), tid, num_threads,
+                                           int8)
             else:
                 tile = torch.empty((min(n, PREFILL_TILE_ROWS), self.k), dtype=torch.float32)
                 for r0 in range(0, n, PREFILL_TILE_ROWS):

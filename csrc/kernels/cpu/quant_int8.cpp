@@ -1,0 +1,382 @@
+// The int8 arithmetic of quant_linear_f32 (verispec/quant.h, QuantArith::kInt8): each row
+// of x is quantized to int8 per block of 32 (row-local: a row's int8 values do not depend
+// on the other rows), each 32-weight block's quants are unpacked to 8-bit integers in
+// registers, and their products with x's int8 values are summed exactly in int32 lanes
+// (VNNI vpdpbusd on AVX-512 VNNI and AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2, plain C++
+// on the rest). The float part is one fixed sequence (quant.h, "int8 arithmetic"), the
+// same on every instruction set: integers are exact, so every path computes the same bits.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "linear_tiles.h"
+#include "quant_internal.h"
+#include "verispec/quant.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define VERISPEC_X86 1
+#include <immintrin.h>
+#endif
+
+namespace verispec {
+namespace quant_detail {
+namespace {
+
+// ---- activations ------------------------------------------------------------------------
+
+// x quantized: for row m and block b (32 values), q[m][32b..32b+32) int8, the scale dx, the
+// 8 lane sums of q (bytes 4j..4j+3, as the int32 lanes of the products) and
+// the same lane sums as floats (exact).
+struct QuantX {
+  int64_t m = 0, blocks = 0;
+  std::vector<int8_t> q;
+  std::vector<float> dx, dx8;  // dx8: each block's dx 8 times (the AVX-512 path loads it)
+  std::vector<int32_t> lane_sums;
+  std::vector<float> lane_sums_f;  // the same as floats (exact)
+  const int8_t* row_q(int64_t r) const { return q.data() + r * blocks * 32; }
+};
+
+// v rounded to the nearest integer, ties to even (|v| <= 127.5 here).
+inline int round_even(float v) {
+#if VERISPEC_X86
+  return _mm_cvtss_si32(_mm_set_ss(v));  // the default rounding mode: to nearest even
+#else
+  return static_cast<int>(std::nearbyint(v));
+#endif
+}
+
+// One block of 32: amax = max |x|; dx = amax / 127; q = round-to-nearest-even(x * (127 /
+// amax)) (in [-127, 127]); a zero block has dx = 0 and q = 0. Non-finite values give
+// dx = NaN (so the row's outputs are NaN) and q = 0. Plain scalar code: max, the two
+// divisions, the multiply and the rounding are each correctly rounded, so any
+// vectorization of it computes the same values.
+void quantize_block(const float* x, int8_t* q, float* dx, int32_t* lanes, float* lanes_f) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int i = 0; i < 32; ++i) {
+    const float a = std::fabs(x[i]);
+    finite = finite && std::isfinite(a);
+    amax = a > amax ? a : amax;
+  }
+  if (!finite || amax == 0.0f) {
+    std::memset(q, 0, 32);
+    *dx = finite ? 0.0f : std::nanf("");
+    for (int j = 0; j < 8; ++j) {
+      lanes[j] = 0;
+      lanes_f[j] = 0.0f;
+    }
+    return;
+  }
+  const float inv = 127.0f / amax;
+  for (int j = 0; j < 8; ++j) {
+    int32_t s = 0;
+    for (int t = 0; t < 4; ++t) {
+      const int v = round_even(x[4 * j + t] * inv);
+      q[4 * j + t] = static_cast<int8_t>(v);
+      s += v;
+    }
+    lanes[j] = s;
+    lanes_f[j] = static_cast<float>(s);
+  }
+  *dx = amax / 127.0f;
+}
+
+void quantize_x(const QuantLinearArgs& a, QuantX* out) {
+  out->m = a.m;
+  out->blocks = a.k / 32;
+  const size_t nb = static_cast<size_t>(a.m * out->blocks);
+  if (out->q.size() < nb * 32) out->q.resize(nb * 32);
+  if (out->dx.size() < nb) {
+    out->dx.resize(nb);
+    out->dx8.resize(nb * 8);
+    out->lane_sums.resize(nb * 8);
+    out->lane_sums_f.resize(nb * 8);
+  }
+  for (int64_t r = 0; r < a.m; ++r)
+    for (int64_t b = 0; b < out->blocks; ++b) {
+      const int64_t i = r * out->blocks + b;
+      quantize_block(a.x + r * a.ldx + 32 * b, out->q.data() + 32 * i, out->dx.data() + i,
+                     out->lane_sums.data() + 8 * i, out->lane_sums_f.data() + 8 * i);
+      for (int j = 0; j < 8; ++j) out->dx8[8 * i + j] = out->dx[i];
+    }
+}
+
+// ---- weights: one block of 32 as 8-bit integers -----------------------------------------
+//
+// For a row's 32-weight block b: u[32] the quants (unsigned; Q8_0: signed), `offset` o
+// (the integer lane products are dot - o * lane_sum: Q4_0 8, Q6_K 32), the lane
+// multipliers (Q6_K: the sub-scales of elements 0..15 and 16..31; else 1), the float
+// scale ws (x's block scale is multiplied by it once) and the min coefficient wc (Q4_1: m;
+// Q4_K, Q5_K: -(dmin * min); times dx it multiplies the lane sums of x).
+
+struct WBlock {
+  int32_t offset = 0, mul_lo = 1, mul_hi = 1;
+  float ws = 0.0f, wc = 0.0f;
+};
+
+// The scalars of block b; `u` (when not null) gets the 32 quants.
+inline WBlock decode_block(QuantType type, const uint8_t* row, int64_t b, uint8_t* u) {
+  WBlock w;
+  switch (type) {
+    case QuantType::kQ8_0: {
+      const uint8_t* s = row + 34 * b;
+      w.ws = half_to_float(s);
+      if (u) std::memcpy(u, s + 2, 32);
+      return w;
+    }
+    case QuantType::kQ4_0:
+    case QuantType::kQ4_1: {
+      const bool q41 = type == QuantType::kQ4_1;
+      const uint8_t* s = row + (q41 ? 20 : 18) * b;
+      w.ws = half_to_float(s);
+      if (q41) w.wc = half_to_float(s + 2);
+      else w.offset = 8;
+      if (u) {
+        const uint8_t* q = s + (q41 ? 4 : 2);
+        for (int i = 0; i < 16; ++i) {
+          u[i] = q[i] & 0x0F;
+          u[i + 16] = q[i] >> 4;
+        }
+      }
+      return w;
+    }
+    case QuantType::kQ4_K:
+    case QuantType::kQ5_K: {
+      const bool five = type == QuantType::kQ5_K;
+      const uint8_t* s = row + (five ? 176 : 144) * (b / 8);
+      const int j = static_cast<int>(b % 8);
+      int sc, mn;
+      scale_min_k4(s + 4, j, &sc, &mn);
+      w.ws = half_to_float(s) * static_cast<float>(sc);        // exact: 11 x 6 bits
+      w.wc = -(half_to_float(s + 2) * static_cast<float>(mn));  // exact
+      if (u) {
+        const uint8_t* q = s + (five ? 48 : 16) + 32 * (j / 2);
+        const int shift = (j & 1) * 4;
+        for (int l = 0; l < 32; ++l) {
+          u[l] = static_cast<uint8_t>((q[l] >> shift) & 0x0F);
+          if (five) u[l] = static_cast<uint8_t>(u[l] | (((s[16 + l] >> j) & 1) << 4));
+        }
+      }
+      return w;
+    }
+    case QuantType::kQ6_K: {
+      const uint8_t* s = row + 210 * (b / 8);
+      const int h = static_cast<int>(b % 8) / 4, quarter = static_cast<int>(b % 4);
+      const int8_t* scales = reinterpret_cast<const int8_t*>(s + 192);
+      w.ws = half_to_float(s + 208);
+      w.offset = 32;
+      w.mul_lo = scales[8 * h + 2 * quarter];
+      w.mul_hi = scales[8 * h + 2 * quarter + 1];
+      if (u) {
+        const uint8_t* lo = s + 64 * h + (quarter & 1) * 32;
+        const uint8_t* hi = s + 128 + 32 * h;
+        const int lo_shift = (quarter / 2) * 4, hi_shift = 2 * quarter;
+        for (int l = 0; l < 32; ++l)
+          u[l] = static_cast<uint8_t>(((lo[l] >> lo_shift) & 0x0F) | (((hi[l] >> hi_shift) & 3) << 4));
+      }
+      return w;
+    }
+  }
+  return w;
+}
+
+// The final sum of the 16 float lanes (lanes 0..7: even blocks, 8..15: odd ones):
+// halves added lane-wise three times (8, 4, 2 lanes), then the last two.
+inline float reduce16(const float* l) {
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = l[i] + l[i + 8];
+  for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
+  for (int i = 0; i < 2; ++i) t[i] = t[i] + t[i + 2];
+  return t[0] + t[1];
+}
+
+// Bytes of a 32-weight block's share of its block (K-quants: a super-block's / 8).
+template <QuantType T>
+constexpr int64_t kBlockBytes = T == QuantType::kQ8_0 ? 34 : T == QuantType::kQ4_0 ? 18
+                               : T == QuantType::kQ4_1 ? 20 : T == QuantType::kQ4_K ? 18
+                               : T == QuantType::kQ5_K ? 22 : 26;
+// Software prefetch distance in bytes ahead of the block being read (the weights stream
+// from memory once per call; 1 KB ahead measured best of 0.5, 1, 2 KB on SmolLM2's shapes).
+constexpr int64_t g_prefetch = 1024;
+
+// ---- the reference sequence in plain C++ ------------------------------------------------
+
+void rows_scalar(const QuantLinearArgs& a, const QuantX& xq, int64_t n0, int64_t n1) {
+  const int64_t nb = xq.blocks;
+  const bool signed_w = a.type == QuantType::kQ8_0;
+  const bool has_mins = a.type == QuantType::kQ4_1 || a.type == QuantType::kQ4_K ||
+                        a.type == QuantType::kQ5_K;
+  alignas(32) uint8_t u[32];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = a.w + n * a.ldw;
+    for (int64_t m = 0; m < a.m; ++m) {
+      float lanes[16] = {};
+      const int8_t* q = xq.row_q(m);
+      for (int64_t b = 0; b < nb; ++b) {
+        const WBlock w = decode_block(a.type, row, b, u);
+        const int64_t i = m * nb + b;
+        const float s = w.ws * xq.dx[i], c = w.wc * xq.dx[i];
+        float* acc = lanes + 8 * (b & 1);
+        for (int j = 0; j < 8; ++j) {
+          int32_t dot = 0;
+          for (int t = 0; t < 4; ++t) {
+            const int wv = signed_w ? static_cast<int8_t>(u[4 * j + t]) : u[4 * j + t];
+            dot += wv * q[32 * b + 4 * j + t];
+          }
+          const int32_t p = (dot - w.offset * xq.lane_sums[8 * i + j]) * (j < 4 ? w.mul_lo : w.mul_hi);
+          acc[j] = std::fma(static_cast<float>(p), s, acc[j]);
+          if (has_mins) acc[j] = std::fma(xq.lane_sums_f[8 * i + j], c, acc[j]);
+        }
+      }
+      a.y[m * a.ldy + n] = reduce16(lanes);
+    }
+  }
+}
+
+#if VERISPEC_X86
+using RowsFn = void (*)(const QuantLinearArgs&, const QuantX&, int64_t, int64_t);
+
+// The vector paths: quant_int8_body.inc once per instruction set, each compiled for its own
+// target (so the AVX2 path holds no AVX-512 instruction).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+#define VS_NS vnni512
+#define VS_ZMM 1
+#define VS_DOT(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+#include "quant_int8_body.inc"
+#undef VS_NS
+#undef VS_DOT
+#undef VS_ZMM
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avxvnni,avx2,fma,f16c")
+#define VS_NS avxvnni
+#define VS_DOT(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#include "quant_int8_body.inc"
+#undef VS_NS
+#undef VS_DOT
+#pragma GCC pop_options
+
+// AVX2: pairs of u8 x s8 in int16 (at most 2 * 128 * 127 = 32512 here: no saturation),
+// then pairs of those in int32: the same four-product lane sums as vpdpbusd.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#define VS_NS avx2
+#define VS_DOT(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#include "quant_int8_body.inc"
+#undef VS_NS
+#undef VS_DOT
+#pragma GCC pop_options
+#endif
+
+struct Job {
+  const QuantLinearArgs* args;
+  const QuantX* xq;
+  void (*rows)(const QuantLinearArgs&, const QuantX&, int64_t, int64_t);
+  int64_t per;
+};
+
+void run_part(void* ctx, int part) {
+  const Job& j = *static_cast<const Job*>(ctx);
+  const int64_t n0 = part * j.per, n1 = std::min(j.args->n, n0 + j.per);
+  if (n0 < n1) j.rows(*j.args, *j.xq, n0, n1);
+}
+
+// A path forced by quant_int8_force_path (-1: none).
+std::atomic<int> forced_path{-1};
+
+bool path_runs(Int8Path p) {
+#if VERISPEC_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  switch (p) {
+    case Int8Path::kAvx512Vnni:
+      return avx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512bw");
+    case Int8Path::kAvxVnni: return avx2 && __builtin_cpu_supports("avxvnni");
+    case Int8Path::kAvx2: return avx2;
+    case Int8Path::kScalar: return true;
+  }
+  return false;
+#else
+  return p == Int8Path::kScalar;
+#endif
+}
+
+}  // namespace
+
+std::string int8_force_path(const char* name) {
+  if (name == nullptr || *name == 0) {
+    forced_path = -1;
+    return "";
+  }
+  for (Int8Path p : {Int8Path::kScalar, Int8Path::kAvx2, Int8Path::kAvxVnni, Int8Path::kAvx512Vnni})
+    if (std::strcmp(name, int8_path_name(p)) == 0) {
+      if (!path_runs(p)) return std::string("int8 path ") + name + " does not run on this CPU";
+      forced_path = static_cast<int>(p);
+      return "";
+    }
+  return std::string("unknown int8 path ") + name;
+}
+
+Int8Path int8_path(LinearIsa isa) {
+  const int forced = forced_path.load();
+  if (forced >= 0) return static_cast<Int8Path>(forced);
+#if VERISPEC_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  if (isa == LinearIsa::kAvx512 && avx2 && __builtin_cpu_supports("avx512vnni") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
+    return Int8Path::kAvx512Vnni;
+  if ((isa == LinearIsa::kAvx512 || isa == LinearIsa::kAvx2) && avx2) {
+    if (__builtin_cpu_supports("avxvnni")) return Int8Path::kAvxVnni;
+    return Int8Path::kAvx2;
+  }
+#endif
+  (void)isa;
+  return Int8Path::kScalar;
+}
+
+const char* int8_path_name(Int8Path p) {
+  switch (p) {
+    case Int8Path::kAvx512Vnni: return "avx512-vnni";
+    case Int8Path::kAvxVnni: return "avx-vnni";
+    case Int8Path::kAvx2: return "avx2-maddubs";
+    case Int8Path::kScalar: return "scalar";
+  }
+  return "unknown";
+}
+
+void quant_linear_int8(const QuantLinearArgs& a, LinearIsa isa) {
+  thread_local QuantX xq;  // the caller's: workers only read it during run_parallel
+  quantize_x(a, &xq);
+  Job job{&a, &xq, &rows_scalar, 0};
+#if VERISPEC_X86
+  switch (int8_path(isa)) {
+    case Int8Path::kAvx512Vnni: job.rows = vnni512::rows_for_type(a.type); break;
+    case Int8Path::kAvxVnni: job.rows = avxvnni::rows_for_type(a.type); break;
+    case Int8Path::kAvx2: job.rows = avx2::rows_for_type(a.type); break;
+    case Int8Path::kScalar: break;
+  }
+#endif
+  // N split in parts of whole rows (a multiple of 4), at least 2^16 multiply-adds each.
+  const int64_t work = a.m * a.n * a.k;
+  int64_t parts = std::min<int64_t>(a.num_threads, std::max<int64_t>(1, work / (int64_t{1} << 16)));
+  parts = std::max<int64_t>(1, std::min<int64_t>(parts, (a.n + 3) / 4));
+  int64_t per = (a.n + parts - 1) / parts;
+  per = (per + 3) / 4 * 4;
+  parts = (a.n + per - 1) / per;
+  job.per = per;
+  linear_detail::run_parallel(static_cast<int>(parts), &run_part, &job, a.own_threads);
+}
+
+}  // namespace quant_detail
+}  // namespace verispec

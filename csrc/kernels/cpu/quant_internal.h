@@ -1,0 +1,63 @@
+// Internal to the quantized kernels (quant_linear.cpp, quant_int8.cpp): block-field
+// readers shared by both arithmetics, and the int8 arithmetic's entry point.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "verispec/quant.h"
+
+namespace verispec {
+namespace quant_detail {
+
+inline uint16_t load_u16(const uint8_t* p) {
+  return static_cast<uint16_t>(p[0] | (static_cast<unsigned>(p[1]) << 8));
+}
+
+// IEEE half -> float (exact: every half is a float).
+inline float half_to_float(const uint8_t* p) {
+  const uint32_t h = load_u16(p);
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  uint32_t bits;
+  if (exp == 0) {
+    const float f = static_cast<float>(man) * 5.9604644775390625e-8f;  // man * 2^-24, exact
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K block's 12 bytes.
+inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// The int8 arithmetic's code paths (all compute the same bits; see quant.h).
+enum class Int8Path { kScalar, kAvx2, kAvxVnni, kAvx512Vnni };
+// The path a resolved LinearIsa (not kAuto) runs: AVX-512 with VNNI -> kAvx512Vnni; AVX2
+// (or AVX-512 without VNNI) -> kAvxVnni where the CPU has AVX-VNNI, else kAvx2.
+Int8Path int8_path(LinearIsa isa);
+const char* int8_path_name(Int8Path path);
+// Tests: run every int8 call on the path named (int8_path_name), whatever the isa; an
+// empty name undoes it. Returns an error when the name is unknown or the CPU lacks it.
+std::string int8_force_path(const char* name);
+
+// y = x w^T in the int8 arithmetic; arguments checked by quant_linear_f32.
+void quant_linear_int8(const QuantLinearArgs& args, LinearIsa isa);
+
+}  // namespace quant_detail
+}  // namespace verispec
