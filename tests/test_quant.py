@@ -236,15 +236,30 @@ def test_quantized_matrix_parts_and_prefill_tiles(monkeypatch):
     monkeypatch.setattr(qm, "PREFILL_TILE_ROWS", 4)
     for arithmetic in ("int8", "float"):
         monkeypatch.setattr(qm, "ARITHMETIC", arithmetic)
-        for m in (3, 16, 40):
+        for m in (3, 16, qm.KERNEL_MAX_ROWS, qm.KERNEL_MAX_ROWS + 1, 40):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             err = (q.linear(x, 2).double() - x.double() @ w.double().t()).abs()
-            if arithmetic == "int8" and m <= 16:
+            if arithmetic == "int8" and m <= qm.KERNEL_MAX_ROWS:
                 limit = torch.cat([int8_bound(x, p.dequantize(), p.parts[0].data, p.formats[0])
                                    for p in parts], dim=1)
             else:
                 limit = bound(x, w)
             assert (err <= limit).all(), (arithmetic, m)
+
+
+def test_kernel_rows_keep_their_bits_up_to_kernel_max_rows():
+    """A serving batch's product (up to KERNEL_MAX_ROWS rows) runs on the kernel, so each
+    row's output is bitwise what it is alone; past it (tiles into torch.mm) that is not
+    promised (power: the tile path at M = KERNEL_MAX_ROWS + 1 differs from the kernel's
+    bits on some row)."""
+    import verispec.models.quantized as qm
+    k = 256
+    q = QuantizedMatrix.from_bytes(random_blocks("Q4_1", 40, k, seed=5), "Q4_1", k)
+    m = qm.KERNEL_MAX_ROWS
+    x = torch.randn(m + 1, k, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([q.linear(x[i:i + 1].contiguous(), 2) for i in range(m + 1)])
+    assert torch.equal(q.linear(x[:m].contiguous(), 2), alone[:m])
+    assert not torch.equal(q.linear(x, 2), alone)
 
 
 def test_argument_errors():

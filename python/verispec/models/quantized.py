@@ -23,6 +23,12 @@ QUANT_FORMATS: dict[str, tuple[int, int, int]] = dict(_C.quant_formats())
 _NAMES = {tid: name for name, (tid, _, _) in QUANT_FORMATS.items()}
 # Rows dequantized at a time for a long product (prefill): 256 rows x 1536 floats = 1.5 MB.
 PREFILL_TILE_ROWS = 256
+# Products of up to this many rows run on the native kernel (bitwise batch invariant at
+# any M), longer ones on dequantized tiles into torch.mm. SmolLM2-135M Q4_1, all layers'
+# matrices, 2 threads, int8 (kernel / tiles): M = 16: 46 / 69 ms, 24: 72 / 72 ms,
+# 32: 118 / 87 ms, 64: 292 / 124 ms. So a serving batch of up to 24 tokens (e.g. four
+# rows verifying 5 drafts) stays on the kernel, and its rows keep their bits.
+KERNEL_MAX_ROWS = 24
 _ARITHMETICS = ("int8", "float")
 
 
@@ -33,12 +39,13 @@ def _arithmetic_from_env() -> str:
     return value
 
 
-#: The arithmetic of the few-row products (M <= 16, decoding and verification; quant.h):
+#: The arithmetic of the few-row products (M <= KERNEL_MAX_ROWS, decoding and
+#: verification; quant.h):
 #: "int8" (x quantized per block of 32 to int8, integer dot products: the faster one,
 #: relative error ~ 2^-8 per product, see docs/how-it-works.md) or "float" (dequantized
 #: weights, float32 products). From the environment variable VERISPEC_QUANT_ARITHMETIC at
 #: import (default int8); one arithmetic for every call keeps speculative and plain greedy
-#: outputs equal. Prefill (M > 16) always runs float32 tiles.
+#: outputs equal. Longer products (M > KERNEL_MAX_ROWS, prefill) run float32 tiles.
 ARITHMETIC = _arithmetic_from_env()
 
 
@@ -142,15 +149,15 @@ class QuantizedMatrix:
 
     def linear(self, x: torch.Tensor, num_threads: int) -> torch.Tensor:
         """x [M, K] float32 (contiguous) @ self^T -> [M, N]: the native few-row kernel for
-        M <= 16 in ARITHMETIC (batch invariant, verispec/quant.h), dequantized tiles of
-        PREFILL_TILE_ROWS rows into torch.mm for longer products (prefill)."""
+        M <= KERNEL_MAX_ROWS in ARITHMETIC (batch invariant, verispec/quant.h), dequantized
+        tiles of PREFILL_TILE_ROWS rows into torch.mm for longer products (prefill)."""
         m = x.shape[0]
         int8 = ARITHMETIC == "int8"
         out = torch.empty((m, self.shape[0]), dtype=torch.float32)
         n0 = 0
         for p in self.parts:
             n, tid = p.data.shape[0], QUANT_FORMATS[p.fmt][0]
-            if m <= 16:
+            if m <= KERNEL_MAX_ROWS:
                 _C._quant_linear_unchecked(x.data_ptr(), p.data.data_ptr(),
                                            out.data_ptr() + 4 * n0, m, n, self.k, x.stride(0),
                                            p.data.stride(0), out.stride(0), tid, num_threads,
