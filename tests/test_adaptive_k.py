@@ -199,3 +199,23 @@ def test_adaptive_keeps_greedy_output_and_reports_a_time_split():
         SpecDecoder(target, draft, k="fast", ops=reference)
     with pytest.raises(ValueError, match=r"max_k must be an int in \[1, 64\], got 0"):
         SpecDecoder(target, draft, k="auto", max_k=0, ops=reference)
+
+
+def test_new_sequences_start_from_the_acceptance_every_sequence_showed():
+    """A draft that never agrees: after one sequence the prior of the next is well below
+    the uniform 0.5 (the first sequence started there); a draft that always agrees raises
+    the prior."""
+    target = CacheModel(50, seed=1, scale=4.0)
+    useless = CacheModel(50, seed=9, scale=4.0)  # an unrelated table: ~no acceptance
+    dec = SpecDecoder(target, useless, k="auto", max_k=4, ops=reference, num_blocks=64,
+                      block_size=4)
+    assert dec.cost_model()["acceptance_prior"] == [0.5]  # nothing seen yet
+    (first,) = dec.generate([[1, 2, 3]], max_new_tokens=60, greedy=True)
+    prior = dec.cost_model()["acceptance_prior"][0]
+    assert first.stats["proposed"] > 0 and first.stats["accepted"] == 0, first.stats
+    assert prior < 0.4, prior  # (0 + 1) / (w + 2): w >= 1 failed trials weigh in
+    twin = CacheModel(50, seed=1, scale=4.0)  # the target's own table: always right
+    dec = SpecDecoder(target, twin, k="auto", max_k=4, ops=reference, num_blocks=64,
+                      block_size=4)
+    dec.generate([[1, 2, 3]], max_new_tokens=30, greedy=True)
+    assert dec.cost_model()["acceptance_prior"][0] > 0.8

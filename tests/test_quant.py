@@ -234,25 +234,31 @@ def test_quantized_matrix_parts_and_prefill_tiles(monkeypatch):
     w = q.dequantize()
     assert torch.equal(w, torch.cat([p.dequantize() for p in parts]))
     monkeypatch.setattr(qm, "PREFILL_TILE_ROWS", 4)
+    monkeypatch.setattr(qm, "KERNEL_MAX_ROWS", 24)
     for arithmetic in ("int8", "float"):
         monkeypatch.setattr(qm, "ARITHMETIC", arithmetic)
         for m in (3, 16, qm.KERNEL_MAX_ROWS, qm.KERNEL_MAX_ROWS + 1, 40):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             err = (q.linear(x, 2).double() - x.double() @ w.double().t()).abs()
-            if arithmetic == "int8" and m <= qm.KERNEL_MAX_ROWS:
+            if arithmetic == "int8":  # tiles (m > KERNEL_MAX_ROWS): x quantized as the
+                # kernel does, then a float32 product over it (its rounding added)
                 limit = torch.cat([int8_bound(x, p.dequantize(), p.parts[0].data, p.formats[0])
                                    for p in parts], dim=1)
+                if m > qm.KERNEL_MAX_ROWS:
+                    limit = limit + bound(qm.int8_activations(x), w)
             else:
                 limit = bound(x, w)
             assert (err <= limit).all(), (arithmetic, m)
 
 
-def test_kernel_rows_keep_their_bits_up_to_kernel_max_rows():
+def test_kernel_rows_keep_their_bits_up_to_kernel_max_rows(monkeypatch):
     """A serving batch's product (up to KERNEL_MAX_ROWS rows) runs on the kernel, so each
     row's output is bitwise what it is alone; past it (tiles into torch.mm) that is not
     promised (power: the tile path at M = KERNEL_MAX_ROWS + 1 differs from the kernel's
     bits on some row)."""
     import verispec.models.quantized as qm
+    assert qm.KERNEL_MAX_ROWS >= 256  # every serving pass of a default server
+    monkeypatch.setattr(qm, "KERNEL_MAX_ROWS", 24)  # the rule, at an affordable size
     k = 256
     q = QuantizedMatrix.from_bytes(random_blocks("Q4_1", 40, k, seed=5), "Q4_1", k)
     m = qm.KERNEL_MAX_ROWS
@@ -260,6 +266,29 @@ def test_kernel_rows_keep_their_bits_up_to_kernel_max_rows():
     alone = torch.cat([q.linear(x[i:i + 1].contiguous(), 2) for i in range(m + 1)])
     assert torch.equal(q.linear(x[:m].contiguous(), 2), alone[:m])
     assert not torch.equal(q.linear(x, 2), alone)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_long_products_see_x_as_the_int8_kernel_does(monkeypatch, fmt):
+    """Past KERNEL_MAX_ROWS (tiles into torch.mm) the int8 arithmetic multiplies x
+    quantized per block as the kernel does: each row equals its kernel product alone
+    within float32 rounding of sum |x_q w| (K * 2^-22), not within the int8 error, so a
+    row's greedy token does not change when its batch grows past the kernel's rows.
+    Power: tiles over the raw x miss that by far."""
+    import verispec.models.quantized as qm
+    monkeypatch.setattr(qm, "ARITHMETIC", "int8")
+    monkeypatch.setattr(qm, "KERNEL_MAX_ROWS", 24)
+    k = _k_for(fmt, 2)
+    q = QuantizedMatrix.from_bytes(random_blocks(fmt, 48, k, seed=11), fmt, k)
+    w = q.dequantize()
+    m = qm.KERNEL_MAX_ROWS + 8
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([q.linear(x[i:i + 1].contiguous(), 1) for i in range(m)])
+    xq = qm.int8_activations(x)
+    limit = 4 * k * 2.0 ** -24 * (xq.abs().double() @ w.abs().double().t()) + 1e-30
+    assert ((q.linear(x, 2).double() - alone.double()).abs() <= limit).all()
+    monkeypatch.setattr(qm, "int8_activations", lambda t: t)
+    assert not ((q.linear(x, 2).double() - alone.double()).abs() <= limit).all()
 
 
 def test_argument_errors():
@@ -470,13 +499,13 @@ def test_tensor_parallel_shard_refuses_quantized_weights(quantized_files):
 
 
 def test_arithmetic_from_the_environment(monkeypatch):
-    """VERISPEC_QUANT_ARITHMETIC picks the models' arithmetic (default int8); anything else
-    than int8 / float is refused, naming the variable."""
+    """VERISPEC_QUANT_ARITHMETIC picks the models' arithmetic (default float); anything
+    else than int8 / float is refused, naming the variable."""
     import verispec.models.quantized as qm
     monkeypatch.delenv("VERISPEC_QUANT_ARITHMETIC", raising=False)
-    assert qm._arithmetic_from_env() == "int8"
-    monkeypatch.setenv("VERISPEC_QUANT_ARITHMETIC", "float")
     assert qm._arithmetic_from_env() == "float"
+    monkeypatch.setenv("VERISPEC_QUANT_ARITHMETIC", "int8")
+    assert qm._arithmetic_from_env() == "int8"
     monkeypatch.setenv("VERISPEC_QUANT_ARITHMETIC", "int4")
     with pytest.raises(ValueError, match="VERISPEC_QUANT_ARITHMETIC must be 'int8' or 'float', got 'int4'"):
         qm._arithmetic_from_env()

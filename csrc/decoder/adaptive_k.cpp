@@ -186,6 +186,16 @@ int64_t probe_interval(double draft_pass, const std::vector<double>& target_pass
   return std::max<int64_t>(kMinProbeInterval, static_cast<int64_t>(std::min(steps, 1e6)));
 }
 
+AcceptanceTracker AcceptanceTracker::seeded_by(const AcceptanceTracker& population) {
+  AcceptanceTracker t;
+  if (!(population.trials > 0)) return t;
+  const double w = std::min(population.trials, kPopulationTrials);
+  t.trials = w;
+  t.successes = w * population.successes / population.trials;
+  t.rate = (t.successes + 1.0) / (t.trials + 2.0);
+  return t;
+}
+
 void AcceptanceTracker::update(int64_t proposed, int64_t accepted) {
   if (proposed <= 0) return;
   // Trials: every accepted position, plus the rejected one if there was a rejection.

@@ -158,6 +158,8 @@ SpecDecoder::SpecDecoder(const DecoderConfig& config)
                                " needs a draft; without one k must be 0 (plain decoding)");
   }
   if (config_.draft_max_context == 0) config_.draft_max_context = config_.max_context;
+  // one acceptance tracker per n-gram match length (n-gram drafting), else one
+  population_.resize(ngram ? static_cast<size_t>(config.ngram_max_n - config.ngram_min_n + 1) : 1);
 }
 
 SpecDecoder::~SpecDecoder() = default;
@@ -216,8 +218,7 @@ int64_t SpecDecoder::add(const std::vector<int32_t>& prompt, const SamplingParam
     s->ngram = std::make_unique<NGramIndex>(config_.ngram_min_n, config_.ngram_max_n);
     s->ngram->extend(prompt.data(), static_cast<int64_t>(prompt.size()));
   }
-  s->trackers.resize(s->ngram ? static_cast<size_t>(config_.ngram_max_n - config_.ngram_min_n + 1)
-                              : 1);
+  for (const AcceptanceTracker& pop : population_) s->trackers.push_back(AcceptanceTracker::seeded_by(pop));
   // Reserve the id slot and the running entry before touching the allocators, so that
   // nothing below can fail after an allocator sequence exists.
   if (free_ids_.empty()) seqs_.emplace_back();
@@ -462,6 +463,13 @@ PhaseTimes SpecDecoder::times() const {
 CostModel SpecDecoder::cost_model() const {
   std::lock_guard<std::mutex> lock(mu_);
   return cost_;
+}
+
+std::vector<double> SpecDecoder::acceptance_prior() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<double> out;
+  for (const AcceptanceTracker& pop : population_) out.push_back(AcceptanceTracker::seeded_by(pop).rate);
+  return out;
 }
 
 int64_t SpecDecoder::seq_for(const Sequence& s, ModelRole role) const {
@@ -1144,6 +1152,7 @@ CommitOutput SpecDecoder::commit_row(OpenStep& st, int64_t b, const VerifyOutput
   // A tree of kb nodes counts as kb proposals of which the accepted depth a were
   // accepted: a conservative estimate of the chain acceptance rate (see adaptive_k.h).
   s.trackers[static_cast<size_t>(s.tracker)].update(kb, a);
+  population_[static_cast<size_t>(s.tracker)].update(kb, a);
   stats.acceptance_estimate.resize(s.trackers.size());
   for (size_t i = 0; i < s.trackers.size(); ++i) stats.acceptance_estimate[i] = s.trackers[i].rate;
 

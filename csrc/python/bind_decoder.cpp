@@ -284,9 +284,10 @@ void register_decoder(py::module_& m) {
         py::list measured;
         for (const auto& [t, s] : c.measured()) measured.append(py::make_tuple(t, s));
         out["target_measured"] = measured;
+        out["acceptance_prior"] = d.acceptance_prior();
         return out;
       }, "The adaptive-k cost model: the draft pass, the target pass by its total tokens "
-         "(fit and measurements).");
+         "(fit and measurements), the acceptance new sequences start from.");
   m.attr("MAX_K") = kMaxK;
 
   py::class_<NGramIndex>(m, "NGramIndex", "The n-gram prompt-lookup index of one sequence.")

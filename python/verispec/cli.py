@@ -1053,12 +1053,15 @@ def collect_info() -> dict:
         model["installed"] = False
         model["error"] = str(e)
     info["default_model"] = model
+    from verispec.models import quantized
+
     info["cpu_kernels"] = {
         "float32_linear": f"{verispec._C.linear_best_isa()} (float32 models: verify passes of "
                           f"2-16 tokens; 1 token and prefill: torch.mm)",
         "quantized_linear": f"{_quant_arithmetic()}, formats "
                             f"{', '.join(verispec._C.quant_formats())} (GGUF on CPU, dtype auto: "
-                            f"1-16 tokens; prefill: dequantized 256-row tiles into torch.mm)",
+                            f"1-{quantized.KERNEL_MAX_ROWS} tokens; longer prefills: dequantized "
+                            f"{quantized.PREFILL_TILE_ROWS}-row tiles into torch.mm)",
         "threads": verispec._C.linear_threads()}
     loading: dict = {"native": "GGUF files, Hugging Face Llama folders",
                      "transformers": "other Hugging Face causal LM folders (HFModel)",

@@ -959,8 +959,11 @@ class SpecDecoder:
         """What adaptive k uses (csrc/include/verispec/adaptive_k.h): ``draft_pass_s`` (one
         draft pass; None until measured), ``target_pass_s[n - 1]``: the fitted cost of a
         target pass of n TOTAL tokens (n = 1..k + 1: one row alone), ``target_fit``: that
-        fit as ``flat_s + slope_s_per_token * max(0, n - knee_tokens)``, and
-        ``target_measured``: the measurements (average tokens, seconds) by size bucket."""
+        fit as ``flat_s + slope_s_per_token * max(0, n - knee_tokens)``,
+        ``target_measured``: the measurements (average tokens, seconds) by size bucket, and
+        ``acceptance_prior``: the acceptance rate a new sequence starts from (per n-gram
+        match length; one value for a draft model): every sequence's trials so far,
+        weighted as at most 8 trials of its own (0.5 before any)."""
         return self._core.cost_model()
 
     def num_free_blocks(self, role: str = "target") -> int:

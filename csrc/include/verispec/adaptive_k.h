@@ -110,6 +110,12 @@ struct AcceptanceTracker {
   int64_t steps_without_drafts = 0;   // consecutive steps at k = 0
   // a step proposed `proposed` tokens and `accepted` of them passed
   void update(int64_t proposed, int64_t accepted);
+  // A new sequence's start: the population's rate (every sequence's trials, by the same
+  // rule) as the evidence of at most kPopulationTrials trials, so a server whose drafts
+  // rarely agree does not start each request at 0.5 and spend its first steps learning
+  // what the others showed (a population that saw nothing: the uniform prior).
+  static constexpr double kPopulationTrials = 8.0;
+  static AcceptanceTracker seeded_by(const AcceptanceTracker& population);
 };
 
 // While k = 0, a probe (one step at k = 1) now and then notices a draft that starts

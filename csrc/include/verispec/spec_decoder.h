@@ -386,6 +386,9 @@ class SpecDecoder {
   uint64_t offset() const;
   PhaseTimes times() const;
   CostModel cost_model() const;
+  // The acceptance rate every new sequence starts from, per tracker (AcceptanceTracker::
+  // seeded_by of the population).
+  std::vector<double> acceptance_prior() const;
 
  private:
   struct Sequence;
@@ -443,6 +446,9 @@ class SpecDecoder {
   uint64_t offset_ = 0;
   PhaseTimes times_;
   CostModel cost_;
+  // Acceptance over every sequence (per tracker, as Sequence::trackers): a new sequence
+  // starts from it (AcceptanceTracker::seeded_by).
+  std::vector<AcceptanceTracker> population_;
 };
 
 }  // namespace verispec

@@ -23,17 +23,20 @@ QUANT_FORMATS: dict[str, tuple[int, int, int]] = dict(_C.quant_formats())
 _NAMES = {tid: name for name, (tid, _, _) in QUANT_FORMATS.items()}
 # Rows dequantized at a time for a long product (prefill): 256 rows x 1536 floats = 1.5 MB.
 PREFILL_TILE_ROWS = 256
-# Products of up to this many rows run on the native kernel (bitwise batch invariant at
-# any M), longer ones on dequantized tiles into torch.mm. SmolLM2-135M Q4_1, all layers'
-# matrices, 2 threads, int8 (kernel / tiles): M = 16: 46 / 69 ms, 24: 72 / 72 ms,
-# 32: 118 / 87 ms, 64: 292 / 124 ms. So a serving batch of up to 24 tokens (e.g. four
-# rows verifying 5 drafts) stays on the kernel, and its rows keep their bits.
-KERNEL_MAX_ROWS = 24
+# Products of up to this many rows run on the native kernel, whose rows are bitwise the
+# same at any M: every decode, verify and serving pass (and prefill chunks up to this
+# size), so a request's greedy tokens do not depend on what shares its passes. Longer
+# products (a long prompt prefilled at once) run dequantized tiles into torch.mm, faster
+# there but rounded differently. SmolLM2-135M Q4_1, all layers' matrices, 2 threads,
+# kernel int8 / kernel float / tiles: M = 1: 9 / 11 / - ms, 24: 88 / 60 / 72 ms,
+# 96: 302 / 169 / 134 ms, 256: 1003 / 490 / 313 ms (the price of invariance is prefill
+# and large-batch time, most of all with the int8 arithmetic).
+KERNEL_MAX_ROWS = 512
 _ARITHMETICS = ("int8", "float")
 
 
 def _arithmetic_from_env() -> str:
-    value = os.environ.get("VERISPEC_QUANT_ARITHMETIC", "int8")
+    value = os.environ.get("VERISPEC_QUANT_ARITHMETIC", "float")
     if value not in _ARITHMETICS:
         raise ValueError(f"VERISPEC_QUANT_ARITHMETIC must be 'int8' or 'float', got {value!r}")
     return value
@@ -44,9 +47,28 @@ def _arithmetic_from_env() -> str:
 #: "int8" (x quantized per block of 32 to int8, integer dot products: the faster one,
 #: relative error ~ 2^-8 per product, see docs/how-it-works.md) or "float" (dequantized
 #: weights, float32 products). From the environment variable VERISPEC_QUANT_ARITHMETIC at
-#: import (default int8); one arithmetic for every call keeps speculative and plain greedy
+#: import (default float: its rows round like the attention and the rest of the model, so
+#: the rare float32 ties that batching can tip stay rare, where int8's coarser products
+#: tipped a served request's greedy text against the same request alone; int8 decodes
+#: plain tokens ~20% faster at 2 threads); one arithmetic for every call keeps speculative and plain greedy
 #: outputs equal. Longer products (M > KERNEL_MAX_ROWS, prefill) run float32 tiles.
 ARITHMETIC = _arithmetic_from_env()
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 (K a multiple of 32) as the int8 arithmetic reads it: per block of
+    32, dx = amax / 127 and q = round-half-even(x * (127 / amax)), returned as q * dx
+    (float32; a zero block stays zero, a block with a non-finite value becomes NaN). The
+    same rule as quantize_block in csrc/kernels/cpu/quant_int8.cpp."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    finite = torch.isfinite(xb).all(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv)
+    dx = amax / 127.0
+    out = torch.where(finite, q * dx, torch.full_like(xb, float("nan")))
+    return out.reshape(m, k)
 
 
 def quant_format_name(type_id: int) -> Optional[str]:
@@ -154,6 +176,11 @@ class QuantizedMatrix:
         m = x.shape[0]
         int8 = ARITHMETIC == "int8"
         out = torch.empty((m, self.shape[0]), dtype=torch.float32)
+        # Tiles with the int8 arithmetic multiply x as the kernel sees it (quantized per
+        # block of 32), so a row's output differs from the kernel's only by float32
+        # rounding whether its batch is short (kernel) or long (tiles): greedy tokens do
+        # not change with the batch, as with the float arithmetic.
+        xt = int8_activations(x) if int8 and m > KERNEL_MAX_ROWS else x
         n0 = 0
         for p in self.parts:
             n, tid = p.data.shape[0], QUANT_FORMATS[p.fmt][0]
@@ -168,6 +195,6 @@ class QuantizedMatrix:
                     r1 = min(n, r0 + PREFILL_TILE_ROWS)
                     t = tile[:r1 - r0]
                     _C.quant_dequantize(p.data[r0:r1], tid, self.k, None, t)
-                    torch.mm(x, t.t(), out=out[:, n0 + r0:n0 + r1])
+                    torch.mm(xt, t.t(), out=out[:, n0 + r0:n0 + r1])
             n0 += n
         return out
