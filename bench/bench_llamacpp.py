@@ -5,8 +5,8 @@ prompt ids (a copy-heavy rewrite prompt through the model's chat template), gree
 ``--threads`` threads (default 2) for every engine:
 
     verispec quantized   load(path): matrices in the file's formats, verispec's kernels
-                         (int8 arithmetic, the default; "quantized/float": the same model
-                         with VERISPEC_QUANT_ARITHMETIC=float's arithmetic, alternating)
+                         (the default arithmetic, VERISPEC_QUANT_ARITHMETIC; "quantized/
+                         int8" or "/float": the same model in the other one, alternating)
     verispec float32     load(path, dtype=torch.float32): dequantized at load
     llama.cpp            llama-cpp-python's Llama(path, n_threads=..., use_extra_bufts=False)
 
@@ -79,7 +79,7 @@ def read_bandwidth(threads: int) -> float:
 
 
 class Verispec:
-    def __init__(self, model, ngram: bool, capacity: int, arithmetic: str = "int8"):
+    def __init__(self, model, ngram: bool, capacity: int, arithmetic: str = quantized.ARITHMETIC):
         self.model, self.ngram = model, ngram
         self.capacity = capacity
         self.arithmetic = arithmetic  # of the quantized kernels (models.quantized.ARITHMETIC)
@@ -139,9 +139,10 @@ def main(argv=None) -> int:
     capacity = len(ids) + n + NGRAM_K + 1
     engines = {}
     for mode in ("plain", "ngram"):
+        other = "int8" if quantized.ARITHMETIC == "float" else "float"
         engines[f"verispec quantized {mode}"] = Verispec(q_model, mode == "ngram", capacity)
-        engines[f"verispec quantized/float {mode}"] = Verispec(q_model, mode == "ngram", capacity,
-                                                                "float")
+        engines[f"verispec quantized/{other} {mode}"] = Verispec(q_model, mode == "ngram",
+                                                                  capacity, other)
         engines[f"verispec float32 {mode}"] = Verispec(f_model, mode == "ngram", capacity)
     llama_error = None
     try:

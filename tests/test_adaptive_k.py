@@ -207,15 +207,14 @@ def test_new_sequences_start_from_the_acceptance_every_sequence_showed():
     the prior."""
     target = CacheModel(50, seed=1, scale=4.0)
     useless = CacheModel(50, seed=9, scale=4.0)  # an unrelated table: ~no acceptance
-    dec = SpecDecoder(target, useless, k="auto", max_k=4, ops=reference, num_blocks=64,
-                      block_size=4)
+    # k fixed: the trials do not depend on timing (the trackers learn at any k)
+    dec = SpecDecoder(target, useless, k=3, ops=reference, num_blocks=64, block_size=4)
     assert dec.cost_model()["acceptance_prior"] == [0.5]  # nothing seen yet
     (first,) = dec.generate([[1, 2, 3]], max_new_tokens=60, greedy=True)
     prior = dec.cost_model()["acceptance_prior"][0]
-    assert first.stats["proposed"] > 0 and first.stats["accepted"] == 0, first.stats
-    assert prior < 0.4, prior  # (0 + 1) / (w + 2): w >= 1 failed trials weigh in
+    assert first.stats["accepted"] <= first.stats["proposed"] // 10, first.stats
+    assert prior < 0.3, prior  # ~(0 + 1) / (8 + 2) for a draft that is never right
     twin = CacheModel(50, seed=1, scale=4.0)  # the target's own table: always right
-    dec = SpecDecoder(target, twin, k="auto", max_k=4, ops=reference, num_blocks=64,
-                      block_size=4)
+    dec = SpecDecoder(target, twin, k=3, ops=reference, num_blocks=64, block_size=4)
     dec.generate([[1, 2, 3]], max_new_tokens=30, greedy=True)
     assert dec.cost_model()["acceptance_prior"][0] > 0.8
