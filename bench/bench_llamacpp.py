@@ -19,9 +19,12 @@ embedding lookup reads a row) and the measured read bandwidth of this machine (a
 float32 sum over 1 GiB), i.e. the tokens/s a pure weight-streaming decoder would reach.
 
 llama-cpp-python is optional and usually not installed here: then its rows say how to
-install it (``pip install llama-cpp-python``; it builds llama.cpp from source) and
-verispec's side is still measured. On this VM llama.cpp crashes in its AMX matmul
-unless loaded with ``use_extra_bufts=False``, which this bench passes.
+install it (INSTALL_HINT: it builds llama.cpp from source, ~10 min on 2 cores) and
+verispec's side is still measured. On this VM llama.cpp's default native build dies
+with SIGILL in its first multi-token decode (the CPU flags list instruction sets the
+hypervisor does not enable), so build it with GGML_NATIVE=OFF and the AVX-512 flags of
+INSTALL_HINT; it also crashes in its AMX matmul unless loaded with
+``use_extra_bufts=False``, which this bench passes.
 
     .venv/bin/python bench/bench_llamacpp.py --out bench/out/llamacpp.json
 """
@@ -48,8 +51,11 @@ from verispec.models.loaders import resolve
 from verispec.models import quantized
 from verispec.models.quantized import QuantizedMatrix
 
-INSTALL_HINT = ("pip install llama-cpp-python  (builds llama.cpp; this bench loads it with "
-                "use_extra_bufts=False: its AMX matmul crashes on this VM otherwise)")
+INSTALL_HINT = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON '
+                '-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" '
+                'pip install llama-cpp-python  (builds llama.cpp; its native build dies with '
+                'SIGILL on this VM, and this bench loads it with use_extra_bufts=False: its AMX '
+                'matmul crashes otherwise)')
 PROMPT = ("Fix the spelling mistakes in this text and return the corrected text:\n\nOn Tuesday "
           "the city councel met to discuss the new park. Residents asked for more trees, a "
           "playground for the childrn, better lighting along the paths, and benches near the "
