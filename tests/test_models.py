@@ -509,13 +509,17 @@ def test_smollm2_matches_transformers(smollm2, smollm2_transformers):
     runner = PagedRunner(model, num_blocks=32, block_size=16)
     seq = runner.add_sequence()
     got, ref = runner.step({seq: ids})[0], hf(ids)
-    worst = (got - ref).abs().max().item()
+    worst, scale = (got - ref).abs().max().item(), ref.abs().max().item()
     g = torch.Generator().manual_seed(6)
     for n in (1, 1, 1, 4):  # greedy decode steps, then a verify-style step of 4
         new = ref[-1:].argmax(-1).tolist() + torch.randint(0, 49152, (n - 1,), generator=g).tolist()
         got, ref = runner.step({seq: new})[0], hf(new)
         worst = max(worst, (got - ref).abs().max().item())
-    assert worst < ATOL, f"max |logit diff| vs transformers {worst:.2e}"
+        scale = max(scale, ref.abs().max().item())
+    # 30 float32 layers summed in different orders (verispec's attention, linear kernels
+    # and norms vs transformers' MKL and SDPA; each op within ~1.3e-6 of float64 on
+    # either side): measured 1.1e-4 at a logit scale of 38 (torch's attention: 8e-5).
+    assert worst < 5e-6 * scale, f"max |logit diff| vs transformers {worst:.2e} (scale {scale:.1f})"
 
 
 def _transformers_gguf_tokenizer(path):

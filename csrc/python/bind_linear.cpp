@@ -8,6 +8,7 @@
 
 #include "bindings.h"
 #include "tensor_view.h"
+#include "verispec/decode_ops.h"
 #include "verispec/linear.h"
 #include "verispec/norm.h"
 #include "verispec/quant.h"
@@ -101,6 +102,92 @@ void rms_norm_unchecked(uintptr_t x, int64_t rows, int64_t dim, int64_t ldx, uin
                    reinterpret_cast<const float*>(w), static_cast<float>(eps),
                    reinterpret_cast<float*>(out), ldy);
   if (!error.empty()) throw py::value_error("rms_norm: " + error);
+}
+
+// The rest of a decoder layer's hot path (verispec.models.llama), on raw pointers to
+// live float32 CPU tensors like the above; each checks sizes, indices and positions.
+void add_rms_norm_unchecked(uintptr_t x, int64_t rows, int64_t dim, int64_t ldx, uintptr_t delta,
+                            int64_t ldd, uintptr_t w, double eps, uintptr_t out, int64_t ldy) {
+  if (rows > 0 && (x == 0 || delta == 0 || w == 0 || out == 0))
+    throw py::value_error("add_rms_norm: null data pointer");
+  const std::string error = add_rms_norm_f32(
+      reinterpret_cast<float*>(x), rows, dim, ldx, reinterpret_cast<const float*>(delta), ldd,
+      reinterpret_cast<const float*>(w), static_cast<float>(eps), reinterpret_cast<float*>(out), ldy);
+  if (!error.empty()) throw py::value_error("add_rms_norm: " + error);
+}
+
+void rope_kv_write_unchecked(uintptr_t qkv, int64_t ldqkv, int64_t tokens, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t head_dim, uintptr_t positions,
+                             uintptr_t cos, uintptr_t sin, int64_t max_position, uintptr_t slots,
+                             uintptr_t k_pool, uintptr_t v_pool, int64_t num_slots,
+                             uintptr_t q_out, const std::string& isa) {
+  RopeKvArgs a;
+  a.qkv = reinterpret_cast<const float*>(qkv);
+  a.ldqkv = ldqkv;
+  a.tokens = tokens;
+  a.num_heads = num_heads;
+  a.num_kv_heads = num_kv_heads;
+  a.head_dim = head_dim;
+  a.positions = reinterpret_cast<const int64_t*>(positions);
+  a.cos = reinterpret_cast<const float*>(cos);
+  a.sin = reinterpret_cast<const float*>(sin);
+  a.max_position = max_position;
+  a.slots = reinterpret_cast<const int32_t*>(slots);
+  a.k_pool = reinterpret_cast<float*>(k_pool);
+  a.v_pool = reinterpret_cast<float*>(v_pool);
+  a.num_slots = num_slots;
+  a.q_out = reinterpret_cast<float*>(q_out);
+  a.isa = parse_isa(isa);
+  const std::string error = rope_kv_write_f32(a);
+  if (!error.empty()) throw py::value_error(error);
+}
+
+void paged_attention_unchecked(uintptr_t q, uintptr_t k_pool, uintptr_t v_pool, int64_t num_slots,
+                               int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t rows, uintptr_t query_start,
+                               uintptr_t positions, uintptr_t context_lens,
+                               uintptr_t block_tables, int64_t table_stride, int64_t table_width,
+                               uintptr_t tree_mask,
+                               int64_t block_size, double scale, uintptr_t out,
+                               int64_t max_queries, int num_threads, const std::string& isa,
+                               bool check_only) {
+  PagedAttentionArgs a;
+  a.q = reinterpret_cast<const float*>(q);
+  a.k_pool = reinterpret_cast<const float*>(k_pool);
+  a.v_pool = reinterpret_cast<const float*>(v_pool);
+  a.num_slots = num_slots;
+  a.tokens = tokens;
+  a.num_heads = num_heads;
+  a.num_kv_heads = num_kv_heads;
+  a.head_dim = head_dim;
+  a.rows = rows;
+  a.query_start = reinterpret_cast<const int64_t*>(query_start);
+  a.positions = reinterpret_cast<const int64_t*>(positions);
+  a.context_lens = reinterpret_cast<const int32_t*>(context_lens);
+  a.block_tables = reinterpret_cast<const int32_t*>(block_tables);
+  a.tree_mask = reinterpret_cast<const uint8_t*>(tree_mask);
+  a.table_stride = table_stride;
+  a.table_width = table_width;
+  a.block_size = block_size;
+  a.scale = static_cast<float>(scale);
+  a.out = reinterpret_cast<float*>(out);
+  a.max_queries = max_queries;
+  a.num_threads = num_threads;
+  a.isa = parse_isa(isa);
+  a.check_only = check_only;
+  std::string error;
+  {
+    py::gil_scoped_release release;
+    error = paged_attention_f32(a);
+  }
+  if (!error.empty()) throw py::value_error(error);
+}
+
+void silu_mul_unchecked(uintptr_t gate_up, int64_t rows, int64_t inter, int64_t ld, uintptr_t out,
+                        int64_t ldo, const std::string& isa) {
+  const std::string error = silu_mul_f32(reinterpret_cast<const float*>(gate_up), rows, inter, ld,
+                                         reinterpret_cast<float*>(out), ldo, parse_isa(isa));
+  if (!error.empty()) throw py::value_error(error);
 }
 
 QuantType parse_quant_type(const char* fn, int type_id) {
@@ -253,6 +340,30 @@ void register_linear(py::module_& m) {
   m.def("_rms_norm_unchecked", &rms_norm_unchecked, py::arg("x_ptr"), py::arg("rows"),
         py::arg("dim"), py::arg("ldx"), py::arg("w_ptr"), py::arg("eps"), py::arg("out_ptr"),
         py::arg("ldy"), "RMSNorm on raw float32 CPU pointers (verispec.models.llama; no checks)");
+  m.def("_add_rms_norm_unchecked", &add_rms_norm_unchecked, py::arg("x_ptr"), py::arg("rows"),
+        py::arg("dim"), py::arg("ldx"), py::arg("delta_ptr"), py::arg("ldd"), py::arg("w_ptr"),
+        py::arg("eps"), py::arg("out_ptr"), py::arg("ldy"),
+        "x += delta, out = RMSNorm(x) on raw float32 CPU pointers (verispec.models.llama)");
+  m.def("_rope_kv_write_unchecked", &rope_kv_write_unchecked, py::arg("qkv_ptr"),
+        py::arg("ldqkv"), py::arg("tokens"), py::arg("num_heads"), py::arg("num_kv_heads"),
+        py::arg("head_dim"), py::arg("positions_ptr"), py::arg("cos_ptr"), py::arg("sin_ptr"),
+        py::arg("max_position"), py::arg("slots_ptr"), py::arg("k_pool_ptr"),
+        py::arg("v_pool_ptr"), py::arg("num_slots"), py::arg("q_out_ptr"), py::arg("isa") = "auto",
+        "RoPE of q and k, k and v written to the cache slots (verispec/decode_ops.h)");
+  m.def("_paged_attention_unchecked", &paged_attention_unchecked, py::arg("q_ptr"),
+        py::arg("k_pool_ptr"), py::arg("v_pool_ptr"), py::arg("num_slots"), py::arg("tokens"),
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("rows"),
+        py::arg("query_start_ptr"), py::arg("positions_ptr"), py::arg("context_lens_ptr"),
+        py::arg("block_tables_ptr"), py::arg("table_stride"), py::arg("table_width"),
+        py::arg("tree_mask_ptr"), py::arg("block_size"), py::arg("scale"), py::arg("out_ptr"),
+        py::arg("max_queries"), py::arg("num_threads"), py::arg("isa") = "auto",
+        py::arg("check_only") = false,
+        "attention of new tokens over the paged cache (verispec/decode_ops.h)");
+  m.def("_silu_mul_unchecked", &silu_mul_unchecked, py::arg("gate_up_ptr"), py::arg("rows"),
+        py::arg("inter"), py::arg("ld"), py::arg("out_ptr"), py::arg("ldo"), py::arg("isa") = "auto",
+        "out = silu(gate) * up of a fused [rows, 2 inter] product (verispec/decode_ops.h)");
+  m.def("decode_exp", &decode_exp, py::arg("x"),
+        "exp(x) as the decode ops compute it (tests compare against it)");
   m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("weight"), py::arg("quant_type"),
         py::arg("out"), py::arg("num_threads"), py::arg("isa") = "auto",
         py::arg("own_threads") = false, py::arg("arithmetic") = "int8",

@@ -17,4 +17,10 @@ namespace verispec {
 std::string rms_norm_f32(const float* x, int64_t rows, int64_t dim, int64_t ldx, const float* w,
                          float eps, float* y, int64_t ldy);
 
+// The residual add before a norm, in one pass: x += delta (in place), then y = the
+// RMSNorm of the new x as rms_norm_f32 computes it. delta: [rows, dim], row stride ldd.
+std::string add_rms_norm_f32(float* x, int64_t rows, int64_t dim, int64_t ldx,
+                             const float* delta, int64_t ldd, const float* w, float eps, float* y,
+                             int64_t ldy);
+
 }  // namespace verispec

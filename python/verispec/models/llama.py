@@ -422,6 +422,163 @@ class _RowGroup:
             self.mask = mask[:, None]                                         # [b, 1, n, L]
 
 
+class _TorchLayerOps:
+    """A forward's steps between the matrix products in torch ops (any device, dtype)."""
+
+    def __init__(self, model: "LlamaModel", batch: PagedBatch, num_tokens: int,
+                 positions: torch.Tensor):
+        g = model.geometry
+        self.model, self.nh, self.nkv, self.hd = model, model._nh, model._nkv, model.config.head_dim
+        self.plan = _AttentionPlan(batch, num_tokens, g.device, dtype=g.dtype,
+                                   group=self.nh // self.nkv)
+        self.write = _KVWrite(batch.host_tensor("slot_mapping"), g.device)
+        self.norm = model._norm_fn()
+        self.cos = model._cos[positions][:, None, :]                          # [T, 1, hd]
+        self.sin = model._sin[positions][:, None, :]
+        self.num_tokens = num_tokens
+
+    def rope_write(self, qkv: torch.Tensor, k_pool: torch.Tensor,
+                   v_pool: torch.Tensor) -> torch.Tensor:
+        """RoPE of q and k, k and v written to the pools; returns q [T, nh, hd]."""
+        nh, nkv, hd = self.nh, self.nkv, self.hd
+        qkv = qkv.view(self.num_tokens, nh + 2 * nkv, hd)
+        qk = apply_rope(qkv[:, :nh + nkv], self.cos, self.sin)               # q and k together
+        self.write(k_pool.view(-1, nkv, hd), qk[:, nh:])
+        self.write(v_pool.view(-1, nkv, hd), qkv[:, nh + nkv:])
+        return qk[:, :nh]
+
+    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        return self.model._attend(q, k_pool.view(-1, self.nkv, self.hd),
+                                  v_pool.view(-1, self.nkv, self.hd), self.plan)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor,
+                 weight: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x + delta, and its norm with ``weight`` (None: no norm)."""
+        x = x + delta
+        return x, None if weight is None else self.norm(x, weight)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
+class _NativeLayerOps:
+    """A forward's steps between the matrix products in verispec's CPU kernels
+    (verispec/decode_ops.h; float32 CPU tensors, contiguous pools): three native calls a
+    layer. Every row attends in the paged kernel (one rounding for decode, verify, tree
+    and batched rows) except rows of more than SMALL_ROW_QUERIES new tokens without a
+    tree (prefill), which attend row by row in SDPA's blocked kernel."""
+
+    def __init__(self, model: "LlamaModel", batch: PagedBatch, num_tokens: int):
+        self.nh, self.nkv, self.hd = model._nh, model._nkv, model.config.head_dim
+        self.num_tokens = num_tokens
+        self.eps = model.config.rms_norm_eps
+        self.threads = torch.get_num_threads()
+        self.cos, self.sin = model._cos, model._sin
+        host = batch.host_tensor
+        # Index tensors as the kernels read them (kept alive for the forward's calls).
+        self.positions = host("positions").to(torch.int64).contiguous()
+        self.slots = host("slot_mapping").to(torch.int32).contiguous()
+        self.query_start = host("query_start").to(torch.int64).contiguous()
+        self.context_lens = host("context_lens").to(torch.int32).contiguous()
+        tables = host("block_tables").to(torch.int32)
+        self.tables = tables if tables.stride(1) == 1 else tables.contiguous()
+        self.tree = (None if batch.tree_mask is None
+                     else batch.tree_mask.to("cpu").contiguous())
+        self.block_size = batch.kv.block_size
+        self.num_slots = batch.kv.k[0].shape[0] * self.block_size
+        starts = self.query_start.tolist()
+        if starts[0] != 0 or starts[-1] != num_tokens or any(
+                a > b for a, b in zip(starts, starts[1:])):
+            raise ValueError(f"LlamaModel.forward: query_start must rise from 0 to T = "
+                             f"{num_tokens}, got {starts}")
+        # Rows attended in SDPA instead (long prefills): (first token, last + 1, row).
+        self.long_rows = [] if self.tree is not None else [
+            (starts[r], starts[r + 1], r) for r in range(len(starts) - 1)
+            if starts[r + 1] - starts[r] > SMALL_ROW_QUERIES]
+        # Positions, context lengths and block tables checked once, before the first
+        # layer writes the cache (a bad batch changes nothing).
+        self._attention(batch.kv.k[0], batch.kv.v[0], None, None, check_only=True)
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x = x if x.is_contiguous() else x.contiguous()
+        out = torch.empty_like(x)
+        rows, dim = x.shape
+        _C._rms_norm_unchecked(x.data_ptr(), rows, dim, dim, weight.data_ptr(), self.eps,
+                               out.data_ptr(), dim)
+        return out
+
+    def rope_write(self, qkv: torch.Tensor, k_pool: torch.Tensor,
+                   v_pool: torch.Tensor) -> torch.Tensor:
+        t, nh, hd = self.num_tokens, self.nh, self.hd
+        q = torch.empty((t, nh, hd), dtype=torch.float32)
+        _C._rope_kv_write_unchecked(
+            qkv.data_ptr(), qkv.stride(0), t, nh, self.nkv, hd, self.positions.data_ptr(),
+            self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0], self.slots.data_ptr(),
+            k_pool.data_ptr(), v_pool.data_ptr(), self.num_slots, q.data_ptr())
+        return q
+
+    def _attention(self, k_pool: torch.Tensor, v_pool: torch.Tensor, q: Optional[torch.Tensor],
+                   out: Optional[torch.Tensor], check_only: bool = False) -> None:
+        tables = self.tables
+        q_ptr = k_pool.data_ptr() if q is None else q.data_ptr()          # unread when checking
+        out_ptr = k_pool.data_ptr() if out is None else out.data_ptr()
+        _C._paged_attention_unchecked(
+            q_ptr, k_pool.data_ptr(), v_pool.data_ptr(), self.num_slots, self.num_tokens,
+            self.nh, self.nkv, self.hd, tables.shape[0], self.query_start.data_ptr(),
+            self.positions.data_ptr(), self.context_lens.data_ptr(), tables.data_ptr(),
+            tables.stride(0), tables.shape[1], 0 if self.tree is None else self.tree.data_ptr(),
+            self.block_size, 1.0 / math.sqrt(self.hd), out_ptr,
+            SMALL_ROW_QUERIES if self.long_rows else 0, self.threads, check_only=check_only)
+
+    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        t, nh, nkv, hd = self.num_tokens, self.nh, self.nkv, self.hd
+        out = torch.empty((t, nh * hd), dtype=torch.float32)
+        self._attention(k_pool, v_pool, q, out)
+        k_flat, v_flat = k_pool.view(-1, nkv, hd), v_pool.view(-1, nkv, hd)
+        for lo, hi, r in self.long_rows:
+            out[lo:hi] = self._attend_long_row(q[lo:hi], k_flat, v_flat, r)
+        return out
+
+    def _attend_long_row(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                         row: int) -> torch.Tensor:
+        """Row ``row``'s n new tokens (a prefill chunk) through SDPA: token t sees keys
+        0..positions[t] -> [n, nh * hd]."""
+        n, nh, hd = q.shape
+        ctx, bs = int(self.context_lens[row]), self.block_size
+        j = torch.arange(ctx)
+        slots = self.tables[row].to(torch.long)[j // bs] * bs + j % bs
+        k = k_flat.index_select(0, slots).transpose(0, 1)[None]               # [1, nkv, L, hd]
+        v = v_flat.index_select(0, slots).transpose(0, 1)[None]
+        pos = self.positions[int(self.query_start[row]):int(self.query_start[row]) + n]
+        fresh = n == ctx and bool((pos == j).all())
+        mask = None if fresh else j[None, :] <= pos[:, None]                   # [n, L]
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask,
+                                           is_causal=fresh, enable_gqa=nh != self.nkv)
+        return o[0].transpose(0, 1).reshape(n, nh * hd)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor,
+                 weight: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x += delta in place, and the norm of the sum with ``weight`` (None: no norm)."""
+        delta = delta if delta.is_contiguous() else delta.contiguous()
+        rows, dim = x.shape
+        if weight is None:
+            x += delta
+            return x, None
+        out = torch.empty_like(x)
+        _C._add_rms_norm_unchecked(x.data_ptr(), rows, dim, dim, delta.data_ptr(), dim,
+                                   weight.data_ptr(), self.eps, out.data_ptr(), dim)
+        return x, out
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+        rows = gate_up.shape[0]
+        out = torch.empty((rows, inter), dtype=torch.float32)
+        _C._silu_mul_unchecked(gate_up.data_ptr(), rows, inter, gate_up.stride(0), out.data_ptr(),
+                               inter)
+        return out
+
+
 def split_evenly(n: int, world_size: int, rank: int) -> tuple[int, int]:
     """Rank ``rank``'s [start, stop) of n items split as evenly as possible."""
     return (rank * n) // world_size, ((rank + 1) * n) // world_size
@@ -594,6 +751,12 @@ class LlamaModel:
         #: RMSNorm in verispec's one-pass CPU kernel (float32 on CPU): torch's float32
         #: rms_norm is ~10 small ops. Set False to use torch's.
         self.native_norm = self._native_norm_ok
+        #: The rest of a layer between the products (RoPE with the cache write, attention,
+        #: residual adds with the norms, SwiGLU) in verispec's CPU kernels, three calls a
+        #: layer (float32 on CPU, verispec/decode_ops.h): a token attends bit for bit the
+        #: same whatever shares its pass. Set False (or native_norm False) to use torch's
+        #: ops.
+        self.native_layer_ops = self._native_norm_ok
 
     @property
     def num_layers(self) -> int:
@@ -618,6 +781,7 @@ class LlamaModel:
         draft._bind_weights()
         draft.native_linear = self.native_linear and draft._native_linear_ok
         draft.native_norm = self.native_norm and draft._native_norm_ok
+        draft.native_layer_ops = self.native_layer_ops and draft._native_norm_ok
         return draft
 
     def __call__(self, batch: PagedBatch) -> torch.Tensor:
@@ -632,7 +796,6 @@ class LlamaModel:
         """
         self._check(batch)
         c, w, g = self.config, self.weights, self.geometry
-        nh, nkv, hd = self._nh, self._nkv, c.head_dim  # this rank's heads (all: one process)
         inter = self._inter
         reduce = self.tp.all_reduce if self.tp is not None else (lambda t: t)
         device = g.device
@@ -640,33 +803,30 @@ class LlamaModel:
         positions = batch.positions.to(device=device, dtype=torch.long)
         num_tokens = ids.shape[0]
 
-        plan = _AttentionPlan(batch, num_tokens, device, dtype=g.dtype, group=nh // nkv)
-        if max(plan.ctx_lens) > g.max_context:
+        ctx_max = int(batch.host_tensor("context_lens").max())
+        if ctx_max > g.max_context:
             raise ValueError(f"LlamaModel.forward: context_lens must be <= max_context = "
-                             f"{g.max_context}, got {max(plan.ctx_lens)}")
-        write = _KVWrite(batch.host_tensor("slot_mapping"), device)
-        norm = self._norm_fn()
-        cos = self._cos[positions][:, None, :]                                # [T, 1, hd]
-        sin = self._sin[positions][:, None, :]
+                             f"{g.max_context}, got {ctx_max}")
+        ops = (_NativeLayerOps(self, batch, num_tokens) if self._use_native_ops(batch)
+               else _TorchLayerOps(self, batch, num_tokens, positions))
         linear = self._linear(num_tokens)
         x = (w.embed.dequantize(ids) if isinstance(w.embed, QuantizedMatrix)
              else F.embedding(ids, w.embed))
-        for (attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down), k_pool, v_pool in zip(
-                self._layers, batch.kv.k, batch.kv.v):
-            qkv = linear(norm(x, attn_norm), wqkv).view(num_tokens, nh + 2 * nkv, hd)
-            qk = apply_rope(qkv[:, :nh + nkv], cos, sin)                       # q and k together
-            k_flat, v_flat = k_pool.view(-1, nkv, hd), v_pool.view(-1, nkv, hd)
-            write(k_flat, qk[:, nh:])
-            write(v_flat, qkv[:, nh + nkv:])
-            attn = self._attend(qk[:, :nh], k_flat, v_flat, plan)
+        h = ops.norm(x, self._layers[0][0])
+        last = len(self._layers) - 1
+        for i, ((_, wqkv, wo, mlp_norm, w_gate_up, w_down), k_pool, v_pool) in enumerate(zip(
+                self._layers, batch.kv.k, batch.kv.v)):
+            q = ops.rope_write(linear(h, wqkv), k_pool, v_pool)             # [T, nh, hd]
+            attn = ops.attend(q, k_pool, v_pool)                            # [T, nh * hd]
             # residual adds after the product (not addmm, which rounds differently)
             # (tensor parallel: each rank's partial product, summed over the ranks)
-            x = x + reduce(linear(attn, wo))
-            gate_up = linear(norm(x, mlp_norm), w_gate_up)
-            x = x + reduce(linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w_down))
+            x, h = ops.add_norm(x, reduce(linear(attn, wo)), mlp_norm)
+            x, h = ops.add_norm(x, reduce(linear(ops.silu_mul(linear(h, w_gate_up), inter),
+                                                 w_down)),
+                                None if i == last else self._layers[i + 1][0])
 
         x = x[batch.logits_indices.to(device)]
-        logits = linear(norm(x, w.final_norm), w.lm_head)
+        logits = linear(ops.norm(x, w.final_norm), w.lm_head)
         if self.tp is not None:  # this rank's vocabulary slice -> every rank all of it
             logits = self.tp.gather_vocab(logits, c.vocab_size)
         return logits
@@ -719,6 +879,13 @@ class LlamaModel:
             native(x.data_ptr(), rows, dim, dim, weight.data_ptr(), eps, out.data_ptr(), dim)
             return out
         return norm
+
+    def _use_native_ops(self, batch: PagedBatch) -> bool:
+        """Whether this forward runs RoPE, the cache write, attention, the residual norms
+        and SwiGLU in verispec's CPU kernels (_NativeLayerOps): a float32 CPU model whose
+        pools are contiguous."""
+        return (self.native_layer_ops and self.native_norm and self._native_norm_ok
+                and all(p.is_contiguous() for p in (batch.kv.k[0], batch.kv.v[0])))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

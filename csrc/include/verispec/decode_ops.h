@@ -1,0 +1,104 @@
+// The small per-layer ops of a decoder step on float32 CPU rows, each one pass over its
+// data: RoPE with the K/V cache write, attention over the paged cache, and SwiGLU's
+// silu(gate) * up. Framework-free: raw pointers, sizes, strides.
+//
+// Why they exist: a SmolLM2 decode step is 30 layers of four few-row matrix products and
+// ~25 small torch ops (RoPE is six, attention ten); on a CPU those small ops cost about a
+// third of a token. These replace them with three calls a layer.
+//
+// The rounding rule (batch invariance, as linear.h): each output element is computed by
+// the same sequence of float operations whatever the batch, the row's place in it, the
+// number of tokens a row brings and the number of threads. So a token attends to its
+// keys bit for bit the same in a one-token decode pass, a verify pass of several tokens
+// and a batch of many rows, and speculative greedy decoding returns the plain greedy
+// tokens. The sequence is also the same on every instruction set (no fused multiply-add,
+// lane sums in a fixed order, exp by one polynomial).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "verispec/linear.h"
+
+namespace verispec {
+
+// RoPE of the new tokens' queries and keys, their keys and values written to the cache:
+//   q_out[t, h]              = rope(q[t, h])          (h < num_heads)
+//   k_pool[slots[t], h]      = rope(k[t, h])          (h < num_kv_heads; slots[t] < 0: no write)
+//   v_pool[slots[t], h]      = v[t, h]
+// with qkv[t] = [q heads | k heads | v heads] (head_dim each) and
+// rope(x)[i] = x[i] * cos[p, i] + x[(i + d/2) % d] * sin[p, i], p = positions[t], d =
+// head_dim; the tables hold [cos, cos] and [-sin, sin] per position (rotate-half RoPE,
+// transformers' order: x * cos, then the swapped half * sin, then the sum). A padding
+// token (position -1, slot < 0) gets a zero query and writes nothing.
+struct RopeKvArgs {
+  const float* qkv = nullptr;  // [tokens, (num_heads + 2 num_kv_heads) head_dim], row stride ldqkv
+  int64_t ldqkv = 0;
+  int64_t tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  const int64_t* positions = nullptr;  // [tokens]
+  const float* cos = nullptr;          // [max_position, head_dim]
+  const float* sin = nullptr;          // [max_position, head_dim]
+  int64_t max_position = 0;
+  const int32_t* slots = nullptr;      // [tokens]
+  float* k_pool = nullptr;             // [num_slots, num_kv_heads, head_dim]
+  float* v_pool = nullptr;             // [num_slots, num_kv_heads, head_dim]
+  int64_t num_slots = 0;
+  float* q_out = nullptr;              // [tokens, num_heads head_dim]
+  LinearIsa isa = LinearIsa::kAuto;    // code path only: every path computes the same bits
+};
+
+// Returns "" or what is wrong with the arguments (nothing is written then).
+std::string rope_kv_write_f32(const RopeKvArgs& args);
+
+// Attention of the new tokens over their rows' cached keys (grouped-query: query head h
+// reads KV head h / (num_heads / num_kv_heads)). Token t of row b (query_start[b] <= t <
+// query_start[b + 1]) sees the row's keys 0..positions[t]; with a tree mask (a draft
+// tree, verispec.models.PagedBatch.tree_mask), the keys before the row's n new tokens
+// (j < context_lens[b] - n) and new token u (cached at j = context_lens[b] - n + u -
+// query_start[b]) where tree_mask[t, u]. Keys are visited in cache order, so a tree
+// node attends bit for bit as the same path decoded as a chain. A padding token
+// (position -1, chains only) sees nothing: its output is zero. Key j of row b sits at slot
+// block_tables[b][j / block_size] * block_size + j % block_size of the pools:
+//   out[t, h] = sum_j softmax_j(scale * q[t, h] . k_j) v_j
+// Scores and probabilities are float32; the softmax subtracts the row maximum, and the
+// weighted sum of values is divided by the sum of exponentials at the end.
+struct PagedAttentionArgs {
+  const float* q = nullptr;       // [tokens, num_heads head_dim], contiguous rows
+  const float* k_pool = nullptr;  // [num_slots, num_kv_heads, head_dim]
+  const float* v_pool = nullptr;  // [num_slots, num_kv_heads, head_dim]
+  int64_t num_slots = 0;
+  int64_t tokens = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  int64_t rows = 0;
+  const int64_t* query_start = nullptr;   // [rows + 1], from 0 up to tokens
+  const int64_t* positions = nullptr;     // [tokens]: 0 <= positions[t] < context_lens[row]
+  const int32_t* context_lens = nullptr;  // [rows]
+  const int32_t* block_tables = nullptr;  // [rows, table_width], row stride table_stride
+  const uint8_t* tree_mask = nullptr;     // [tokens, tokens] 0 / 1, or nullptr (chains)
+  int64_t table_stride = 0, table_width = 0;
+  int64_t block_size = 0;
+  float scale = 0.0f;
+  float* out = nullptr;                   // [tokens, num_heads head_dim], contiguous rows
+  // > 0: rows with more new tokens than this (a long prefill, which the caller attends
+  // with a blocked kernel) are skipped: their outputs are not written. 0: every row.
+  int64_t max_queries = 0;
+  int num_threads = 1;
+  LinearIsa isa = LinearIsa::kAuto;       // code path only: every path computes the same bits
+  // Only check the arguments (q and out are not read): a forward checks its batch once,
+  // before it writes the first layer's cache.
+  bool check_only = false;
+};
+
+// Returns "" or what is wrong with the arguments (nothing is written then). Every block
+// a row reads is checked against the pools before anything is computed.
+std::string paged_attention_f32(const PagedAttentionArgs& args);
+
+// out[r, i] = silu(g[r, i]) * u[r, i] with g = gate_up[r, 0..inter), u = gate_up[r,
+// inter..2 inter); silu(g) = g / (1 + exp(-g)). Returns "" or what is wrong.
+std::string silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, int64_t ld,
+                         float* out, int64_t ldo, LinearIsa isa = LinearIsa::kAuto);
+
+// exp(x) as these ops compute it (a polynomial after Cody-Waite range reduction; within
+// 2 ulp of exp for x in [-87, 88]; exp(-87) below, exp(88) above): tests compare with it.
+float decode_exp(float x);
+
+}  // namespace verispec

@@ -1,0 +1,371 @@
+// The small per-layer ops of a decoder step (verispec/decode_ops.h).
+//
+// Each op is written once, as plain loops over fixed 16-lane accumulators, and compiled
+// for AVX-512, AVX2 and baseline x86-64 (the bodies are inlined into three entry points
+// with different target attributes, and the compiler vectorizes the lane loops). The
+// lanes fix the order of every sum, this file is compiled with -ffp-contract=off (no
+// fused multiply-add), and exp is one polynomial, so every path computes the same bits.
+#include "verispec/decode_ops.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "linear_tiles.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define VERISPEC_X86 1
+#endif
+
+#define VERISPEC_INLINE inline __attribute__((always_inline))
+
+namespace verispec {
+namespace {
+
+constexpr int kLanes = 16;
+
+// exp(x): x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite: ln2 split in a part with few
+// bits, so n * kLn2Hi is exact, and the rest), e^r by a degree-7 polynomial (the
+// classic Cephes expf coefficients), times 2^n built in the exponent bits.
+VERISPEC_INLINE float exp_poly(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const float n = (x * kLog2e + kRound) - kRound;
+  float r = x - n * kLn2Hi;
+  r = r - n * kLn2Lo;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = (p * (r * r) + r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// Sum of the 16 lanes, halving: lanes l and l + w added for w = 8, 4, 2, 1.
+VERISPEC_INLINE float lane_sum(float* acc) {
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0];
+}
+
+// a . b over n: element i in lane i % 16, lanes summed by lane_sum.
+VERISPEC_INLINE float dot(const float* a, const float* b, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+  for (int l = 0; i + l < n; ++l) acc[l] += a[i + l] * b[i + l];
+  return lane_sum(acc);
+}
+
+// ---- RoPE and the cache write ----------------------------------------------------------
+
+VERISPEC_INLINE void rope_row(const float* x, const float* c, const float* s, int64_t d, float* y) {
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < half; ++i) y[i] = x[i] * c[i] + x[i + half] * s[i];
+  for (int64_t i = half; i < d; ++i) y[i] = x[i] * c[i] + x[i - half] * s[i];
+}
+
+VERISPEC_INLINE void rope_kv_body(const RopeKvArgs& a) {
+  const int64_t d = a.head_dim, nh = a.num_heads, nkv = a.num_kv_heads;
+  for (int64_t t = 0; t < a.tokens; ++t) {
+    const float* row = a.qkv + t * a.ldqkv;
+    if (a.positions[t] < 0) {  // padding (slot < 0, checked): a zero query, nothing written
+      std::memset(a.q_out + t * nh * d, 0, static_cast<size_t>(nh * d) * sizeof(float));
+      continue;
+    }
+    const float* c = a.cos + a.positions[t] * d;
+    const float* s = a.sin + a.positions[t] * d;
+    for (int64_t h = 0; h < nh; ++h) rope_row(row + h * d, c, s, d, a.q_out + (t * nh + h) * d);
+    const int64_t slot = a.slots[t];
+    if (slot < 0) continue;
+    for (int64_t h = 0; h < nkv; ++h)
+      rope_row(row + (nh + h) * d, c, s, d, a.k_pool + (slot * nkv + h) * d);
+    std::memcpy(a.v_pool + slot * nkv * d, row + (nh + nkv) * d,
+                static_cast<size_t>(nkv * d) * sizeof(float));
+  }
+}
+
+// ---- attention -----------------------------------------------------------------------
+
+// One work item: token t, query heads h0..h1 (all of one KV head).
+struct AttentionJob {
+  const PagedAttentionArgs* a;
+  std::vector<int64_t> token_row;  // [tokens]: the row of each token
+  int64_t heads_per_item;          // query heads an item computes
+  int64_t items;
+  int parts;
+  void (*item_fn)(const AttentionJob&, int64_t);
+};
+
+VERISPEC_INLINE void attend_body(const AttentionJob& job, int64_t item) {
+  const PagedAttentionArgs& a = *job.a;
+  const int64_t d = a.head_dim, nh = a.num_heads, nkv = a.num_kv_heads;
+  const int64_t group = nh / nkv, per_token = nh / job.heads_per_item;
+  const int64_t t = item / per_token;
+  const int64_t h0 = item % per_token * job.heads_per_item, nq = job.heads_per_item;
+  const int64_t kvh = h0 / group, row = job.token_row[t];
+  if (row < 0) return;  // a skipped long row
+  float* out = a.out + t * nh * d + h0 * d;  // [nq, d]
+  if (a.tree_mask == nullptr && a.positions[t] < 0) {  // padding: sees nothing, outputs zeros
+    for (int64_t i = 0; i < nq * d; ++i) out[i] = 0.0f;
+    return;
+  }
+  const int64_t bs = a.block_size;
+  const int32_t* table = a.block_tables + row * a.table_stride;
+  // The slots of the keys the token sees, in cache order: 0..positions[t], or with a
+  // tree mask the keys before the row's new tokens and the new tokens the mask allows.
+  thread_local std::vector<int64_t> slots;
+  thread_local std::vector<float> scratch;
+  const int64_t ctx = a.context_lens[row];
+  slots.clear();
+  if (a.tree_mask == nullptr) {
+    for (int64_t j = 0; j <= a.positions[t]; ++j)
+      slots.push_back(static_cast<int64_t>(table[j / bs]) * bs + j % bs);
+  } else {
+    const int64_t start = a.query_start[row], n = a.query_start[row + 1] - start;
+    const uint8_t* mask = a.tree_mask + t * a.tokens + start;
+    for (int64_t j = 0; j < ctx; ++j)
+      if (j < ctx - n || mask[j - (ctx - n)])
+        slots.push_back(static_cast<int64_t>(table[j / bs]) * bs + j % bs);
+  }
+  const int64_t keys = static_cast<int64_t>(slots.size());
+  if (static_cast<int64_t>(scratch.size()) < nq * keys)
+    scratch.resize(static_cast<size_t>(nq * keys));
+  float* scores = scratch.data();  // [nq, keys]
+  const float* q = a.q + t * nh * d;
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* k = a.k_pool + (slots[j] * nkv + kvh) * d;
+    for (int64_t g = 0; g < nq; ++g) scores[g * keys + j] = dot(q + (h0 + g) * d, k, d) * a.scale;
+  }
+  float sums[64];  // nq <= group <= 64 (checked)
+  for (int64_t g = 0; g < nq; ++g) {
+    float* sg = scores + g * keys;
+    float m = sg[0];
+    for (int64_t j = 1; j < keys; ++j) m = sg[j] > m ? sg[j] : m;
+    float acc[kLanes] = {};
+    int64_t j = 0;
+    for (; j + kLanes <= keys; j += kLanes)
+      for (int l = 0; l < kLanes; ++l) {
+        sg[j + l] = exp_poly(sg[j + l] - m);
+        acc[l] += sg[j + l];
+      }
+    for (int l = 0; j + l < keys; ++l) {
+      sg[j + l] = exp_poly(sg[j + l] - m);
+      acc[l] += sg[j + l];
+    }
+    sums[g] = lane_sum(acc);
+  }
+  for (int64_t i = 0; i < nq * d; ++i) out[i] = 0.0f;
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* v = a.v_pool + (slots[j] * nkv + kvh) * d;
+    for (int64_t g = 0; g < nq; ++g) {
+      const float p = scores[g * keys + j];
+      float* o = out + g * d;
+      for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
+    }
+  }
+  for (int64_t g = 0; g < nq; ++g)
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = out[g * d + i] / sums[g];
+}
+
+VERISPEC_INLINE void silu_mul_body(const float* gu, int64_t rows, int64_t inter, int64_t ld,
+                                   float* out, int64_t ldo) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gu + r * ld;
+    const float* u = g + inter;
+    float* o = out + r * ldo;
+    for (int64_t i = 0; i < inter; ++i) o[i] = (g[i] / (1.0f + exp_poly(-g[i]))) * u[i];
+  }
+}
+
+// ---- the entry points per instruction set -------------------------------------------
+
+#define VERISPEC_ISA_FNS(suffix, target_attr)                                              \
+  target_attr void rope_kv_##suffix(const RopeKvArgs& a) { rope_kv_body(a); }               \
+  target_attr void attend_##suffix(const AttentionJob& j, int64_t item) {                   \
+    attend_body(j, item);                                                                   \
+  }                                                                                         \
+  target_attr void silu_mul_##suffix(const float* gu, int64_t rows, int64_t inter,          \
+                                     int64_t ld, float* out, int64_t ldo) {                 \
+    silu_mul_body(gu, rows, inter, ld, out, ldo);                                           \
+  }
+VERISPEC_ISA_FNS(portable, )
+#if VERISPEC_X86
+VERISPEC_ISA_FNS(avx512, __attribute__((target("avx512f,avx2"))))
+VERISPEC_ISA_FNS(avx2, __attribute__((target("avx2"))))
+#endif
+#undef VERISPEC_ISA_FNS
+
+struct IsaFns {
+  void (*rope_kv)(const RopeKvArgs&);
+  void (*attend)(const AttentionJob&, int64_t);
+  void (*silu_mul)(const float*, int64_t, int64_t, int64_t, float*, int64_t);
+};
+
+// The functions of `isa` (kAuto: the best this CPU runs; an ISA it lacks: nullptr).
+const IsaFns* fns_for(LinearIsa isa) {
+  static const IsaFns portable{&rope_kv_portable, &attend_portable, &silu_mul_portable};
+#if VERISPEC_X86
+  static const IsaFns avx512{&rope_kv_avx512, &attend_avx512, &silu_mul_avx512};
+  static const IsaFns avx2{&rope_kv_avx2, &attend_avx2, &silu_mul_avx2};
+#endif
+  if (!linear_isa_supported(isa)) return nullptr;
+  switch (linear_detail::resolve_isa(isa)) {
+#if VERISPEC_X86
+    case LinearIsa::kAvx512:
+      return &avx512;
+    case LinearIsa::kAvx2:
+      return &avx2;
+#endif
+    default:
+      return &portable;
+  }
+}
+
+std::string isa_error(LinearIsa isa) {
+  return std::string("isa ") + linear_isa_name(isa) + " is not supported on this CPU";
+}
+
+void attend_part(void* ctx, int part) {
+  const AttentionJob& job = *static_cast<const AttentionJob*>(ctx);
+  for (int64_t item = part; item < job.items; item += job.parts) job.item_fn(job, item);
+}
+
+// Below this many multiply-adds (scores and values) an attention call runs on one
+// thread: waking the team costs more than the work (a decode token over ~100 keys).
+constexpr int64_t kMinParallelWork = int64_t{1} << 17;
+
+std::string check_attention(const PagedAttentionArgs& a) {
+  const std::string in = "paged_attention: ";
+  if (a.tokens < 1 || a.rows < 1 || a.head_dim < 1 || a.num_kv_heads < 1 || a.num_heads < 1)
+    return in + "tokens, rows, head_dim, num_heads and num_kv_heads must be >= 1, got " +
+           std::to_string(a.tokens) + ", " + std::to_string(a.rows) + ", " +
+           std::to_string(a.head_dim) + ", " + std::to_string(a.num_heads) + ", " +
+           std::to_string(a.num_kv_heads);
+  if (a.num_heads % a.num_kv_heads || a.num_heads / a.num_kv_heads > 64)
+    return in + "num_heads must be a multiple of num_kv_heads, at most 64 times it, got " +
+           std::to_string(a.num_heads) + " and " + std::to_string(a.num_kv_heads);
+  if (a.block_size < 1 || a.table_width < 0 || (a.rows > 1 && a.table_stride < a.table_width))
+    return in + "block_size must be >= 1 and table_stride >= table_width, got " +
+           std::to_string(a.block_size) + ", " + std::to_string(a.table_stride) + ", " +
+           std::to_string(a.table_width);
+  if (!a.q || !a.k_pool || !a.v_pool || !a.out || !a.query_start || !a.positions ||
+      !a.context_lens || !a.block_tables)
+    return in + "null data pointer";
+  if (a.query_start[0] != 0 || a.query_start[a.rows] != a.tokens)
+    return in + "query_start must rise from 0 to tokens = " + std::to_string(a.tokens) +
+           ", got " + std::to_string(a.query_start[0]) + " .. " +
+           std::to_string(a.query_start[a.rows]);
+  for (int64_t b = 0; b < a.rows; ++b) {
+    if (a.query_start[b + 1] < a.query_start[b])
+      return in + "query_start must not fall, row " + std::to_string(b) + ": " +
+             std::to_string(a.query_start[b]) + " > " + std::to_string(a.query_start[b + 1]);
+    const int64_t ctx = a.context_lens[b];
+    const int64_t blocks = (ctx + a.block_size - 1) / a.block_size;
+    if (ctx < 0 || blocks > a.table_width)
+      return in + "row " + std::to_string(b) + "'s context_lens must be in [0, " +
+             std::to_string(a.table_width * a.block_size) + "] (its block table), got " +
+             std::to_string(ctx);
+    const int32_t* table = a.block_tables + b * a.table_stride;
+    for (int64_t i = 0; i < blocks; ++i)
+      if (table[i] < 0 || (static_cast<int64_t>(table[i]) + 1) * a.block_size > a.num_slots)
+        return in + "row " + std::to_string(b) + "'s block " + std::to_string(i) +
+               " must be in [0, " + std::to_string(a.num_slots / a.block_size) + "), got " +
+               std::to_string(table[i]);
+    const int64_t n = a.query_start[b + 1] - a.query_start[b];
+    if (a.tree_mask != nullptr && n > ctx)
+      return in + "row " + std::to_string(b) + " has " + std::to_string(n) +
+             " new tokens but context_lens " + std::to_string(ctx);
+    for (int64_t t = a.query_start[b]; t < a.query_start[b + 1]; ++t)
+      if (a.positions[t] >= ctx || a.positions[t] < (a.tree_mask == nullptr ? -1 : 0))
+        return in + "token " + std::to_string(t) + " (row " + std::to_string(b) +
+               ") must have a position in [0, context_lens = " + std::to_string(ctx) +
+               ") (or -1: padding), got " + std::to_string(a.positions[t]);
+  }
+  return "";
+}
+
+}  // namespace
+
+float decode_exp(float x) { return exp_poly(x); }
+
+std::string rope_kv_write_f32(const RopeKvArgs& a) {
+  const std::string in = "rope_kv_write: ";
+  const IsaFns* fns = fns_for(a.isa);
+  if (fns == nullptr) return in + isa_error(a.isa);
+  if (a.tokens < 0 || a.head_dim < 2 || a.head_dim % 2 || a.num_heads < 1 || a.num_kv_heads < 1)
+    return in + "tokens must be >= 0, head_dim even and >= 2, heads >= 1; got tokens " +
+           std::to_string(a.tokens) + ", head_dim " + std::to_string(a.head_dim) + ", heads " +
+           std::to_string(a.num_heads) + " / " + std::to_string(a.num_kv_heads);
+  if (a.tokens > 1 && a.ldqkv < (a.num_heads + 2 * a.num_kv_heads) * a.head_dim)
+    return in + "ldqkv must cover a row of q, k and v, got " + std::to_string(a.ldqkv);
+  if (a.tokens == 0) return "";
+  if (!a.qkv || !a.positions || !a.cos || !a.sin || !a.slots || !a.k_pool || !a.v_pool || !a.q_out)
+    return in + "null data pointer";
+  for (int64_t t = 0; t < a.tokens; ++t) {
+    if (a.positions[t] >= a.max_position || (a.positions[t] < 0 && (a.positions[t] != -1 ||
+                                                                     a.slots[t] >= 0)))
+      return in + "positions[" + std::to_string(t) + "] must be in [0, " +
+             std::to_string(a.max_position) + ") (or -1 with slot -1: padding), got " +
+             std::to_string(a.positions[t]) + " with slot " + std::to_string(a.slots[t]);
+    if (a.slots[t] >= a.num_slots)
+      return in + "slots[" + std::to_string(t) + "] must be < num_slots = " +
+             std::to_string(a.num_slots) + ", got " + std::to_string(a.slots[t]);
+  }
+  fns->rope_kv(a);
+  return "";
+}
+
+std::string paged_attention_f32(const PagedAttentionArgs& a) {
+  const IsaFns* fns = fns_for(a.isa);
+  if (fns == nullptr) return "paged_attention: " + isa_error(a.isa);
+  std::string error = check_attention(a);
+  if (!error.empty() || a.check_only) return error;
+  AttentionJob job;
+  job.a = &a;
+  job.token_row.resize(static_cast<size_t>(a.tokens));
+  int64_t work = 0;
+  for (int64_t b = 0; b < a.rows; ++b) {
+    const int64_t n = a.query_start[b + 1] - a.query_start[b];
+    const bool skip = a.max_queries > 0 && n > a.max_queries;
+    for (int64_t t = a.query_start[b]; t < a.query_start[b + 1]; ++t) {
+      job.token_row[t] = skip ? -1 : b;
+      const int64_t keys = a.tree_mask != nullptr ? a.context_lens[b] : a.positions[t] + 1;  // >= 0
+      if (!skip) work += keys * a.num_heads * a.head_dim * 2;
+    }
+  }
+  const int threads = a.num_threads < 1 ? 1 : a.num_threads;
+  const int64_t group = a.num_heads / a.num_kv_heads;
+  // An item is a token's KV head (its query heads share each key read); when that gives
+  // the team too few items, a token's query head.
+  job.heads_per_item = a.tokens * a.num_kv_heads >= 2 * threads ? group : 1;
+  job.items = a.tokens * (a.num_heads / job.heads_per_item);
+  job.parts = work < kMinParallelWork ? 1 : static_cast<int>(std::min<int64_t>(threads, job.items));
+  job.item_fn = fns->attend;
+  linear_detail::run_parallel(job.parts, &attend_part, &job, /*own_threads=*/false);
+  return "";
+}
+
+std::string silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, int64_t ld,
+                         float* out, int64_t ldo, LinearIsa isa) {
+  const IsaFns* fns = fns_for(isa);
+  if (fns == nullptr) return "silu_mul: " + isa_error(isa);
+  if (rows < 0 || inter < 1 || (rows > 1 && (ld < 2 * inter || ldo < inter)))
+    return "silu_mul: rows must be >= 0, inter >= 1, ld >= 2 inter and ldo >= inter, got rows " +
+           std::to_string(rows) + ", inter " + std::to_string(inter) + ", ld " +
+           std::to_string(ld) + ", ldo " + std::to_string(ldo);
+  if (rows > 0 && (!gate_up || !out)) return "silu_mul: null data pointer";
+  fns->silu_mul(gate_up, rows, inter, ld, out, ldo);
+  return "";
+}
+
+}  // namespace verispec

@@ -1,0 +1,384 @@
+"""The per-layer CPU kernels of a decode step (csrc/include/verispec/decode_ops.h):
+RoPE with the cache write, paged attention, SwiGLU's silu * up, the residual norm.
+
+Each is checked against a float64 (or torch) reference with a stated bound, on every
+instruction set this CPU runs (same bits on each), for batch invariance (a token's
+output is bit for bit the same alone, in a verify row, in a batch, in a tree, on any
+thread count), and for its errors. Power: the same comparison fails for a kernel that
+sees one key too many, or reads a neighbouring block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from verispec import _C
+
+ISAS = _C.linear_isas()
+NH, NKV, HD, BS = 6, 2, 32, 4
+
+
+def test_decode_exp_is_within_two_ulp_of_exp():
+    xs = torch.linspace(-87.0, 88.0, 20001, dtype=torch.float32).tolist() + [0.0, -1e-8, 1e-8]
+    got = torch.tensor([_C.decode_exp(x) for x in xs], dtype=torch.float64)
+    ref = torch.tensor(xs, dtype=torch.float64).exp()
+    ref32 = ref.float()
+    ulp = (torch.nextafter(ref32, torch.tensor(math.inf)) - ref32).double()  # float32 ulp
+    worst = ((got - ref).abs() / ulp).max().item()
+    assert worst <= 2.0, worst
+    # power: torch's float32 exp of x rounded one ulp off would be caught at this bound
+    assert ((ref32.double() * (1 + 2.0 ** -21) - ref).abs() / ulp).max().item() > 2.0
+    assert _C.decode_exp(-1000.0) == _C.decode_exp(-87.0) and _C.decode_exp(1000.0) == _C.decode_exp(88.0)
+    assert math.isnan(_C.decode_exp(float("nan")))
+
+
+# ---- paged attention ------------------------------------------------------------------
+
+class Cache:
+    """Random pools and rows of a paged cache: row r owns the blocks tables[r] (shuffled,
+    not consecutive), its keys 0..ctx_lens[r] - 1 are written."""
+
+    def __init__(self, ctx_lens, seed=0, num_blocks=64):
+        g = torch.Generator().manual_seed(seed)
+        self.k = torch.randn(num_blocks * BS, NKV, HD, generator=g)
+        self.v = torch.randn(num_blocks * BS, NKV, HD, generator=g)
+        perm = torch.randperm(num_blocks, generator=g).tolist()
+        width = max(-(-c // BS) for c in ctx_lens)
+        self.tables = torch.full((len(ctx_lens), width), -1, dtype=torch.int32)
+        used = 0
+        for r, c in enumerate(ctx_lens):
+            n = -(-c // BS)
+            self.tables[r, :n] = torch.tensor(perm[used:used + n], dtype=torch.int32)
+            used += n
+        self.ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+        self.g = g
+
+    def slots(self, row, keys):
+        j = torch.arange(keys)
+        return self.tables[row].long()[j // BS] * BS + j % BS
+
+    def attend(self, q, query_start, positions, *, tree=None, isa="auto", threads=1,
+               max_queries=0, out=None):
+        q = q.contiguous()
+        qs = torch.tensor(query_start, dtype=torch.int64)
+        pos = torch.tensor(positions, dtype=torch.int64)
+        out = torch.full((q.shape[0], NH * HD), float("nan")) if out is None else out
+        tree_t = None if tree is None else tree.to(torch.bool).contiguous()
+        _C._paged_attention_unchecked(
+            q.data_ptr(), self.k.data_ptr(), self.v.data_ptr(), self.k.shape[0], q.shape[0],
+            NH, NKV, HD, len(query_start) - 1, qs.data_ptr(), pos.data_ptr(), self.ctx.data_ptr(),
+            self.tables.data_ptr(), self.tables.stride(0), self.tables.shape[1],
+            0 if tree_t is None else tree_t.data_ptr(), BS, 1.0 / math.sqrt(HD), out.data_ptr(),
+            max_queries, threads, isa)
+        return out
+
+    def reference(self, q, row, keys_seen):
+        """float64 attention of one token q [NH, HD] over row `row`'s keys `keys_seen`."""
+        s = self.slots(row, max(keys_seen) + 1)[keys_seen]
+        k, v = self.k[s].double(), self.v[s].double()                 # [L, NKV, HD]
+        out = []
+        for h in range(NH):
+            kv = h // (NH // NKV)
+            w = torch.softmax(k[:, kv] @ q[h].double() / math.sqrt(HD), dim=0)
+            out.append(w @ v[:, kv])
+        return torch.cat(out)
+
+
+def _queries(n, seed):
+    return torch.randn(n, NH, HD, generator=torch.Generator().manual_seed(seed))
+
+
+def test_attention_matches_float64_reference_on_ragged_rows():
+    # a decode row, a verify row of 5, a 17-token prefill chunk (> SMALL_ROW_QUERIES)
+    cache = Cache([37, 23, 30], seed=1)
+    counts = [1, 5, 17]
+    qs = [0, 1, 6, 23]
+    positions = [36] + list(range(18, 23)) + list(range(13, 30))
+    q = _queries(23, 2)
+    out = cache.attend(q, qs, positions)
+    worst = 0.0
+    for t in range(23):
+        row = next(r for r in range(3) if qs[r] <= t < qs[r + 1])
+        ref = cache.reference(q[t], row, list(range(positions[t] + 1)))
+        worst = max(worst, (out[t].double() - ref).abs().max().item())
+    assert worst < 2e-6, worst
+    # power: a kernel that saw one key more (or read the neighbouring block) misses it
+    wrong = cache.reference(q[1], 1, list(range(positions[1] + 2)))
+    assert (out[1].double() - wrong).abs().max().item() > 1e-3
+    assert counts == [qs[i + 1] - qs[i] for i in range(3)]
+
+
+def test_attention_same_bits_on_every_isa_and_thread_count():
+    cache = Cache([64, 9], seed=3)
+    q = _queries(7, 4)
+    qs, positions = [0, 6, 7], list(range(58, 64)) + [8]
+    base = cache.attend(q, qs, positions, isa="scalar", threads=1)
+    for isa in ISAS:
+        for threads in (1, 2, 3):
+            assert torch.equal(cache.attend(q, qs, positions, isa=isa, threads=threads), base), (isa, threads)
+
+
+def test_attention_is_batch_invariant():
+    """A token's output alone (a decode pass) = in a verify row = next to other rows."""
+    cache = Cache([40, 20, 33], seed=5)
+    q = _queries(12, 6)
+    together = cache.attend(q, [0, 6, 7, 12], list(range(34, 40)) + [19] + list(range(28, 33)),
+                            threads=2)
+    for t, pos in enumerate(range(34, 40)):  # row 0's verify tokens, each decoded alone
+        alone_cache = Cache([40, 20, 33], seed=5)
+        alone_cache.ctx = torch.tensor([pos + 1], dtype=torch.int32)
+        alone_cache.tables = cache.tables[:1].clone()
+        alone = alone_cache.attend(q[t:t + 1], [0, 1], [pos])
+        assert torch.equal(alone[0], together[t]), t
+    # row 2 at the front of another batch order
+    cache2 = Cache([40, 20, 33], seed=5)
+    cache2.tables, cache2.ctx = cache.tables[[2, 0]].clone(), cache.ctx[[2, 0]].clone()
+    swapped = cache2.attend(torch.cat([q[7:12], q[0:6]]), [0, 5, 11],
+                            list(range(28, 33)) + list(range(34, 40)))
+    assert torch.equal(swapped[:5], together[7:12])
+
+
+def test_tree_attention_equals_the_chain_of_each_path():
+    """A tree row (root r, children a, b of r, c child of a) attends per node exactly
+    as the path decoded as a chain: keys visited in cache order."""
+    prefix = 21
+    cache = Cache([prefix + 4], seed=7)
+    q = _queries(4, 8)
+    parent = [-1, 0, 0, 1]
+    depth = [0, 1, 1, 2]
+    tree = torch.zeros(4, 4, dtype=torch.bool)
+    for i in range(4):
+        j = i
+        while j >= 0:
+            tree[i, j] = True
+            j = parent[j]
+    positions = [prefix + d for d in depth]
+    out = cache.attend(q, [0, 4], positions, tree=tree)
+    for node in range(4):
+        seen = list(range(prefix)) + [prefix + u for u in range(4) if tree[node, u]]
+        ref = cache.reference(q[node], 0, seen)
+        assert (out[node].double() - ref).abs().max().item() < 2e-6
+        # the same keys laid out as a chain: the path's K/V copied to consecutive slots
+        path = [u for u in range(4) if tree[node, u]]
+        chain = Cache([prefix + len(path)], seed=7)
+        s_tree = cache.slots(0, prefix + 4)
+        s_chain = chain.slots(0, prefix + len(path))
+        chain.k[s_chain[:prefix]] = cache.k[s_tree[:prefix]]
+        chain.v[s_chain[:prefix]] = cache.v[s_tree[:prefix]]
+        for i, u in enumerate(path):
+            chain.k[s_chain[prefix + i]] = cache.k[s_tree[prefix + u]]
+            chain.v[s_chain[prefix + i]] = cache.v[s_tree[prefix + u]]
+        alone = chain.attend(q[node:node + 1], [0, 1], [prefix + len(path) - 1])
+        assert torch.equal(alone[0], out[node]), node
+    # power: without the mask, node 2 would see its sibling and differ
+    chain_out = cache.attend(q, [0, 4], [prefix + i for i in range(4)])
+    assert not torch.equal(chain_out[2], out[2])
+
+
+def test_attention_skips_long_rows_when_asked():
+    cache = Cache([30, 18], seed=9)
+    q = _queries(19, 10)
+    out = torch.full((19, NH * HD), 7.0)
+    cache.attend(q, [0, 1, 19], [29] + list(range(18)), max_queries=16, out=out)
+    assert not torch.equal(out[0], torch.full((NH * HD,), 7.0))
+    assert torch.equal(out[1:], torch.full((18, NH * HD), 7.0))
+
+
+def test_attention_errors_name_the_problem():
+    cache = Cache([10], seed=11)
+    q = _queries(1, 12)
+    with pytest.raises(ValueError, match=r"token 0 \(row 0\) must have a position in \[0, context_lens = 10\) \(or -1: padding\), got 10"):
+        cache.attend(q, [0, 1], [10])
+    cache.tables[0, 1] = 10_000
+    with pytest.raises(ValueError, match=r"row 0's block 1 must be in \[0, 64\), got 10000"):
+        cache.attend(q, [0, 1], [5])
+    cache.tables[0, 1] = -1
+    with pytest.raises(ValueError, match=r"row 0's block 1 must be in"):
+        cache.attend(q, [0, 1], [5])
+    cache = Cache([10], seed=11)
+    with pytest.raises(ValueError, match=r"query_start must rise from 0 to tokens = 1"):
+        cache.attend(q, [0, 2], [5])
+    cache.ctx[0] = 100
+    with pytest.raises(ValueError, match=r"row 0's context_lens must be in \[0, 12\]"):
+        cache.attend(q, [0, 1], [5])
+    if "avx512" not in ISAS:
+        with pytest.raises(ValueError, match="isa avx512 is not supported"):
+            Cache([10]).attend(q, [0, 1], [5], isa="avx512")
+
+
+# ---- RoPE + cache write, silu * up, the residual norm -----------------------------------
+
+def _rope_tables(max_pos, hd):
+    inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+    ang = torch.arange(max_pos, dtype=torch.float)[:, None] * inv[None, :]
+    return (torch.cat([ang.cos(), ang.cos()], -1).contiguous(),
+            torch.cat([-ang.sin(), ang.sin()], -1).contiguous())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_rope_kv_write_equals_torch_bitwise(isa):
+    from verispec.models.llama import apply_rope
+    g = torch.Generator().manual_seed(13)
+    t = 5
+    qkv = torch.randn(t, (NH + 2 * NKV) * HD, generator=g)
+    cos, sin = _rope_tables(64, HD)
+    positions = torch.tensor([3, 9, 10, 11, 63], dtype=torch.int64)
+    slots = torch.tensor([7, -1, 0, 12, 40], dtype=torch.int32)
+    k_pool, v_pool = torch.zeros(48, NKV, HD), torch.zeros(48, NKV, HD)
+    q = torch.empty(t, NH, HD)
+    _C._rope_kv_write_unchecked(qkv.data_ptr(), qkv.stride(0), t, NH, NKV, HD, positions.data_ptr(),
+                                cos.data_ptr(), sin.data_ptr(), 64, slots.data_ptr(),
+                                k_pool.data_ptr(), v_pool.data_ptr(), 48, q.data_ptr(), isa)
+    x = qkv.view(t, NH + 2 * NKV, HD)
+    qk = apply_rope(x[:, :NH + NKV], cos[positions][:, None], sin[positions][:, None])
+    assert torch.equal(q, qk[:, :NH])
+    kept = [i for i in range(t) if slots[i] >= 0]
+    assert torch.equal(k_pool[slots[kept].long()], qk[kept, NH:])
+    assert torch.equal(v_pool[slots[kept].long()], x[kept, NH + NKV:])
+    written = torch.zeros(48, dtype=torch.bool)
+    written[slots[kept].long()] = True
+    assert not k_pool[~written].any() and not v_pool[~written].any()  # slot -1 wrote nothing
+    with pytest.raises(ValueError, match=r"positions\[1\] must be in \[0, 64\) \(or -1 with slot -1: padding\), got 64"):
+        bad = positions.clone()
+        bad[1] = 64
+        _C._rope_kv_write_unchecked(qkv.data_ptr(), qkv.stride(0), t, NH, NKV, HD, bad.data_ptr(),
+                                    cos.data_ptr(), sin.data_ptr(), 64, slots.data_ptr(),
+                                    k_pool.data_ptr(), v_pool.data_ptr(), 48, q.data_ptr(), isa)
+    with pytest.raises(ValueError, match=r"slots\[4\] must be < num_slots = 40, got 40"):
+        _C._rope_kv_write_unchecked(qkv.data_ptr(), qkv.stride(0), t, NH, NKV, HD,
+                                    positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), 64,
+                                    slots.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), 40,
+                                    q.data_ptr(), isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_silu_mul_matches_torch(isa):
+    g = torch.Generator().manual_seed(17)
+    gu = torch.randn(3, 2 * 100, generator=g) * 6
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    out = torch.empty(3, 100)
+    _C._silu_mul_unchecked(gu.data_ptr(), 3, 100, gu.stride(0), out.data_ptr(), 100, isa)
+    ref = (torch.nn.functional.silu(gu[:, :100].double()) * gu[:, 100:].double())
+    assert ((out.double() - ref).abs() <= 4e-7 * ref.abs() + 1e-30).all()
+    base = torch.empty(3, 100)
+    _C._silu_mul_unchecked(gu.data_ptr(), 3, 100, gu.stride(0), base.data_ptr(), 100, "scalar")
+    assert torch.equal(out, base)
+    with pytest.raises(ValueError, match="silu_mul: rows must be >= 0, inter >= 1, ld >= 2 inter"):
+        _C._silu_mul_unchecked(gu.data_ptr(), 3, 100, 150, out.data_ptr(), 100, isa)
+
+
+def test_add_rms_norm_equals_add_then_norm():
+    g = torch.Generator().manual_seed(19)
+    x, delta, w = torch.randn(4, 96, generator=g), torch.randn(4, 96, generator=g), torch.randn(96, generator=g)
+    expected_x = x + delta
+    expected = torch.empty(4, 96)
+    _C._rms_norm_unchecked(expected_x.data_ptr(), 4, 96, 96, w.data_ptr(), 1e-5, expected.data_ptr(), 96)
+    out = torch.empty(4, 96)
+    _C._add_rms_norm_unchecked(x.data_ptr(), 4, 96, 96, delta.data_ptr(), 96, w.data_ptr(), 1e-5,
+                               out.data_ptr(), 96)
+    assert torch.equal(x, expected_x) and torch.equal(out, expected)
+    before = x.clone()
+    with pytest.raises(ValueError, match="add_rms_norm: eps must be >= 0"):
+        _C._add_rms_norm_unchecked(x.data_ptr(), 4, 96, 96, delta.data_ptr(), 96, w.data_ptr(), -1.0,
+                                   out.data_ptr(), 96)
+    assert torch.equal(x, before)  # nothing written on a refused call
+
+
+# ---- in the model ---------------------------------------------------------------------
+
+def _tiny_llama(seed=0, layers=2):
+    from verispec.models import LlamaConfig, LlamaModel, LlamaWeights
+    h, q, kv, inter, v = 64, 64, 32, 160, 97
+    config = LlamaConfig(vocab_size=v, hidden_size=h, intermediate_size=inter,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    g = torch.Generator().manual_seed(seed)
+    names = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        names.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                      p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                      p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                      p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                      p + "mlp.down_proj.weight": (h, inter)})
+    state = {name: (1 + 0.1 * torch.randn(shape, generator=g)) if len(shape) == 1
+             else 0.2 * torch.randn(shape, generator=g) for name, shape in names.items()}
+    return LlamaModel(config, LlamaWeights.from_state_dict(config, state))
+
+
+def _run(model, native, steps, num_blocks=24, block_size=4):
+    from verispec.models.testing import PagedRunner
+    model.native_layer_ops = native
+    runner = PagedRunner(model, num_blocks=num_blocks, block_size=block_size)
+    seqs = {}
+    out = []
+    for step in steps:
+        for name in step:
+            if name not in seqs:
+                seqs[name] = runner.add_sequence()
+        out.append(runner.step({seqs[n]: toks for n, toks in step.items()}))
+    return out
+
+
+def test_model_native_ops_match_torch_ops():
+    model = _tiny_llama(seed=3)
+    assert model.native_layer_ops
+    g = torch.Generator().manual_seed(7)
+    tok = lambda n: torch.randint(0, 97, (n,), generator=g).tolist()  # noqa: E731
+    steps = [{"a": tok(20), "b": tok(3)}, {"a": tok(1), "b": tok(5), "c": tok(18)},
+             {"a": tok(6), "b": tok(1), "c": tok(1)}]
+    native, torch_ops = _run(model, True, steps), _run(model, False, steps)
+    for rows_n, rows_t in zip(native, torch_ops):
+        for a, b in zip(rows_n, rows_t):
+            assert (a - b).abs().max().item() < 1e-4
+
+
+def test_model_rows_are_batch_invariant(monkeypatch):
+    """A sequence's logits are bit for bit the same decoded alone or next to others
+    (decode rows, verify rows and a prefill chunk sharing its passes). One-row products
+    go through verispec's linear kernel too here (a float32 model's one-row products
+    are MKL's by default, which rounds differently; a quantized model's are always the
+    batch-invariant kernel's)."""
+    from verispec.models import llama
+    monkeypatch.setattr(llama, "NATIVE_LINEAR_MIN_ROWS", 1)
+    model = _tiny_llama(seed=5)
+    g = torch.Generator().manual_seed(9)
+    tok = lambda n: torch.randint(0, 97, (n,), generator=g).tolist()  # noqa: E731
+    a = [tok(9), tok(1), tok(4), tok(1)]
+    others = [{"b": tok(3)}, {"b": tok(6), "c": tok(20)}, {"b": tok(1), "c": tok(1)}, {"c": tok(2)}]
+    alone = _run(model, True, [{"a": x} for x in a])
+    together = _run(model, True, [{"a": x, **o} for x, o in zip(a, others)])
+    for i in range(len(a)):
+        assert torch.equal(alone[i][0], together[i][0]), i
+    # power: with torch's attention (padded SDPA groups) the rows are not bit-equal
+    alone_t = _run(model, False, [{"a": x} for x in a])
+    together_t = _run(model, False, [{"a": x, **o} for x, o in zip(a, others)])
+    assert any(not torch.equal(alone_t[i][0], together_t[i][0]) for i in range(len(a)))
+
+
+def test_padding_tokens_read_and_write_nothing():
+    """Position -1 with slot -1 (the padding convention of PagedBatch): RoPE gives a zero
+    query and writes no slot, attention gives zeros; -1 with a real slot is refused."""
+    cos, sin = _rope_tables(16, HD)
+    qkv = torch.randn(2, (NH + 2 * NKV) * HD)
+    positions = torch.tensor([3, -1], dtype=torch.int64)
+    slots = torch.tensor([5, -1], dtype=torch.int32)
+    k_pool, v_pool, q = torch.zeros(8, NKV, HD), torch.zeros(8, NKV, HD), torch.full((2, NH, HD), 9.0)
+
+    def rope(slots):
+        _C._rope_kv_write_unchecked(qkv.data_ptr(), qkv.stride(0), 2, NH, NKV, HD,
+                                    positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), 16,
+                                    slots.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), 8,
+                                    q.data_ptr())
+    rope(slots)
+    assert not q[1].any() and q[0].abs().sum() > 0
+    assert k_pool[[i for i in range(8) if i != 5]].abs().sum() == 0
+    with pytest.raises(ValueError, match=r"positions\[1\] .* got -1 with slot 2"):
+        rope(torch.tensor([5, 2], dtype=torch.int32))
+    cache = Cache([6], seed=21)
+    out = cache.attend(_queries(2, 22), [0, 2], [5, -1])
+    assert not out[1].any() and not torch.isnan(out).any()
