@@ -246,10 +246,61 @@ def _run_schedule(name: str) -> _Driver:
     return d
 
 
+def _torch_attention_only(monkeypatch) -> None:
+    """Every layer attends through the adapter's padded torch paths (HFModel's
+    native_attention off), so the tests below cover them as well as the paged kernel."""
+    original = hf_mod._Plan.prepare
+    monkeypatch.setattr(hf_mod._Plan, "prepare", lambda self, native: original(self, False))
+
+
+@pytest.fixture
+def native_calls(monkeypatch) -> list[int]:
+    """The layer calls that attended in verispec's paged kernel: the most new tokens of
+    a row in each."""
+    calls: list[int] = []
+    original = hf_mod._Plan._attend_native
+
+    def spy(self, query, *args):
+        calls.append(max(self.q_lens))
+        return original(self, query, *args)
+
+    monkeypatch.setattr(hf_mod._Plan, "_attend_native", spy)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma2", "gpt_oss", "deepseek_v3"])
+def test_logits_equal_transformers_through_the_torch_paths(monkeypatch, name):
+    _torch_attention_only(monkeypatch)
+    d = _run_schedule(name)
+    assert d.worst <= ATOL, f"{name}: max |logits - transformers| = {d.worst:.3g} > {ATOL}"
+    assert d.argmax_mismatches == 0
+
+
+def test_paged_kernel_takes_decode_verify_and_tree_rows(native_calls):
+    """With native_attention (the default on a float32 CPU model), decode, verify and
+    tree rows attend in the paged kernel, prefill rows (> SMALL_ROW_QUERIES) do not; the
+    schedule's logits equal transformers' (test_logits_equal_transformers)."""
+    d = _run_schedule("llama")
+    assert d.worst <= ATOL
+    assert 1 in native_calls and any(1 < n <= hf_mod.SMALL_ROW_QUERIES for n in native_calls)
+    native_calls.clear()
+    model = _wrap("llama")
+    runner = PagedRunner(model, num_blocks=16, block_size=BLOCK_SIZE)
+    runner.step({runner.add_sequence(): list(range(hf_mod.SMALL_ROW_QUERIES + 1))})
+    assert native_calls == []  # a prefill row: SDPA
+    runner.step({runner.add_sequence(): list(range(hf_mod.SMALL_ROW_QUERIES))})
+    assert native_calls == [hf_mod.SMALL_ROW_QUERIES] * model.num_layers
+    native_calls.clear()
+    d = _run_trees("mistral")  # a sliding window inside the kernel, trees of 4 and 18 nodes
+    assert d.worst <= ATOL and d.argmax_mismatches == 0
+    assert TREE_NODES in native_calls
+
+
 def test_schedule_covers_what_it_claims(monkeypatch):
     """The schedule really exercises the adapter's paths: rows attended as one padded group
     and one by one, SDPA rows (> SMALL_ROW_QUERIES queries) and small rows, keys gathered
     through a non-consecutive block table and sliced from consecutive blocks."""
+    _torch_attention_only(monkeypatch)
     seen = []
     original = hf_mod._Plan._attend_group
 
@@ -284,6 +335,7 @@ def lean(monkeypatch) -> list[int]:
         return original(g, q, k_flat, v_flat, scaling, window)
 
     monkeypatch.setattr(hf_mod._Plan, "_attend_lean", staticmethod(spy))
+    _torch_attention_only(monkeypatch)
     return calls
 
 

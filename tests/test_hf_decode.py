@@ -290,8 +290,12 @@ def test_the_sampled_test_has_power(sampling, wrong, monkeypatch):
         dec = SpecDecoder(target, NGram(1, 2), k=2, num_blocks=5000, block_size=2,
                           ops=_verify_without_policy())
     else:
-        real_mask = vhf._Group.mask
-        monkeypatch.setattr(vhf._Group, "mask", lambda self, window: real_mask(self, None))
+        real_attend = vhf._Plan.attend
+
+        def no_window(self, module, query, key, value, *, window, **kw):
+            return real_attend(self, module, query, key, value, window=None, **kw)
+
+        monkeypatch.setattr(vhf._Plan, "attend", no_window)
         dec = sampling_decoder(target, EarlyExit(target, num_layers=1))
     p_value, _, _ = distribution_p_value(dec, reference_model, policy, seed=100)
     assert p_value < exactness.ALPHA
@@ -413,7 +417,11 @@ def test_a_draft_with_another_tokenizer_is_refused():
 
 # --------------------------------------------------------------------------- SmolLM2
 
-SMOLLM2_ATOL = 1e-4  # float32 logits, adapter vs native (as test_models' transformers check)
+SMOLLM2_ATOL = 1e-4  # float32 log-probabilities, adapter vs native
+# float32 logits, adapter vs native, as a fraction of the largest logit (as test_models'
+# transformers check): 30 layers summed in different orders (the native model's
+# quantized-weight kernels and attention vs transformers' modules); measured 3.6e-6.
+SMOLLM2_RTOL = 5e-6
 
 
 @pytest.fixture(scope="module")
@@ -487,9 +495,10 @@ def test_smollm2_adapter_logits_equal_the_native_llama(smollm2, smollm2_adapter)
         diff, logits = step(([first[0]] + torch.randint(0, 49152, (n - 1,), generator=g).tolist(),
                              [first[1]]))
         worst = max(worst, diff)
-    assert worst < SMOLLM2_ATOL, f"max |logit diff| adapter vs native {worst:.2e}"
+    scale = max(row.abs().max().item() for row in logits)
+    assert worst < SMOLLM2_RTOL * scale, f"max |logit diff| adapter vs native {worst:.2e}"
     got, want = (prefill_logits(m.early_exit(8), other) for m in (adapter, native))
-    assert (got - want).abs().max().item() < SMOLLM2_ATOL
+    assert (got - want).abs().max().item() < SMOLLM2_RTOL * want.abs().max().item()
 
 
 def test_smollm2_adapter_speculation_equals_the_native_llama(smollm2, smollm2_adapter):

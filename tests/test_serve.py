@@ -58,10 +58,12 @@ def smollm2():
 
 
 class Faults:
-    """Makes the target's forward raise while ``armed`` (a model error inside a step)."""
+    """Makes the target's forward raise while ``armed`` (a model error inside a step), or
+    take ``delay`` seconds longer (a slow model)."""
 
     def __init__(self, model):
         self.armed = 0
+        self.delay = 0.0
         self._forward = model.forward
         model.forward = self.forward
 
@@ -69,6 +71,8 @@ class Faults:
         if self.armed:
             self.armed -= 1
             raise RuntimeError("injected model failure")
+        if self.delay:
+            time.sleep(self.delay)
         return self._forward(batch)
 
 
@@ -334,12 +338,18 @@ def test_client_disconnect_mid_stream_aborts_and_frees(server):
 
 
 def test_client_gone_before_a_non_streamed_answer_aborts_and_frees(server):
-    url = server[0]
+    url, _, faults = server
     before = metrics(url)
     body = {"model": MODEL, "prompt": COPY, "max_tokens": 400, "temperature": 0}
-    with httpx.Client(timeout=httpx.Timeout(60, read=0.5)) as h:
-        with pytest.raises(httpx.ReadTimeout):
-            h.post(url + "/v1/completions", json=body)
+    # a slow model (0.3 s a pass): the answer cannot be complete when the client gives up
+    # after 0.5 s, however fast decoding is (speculation emits up to k + 1 tokens a pass)
+    faults.delay = 0.3
+    try:
+        with httpx.Client(timeout=httpx.Timeout(60, read=0.5)) as h:
+            with pytest.raises(httpx.ReadTimeout):
+                h.post(url + "/v1/completions", json=body)
+    finally:
+        faults.delay = 0.0
     after, idle = wait_idle(url)
     assert idle, after
     assert after["verispec_requests_aborted_total"] - before["verispec_requests_aborted_total"] == 1

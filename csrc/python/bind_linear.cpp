@@ -150,7 +150,7 @@ void paged_attention_unchecked(uintptr_t q, uintptr_t k_pool, uintptr_t v_pool, 
                                uintptr_t tree_mask,
                                int64_t block_size, double scale, uintptr_t out,
                                int64_t max_queries, int num_threads, const std::string& isa,
-                               bool check_only) {
+                               bool check_only, int64_t window) {
   PagedAttentionArgs a;
   a.q = reinterpret_cast<const float*>(q);
   a.k_pool = reinterpret_cast<const float*>(k_pool);
@@ -175,6 +175,7 @@ void paged_attention_unchecked(uintptr_t q, uintptr_t k_pool, uintptr_t v_pool, 
   a.num_threads = num_threads;
   a.isa = parse_isa(isa);
   a.check_only = check_only;
+  a.window = window;
   std::string error;
   {
     py::gil_scoped_release release;
@@ -357,7 +358,7 @@ void register_linear(py::module_& m) {
         py::arg("block_tables_ptr"), py::arg("table_stride"), py::arg("table_width"),
         py::arg("tree_mask_ptr"), py::arg("block_size"), py::arg("scale"), py::arg("out_ptr"),
         py::arg("max_queries"), py::arg("num_threads"), py::arg("isa") = "auto",
-        py::arg("check_only") = false,
+        py::arg("check_only") = false, py::arg("window") = 0,
         "attention of new tokens over the paged cache (verispec/decode_ops.h)");
   m.def("_silu_mul_unchecked", &silu_mul_unchecked, py::arg("gate_up_ptr"), py::arg("rows"),
         py::arg("inter"), py::arg("ld"), py::arg("out_ptr"), py::arg("ldo"), py::arg("isa") = "auto",

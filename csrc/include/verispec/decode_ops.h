@@ -78,6 +78,10 @@ struct PagedAttentionArgs {
   int64_t block_size = 0;
   float scale = 0.0f;
   float* out = nullptr;                   // [tokens, num_heads head_dim], contiguous rows
+  // > 0: a sliding window (transformers' rule): a token at position p sees only keys
+  // whose position is > p - window (a key's position is its cache index, a new tree
+  // node's its entry of positions). 0: no window.
+  int64_t window = 0;
   // > 0: rows with more new tokens than this (a long prefill, which the caller attends
   // with a blocked kernel) are skipped: their outputs are not written. 0: every row.
   int64_t max_queries = 0;

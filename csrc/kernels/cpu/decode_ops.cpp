@@ -127,17 +127,28 @@ VERISPEC_INLINE void attend_body(const AttentionJob& job, int64_t item) {
   thread_local std::vector<float> scratch;
   const int64_t ctx = a.context_lens[row];
   slots.clear();
+  // Keys at positions <= p - window are out of the window (window 0: none is).
+  const int64_t p = a.positions[t];
+  const int64_t first = a.window > 0 && p - a.window + 1 > 0 ? p - a.window + 1 : 0;
   if (a.tree_mask == nullptr) {
-    for (int64_t j = 0; j <= a.positions[t]; ++j)
+    for (int64_t j = first; j <= p; ++j)
       slots.push_back(static_cast<int64_t>(table[j / bs]) * bs + j % bs);
   } else {
     const int64_t start = a.query_start[row], n = a.query_start[row + 1] - start;
     const uint8_t* mask = a.tree_mask + t * a.tokens + start;
-    for (int64_t j = 0; j < ctx; ++j)
-      if (j < ctx - n || mask[j - (ctx - n)])
+    for (int64_t j = first; j < ctx - n; ++j)
+      slots.push_back(static_cast<int64_t>(table[j / bs]) * bs + j % bs);
+    for (int64_t u = 0; u < n; ++u)
+      if (mask[u] && a.positions[start + u] >= first) {
+        const int64_t j = ctx - n + u;
         slots.push_back(static_cast<int64_t>(table[j / bs]) * bs + j % bs);
+      }
   }
   const int64_t keys = static_cast<int64_t>(slots.size());
+  if (keys == 0) {  // a tree mask that hides everything, itself included: nothing to attend
+    for (int64_t i = 0; i < nq * d; ++i) out[i] = 0.0f;
+    return;
+  }
   if (static_cast<int64_t>(scratch.size()) < nq * keys)
     scratch.resize(static_cast<size_t>(nq * keys));
   float* scores = scratch.data();  // [nq, keys]
@@ -254,6 +265,7 @@ std::string check_attention(const PagedAttentionArgs& a) {
   if (a.num_heads % a.num_kv_heads || a.num_heads / a.num_kv_heads > 64)
     return in + "num_heads must be a multiple of num_kv_heads, at most 64 times it, got " +
            std::to_string(a.num_heads) + " and " + std::to_string(a.num_kv_heads);
+  if (a.window < 0) return in + "window must be >= 0 (0: none), got " + std::to_string(a.window);
   if (a.block_size < 1 || a.table_width < 0 || (a.rows > 1 && a.table_stride < a.table_width))
     return in + "block_size must be >= 1 and table_stride >= table_width, got " +
            std::to_string(a.block_size) + ", " + std::to_string(a.table_stride) + ", " +

@@ -258,8 +258,80 @@ class _Plan:
                                  f"{int((~tree.diagonal()).nonzero()[0])} does not")
         self.tree = tree
         self.write = _KVWrite(batch.host_tensor("slot_mapping"), device)
-        q_lens = [starts[r + 1] - starts[r] for r in range(len(self.ctx_lens))]
-        self.groups = [_Group(rows, self) for rows in attention_groups(q_lens, self.ctx_lens)]
+        self.q_lens = [starts[r + 1] - starts[r] for r in range(len(self.ctx_lens))]
+        self._groups: Optional[list[_Group]] = None
+        self._batch = batch
+        self.native = False
+        self._native: Optional[dict[str, Any]] = None
+
+    def prepare(self, native: bool) -> None:
+        """Decides, before the first layer writes the cache, how layers attend: with
+        ``native`` (HFModel.native_attention), layers without softcap or sinks attend in
+        verispec's paged CPU kernel when every row is small (decode, verify) or the batch
+        is a tree, and its checks of the batch run now; otherwise the padded groups are
+        built now (their checks too)."""
+        self.native = native and self._native_index() is not None
+        if not self.native:
+            self.groups  # noqa: B018 - built (and checked) before any write
+            return
+        from verispec import _C
+
+        index, k, v = self._native, self.kv.k[0], self.kv.v[0]
+        tables, tree = index["tables"], index["tree"]
+        # q and out are not read when checking: any live pointer
+        _C._paged_attention_unchecked(
+            k.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[0] * k.shape[1],
+            len(self.positions), 1, 1, 1, tables.shape[0], index["query_start"].data_ptr(),
+            index["positions"].data_ptr(), index["context_lens"].data_ptr(), tables.data_ptr(),
+            tables.stride(0), tables.shape[1], 0 if tree is None else tree.data_ptr(),
+            self.block_size, 1.0, k.data_ptr(), 0, 1, check_only=True)
+
+    @property
+    def groups(self) -> list[_Group]:
+        """The rows in padded attention calls (built at the first layer that needs them)."""
+        if self._groups is None:
+            self._groups = [_Group(rows, self)
+                            for rows in attention_groups(self.q_lens, self.ctx_lens)]
+        return self._groups
+
+    def _native_index(self) -> Optional[dict[str, Any]]:
+        """The batch's index tensors as the paged kernel reads them, checked once; None
+        when the kernel does not take this batch (a chain row of more than
+        SMALL_ROW_QUERIES tokens: a prefill, which SDPA attends faster)."""
+        if self._native is None:
+            if self.tree is None and max(self.q_lens) > SMALL_ROW_QUERIES:
+                self._native = {}
+            else:
+                host = self._batch.host_tensor
+                tables = host("block_tables").to(torch.int32)
+                self._native = dict(
+                    positions=self.positions.contiguous(),
+                    query_start=host("query_start").to(torch.int64).contiguous(),
+                    context_lens=host("context_lens").to(torch.int32).contiguous(),
+                    tables=tables if tables.stride(1) == 1 else tables.contiguous(),
+                    tree=None if self.tree is None else self.tree.contiguous())
+        return self._native or None
+
+    def _attend_native(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                       scaling: float, window: Optional[int], index: dict[str, Any]) -> torch.Tensor:
+        """query [1, H, T, D] -> [1, T, H, D] through verispec's paged attention kernel
+        (verispec/decode_ops.h: each token's keys in cache order, the same bits whatever
+        shares the pass)."""
+        from verispec import _C
+
+        _, h, t, d = query.shape
+        kvh = k_pool.shape[2]
+        q = query[0].transpose(0, 1).contiguous()                               # [T, H, D]
+        out = torch.empty((t, h, d), dtype=torch.float32)
+        tables, tree = index["tables"], index["tree"]
+        _C._paged_attention_unchecked(
+            q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0] * k_pool.shape[1],
+            t, h, kvh, d, tables.shape[0], index["query_start"].data_ptr(),
+            index["positions"].data_ptr(), index["context_lens"].data_ptr(), tables.data_ptr(),
+            tables.stride(0), tables.shape[1], 0 if tree is None else tree.data_ptr(),
+            self.block_size, scaling, out.data_ptr(), 0, torch.get_num_threads(),
+            window=window if window is not None and window > 0 else 0)
+        return out[None]
 
     def attend(self, module, query, key, value, *, scaling, window, softcap, sinks):
         pool = self.pool_of.get(id(module))
@@ -277,6 +349,11 @@ class _Plan:
         self.write(v_flat, value[0].transpose(0, 1))
         if scaling is None:
             scaling = 1.0 / math.sqrt(dk)
+        if (self.native and softcap is None and sinks is None and query.dtype == torch.float32
+                and dk == dv and h % kvh == 0 and self.kv.k[pool].is_contiguous()
+                and self.kv.v[pool].is_contiguous()):
+            return self._attend_native(query, self.kv.k[pool], self.kv.v[pool], scaling,
+                                       window, self._native)
         if len(self.groups) == 1 and self.groups[0].lean and softcap is None and sinks is None:
             return self._attend_lean(self.groups[0], query[0], k_flat, v_flat, scaling, window)
         q = query[0].transpose(0, 1)                                           # [T, H, Dk]
@@ -726,6 +803,11 @@ class HFModel:
         self.model_type = getattr(text, "model_type", type(hf_model).__name__)
         from verispec import _C
 
+        #: Layers without softcapping or sinks attend in verispec's paged CPU kernel when
+        #: a forward's rows are all decode / verify rows or a tree (float32 CPU models): a
+        #: token attends bit for bit the same whatever shares its pass. Set False to use
+        #: the padded torch paths.
+        self.native_attention = device.type == "cpu" and dtype == torch.float32
         self._kernels: Optional[_CpuKernels] = None
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32 and (
                 _C.linear_best_isa() != "scalar"):
@@ -793,6 +875,7 @@ class HFModel:
         draft.model_type = self.model_type
         draft.tp = self.tp  # the draft runs the shared (cut) modules, collectives included
         draft._kernels = self._kernels
+        draft.native_attention = self.native_attention
         draft.tokenizer_fingerprint = self.tokenizer_fingerprint
         probe, _ = draft._probe(self.geometry.device)
         if [id(r.module) for r in probe.layers] != [id(r.module) for r in draft.layers]:
@@ -881,6 +964,7 @@ class HFModel:
         g = self.geometry
         device = g.device
         plan = _Plan(batch, self._pool_of, device)
+        plan.prepare(self.native_attention)
         if max(plan.ctx_lens) > g.max_context:
             raise ValueError(f"HFModel.forward: context_lens must be <= max_context = "
                              f"{g.max_context}, got {max(plan.ctx_lens)}")
