@@ -277,19 +277,20 @@ def test_logits_equal_transformers_through_the_torch_paths(monkeypatch, name):
 
 
 def test_paged_kernel_takes_decode_verify_and_tree_rows(native_calls):
-    """With native_attention (the default on a float32 CPU model), decode, verify and
-    tree rows attend in the paged kernel, prefill rows (> SMALL_ROW_QUERIES) do not; the
-    schedule's logits equal transformers' (test_logits_equal_transformers)."""
+    """With native_attention (the default on a float32 CPU model), decode, verify, tree
+    rows and prefill chunks attend in the paged kernel, rows longer than
+    KERNEL_MAX_QUERIES do not; the schedule's logits equal transformers'."""
     d = _run_schedule("llama")
     assert d.worst <= ATOL
     assert 1 in native_calls and any(1 < n <= hf_mod.SMALL_ROW_QUERIES for n in native_calls)
     native_calls.clear()
-    model = _wrap("llama")
-    runner = PagedRunner(model, num_blocks=16, block_size=BLOCK_SIZE)
-    runner.step({runner.add_sequence(): list(range(hf_mod.SMALL_ROW_QUERIES + 1))})
-    assert native_calls == []  # a prefill row: SDPA
-    runner.step({runner.add_sequence(): list(range(hf_mod.SMALL_ROW_QUERIES))})
-    assert native_calls == [hf_mod.SMALL_ROW_QUERIES] * model.num_layers
+    n = hf_mod.KERNEL_MAX_QUERIES
+    model = HFModel(copy.deepcopy(_reference("llama")), max_context=2 * n + 2)
+    runner = PagedRunner(model, num_blocks=2 * n // BLOCK_SIZE + 2, block_size=BLOCK_SIZE)
+    runner.step({runner.add_sequence(): [t % VOCAB for t in range(n + 1)]})
+    assert native_calls == []  # a long prompt at once: SDPA
+    runner.step({runner.add_sequence(): [t % VOCAB for t in range(n)]})
+    assert native_calls == [n] * model.num_layers  # a prefill chunk: the paged kernel
     native_calls.clear()
     d = _run_trees("mistral")  # a sliding window inside the kernel, trees of 4 and 18 nodes
     assert d.worst <= ATOL and d.argmax_mismatches == 0

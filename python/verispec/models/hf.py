@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from verispec.models.base import ModelGeometry, PagedBatch, attention_groups, check_batch
 # Forwards of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS tokens (verify passes) of a
 # float32 CPU model run their linear layers on verispec's CPU kernel, as LlamaModel's do.
-from verispec.models.llama import NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS
+from verispec.models.llama import (KERNEL_MAX_QUERIES, NATIVE_LINEAR_MAX_ROWS,
+                                   NATIVE_LINEAR_MIN_ROWS)
 
 __all__ = ["ATTN_IMPLEMENTATION", "HFModel"]
 
@@ -267,8 +268,8 @@ class _Plan:
     def prepare(self, native: bool) -> None:
         """Decides, before the first layer writes the cache, how layers attend: with
         ``native`` (HFModel.native_attention), layers without softcap or sinks attend in
-        verispec's paged CPU kernel when every row is small (decode, verify) or the batch
-        is a tree, and its checks of the batch run now; otherwise the padded groups are
+        verispec's paged CPU kernel unless a chain row has more than KERNEL_MAX_QUERIES
+        new tokens, and its checks of the batch run now; otherwise the padded groups are
         built now (their checks too)."""
         self.native = native and self._native_index() is not None
         if not self.native:
@@ -297,9 +298,9 @@ class _Plan:
     def _native_index(self) -> Optional[dict[str, Any]]:
         """The batch's index tensors as the paged kernel reads them, checked once; None
         when the kernel does not take this batch (a chain row of more than
-        SMALL_ROW_QUERIES tokens: a prefill, which SDPA attends faster)."""
+        KERNEL_MAX_QUERIES tokens: a long prompt at once, which SDPA attends faster)."""
         if self._native is None:
-            if self.tree is None and max(self.q_lens) > SMALL_ROW_QUERIES:
+            if self.tree is None and max(self.q_lens) > KERNEL_MAX_QUERIES:
                 self._native = {}
             else:
                 host = self._batch.host_tensor
@@ -803,10 +804,10 @@ class HFModel:
         self.model_type = getattr(text, "model_type", type(hf_model).__name__)
         from verispec import _C
 
-        #: Layers without softcapping or sinks attend in verispec's paged CPU kernel when
-        #: a forward's rows are all decode / verify rows or a tree (float32 CPU models): a
-        #: token attends bit for bit the same whatever shares its pass. Set False to use
-        #: the padded torch paths.
+        #: Layers without softcapping or sinks attend in verispec's paged CPU kernel unless
+        #: a forward holds a chain row of more than KERNEL_MAX_QUERIES new tokens (float32
+        #: CPU models): a token attends bit for bit the same whatever shares its pass and
+        #: however its prompt was chunked. Set False to use the padded torch paths.
         self.native_attention = device.type == "cpu" and dtype == torch.float32
         self._kernels: Optional[_CpuKernels] = None
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32 and (

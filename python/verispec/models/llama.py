@@ -51,6 +51,13 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # A row of at most this many queries attends with two batched matmuls (its scores,
 # [kv_heads, queries * group, keys], stay small); longer rows (prefill) call SDPA.
 SMALL_ROW_QUERIES = 16
+# Rows of up to this many new tokens attend in verispec's paged kernel on a float32 CPU
+# model (LlamaModel.native_layer_ops, HFModel.native_attention): every decode, verify,
+# tree and serving row and prefill chunks up to this size, so a token's attention does
+# not depend on how its prompt was chunked or what shares its pass (as the quantized
+# products' KERNEL_MAX_ROWS). Longer rows (a long prompt at once) use SDPA's blocked
+# kernel: ~2x faster at 512 tokens, ~6x at 1024, rounded differently.
+KERNEL_MAX_QUERIES = 512
 # Products of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS rows (tokens in a forward: a
 # verify pass) use verispec's CPU linear kernel when the model is float32 on CPU
 # (LlamaModel.native_linear); on SmolLM2's shapes it beats MKL up to ~16 rows.
@@ -465,9 +472,9 @@ class _TorchLayerOps:
 class _NativeLayerOps:
     """A forward's steps between the matrix products in verispec's CPU kernels
     (verispec/decode_ops.h; float32 CPU tensors, contiguous pools): three native calls a
-    layer. Every row attends in the paged kernel (one rounding for decode, verify, tree
-    and batched rows) except rows of more than SMALL_ROW_QUERIES new tokens without a
-    tree (prefill), which attend row by row in SDPA's blocked kernel."""
+    layer. Every row attends in the paged kernel (one rounding for decode, verify, tree,
+    batched rows and prefill chunks) except rows of more than KERNEL_MAX_QUERIES new
+    tokens without a tree (a long prompt at once), which attend row by row in SDPA."""
 
     def __init__(self, model: "LlamaModel", batch: PagedBatch, num_tokens: int):
         self.nh, self.nkv, self.hd = model._nh, model._nkv, model.config.head_dim
@@ -495,7 +502,7 @@ class _NativeLayerOps:
         # Rows attended in SDPA instead (long prefills): (first token, last + 1, row).
         self.long_rows = [] if self.tree is not None else [
             (starts[r], starts[r + 1], r) for r in range(len(starts) - 1)
-            if starts[r + 1] - starts[r] > SMALL_ROW_QUERIES]
+            if starts[r + 1] - starts[r] > KERNEL_MAX_QUERIES]
         # Positions, context lengths and block tables checked once, before the first
         # layer writes the cache (a bad batch changes nothing).
         self._attention(batch.kv.k[0], batch.kv.v[0], None, None, check_only=True)
@@ -529,7 +536,7 @@ class _NativeLayerOps:
             self.positions.data_ptr(), self.context_lens.data_ptr(), tables.data_ptr(),
             tables.stride(0), tables.shape[1], 0 if self.tree is None else self.tree.data_ptr(),
             self.block_size, 1.0 / math.sqrt(self.hd), out_ptr,
-            SMALL_ROW_QUERIES if self.long_rows else 0, self.threads, check_only=check_only)
+            KERNEL_MAX_QUERIES if self.long_rows else 0, self.threads, check_only=check_only)
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         t, nh, nkv, hd = self.num_tokens, self.nh, self.nkv, self.hd
