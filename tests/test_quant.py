@@ -454,6 +454,59 @@ def test_greedy_speculation_equals_plain_greedy_on_the_quantized_model(quantized
     assert got == want
 
 
+@pytest.mark.parametrize("arithmetic", ["float", "int8"])
+def test_decode_layers_in_one_call_equal_the_layer_loop(quantized_files, monkeypatch, arithmetic):
+    """A quantized model's decoder layers in one native call (_C._QuantDecodeLayers, the
+    default for passes of up to KERNEL_MAX_ROWS tokens) give bit for bit the logits of
+    the layer-by-layer loop, for prefill, decode, verify and tree rows side by side, with
+    fused projections of mixed formats; a bad index changes no cache."""
+    import verispec.models.quantized as qm
+    from verispec.models import load_model
+    from verispec.models.testing import PagedRunner
+
+    monkeypatch.setattr(qm, "ARITHMETIC", arithmetic)
+    model = load_model(quantized_files[False])
+    assert model.native_decode_layers and model._decode_layers.num_layers == LAYERS
+    calls = []
+    original = model._decode_layers
+
+    class Spy:
+        def run(self, *args):
+            calls.append(args[1])
+            return original.run(*args)
+
+    model._decode_layers = Spy()
+    g = torch.Generator().manual_seed(6)
+    steps = [{0: 20, 1: 3}, {0: 1, 1: 6, 2: 9}, {0: 4, 1: 1, 2: 1}]
+    plans = [{s: torch.randint(0, VOCAB, (n,), generator=g).tolist() for s, n in st.items()}
+             for st in steps]
+
+    def run(fused):
+        model.native_decode_layers = fused
+        runner = PagedRunner(model, num_blocks=24, block_size=4)
+        seqs = {}
+        out = []
+        for plan in plans:
+            for s in plan:
+                seqs.setdefault(s, runner.add_sequence())
+            out += runner.step({seqs[s]: toks for s, toks in plan.items()})
+        return out, runner
+
+    fused, runner = run(True)
+    assert calls == [23, 16, 6]
+    loop, _ = run(False)
+    assert calls == [23, 16, 6]  # the loop did not call it
+    assert all(torch.equal(a, b) for a, b in zip(fused, loop))
+    # a block table entry past the pools: refused before any layer writes
+    model.native_decode_layers = True
+    batch = runner.make_batch({0: [1, 2]})
+    before = [p.clone() for p in (*runner.kv.k, *runner.kv.v)]
+    batch.block_tables[0, 0] = 10_000
+    with pytest.raises(ValueError, match="block 0 must be in"):
+        model.forward(batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, (*runner.kv.k, *runner.kv.v)))
+
+
 def test_bad_files(tmp_path):
     from verispec.models import load_model
 

@@ -199,6 +199,111 @@ QuantType parse_quant_type(const char* fn, int type_id) {
   return static_cast<QuantType>(type_id);
 }
 
+// A quantized Llama's decoder layers, bound once (weights' data pointers: the Python
+// owner keeps the tensors alive) and run per forward by decode_layers_f32.
+class QuantDecodeLayers {
+ public:
+  // layers: [(attn_norm_ptr, mlp_norm_ptr, wqkv, wo, gate_up, down)], a matrix being
+  // (n, k, [(quant_type, data_ptr, rows, row_bytes), ...]).
+  explicit QuantDecodeLayers(const py::list& layers) {
+    for (const py::handle& item : layers) {
+      const py::tuple layer = py::reinterpret_borrow<py::tuple>(item);
+      if (layer.size() != 6) throw py::value_error("_QuantDecodeLayers: a layer is 6 entries");
+      QuantLayerRef ref;
+      ref.attn_norm = reinterpret_cast<const float*>(layer[0].cast<uintptr_t>());
+      ref.mlp_norm = reinterpret_cast<const float*>(layer[1].cast<uintptr_t>());
+      QuantMatrixRef* mats[4] = {&ref.wqkv, &ref.wo, &ref.gate_up, &ref.down};
+      for (int i = 0; i < 4; ++i) {
+        const py::tuple m = layer[2 + i].cast<py::tuple>();
+        mats[i]->n = m[0].cast<int64_t>();
+        mats[i]->k = m[1].cast<int64_t>();
+        const py::list parts = m[2].cast<py::list>();
+        if (parts.size() < 1 || parts.size() > QuantMatrixRef::kMaxParts)
+          throw py::value_error("_QuantDecodeLayers: a matrix has 1.." +
+                                std::to_string(QuantMatrixRef::kMaxParts) + " parts, got " +
+                                std::to_string(parts.size()));
+        mats[i]->parts = static_cast<int>(parts.size());
+        for (size_t p = 0; p < parts.size(); ++p) {
+          const py::tuple part = parts[p].cast<py::tuple>();
+          mats[i]->type[p] = parse_quant_type("_QuantDecodeLayers", part[0].cast<int>());
+          mats[i]->data[p] = reinterpret_cast<const uint8_t*>(part[1].cast<uintptr_t>());
+          mats[i]->rows[p] = part[2].cast<int64_t>();
+          mats[i]->ldw[p] = part[3].cast<int64_t>();
+        }
+      }
+      layers_.push_back(ref);
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  void run(uintptr_t x, int64_t tokens, int64_t hidden, int64_t inter, double eps,
+           const std::vector<uintptr_t>& k_pools, const std::vector<uintptr_t>& v_pools,
+           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, uintptr_t positions,
+           uintptr_t cos, uintptr_t sin, int64_t max_position, uintptr_t slots, int64_t num_slots,
+           int64_t rows, uintptr_t query_start, uintptr_t context_lens, uintptr_t block_tables,
+           int64_t table_stride, int64_t table_width, uintptr_t tree_mask, int64_t block_size,
+           double scale, int num_threads, bool int8) {
+    if (k_pools.size() != layers_.size() || v_pools.size() != layers_.size())
+      throw py::value_error("decode_layers: expected " + std::to_string(layers_.size()) +
+                            " K and V pools, got " + std::to_string(k_pools.size()) + " and " +
+                            std::to_string(v_pools.size()));
+    std::vector<float*> kp, vp;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      kp.push_back(reinterpret_cast<float*>(k_pools[i]));
+      vp.push_back(reinterpret_cast<float*>(v_pools[i]));
+    }
+    DecodeLayersArgs a;
+    a.x = reinterpret_cast<float*>(x);
+    a.tokens = tokens;
+    a.hidden = hidden;
+    a.inter = inter;
+    a.eps = static_cast<float>(eps);
+    a.layers = layers_.data();
+    a.num_layers = num_layers();
+    a.k_pools = kp.data();
+    a.v_pools = vp.data();
+    a.rope.tokens = tokens;
+    a.rope.num_heads = num_heads;
+    a.rope.num_kv_heads = num_kv_heads;
+    a.rope.head_dim = head_dim;
+    a.rope.positions = reinterpret_cast<const int64_t*>(positions);
+    a.rope.cos = reinterpret_cast<const float*>(cos);
+    a.rope.sin = reinterpret_cast<const float*>(sin);
+    a.rope.max_position = max_position;
+    a.rope.slots = reinterpret_cast<const int32_t*>(slots);
+    a.rope.num_slots = num_slots;
+    PagedAttentionArgs& t = a.attention;
+    t.num_slots = num_slots;
+    t.tokens = tokens;
+    t.num_heads = num_heads;
+    t.num_kv_heads = num_kv_heads;
+    t.head_dim = head_dim;
+    t.rows = rows;
+    t.query_start = reinterpret_cast<const int64_t*>(query_start);
+    t.positions = reinterpret_cast<const int64_t*>(positions);
+    t.context_lens = reinterpret_cast<const int32_t*>(context_lens);
+    t.block_tables = reinterpret_cast<const int32_t*>(block_tables);
+    t.table_stride = table_stride;
+    t.table_width = table_width;
+    t.tree_mask = reinterpret_cast<const uint8_t*>(tree_mask);
+    t.block_size = block_size;
+    t.scale = static_cast<float>(scale);
+    t.num_threads = num_threads;
+    a.num_threads = num_threads;
+    a.arith = int8 ? QuantArith::kInt8 : QuantArith::kFloat;
+    std::string error;
+    {
+      py::gil_scoped_release release;
+      error = decode_layers_f32(a);
+    }
+    if (!error.empty()) throw py::value_error(error);
+  }
+
+ private:
+  std::vector<QuantLayerRef> layers_;
+};
+
 // The [N, row_bytes] uint8 weight of a quantized [N, K] matrix: rows contiguous.
 void expect_quant_weight(const TensorView& w, QuantType type, int64_t k) {
   const int64_t row_bytes = k / quant_block_elems(type) * quant_block_bytes(type);
@@ -363,6 +468,19 @@ void register_linear(py::module_& m) {
   m.def("_silu_mul_unchecked", &silu_mul_unchecked, py::arg("gate_up_ptr"), py::arg("rows"),
         py::arg("inter"), py::arg("ld"), py::arg("out_ptr"), py::arg("ldo"), py::arg("isa") = "auto",
         "out = silu(gate) * up of a fused [rows, 2 inter] product (verispec/decode_ops.h)");
+  py::class_<QuantDecodeLayers>(m, "_QuantDecodeLayers",
+                                "a quantized Llama's decoder layers run in one native call "
+                                "(verispec.models.llama; decode_layers_f32)")
+      .def(py::init<const py::list&>(), py::arg("layers"))
+      .def_property_readonly("num_layers", &QuantDecodeLayers::num_layers)
+      .def("run", &QuantDecodeLayers::run, py::arg("x_ptr"), py::arg("tokens"),
+           py::arg("hidden"), py::arg("inter"), py::arg("eps"), py::arg("k_pools"),
+           py::arg("v_pools"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("positions_ptr"), py::arg("cos_ptr"), py::arg("sin_ptr"),
+           py::arg("max_position"), py::arg("slots_ptr"), py::arg("num_slots"), py::arg("rows"),
+           py::arg("query_start_ptr"), py::arg("context_lens_ptr"), py::arg("block_tables_ptr"),
+           py::arg("table_stride"), py::arg("table_width"), py::arg("tree_mask_ptr"),
+           py::arg("block_size"), py::arg("scale"), py::arg("num_threads"), py::arg("int8"));
   m.def("decode_exp", &decode_exp, py::arg("x"),
         "exp(x) as the decode ops compute it (tests compare against it)");
   m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("weight"), py::arg("quant_type"),

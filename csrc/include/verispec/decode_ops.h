@@ -19,6 +19,7 @@
 #include <string>
 
 #include "verispec/linear.h"
+#include "verispec/quant.h"
 
 namespace verispec {
 
@@ -100,6 +101,50 @@ std::string paged_attention_f32(const PagedAttentionArgs& args);
 // inter..2 inter); silu(g) = g / (1 + exp(-g)). Returns "" or what is wrong.
 std::string silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, int64_t ld,
                          float* out, int64_t ldo, LinearIsa isa = LinearIsa::kAuto);
+
+// A quantized matrix [n, k] of a layer: its rows in up to 4 parts, each of one format
+// (a fused projection whose pieces a file stores in different formats).
+struct QuantMatrixRef {
+  static constexpr int kMaxParts = 4;
+  int parts = 0;
+  QuantType type[kMaxParts] = {};
+  const uint8_t* data[kMaxParts] = {};
+  int64_t rows[kMaxParts] = {};
+  int64_t ldw[kMaxParts] = {};  // bytes per row
+  int64_t n = 0, k = 0;
+};
+
+// One Llama layer with quantized matrices: norms [hidden] float32, fused QKV
+// [(nh + 2 nkv) hd, hidden], O [hidden, nh hd], fused gate/up [2 inter, hidden],
+// down [hidden, inter].
+struct QuantLayerRef {
+  const float* attn_norm = nullptr;
+  const float* mlp_norm = nullptr;
+  QuantMatrixRef wqkv, wo, gate_up, down;
+};
+
+// A forward's decoder layers in one call (the quantized model's few-token passes):
+//   h = norm(x); per layer: q = rope_kv_write(h Wqkv); x += attention(q) Wo;
+//   x += (silu_mul(norm(x) Wgu)) Wd
+// with every step as the ops above and quant_linear_f32 (so the same bits as the
+// layer-by-layer calls). rope and attention carry the forward's indices; their q / out /
+// pool pointers are set per layer from k_pools / v_pools. x [tokens, hidden] is updated
+// in place. Everything is checked before the first layer writes the cache.
+struct DecodeLayersArgs {
+  float* x = nullptr;
+  int64_t tokens = 0, hidden = 0, inter = 0;
+  float eps = 0.0f;
+  const QuantLayerRef* layers = nullptr;
+  int64_t num_layers = 0;
+  float* const* k_pools = nullptr;  // [num_layers]
+  float* const* v_pools = nullptr;
+  RopeKvArgs rope;
+  PagedAttentionArgs attention;
+  int num_threads = 1;
+  QuantArith arith = QuantArith::kFloat;
+};
+
+std::string decode_layers_f32(const DecodeLayersArgs& args);
 
 // exp(x) as these ops compute it (a polynomial after Cody-Waite range reduction; within
 // 2 ulp of exp for x in [-87, 88]; exp(-87) below, exp(88) above): tests compare with it.

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "linear_tiles.h"
+#include "verispec/norm.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define VERISPEC_X86 1
@@ -310,10 +311,11 @@ std::string check_attention(const PagedAttentionArgs& a) {
 
 float decode_exp(float x) { return exp_poly(x); }
 
-std::string rope_kv_write_f32(const RopeKvArgs& a) {
+namespace {
+
+std::string check_rope(const RopeKvArgs& a) {
   const std::string in = "rope_kv_write: ";
-  const IsaFns* fns = fns_for(a.isa);
-  if (fns == nullptr) return in + isa_error(a.isa);
+  if (fns_for(a.isa) == nullptr) return in + isa_error(a.isa);
   if (a.tokens < 0 || a.head_dim < 2 || a.head_dim % 2 || a.num_heads < 1 || a.num_kv_heads < 1)
     return in + "tokens must be >= 0, head_dim even and >= 2, heads >= 1; got tokens " +
            std::to_string(a.tokens) + ", head_dim " + std::to_string(a.head_dim) + ", heads " +
@@ -333,7 +335,15 @@ std::string rope_kv_write_f32(const RopeKvArgs& a) {
       return in + "slots[" + std::to_string(t) + "] must be < num_slots = " +
              std::to_string(a.num_slots) + ", got " + std::to_string(a.slots[t]);
   }
-  fns->rope_kv(a);
+  return "";
+}
+
+}  // namespace
+
+std::string rope_kv_write_f32(const RopeKvArgs& a) {
+  std::string error = check_rope(a);
+  if (!error.empty() || a.tokens == 0) return error;
+  fns_for(a.isa)->rope_kv(a);
   return "";
 }
 
@@ -378,6 +388,119 @@ std::string silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, int6
   if (rows > 0 && (!gate_up || !out)) return "silu_mul: null data pointer";
   fns->silu_mul(gate_up, rows, inter, ld, out, ldo);
   return "";
+}
+
+}  // namespace verispec
+
+namespace verispec {
+namespace {
+
+// y [m, n] = x [m, k] . w^T, part by part into column slices of y.
+std::string quant_product(const QuantMatrixRef& w, const float* x, int64_t m, float* y,
+                          int threads, QuantArith arith) {
+  int64_t n0 = 0;
+  for (int p = 0; p < w.parts; ++p) {
+    QuantLinearArgs a;
+    a.x = x;
+    a.w = w.data[p];
+    a.y = y + n0;
+    a.m = m;
+    a.n = w.rows[p];
+    a.k = w.k;
+    a.ldx = w.k;
+    a.ldw = w.ldw[p];
+    a.ldy = w.n;
+    a.type = w.type[p];
+    a.num_threads = threads;
+    a.arith = arith;
+    std::string error = quant_linear_f32(a);
+    if (!error.empty()) return error;
+    n0 += w.rows[p];
+  }
+  return "";
+}
+
+std::string check_matrix(const QuantMatrixRef& w, int64_t n, int64_t k, const char* name,
+                         int64_t layer) {
+  int64_t rows = 0;
+  for (int p = 0; p < w.parts; ++p) rows += w.rows[p];
+  if (w.parts < 1 || w.parts > QuantMatrixRef::kMaxParts || w.n != n || w.k != k || rows != n)
+    return "decode_layers: layer " + std::to_string(layer) + "'s " + name + " must be [" +
+           std::to_string(n) + ", " + std::to_string(k) + "] in 1.." +
+           std::to_string(QuantMatrixRef::kMaxParts) + " parts, got [" + std::to_string(w.n) +
+           " (" + std::to_string(rows) + " in parts), " + std::to_string(w.k) + "] in " +
+           std::to_string(w.parts);
+  return "";
+}
+
+}  // namespace
+
+std::string decode_layers_f32(const DecodeLayersArgs& a) {
+  const int64_t t = a.tokens, hidden = a.hidden, inter = a.inter;
+  const int64_t nh = a.rope.num_heads, nkv = a.rope.num_kv_heads, d = a.rope.head_dim;
+  const int64_t qkv_n = (nh + 2 * nkv) * d;
+  if (t < 1 || hidden < 1 || inter < 1 || a.num_layers < 1 || !a.x || !a.layers || !a.k_pools ||
+      !a.v_pools)
+    return "decode_layers: tokens, hidden, inter and num_layers must be >= 1 and the pointers "
+           "set";
+  if (a.attention.num_heads != nh || a.attention.num_kv_heads != nkv || a.attention.head_dim != d ||
+      a.rope.tokens != t || a.attention.tokens != t)
+    return "decode_layers: rope and attention must agree on tokens and heads";
+  for (int64_t l = 0; l < a.num_layers; ++l) {
+    const QuantLayerRef& w = a.layers[l];
+    if (!w.attn_norm || !w.mlp_norm || !a.k_pools[l] || !a.v_pools[l])
+      return "decode_layers: layer " + std::to_string(l) + ": null norm or pool";
+    for (const std::string& error :
+         {check_matrix(w.wqkv, qkv_n, hidden, "wqkv", l), check_matrix(w.wo, hidden, nh * d, "wo", l),
+          check_matrix(w.gate_up, 2 * inter, hidden, "gate_up", l),
+          check_matrix(w.down, hidden, inter, "down", l)})
+      if (!error.empty()) return error;
+  }
+  std::vector<float> h(t * hidden), qkv(t * qkv_n), q(t * nh * d), att(t * nh * d),
+      delta(t * hidden), gu(t * 2 * inter), act(t * inter);
+  // The indices, checked once (layer 0's pools stand for all: one slot count).
+  RopeKvArgs rope = a.rope;
+  rope.qkv = qkv.data();
+  rope.ldqkv = qkv_n;
+  rope.q_out = q.data();
+  rope.k_pool = a.k_pools[0];
+  rope.v_pool = a.v_pools[0];
+  PagedAttentionArgs attention = a.attention;
+  attention.q = q.data();
+  attention.out = att.data();
+  attention.k_pool = a.k_pools[0];
+  attention.v_pool = a.v_pools[0];
+  attention.check_only = true;
+  std::string error = check_rope(rope);
+  if (error.empty()) error = paged_attention_f32(attention);
+  if (!error.empty()) return error;
+  attention.check_only = false;
+  error = rms_norm_f32(a.x, t, hidden, hidden, a.layers[0].attn_norm, a.eps, h.data(), hidden);
+  for (int64_t l = 0; l < a.num_layers && error.empty(); ++l) {
+    const QuantLayerRef& w = a.layers[l];
+    rope.k_pool = a.k_pools[l];
+    rope.v_pool = a.v_pools[l];
+    attention.k_pool = a.k_pools[l];
+    attention.v_pool = a.v_pools[l];
+    error = quant_product(w.wqkv, h.data(), t, qkv.data(), a.num_threads, a.arith);
+    if (error.empty()) fns_for(rope.isa)->rope_kv(rope);
+    if (error.empty()) error = paged_attention_f32(attention);
+    if (error.empty()) error = quant_product(w.wo, att.data(), t, delta.data(), a.num_threads, a.arith);
+    if (error.empty())
+      error = add_rms_norm_f32(a.x, t, hidden, hidden, delta.data(), hidden, w.mlp_norm, a.eps,
+                               h.data(), hidden);
+    if (error.empty()) error = quant_product(w.gate_up, h.data(), t, gu.data(), a.num_threads, a.arith);
+    if (error.empty()) error = silu_mul_f32(gu.data(), t, inter, 2 * inter, act.data(), inter);
+    if (error.empty()) error = quant_product(w.down, act.data(), t, delta.data(), a.num_threads, a.arith);
+    if (!error.empty()) break;
+    if (l + 1 < a.num_layers) {
+      error = add_rms_norm_f32(a.x, t, hidden, hidden, delta.data(), hidden,
+                               a.layers[l + 1].attn_norm, a.eps, h.data(), hidden);
+    } else {
+      for (int64_t i = 0; i < t * hidden; ++i) a.x[i] += delta[i];
+    }
+  }
+  return error.empty() ? "" : "decode_layers: " + error;
 }
 
 }  // namespace verispec

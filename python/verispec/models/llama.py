@@ -45,7 +45,8 @@ import torch.nn.functional as F
 
 from verispec import _C
 from verispec.models.base import ModelGeometry, PagedBatch, attention_groups, check_batch
-from verispec.models.quantized import QuantizedMatrix
+from verispec.models import quantized as _quantized
+from verispec.models.quantized import QUANT_FORMATS, QuantizedMatrix
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # A row of at most this many queries attends with two batched matmuls (its scores,
@@ -577,6 +578,19 @@ class _NativeLayerOps:
                                    weight.data_ptr(), self.eps, out.data_ptr(), dim)
         return x, out
 
+    def run_layers(self, layers: Any, x: torch.Tensor, kv: Any, inter: int) -> None:
+        """Every decoder layer of a quantized model in one native call
+        (_C._QuantDecodeLayers): x [T, hidden] becomes the last layer's output."""
+        t = self.tables
+        layers.run(
+            x.data_ptr(), self.num_tokens, x.shape[1], inter, self.eps,
+            [p.data_ptr() for p in kv.k], [p.data_ptr() for p in kv.v], self.nh, self.nkv,
+            self.hd, self.positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
+            self.cos.shape[0], self.slots.data_ptr(), self.num_slots, t.shape[0],
+            self.query_start.data_ptr(), self.context_lens.data_ptr(), t.data_ptr(), t.stride(0),
+            t.shape[1], 0 if self.tree is None else self.tree.data_ptr(), self.block_size,
+            1.0 / math.sqrt(self.hd), self.threads, _quantized.ARITHMETIC == "int8")
+
     @staticmethod
     def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
         rows = gate_up.shape[0]
@@ -584,6 +598,13 @@ class _NativeLayerOps:
         _C._silu_mul_unchecked(gate_up.data_ptr(), rows, inter, gate_up.stride(0), out.data_ptr(),
                                inter)
         return out
+
+
+def _matrix_ref(m: QuantizedMatrix) -> tuple:
+    """A QuantizedMatrix as _C._QuantDecodeLayers reads it: (n, k, [(ggml type id, data
+    pointer, rows, bytes per row) per part])."""
+    return (m.shape[0], m.k, [(QUANT_FORMATS[p.fmt][0], p.data.data_ptr(), p.data.shape[0],
+                               p.data.stride(0)) for p in m.parts])
 
 
 def split_evenly(n: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -758,6 +779,18 @@ class LlamaModel:
         #: RMSNorm in verispec's one-pass CPU kernel (float32 on CPU): torch's float32
         #: rms_norm is ~10 small ops. Set False to use torch's.
         self.native_norm = self._native_norm_ok
+        #: A quantized model's decoder layers in one native call per forward of at most
+        #: KERNEL_MAX_ROWS tokens (_C._QuantDecodeLayers: the same kernels, in the same
+        #: order, as the layer loop with native_layer_ops, without ~10 Python calls a
+        #: layer). Set False to run the loop.
+        self._decode_layers = None
+        qmats = [m for lw in self._layers for m in (lw[1], lw[2], lw[4], lw[5])]
+        if self.shard is None and all(isinstance(m, QuantizedMatrix) and len(m.parts) <= 4
+                                      for m in qmats):
+            self._decode_layers = _C._QuantDecodeLayers([
+                (an.data_ptr(), mn.data_ptr(), *(_matrix_ref(m) for m in (wqkv, wo, gu, wd)))
+                for an, wqkv, wo, mn, gu, wd in self._layers])
+        self.native_decode_layers = self._decode_layers is not None
         #: The rest of a layer between the products (RoPE with the cache write, attention,
         #: residual adds with the norms, SwiGLU) in verispec's CPU kernels, three calls a
         #: layer (float32 on CPU, verispec/decode_ops.h): a token attends bit for bit the
@@ -789,6 +822,7 @@ class LlamaModel:
         draft.native_linear = self.native_linear and draft._native_linear_ok
         draft.native_norm = self.native_norm and draft._native_norm_ok
         draft.native_layer_ops = self.native_layer_ops and draft._native_norm_ok
+        draft.native_decode_layers = self.native_decode_layers and draft._decode_layers is not None
         return draft
 
     def __call__(self, batch: PagedBatch) -> torch.Tensor:
@@ -819,10 +853,17 @@ class LlamaModel:
         linear = self._linear(num_tokens)
         x = (w.embed.dequantize(ids) if isinstance(w.embed, QuantizedMatrix)
              else F.embedding(ids, w.embed))
-        h = ops.norm(x, self._layers[0][0])
+        if (isinstance(ops, _NativeLayerOps) and self.native_decode_layers
+                and self._decode_layers is not None and not ops.long_rows
+                and num_tokens <= _quantized.KERNEL_MAX_ROWS):
+            ops.run_layers(self._decode_layers, x, batch.kv, inter)
+            layers = []
+        else:
+            h = ops.norm(x, self._layers[0][0])
+            layers = self._layers
         last = len(self._layers) - 1
         for i, ((_, wqkv, wo, mlp_norm, w_gate_up, w_down), k_pool, v_pool) in enumerate(zip(
-                self._layers, batch.kv.k, batch.kv.v)):
+                layers, batch.kv.k, batch.kv.v)):
             q = ops.rope_write(linear(h, wqkv), k_pool, v_pool)             # [T, nh, hd]
             attn = ops.attend(q, k_pool, v_pool)                            # [T, nh * hd]
             # residual adds after the product (not addmm, which rounds differently)
