@@ -27,6 +27,19 @@ from verispec.models.tokenizer import vocabulary_fingerprint  # noqa: E402
 from toymodels import train_byte_bpe  # noqa: E402
 
 ATOL = 1e-4  # float32 logits vs transformers
+
+
+@pytest.fixture(autouse=True)
+def float_products(monkeypatch):
+    """These tests hold the quantized SmolLM2 against float references (transformers, the
+    adapter on the dequantized weights): the float arithmetic of the quantized kernels,
+    whose products round like float32 (the default int8 arithmetic's bound is tested in
+    test_quant.py)."""
+    from verispec.models import quantized
+
+    monkeypatch.setattr(quantized, "ARITHMETIC", "float")
+
+
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 CHAT_TEMPLATE = (

@@ -552,13 +552,13 @@ def test_tensor_parallel_shard_refuses_quantized_weights(quantized_files):
 
 
 def test_arithmetic_from_the_environment(monkeypatch):
-    """VERISPEC_QUANT_ARITHMETIC picks the models' arithmetic (default float); anything
+    """VERISPEC_QUANT_ARITHMETIC picks the models' arithmetic (default int8); anything
     else than int8 / float is refused, naming the variable."""
     import verispec.models.quantized as qm
     monkeypatch.delenv("VERISPEC_QUANT_ARITHMETIC", raising=False)
-    assert qm._arithmetic_from_env() == "float"
-    monkeypatch.setenv("VERISPEC_QUANT_ARITHMETIC", "int8")
     assert qm._arithmetic_from_env() == "int8"
+    monkeypatch.setenv("VERISPEC_QUANT_ARITHMETIC", "float")
+    assert qm._arithmetic_from_env() == "float"
     monkeypatch.setenv("VERISPEC_QUANT_ARITHMETIC", "int4")
     with pytest.raises(ValueError, match="VERISPEC_QUANT_ARITHMETIC must be 'int8' or 'float', got 'int4'"):
         qm._arithmetic_from_env()

@@ -76,6 +76,16 @@ class Faults:
         return self._forward(batch)
 
 
+@pytest.fixture(autouse=True)
+def float_products(monkeypatch):
+    """The texts these tests expect (copy-heavy completions that do not stop at once)
+    are the float arithmetic's; a request's independence of its batch is checked for
+    both arithmetics in test_decode_llama.py."""
+    from verispec.models import quantized
+
+    monkeypatch.setattr(quantized, "ARITHMETIC", "float")
+
+
 @pytest.fixture(scope="module")
 def server(smollm2):
     model, tok = smollm2

@@ -36,7 +36,7 @@ _ARITHMETICS = ("int8", "float")
 
 
 def _arithmetic_from_env() -> str:
-    value = os.environ.get("VERISPEC_QUANT_ARITHMETIC", "float")
+    value = os.environ.get("VERISPEC_QUANT_ARITHMETIC", "int8")
     if value not in _ARITHMETICS:
         raise ValueError(f"VERISPEC_QUANT_ARITHMETIC must be 'int8' or 'float', got {value!r}")
     return value
@@ -44,14 +44,15 @@ def _arithmetic_from_env() -> str:
 
 #: The arithmetic of the few-row products (M <= KERNEL_MAX_ROWS, decoding and
 #: verification; quant.h):
-#: "int8" (x quantized per block of 32 to int8, integer dot products: the faster one,
-#: relative error ~ 2^-8 per product, see docs/how-it-works.md) or "float" (dequantized
-#: weights, float32 products). From the environment variable VERISPEC_QUANT_ARITHMETIC at
-#: import (default float: its rows round like the attention and the rest of the model, so
-#: the rare float32 ties that batching can tip stay rare, where int8's coarser products
-#: tipped a served request's greedy text against the same request alone; int8 decodes
-#: plain tokens ~20% faster at 2 threads); one arithmetic for every call keeps speculative and plain greedy
-#: outputs equal. Longer products (M > KERNEL_MAX_ROWS, prefill) run float32 tiles.
+#: "int8" (x quantized per block of 32 to int8, integer dot products: the faster one for
+#: plain decoding, ~25% at 2 threads, relative error ~ 2^-8 per product, see
+#: docs/design.md) or "float" (dequantized weights, float32 products: the quantized model
+#: then equals its float32 load up to float32 summation; faster verify passes). From the
+#: environment variable VERISPEC_QUANT_ARITHMETIC at import, default int8 (since attention
+#: is batch invariant too, int8's coarser products no longer tip a served request's greedy
+#: text against the same request alone); one arithmetic for every call keeps speculative
+#: and plain greedy outputs equal. Longer products (M > KERNEL_MAX_ROWS, prefill) run
+#: float32 tiles.
 ARITHMETIC = _arithmetic_from_env()
 
 
