@@ -17,6 +17,8 @@ import torch
 
 from verispec import _C
 
+from test_linear import _tiny_llama  # noqa: E402
+
 ISAS = _C.linear_isas()
 NH, NKV, HD, BS = 6, 2, 32, 4
 
@@ -288,27 +290,6 @@ def test_add_rms_norm_equals_add_then_norm():
 
 
 # ---- in the model ---------------------------------------------------------------------
-
-def _tiny_llama(seed=0, layers=2):
-    from verispec.models import LlamaConfig, LlamaModel, LlamaWeights
-    h, q, kv, inter, v = 64, 64, 32, 160, 97
-    config = LlamaConfig(vocab_size=v, hidden_size=h, intermediate_size=inter,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                         max_position_embeddings=256, tie_word_embeddings=False)
-    g = torch.Generator().manual_seed(seed)
-    names = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        names.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                      p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                      p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                      p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                      p + "mlp.down_proj.weight": (h, inter)})
-    state = {name: (1 + 0.1 * torch.randn(shape, generator=g)) if len(shape) == 1
-             else 0.2 * torch.randn(shape, generator=g) for name, shape in names.items()}
-    return LlamaModel(config, LlamaWeights.from_state_dict(config, state))
-
 
 def _run(model, native, steps, num_blocks=24, block_size=4):
     from verispec.models.testing import PagedRunner

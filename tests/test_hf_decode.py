@@ -36,8 +36,10 @@ from verispec.models.testing import PagedRunner, randomize_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a model hub
 
-# SmolLM2: the file and verispec's native model, as test_models loads them
-from test_models import SMOLLM2_CONFIG, _unpermute_like_transformers, smollm2  # noqa: E402,F401
+# SmolLM2: the file and verispec's native model, as test_models loads them (and its
+# float_products: the comparisons with float references use the float arithmetic)
+from test_models import (SMOLLM2_CONFIG, _unpermute_like_transformers,  # noqa: E402,F401
+                         float_products, smollm2)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -48,17 +50,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def float_products(monkeypatch):
-    """These tests hold the quantized SmolLM2 against float references (transformers, the
-    adapter on the dequantized weights): the float arithmetic of the quantized kernels,
-    whose products round like float32 (the default int8 arithmetic's bound is tested in
-    test_quant.py)."""
-    from verispec.models import quantized
-
-    monkeypatch.setattr(quantized, "ARITHMETIC", "float")
 
 
 def tiny_config(model_type, *, vocab, layers=3, hidden=64, **overrides):

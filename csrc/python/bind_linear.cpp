@@ -142,19 +142,15 @@ void rope_kv_write_unchecked(uintptr_t qkv, int64_t ldqkv, int64_t tokens, int64
   if (!error.empty()) throw py::value_error(error);
 }
 
-void paged_attention_unchecked(uintptr_t q, uintptr_t k_pool, uintptr_t v_pool, int64_t num_slots,
-                               int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t rows, uintptr_t query_start,
-                               uintptr_t positions, uintptr_t context_lens,
-                               uintptr_t block_tables, int64_t table_stride, int64_t table_width,
-                               uintptr_t tree_mask,
-                               int64_t block_size, double scale, uintptr_t out,
-                               int64_t max_queries, int num_threads, const std::string& isa,
-                               bool check_only, int64_t window) {
+// A forward's batch as the attention kernel reads it (the index tensors' pointers).
+PagedAttentionArgs batch_attention_args(int64_t num_slots, int64_t tokens, int64_t num_heads,
+                                        int64_t num_kv_heads, int64_t head_dim, int64_t rows,
+                                        uintptr_t query_start, uintptr_t positions,
+                                        uintptr_t context_lens, uintptr_t block_tables,
+                                        int64_t table_stride, int64_t table_width,
+                                        uintptr_t tree_mask, int64_t block_size, double scale,
+                                        int num_threads) {
   PagedAttentionArgs a;
-  a.q = reinterpret_cast<const float*>(q);
-  a.k_pool = reinterpret_cast<const float*>(k_pool);
-  a.v_pool = reinterpret_cast<const float*>(v_pool);
   a.num_slots = num_slots;
   a.tokens = tokens;
   a.num_heads = num_heads;
@@ -170,9 +166,27 @@ void paged_attention_unchecked(uintptr_t q, uintptr_t k_pool, uintptr_t v_pool, 
   a.table_width = table_width;
   a.block_size = block_size;
   a.scale = static_cast<float>(scale);
+  a.num_threads = num_threads;
+  return a;
+}
+
+void paged_attention_unchecked(uintptr_t q, uintptr_t k_pool, uintptr_t v_pool, int64_t num_slots,
+                               int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t rows, uintptr_t query_start,
+                               uintptr_t positions, uintptr_t context_lens,
+                               uintptr_t block_tables, int64_t table_stride, int64_t table_width,
+                               uintptr_t tree_mask, int64_t block_size, double scale,
+                               uintptr_t out, int64_t max_queries, int num_threads,
+                               const std::string& isa, bool check_only, int64_t window) {
+  PagedAttentionArgs a = batch_attention_args(
+      num_slots, tokens, num_heads, num_kv_heads, head_dim, rows, query_start, positions,
+      context_lens, block_tables, table_stride, table_width, tree_mask, block_size, scale,
+      num_threads);
+  a.q = reinterpret_cast<const float*>(q);
+  a.k_pool = reinterpret_cast<const float*>(k_pool);
+  a.v_pool = reinterpret_cast<const float*>(v_pool);
   a.out = reinterpret_cast<float*>(out);
   a.max_queries = max_queries;
-  a.num_threads = num_threads;
   a.isa = parse_isa(isa);
   a.check_only = check_only;
   a.window = window;
@@ -273,23 +287,10 @@ class QuantDecodeLayers {
     a.rope.max_position = max_position;
     a.rope.slots = reinterpret_cast<const int32_t*>(slots);
     a.rope.num_slots = num_slots;
-    PagedAttentionArgs& t = a.attention;
-    t.num_slots = num_slots;
-    t.tokens = tokens;
-    t.num_heads = num_heads;
-    t.num_kv_heads = num_kv_heads;
-    t.head_dim = head_dim;
-    t.rows = rows;
-    t.query_start = reinterpret_cast<const int64_t*>(query_start);
-    t.positions = reinterpret_cast<const int64_t*>(positions);
-    t.context_lens = reinterpret_cast<const int32_t*>(context_lens);
-    t.block_tables = reinterpret_cast<const int32_t*>(block_tables);
-    t.table_stride = table_stride;
-    t.table_width = table_width;
-    t.tree_mask = reinterpret_cast<const uint8_t*>(tree_mask);
-    t.block_size = block_size;
-    t.scale = static_cast<float>(scale);
-    t.num_threads = num_threads;
+    a.attention = batch_attention_args(num_slots, tokens, num_heads, num_kv_heads, head_dim,
+                                       rows, query_start, positions, context_lens, block_tables,
+                                       table_stride, table_width, tree_mask, block_size, scale,
+                                       num_threads);
     a.num_threads = num_threads;
     a.arith = int8 ? QuantArith::kInt8 : QuantArith::kFloat;
     std::string error;
