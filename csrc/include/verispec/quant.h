@@ -34,23 +34,26 @@
 // amax_b))) in [-127, 127] (a zero block: dx = 0; a non-finite value: dx = NaN, so the row
 // is NaN). Row-local, so batch invariance holds. A weight block of 32 is unpacked to 8-bit
 // integers u (Q8_0: signed; Q4_0: 0..15 with offset 8; Q4_1, Q4_K, Q5_K: 0..15 / 0..31;
-// Q6_K: 0..63 with offset 32 and one int8 sub-scale per 16) and for each of the 8 lanes j
-// (elements 4j..4j+3) the exact integer
-//   P_j = (sum_{t<4} u_{4j+t} q_{4j+t} - offset * L_j) * subscale_j     (L_j = sum of the q)
-// is formed (vpdpbusd on AVX-512 VNNI / AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2, C++).
-// With ws the block's weight scale (Q8_0/Q4_0/Q4_1/Q6_K: d; Q4_K/Q5_K: d * sc, exact)
-// and wc its min (Q4_1: m; Q4_K/Q5_K: -(dmin * mn), exact; else none), 16 float lanes
-// (lanes 0..7: even blocks, 8..15: odd ones) take, block by block in order,
-//   lane = fma(float(P_j), fl(ws * dx_b), lane);  lane = fma(float(L_j), fl(wc * dx_b), lane)
-// and y = ((l[i] + l[i+8]) then + 4, + 2, + 1 apart): one float sequence on every
-// instruction set, so every path computes the same bits (tested).
+// Q6_K: 0..63 with offset 32 and one int8 sub-scale per 16) and the block's exact integer
+//   P = sum_k u_k q_k - offset * S        (S = sum of the block's q)
+// (Q6_K: each half's such sum times its sub-scale, added) is formed (vpdpbusd on AVX-512
+// VNNI / AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2, C++). With ws the block's weight scale
+// (Q8_0/Q4_0/Q4_1/Q6_K: d; Q4_K/Q5_K: d * sc, exact) and wc its min (Q4_1: m; Q4_K/Q5_K:
+// -(dmin * mn), exact; else none), one float accumulator per output takes the blocks in
+// order:
+//   y = fma(float(P), fl(ws * dx_b), y);  y = fma(float(S), fl(wc * dx_b), y)
+// The vector paths run 16 weight rows side by side, one per lane (a block's quants of the
+// 16 rows transposed in registers, so each block's integer sum stays whole in its row's
+// lane): one float sequence on every instruction set, so every path computes the same
+// bits (tested).
 // Accuracy against a float64 dot product of the dequantized weights w (the activation
 // rounding dominates: |x_k - dx_b q_k| <= 0.50003 amax_b / 127):
 //   |y - y64| <= sum_b 0.50003 * amax_b / 127 * sum_{k in b} |w_k|
 //              + (K/32 + 8) * 2^-23 * sum_k (|x_k| + amax_b / 254) * (|w_k| + C_b)
 // with C_b the block's min term (Q4_1 |m|, Q4_K/Q5_K 63 |dmin|, else 0); relative to
-// sum |x_k w_k| the first term is about 2^-8. Tested per format x instruction set, and a
-// block scale 5% off falls outside it.
+// sum |x_k w_k| the first term is about 2^-8 (the second holds the K/32 accumulations of
+// two fused multiply-adds each and the rounded products ws * dx). Tested per format x
+// instruction set, and a block scale 5% off falls outside it.
 #pragma once
 
 #include <cstdint>

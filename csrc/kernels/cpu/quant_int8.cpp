@@ -27,18 +27,25 @@ namespace verispec {
 namespace quant_detail {
 namespace {
 
+// ---- the order of the sums --------------------------------------------------------------
+//
+// Each output y[m, n] is one float accumulator that takes the blocks of the row in order
+// (rows_scalar). The vector paths run 16 weight rows side by side, one per int32 / float
+// lane: the 32 quants of one block of each of the 16 rows are transposed so that a
+// block's integer dot product with x is summed whole in its row's lane (8 instructions
+// for 16 rows, x's four values broadcast), and no sum ever crosses lanes.
+constexpr int kRows = 16;
+
 // ---- activations ------------------------------------------------------------------------
 
-// x quantized: for row m and block b (32 values), q[m][32b..32b+32) int8, the scale dx, the
-// 8 lane sums of q (bytes 4j..4j+3, as the int32 lanes of the products) and
-// the same lane sums as floats (exact).
+// x quantized, per row m and block b (index i = m * blocks + b): q[32 i ..] its 32 int8
+// values, dx[i] the block's scale, s[i] the sum of its 32 values (exact; sf: as a float,
+// exact), slo / shi the sums of values 0..15 and 16..31.
 struct QuantX {
   int64_t m = 0, blocks = 0;
   std::vector<int8_t> q;
-  std::vector<float> dx, dx8;  // dx8: each block's dx 8 times (the AVX-512 path loads it)
-  std::vector<int32_t> lane_sums;
-  std::vector<float> lane_sums_f;  // the same as floats (exact)
-  const int8_t* row_q(int64_t r) const { return q.data() + r * blocks * 32; }
+  std::vector<int32_t> s, slo, shi;
+  std::vector<float> dx, sf;
 };
 
 // v rounded to the nearest integer, ties to even (|v| <= 127.5 here).
@@ -55,7 +62,7 @@ inline int round_even(float v) {
 // dx = NaN (so the row's outputs are NaN) and q = 0. Plain scalar code: max, the two
 // divisions, the multiply and the rounding are each correctly rounded, so any
 // vectorization of it computes the same values.
-void quantize_block(const float* x, int8_t* q, float* dx, int32_t* lanes, float* lanes_f) {
+void quantize_block(const float* x, int8_t* q, float* dx) {
   float amax = 0.0f;
   bool finite = true;
   for (int i = 0; i < 32; ++i) {
@@ -66,23 +73,10 @@ void quantize_block(const float* x, int8_t* q, float* dx, int32_t* lanes, float*
   if (!finite || amax == 0.0f) {
     std::memset(q, 0, 32);
     *dx = finite ? 0.0f : std::nanf("");
-    for (int j = 0; j < 8; ++j) {
-      lanes[j] = 0;
-      lanes_f[j] = 0.0f;
-    }
     return;
   }
   const float inv = 127.0f / amax;
-  for (int j = 0; j < 8; ++j) {
-    int32_t s = 0;
-    for (int t = 0; t < 4; ++t) {
-      const int v = round_even(x[4 * j + t] * inv);
-      q[4 * j + t] = static_cast<int8_t>(v);
-      s += v;
-    }
-    lanes[j] = s;
-    lanes_f[j] = static_cast<float>(s);
-  }
+  for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(round_even(x[i] * inv));
   *dx = amax / 127.0f;
 }
 
@@ -90,30 +84,36 @@ void quantize_x(const QuantLinearArgs& a, QuantX* out) {
   out->m = a.m;
   out->blocks = a.k / 32;
   const size_t nb = static_cast<size_t>(a.m * out->blocks);
-  if (out->q.size() < nb * 32) out->q.resize(nb * 32);
-  if (out->dx.size() < nb) {
+  if (out->q.size() < 32 * nb) out->q.resize(32 * nb);
+  if (out->s.size() < nb) {
+    for (auto* v : {&out->s, &out->slo, &out->shi}) v->resize(nb);
     out->dx.resize(nb);
-    out->dx8.resize(nb * 8);
-    out->lane_sums.resize(nb * 8);
-    out->lane_sums_f.resize(nb * 8);
+    out->sf.resize(nb);
   }
   for (int64_t r = 0; r < a.m; ++r)
     for (int64_t b = 0; b < out->blocks; ++b) {
-      const int64_t i = r * out->blocks + b;
-      quantize_block(a.x + r * a.ldx + 32 * b, out->q.data() + 32 * i, out->dx.data() + i,
-                     out->lane_sums.data() + 8 * i, out->lane_sums_f.data() + 8 * i);
-      for (int j = 0; j < 8; ++j) out->dx8[8 * i + j] = out->dx[i];
+      const size_t i = static_cast<size_t>(r * out->blocks + b);
+      int8_t* q = out->q.data() + 32 * i;
+      quantize_block(a.x + r * a.ldx + 32 * b, q, &out->dx[i]);
+      int32_t lo = 0, hi = 0;
+      for (int e = 0; e < 16; ++e) {
+        lo += q[e];
+        hi += q[e + 16];
+      }
+      out->s[i] = lo + hi;
+      out->sf[i] = static_cast<float>(lo + hi);
+      out->slo[i] = lo;
+      out->shi[i] = hi;
     }
 }
 
 // ---- weights: one block of 32 as 8-bit integers -----------------------------------------
 //
 // For a row's 32-weight block b: u[32] the quants (unsigned; Q8_0: signed), `offset` o
-// (the integer lane products are dot - o * lane_sum: Q4_0 8, Q6_K 32), the lane
-// multipliers (Q6_K: the sub-scales of elements 0..15 and 16..31; else 1), the float
-// scale ws (x's block scale is multiplied by it once) and the min coefficient wc (Q4_1: m;
-// Q4_K, Q5_K: -(dmin * min); times dx it multiplies the lane sums of x).
-
+// (the block's integer product is sum u q - o * sum q: Q4_0 8, Q6_K 32), the multipliers
+// (Q6_K: the sub-scales of elements 0..15 and 16..31; else 1), the float scale ws (x's
+// block scale is multiplied by it once) and the min coefficient wc (Q4_1: m; Q4_K, Q5_K:
+// -(dmin * min); times dx it multiplies the sum of x's block).
 struct WBlock {
   int32_t offset = 0, mul_lo = 1, mul_hi = 1;
   float ws = 0.0f, wc = 0.0f;
@@ -185,55 +185,46 @@ inline WBlock decode_block(QuantType type, const uint8_t* row, int64_t b, uint8_
   return w;
 }
 
-// The final sum of the 16 float lanes (lanes 0..7: even blocks, 8..15: odd ones):
-// halves added lane-wise three times (8, 4, 2 lanes), then the last two.
-inline float reduce16(const float* l) {
-  float t[8];
-  for (int i = 0; i < 8; ++i) t[i] = l[i] + l[i + 8];
-  for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
-  for (int i = 0; i < 2; ++i) t[i] = t[i] + t[i + 2];
-  return t[0] + t[1];
-}
-
 // Bytes of a 32-weight block's share of its block (K-quants: a super-block's / 8).
 template <QuantType T>
 constexpr int64_t kBlockBytes = T == QuantType::kQ8_0 ? 34 : T == QuantType::kQ4_0 ? 18
                                : T == QuantType::kQ4_1 ? 20 : T == QuantType::kQ4_K ? 18
                                : T == QuantType::kQ5_K ? 22 : 26;
-// Software prefetch distance in bytes ahead of the block being read (the weights stream
-// from memory once per call; 1 KB ahead measured best of 0.5, 1, 2 KB on SmolLM2's shapes).
-constexpr int64_t g_prefetch = 1024;
 
 // ---- the reference sequence in plain C++ ------------------------------------------------
 
+// The exact integer product of weight block `w` (quants u) with x's block q.
+inline int32_t block_product(QuantType type, const WBlock& w, const uint8_t* u, const int8_t* q,
+                             int32_t s, int32_t slo, int32_t shi) {
+  const bool signed_w = type == QuantType::kQ8_0;
+  int32_t lo = 0, hi = 0;
+  for (int e = 0; e < 16; ++e) {
+    lo += (signed_w ? static_cast<int8_t>(u[e]) : u[e]) * q[e];
+    hi += (signed_w ? static_cast<int8_t>(u[e + 16]) : u[e + 16]) * q[e + 16];
+  }
+  if (type == QuantType::kQ6_K) return (lo - w.offset * slo) * w.mul_lo + (hi - w.offset * shi) * w.mul_hi;
+  return lo + hi - w.offset * s;
+}
+
+// y[m, n]: one float, block by block in order: y = fma(float(P), fl(ws * dx), y), then
+// (formats with a min) y = fma(float(S), fl(wc * dx), y).
 void rows_scalar(const QuantLinearArgs& a, const QuantX& xq, int64_t n0, int64_t n1) {
   const int64_t nb = xq.blocks;
-  const bool signed_w = a.type == QuantType::kQ8_0;
   const bool has_mins = a.type == QuantType::kQ4_1 || a.type == QuantType::kQ4_K ||
                         a.type == QuantType::kQ5_K;
   alignas(32) uint8_t u[32];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = a.w + n * a.ldw;
     for (int64_t m = 0; m < a.m; ++m) {
-      float lanes[16] = {};
-      const int8_t* q = xq.row_q(m);
+      float y = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
         const WBlock w = decode_block(a.type, row, b, u);
-        const int64_t i = m * nb + b;
-        const float s = w.ws * xq.dx[i], c = w.wc * xq.dx[i];
-        float* acc = lanes + 8 * (b & 1);
-        for (int j = 0; j < 8; ++j) {
-          int32_t dot = 0;
-          for (int t = 0; t < 4; ++t) {
-            const int wv = signed_w ? static_cast<int8_t>(u[4 * j + t]) : u[4 * j + t];
-            dot += wv * q[32 * b + 4 * j + t];
-          }
-          const int32_t p = (dot - w.offset * xq.lane_sums[8 * i + j]) * (j < 4 ? w.mul_lo : w.mul_hi);
-          acc[j] = std::fma(static_cast<float>(p), s, acc[j]);
-          if (has_mins) acc[j] = std::fma(xq.lane_sums_f[8 * i + j], c, acc[j]);
-        }
+        const size_t i = static_cast<size_t>(m * nb + b);
+        const int32_t p = block_product(a.type, w, u, xq.q.data() + 32 * i, xq.s[i], xq.slo[i], xq.shi[i]);
+        y = std::fma(static_cast<float>(p), w.ws * xq.dx[i], y);
+        if (has_mins) y = std::fma(xq.sf[i], w.wc * xq.dx[i], y);
       }
-      a.y[m * a.ldy + n] = reduce16(lanes);
+      a.y[m * a.ldy + n] = y;
     }
   }
 }
@@ -247,31 +238,37 @@ using RowsFn = void (*)(const QuantLinearArgs&, const QuantX&, int64_t, int64_t)
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
 #define VS_NS vnni512
 #define VS_ZMM 1
-#define VS_DOT(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+#define VS_VNNI 1
 #include "quant_int8_body.inc"
 #undef VS_NS
-#undef VS_DOT
+#undef VS_VNNI
 #undef VS_ZMM
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avxvnni,avx2,fma,f16c")
 #define VS_NS avxvnni
-#define VS_DOT(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#define VS_VNNI 1
+#define VS_DOTACC(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #include "quant_int8_body.inc"
 #undef VS_NS
-#undef VS_DOT
+#undef VS_VNNI
+#undef VS_DOTACC
 #pragma GCC pop_options
 
-// AVX2: pairs of u8 x s8 in int16 (at most 2 * 128 * 127 = 32512 here: no saturation),
-// then pairs of those in int32: the same four-product lane sums as vpdpbusd.
+// AVX2: pairs of u8 x s8 in int16 (at most 2 * 128 * 127 = 32512 here, Q8_0 as |w| times
+// x with w's sign: no saturation), then pairs of those in int32: the same four-product
+// lane sums as vpdpbusd.
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #define VS_NS avx2
-#define VS_DOT(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#define VS_VNNI 0
+#define VS_DOTACC(acc, u, s) \
+  _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
 #include "quant_int8_body.inc"
 #undef VS_NS
-#undef VS_DOT
+#undef VS_VNNI
+#undef VS_DOTACC
 #pragma GCC pop_options
 #endif
 
@@ -367,12 +364,12 @@ void quant_linear_int8(const QuantLinearArgs& a, LinearIsa isa) {
     case Int8Path::kScalar: break;
   }
 #endif
-  // N split in parts of whole rows (a multiple of 4), at least 2^16 multiply-adds each.
+  // N split in parts of whole rows (a multiple of 16), at least 2^16 multiply-adds each.
   const int64_t work = a.m * a.n * a.k;
   int64_t parts = std::min<int64_t>(a.num_threads, std::max<int64_t>(1, work / (int64_t{1} << 16)));
-  parts = std::max<int64_t>(1, std::min<int64_t>(parts, (a.n + 3) / 4));
+  parts = std::max<int64_t>(1, std::min<int64_t>(parts, (a.n + kRows - 1) / kRows));
   int64_t per = (a.n + parts - 1) / parts;
-  per = (per + 3) / 4 * 4;
+  per = (per + kRows - 1) / kRows * kRows;
   parts = (a.n + per - 1) / per;
   job.per = per;
   linear_detail::run_parallel(static_cast<int>(parts), &run_part, &job, a.own_threads);

@@ -27,10 +27,11 @@ PREFILL_TILE_ROWS = 256
 # same at any M: every decode, verify and serving pass (and prefill chunks up to this
 # size), so a request's greedy tokens do not depend on what shares its passes. Longer
 # products (a long prompt prefilled at once) run dequantized tiles into torch.mm, faster
-# there but rounded differently. SmolLM2-135M Q4_1, all layers' matrices, 2 threads,
-# kernel int8 / kernel float / tiles: M = 1: 9 / 11 / - ms, 24: 88 / 60 / 72 ms,
-# 96: 302 / 169 / 134 ms, 256: 1003 / 490 / 313 ms (the price of invariance is prefill
-# and large-batch time, most of all with the int8 arithmetic).
+# there but rounded differently. SmolLM2-135M Q4_1, all layers' matrices and the Q8_0
+# head, 2 threads, kernel int8 (16 weight rows per pass) / kernel float / tiles: M = 1:
+# 7.9 / 11 / - ms, 6: 11.9 / 18 / - ms, 24: 36 / 60 / 72 ms, 96: 113 / 169 / 134 ms,
+# 256: 338 / 490 / 313 ms (the int8 figures at the commit that made 16 rows per pass;
+# the price of invariance is prefill time past about 256 rows).
 KERNEL_MAX_ROWS = 512
 _ARITHMETICS = ("int8", "float")
 
