@@ -38,11 +38,14 @@ class Watch:
 
     def __init__(self, monkeypatch):
         self.tree_passes = self.off_spine = 0
+        self.verify_passes = []  # per target pass: whether it carried a tree
         real_forward, real_verify = SpecDecoder._forward, SpecDecoder._verify_tree
         watch = self
 
         def forward(self, role, p, host, inputs, input_ids=None):
             watch.tree_passes += bool(p.get("has_tree_mask"))
+            if role == _C.ModelRole.target:
+                watch.verify_passes.append(bool(p.get("has_tree_mask")))
             return real_forward(self, role, p, host, inputs, input_ids)
 
         def verify_tree(self, plan, *args):
@@ -167,6 +170,47 @@ def test_adaptive_k_with_draft_trees_keeps_greedy_output():
     rs = dec.generate(PROMPTS, max_new_tokens=20, greedy=True)
     assert [r.tokens for r in rs] == [greedy_reference(target, p, 20) for p in PROMPTS]
     assert_no_leaks(dec)
+
+
+def _wrong_first(target, bad_rows, second: bool):
+    """A draft equal to `target` but at the table rows `bad_rows`, where the target's
+    greedy token is the draft's second most likely (second=True: there the spine node
+    is rejected and its sibling accepted) or its least likely (second=False: the spine
+    node and its sibling are rejected). Elsewhere the spine node is accepted."""
+    draft = CacheModel(target.table.shape[1], base=target, noise=0.0, seed=3, table_rows=17)
+    for r in bad_rows:
+        t = int(torch.argmax(target.table[r]))
+        others = torch.cat([draft.table[r, :t], draft.table[r, t + 1:]])
+        draft.table[r, t] = others.max() - 0.5 if second else -100.0
+    return draft
+
+
+def test_adaptive_draft_trees_widen_only_where_the_siblings_pay(monkeypatch):
+    """k="auto" with draft_branches = 2: a row's depth is chosen as a chain's and it
+    proposes the tree (2 children a level) only where its siblings' measured acceptance
+    pays their verify rows (adaptive_k.h, tree_pays). Each target row costs 20% of a
+    one-row pass (synthetic sleeps, large next to the toy work). Two drafts whose first choice is
+    wrong at the same half of the contexts: one whose second choice is then right (its
+    siblings are accepted: the later steps are trees) and one whose second choice is
+    wrong too (s falls as 1 / (n + 2) over n tries: the later steps are chains). Greedy
+    output stays the plain greedy tokens in both."""
+    from test_adaptive_k import Slow
+    watch = Watch(monkeypatch)
+    target, _ = models()
+    tail = {}
+    for second in (True, False):
+        draft = _wrong_first(target, range(0, 17, 2), second)
+        watch.verify_passes.clear()
+        dec = SpecDecoder(Slow(target, 0.02, 0.004), Slow(draft, 0.002, 0.0), k="auto",
+                          max_k=6, num_blocks=64, block_size=4, draft_branches=2)
+        (r,) = dec.generate([PROMPTS[0]], max_new_tokens=40, greedy=True)
+        assert r.tokens == greedy_reference(target, PROMPTS[0], 40)
+        # the steady steps: past the first (the prior s = 0.5) and before the last (where
+        # the tokens left cap the row below a second level)
+        tail[second] = [int(v) for v in watch.verify_passes[6:-3]]
+        assert_no_leaks(dec)
+    assert len(tail[True]) >= 8 and len(tail[False]) >= 8, tail
+    assert sum(tail[True]) >= 0.8 * len(tail[True]) and sum(tail[False]) <= 0.2 * len(tail[False]), tail
 
 
 @pytest.mark.parametrize("source", ["separate", "early_exit"])

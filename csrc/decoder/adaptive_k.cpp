@@ -10,6 +10,19 @@ double expected_tokens(double a, int64_t k) {
   return (1.0 - std::pow(a, static_cast<double>(k + 1))) / (1.0 - a);
 }
 
+double expected_tree_tokens(double a, double s, int64_t depth) {
+  const double levels = a >= 1.0 ? static_cast<double>(depth)
+                                 : (1.0 - std::pow(a, static_cast<double>(depth))) / (1.0 - a);
+  return expected_tokens(a, depth) + (1.0 - std::min(a, 1.0)) * std::max(s, 0.0) * levels;
+}
+
+bool tree_pays(double a, double s, int64_t depth, double expected, double draft_cost,
+               double target_chain, double target_tree) {
+  if (depth < 1) return false;
+  const double gain = expected_tree_tokens(a, s, depth) - expected_tokens(a, depth);
+  return (expected + gain) * (draft_cost + target_chain) > expected * (draft_cost + target_tree);
+}
+
 int64_t best_k_in_batch(double a, double rest_expected, int64_t rest_k, double draft_pass,
                         const std::vector<double>& target_pass, int64_t max_k) {
   int64_t best = 0;

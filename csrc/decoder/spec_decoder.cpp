@@ -30,6 +30,8 @@ struct SpecDecoder::Sequence {
   // better predictor than a 1-token one). tracker = the one this step uses.
   std::vector<AcceptanceTracker> trackers;
   int64_t tracker = 0;
+  // Draft trees: how often a sibling was accepted where the spine node was rejected.
+  AcceptanceTracker sibling;
 
   int64_t committed() const { return static_cast<int64_t>(tokens.size()); }
   int64_t num_generated() const { return committed() - prompt_len; }
@@ -219,6 +221,7 @@ int64_t SpecDecoder::add(const std::vector<int32_t>& prompt, const SamplingParam
     s->ngram->extend(prompt.data(), static_cast<int64_t>(prompt.size()));
   }
   for (const AcceptanceTracker& pop : population_) s->trackers.push_back(AcceptanceTracker::seeded_by(pop));
+  s->sibling = AcceptanceTracker::seeded_by(population_sibling_);
   // Reserve the id slot and the running entry before touching the allocators, so that
   // nothing below can fail after an allocator sequence exists.
   if (free_ids_.empty()) seqs_.emplace_back();
@@ -501,6 +504,7 @@ struct SpecDecoder::Choice {
   int64_t k = 0;
   std::vector<int32_t> proposals;
   std::vector<int32_t> parents;           // tree steps: each proposal's parent (-1: root)
+  int64_t fanout = 1;                     // draft trees: children per expanded node (1: a chain)
   size_t order = 0;                       // index in running_ (rank order)
   std::vector<AcceptanceTracker> mark;    // the trackers before the step
 };
@@ -568,7 +572,8 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
     } else {
       free.push_back(c);
       rate.push_back(acc.rate);
-      cap.push_back(c->cap);
+      // a draft tree's depth is chosen as a chain's, then widened if it pays (below)
+      cap.push_back(c->fanout > 1 ? (c->cap + c->fanout - 1) / c->fanout : c->cap);
       continue;
     }
     rest.expected += expected_tokens(acc.rate, c->k);
@@ -578,10 +583,37 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
   if (!free.empty()) {
     // n-gram lookups cost nothing next to a model pass; a draft model is measured.
     const double draft_pass = config_.has_draft_model ? cost_.draft_pass() : 0.0;
-    const std::vector<int64_t> k = best_batch_k(rate, cap, draft_pass, cost_, rest);
+    std::vector<int64_t> k = best_batch_k(rate, cap, draft_pass, cost_, rest);
     const int64_t batch_rows = static_cast<int64_t>(free.size());  // rows that may probe
     int64_t tokens = rest.tokens;  // the step's target tokens at the chosen k
-    for (size_t i = 0; i < free.size(); ++i) tokens += k[i] + 1;
+    double expected = rest.expected;
+    int64_t depth = rest.k;
+    for (size_t i = 0; i < free.size(); ++i) {
+      tokens += k[i] + 1;
+      expected += expected_tokens(rate[i], k[i]);
+      depth = std::max(depth, k[i]);
+    }
+    // Draft-tree rows: widen the chain of depth k into the tree of f k nodes where the
+    // siblings' acceptance pays their verify rows (adaptive_k.h, tree_pays); else chain.
+    for (size_t i = 0; i < free.size(); ++i) {
+      Choice& c = *free[i];
+      if (c.fanout <= 1) continue;
+      const int64_t nodes = std::min(c.cap, c.fanout * k[i]);
+      const int64_t extra = nodes - k[i];
+      const double s = c.s->sibling.rate;
+      if (k[i] > 0 && extra > 0) {
+        const std::vector<double> t = cost_.target_passes(tokens, extra + 1);
+        if (tree_pays(rate[i], s, k[i], expected, static_cast<double>(depth) * draft_pass, t[0],
+                      t[static_cast<size_t>(extra)])) {
+          expected += expected_tree_tokens(rate[i], s, k[i]) - expected_tokens(rate[i], k[i]);
+          tokens += extra;
+          k[i] = nodes;
+          continue;
+        }
+      }
+      c.fanout = 1;  // a chain row: node i's parent is node i - 1
+      for (size_t j = 0; j < c.parents.size(); ++j) c.parents[j] = static_cast<int32_t>(j) - 1;
+    }
     for (size_t i = 0; i < free.size(); ++i) {
       Choice& c = *free[i];
       AcceptanceTracker& acc = c.s->trackers[static_cast<size_t>(c.s->tracker)];
@@ -920,6 +952,7 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
   std::vector<Choice*> verify;
   for (Choice& c : decode) {
     c.cap = draft_cap(*c.s, &c.proposals, &c.parents, c.pending > kTreeMaxUncached);
+    c.fanout = config_.has_draft_model ? draft_fanout(*c.s, c.pending > kTreeMaxUncached) : 1;
     verify.push_back(&c);
   }
   const int64_t n_decode = static_cast<int64_t>(decode.size());
@@ -958,6 +991,7 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
     if (left == 0) break;
     if (c.pending <= left) {
       c.cap = draft_cap(*c.s, &c.proposals, &c.parents, c.pending > kTreeMaxUncached);
+      c.fanout = config_.has_draft_model ? draft_fanout(*c.s, c.pending > kTreeMaxUncached) : 1;
       choose_ks({&c}, sofar);
       c.k = std::min(c.k, left - c.pending);
       left -= c.pending + c.k;
@@ -992,7 +1026,7 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
     // Cut to k: the first k nodes of a tree are a tree (parents[i] < i).
     if (s.ngram) c.proposals.resize(static_cast<size_t>(c.k));
     if (s.ngram || st->draft_tree) c.parents.resize(static_cast<size_t>(c.k));
-    if (st->draft_tree) st->fanout[b] = draft_fanout(s, c.pending > kTreeMaxUncached);
+    if (st->draft_tree) st->fanout[b] = c.fanout;
     st->proposals[b] = std::move(c.proposals);
     st->parents[b] = std::move(c.parents);
     st->target_mark[b] = target_alloc_.length(s.target_seq);
@@ -1149,10 +1183,26 @@ CommitOutput SpecDecoder::commit_row(OpenStep& st, int64_t b, const VerifyOutput
     stats.proposed_at[static_cast<size_t>(j)] += 1;
     if (j < a) stats.accepted_at[static_cast<size_t>(j)] += 1;
   }
-  // A tree of kb nodes counts as kb proposals of which the accepted depth a were
-  // accepted: a conservative estimate of the chain acceptance rate (see adaptive_k.h).
-  s.trackers[static_cast<size_t>(s.tracker)].update(kb, a);
-  population_[static_cast<size_t>(s.tracker)].update(kb, a);
+  if (f > 1 && kb > 0) {
+    // A draft tree: its spine is a chain of `depth` proposals, accepted up to the level
+    // where the spine node was rejected; there, a sibling was accepted (the path ended
+    // on it) or not, when the level had siblings (adaptive_k.h, expected_tree_tokens).
+    const int64_t depth = (kb + f - 1) / f;
+    const int32_t last = a > 0 ? out.accepted_nodes[b * K + a - 1] : -1;
+    const bool on_sibling = last >= 0 && last % f != 0;
+    const int64_t spine = on_sibling ? a - 1 : a;
+    s.trackers[static_cast<size_t>(s.tracker)].update(depth, spine);
+    population_[static_cast<size_t>(s.tracker)].update(depth, spine);
+    if (spine < depth && std::min(f, kb - spine * f) > 1) {
+      s.sibling.update(1, on_sibling ? 1 : 0);
+      population_sibling_.update(1, on_sibling ? 1 : 0);
+    }
+  } else {
+    // A tree of kb nodes (an n-gram trie) counts as kb proposals of which the accepted
+    // depth a were accepted: a conservative estimate of the chain acceptance rate.
+    s.trackers[static_cast<size_t>(s.tracker)].update(kb, a);
+    population_[static_cast<size_t>(s.tracker)].update(kb, a);
+  }
   stats.acceptance_estimate.resize(s.trackers.size());
   for (size_t i = 0; i < s.trackers.size(); ++i) stats.acceptance_estimate[i] = s.trackers[i].rate;
 

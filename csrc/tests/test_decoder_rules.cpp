@@ -268,6 +268,27 @@ void test_expected_tokens_and_best_k() {
   CHECK(verispec::best_k(1.0, 0.0, {1.0, 1.2, 1.4}, 8) == 2);
 }
 
+void test_tree_tokens_and_when_a_tree_pays() {
+  // E_tree(a, s, d) = E(a, d) + (1 - a) s (1 + a + ... + a^(d-1)).
+  CHECK_NEAR(verispec::expected_tree_tokens(0.5, 0.0, 3), verispec::expected_tokens(0.5, 3), 1e-12);
+  CHECK_NEAR(verispec::expected_tree_tokens(0.5, 0.4, 2), 1.75 + 0.5 * 0.4 * 1.5, 1e-12);
+  CHECK_NEAR(verispec::expected_tree_tokens(1.0, 0.9, 4), 5.0, 1e-12);  // the spine never fails
+  CHECK_NEAR(verispec::expected_tree_tokens(0.0, 1.0, 3), 2.0, 1e-12);  // level 0's sibling only
+  // Depth 2, a = 0.5: the chain expects 1.75 tokens, the tree 1.75 + 0.75 s. Draft passes
+  // cost 0.2; the chain's target pass 1.0, the tree's (two more rows) 1.2: the tree pays
+  // iff (1.75 + 0.75 s) / 1.4 > 1.75 / 1.2, i.e. s > 0.3889.
+  CHECK(verispec::tree_pays(0.5, 0.40, 2, 1.75, 0.2, 1.0, 1.2));
+  CHECK(!verispec::tree_pays(0.5, 0.38, 2, 1.75, 0.2, 1.0, 1.2));
+  CHECK(!verispec::tree_pays(0.5, 0.0, 2, 1.75, 0.2, 1.0, 1.0001));  // siblings never accepted
+  CHECK(!verispec::tree_pays(1.0, 1.0, 2, 3.0, 0.2, 1.0, 1.01));     // the spine never fails
+  CHECK(verispec::tree_pays(0.5, 0.5, 2, 1.75, 0.2, 1.0, 1.0));      // free rows: any s > 0
+  CHECK(!verispec::tree_pays(0.5, 0.5, 0, 1.0, 0.0, 1.0, 1.0));      // depth 0: no tree
+  // In a batch the other rows' expected tokens dilute the gain: with 10 more expected
+  // tokens in the step, s = 0.9 no longer pays for the 20% longer pass.
+  CHECK(verispec::tree_pays(0.5, 0.9, 2, 1.75, 0.2, 1.0, 1.2));
+  CHECK(!verispec::tree_pays(0.5, 0.9, 2, 11.75, 0.2, 1.0, 1.2));
+}
+
 void test_cost_model() {
   verispec::CostModel cm;
   CHECK(!cm.has_draft());
@@ -388,6 +409,7 @@ int main() {
   test_stop_rules();
   test_stop_rules_errors();
   test_expected_tokens_and_best_k();
+  test_tree_tokens_and_when_a_tree_pays();
   test_cost_model();
   test_batch_k();
   test_probe_interval_and_tracker();

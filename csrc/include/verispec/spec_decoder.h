@@ -81,6 +81,9 @@
 // path's leading spine nodes: commit rolls the draft back to C + that many (capped by
 // what it cached). The target verifies the whole tree in one pass as for n-gram tries;
 // keyed rows and rows with more than kTreeMaxUncached uncached tokens propose chains.
+// With adaptive k a row's depth d is chosen as a chain's (on the spine's acceptance),
+// and the row proposes the tree of min(k, f d) nodes only where its siblings' measured
+// acceptance pays their verify rows (adaptive_k.h, tree_pays), else the chain of d.
 #pragma once
 
 #include <cstdint>
@@ -449,6 +452,8 @@ class SpecDecoder {
   // Acceptance over every sequence (per tracker, as Sequence::trackers): a new sequence
   // starts from it (AcceptanceTracker::seeded_by).
   std::vector<AcceptanceTracker> population_;
+  // Draft trees: the population's sibling acceptance (Sequence::sibling starts from it).
+  AcceptanceTracker population_sibling_;
 };
 
 }  // namespace verispec
