@@ -185,11 +185,11 @@ inline WBlock decode_block(QuantType type, const uint8_t* row, int64_t b, uint8_
   return w;
 }
 
-// Bytes of a 32-weight block's share of its block (K-quants: a super-block's / 8).
+// Bytes of a 32-weight block (K-quants: of a 256-weight super-block).
 template <QuantType T>
 constexpr int64_t kBlockBytes = T == QuantType::kQ8_0 ? 34 : T == QuantType::kQ4_0 ? 18
-                               : T == QuantType::kQ4_1 ? 20 : T == QuantType::kQ4_K ? 18
-                               : T == QuantType::kQ5_K ? 22 : 26;
+                               : T == QuantType::kQ4_1 ? 20 : T == QuantType::kQ4_K ? 144
+                               : T == QuantType::kQ5_K ? 176 : 210;
 
 // ---- the reference sequence in plain C++ ------------------------------------------------
 
