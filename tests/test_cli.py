@@ -59,7 +59,8 @@ def test_info_json(capsys):
     want = (f"int8 {verispec._C.quant_int8_path()}," if quantized.ARITHMETIC == "int8"
             else f"float {verispec._C.linear_best_isa()},")
     assert info["cpu_kernels"]["quantized_linear"].startswith(want)
-    assert f"1-{quantized.KERNEL_MAX_ROWS} tokens" in info["cpu_kernels"]["quantized_linear"]
+    assert (f"int8: every product; float: 1-{quantized.KERNEL_MAX_ROWS} tokens"
+            in info["cpu_kernels"]["quantized_linear"])
     if info["default_model"]["installed"]:  # SmolLM2's Q4_1 file: Q4_1 layers, Q8_0 embeddings
         assert {"Q4_1", "Q8_0"} <= set(info["default_model"]["cpu_matrix_kernels"])
 

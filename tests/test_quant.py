@@ -240,55 +240,37 @@ def test_quantized_matrix_parts_and_prefill_tiles(monkeypatch):
         for m in (3, 16, qm.KERNEL_MAX_ROWS, qm.KERNEL_MAX_ROWS + 1, 40):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             err = (q.linear(x, 2).double() - x.double() @ w.double().t()).abs()
-            if arithmetic == "int8":  # tiles (m > KERNEL_MAX_ROWS): x quantized as the
-                # kernel does, then a float32 product over it (its rounding added)
+            if arithmetic == "int8":  # the kernel at every m
                 limit = torch.cat([int8_bound(x, p.dequantize(), p.parts[0].data, p.formats[0])
                                    for p in parts], dim=1)
-                if m > qm.KERNEL_MAX_ROWS:
-                    limit = limit + bound(qm.int8_activations(x), w)
-            else:
+            else:  # the kernel, then (m > KERNEL_MAX_ROWS) float32 tiles into torch.mm
                 limit = bound(x, w)
             assert (err <= limit).all(), (arithmetic, m)
 
 
-def test_kernel_rows_keep_their_bits_up_to_kernel_max_rows(monkeypatch):
-    """A serving batch's product (up to KERNEL_MAX_ROWS rows) runs on the kernel, so each
-    row's output is bitwise what it is alone; past it (tiles into torch.mm) that is not
-    promised (power: the tile path at M = KERNEL_MAX_ROWS + 1 differs from the kernel's
-    bits on some row)."""
+def test_int8_rows_keep_their_bits_at_any_m_float_up_to_kernel_max_rows(monkeypatch):
+    """A pass's products run on the kernel, so each row's output is bitwise what it is
+    alone: in the int8 arithmetic at every M (however many prompts prefill together), in
+    the float arithmetic up to KERNEL_MAX_ROWS rows; past it the float arithmetic's tiles
+    into torch.mm do not promise that (power: at M = KERNEL_MAX_ROWS + 1 they differ from
+    the kernel's bits on some row)."""
     import verispec.models.quantized as qm
     assert qm.KERNEL_MAX_ROWS >= 256  # every serving pass of a default server
     monkeypatch.setattr(qm, "KERNEL_MAX_ROWS", 24)  # the rule, at an affordable size
     k = 256
-    q = QuantizedMatrix.from_bytes(random_blocks("Q4_1", 40, k, seed=5), "Q4_1", k)
-    m = qm.KERNEL_MAX_ROWS
-    x = torch.randn(m + 1, k, generator=torch.Generator().manual_seed(1))
-    alone = torch.cat([q.linear(x[i:i + 1].contiguous(), 2) for i in range(m + 1)])
-    assert torch.equal(q.linear(x[:m].contiguous(), 2), alone[:m])
-    assert not torch.equal(q.linear(x, 2), alone)
-
-
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
-def test_long_products_see_x_as_the_int8_kernel_does(monkeypatch, fmt):
-    """Past KERNEL_MAX_ROWS (tiles into torch.mm) the int8 arithmetic multiplies x
-    quantized per block as the kernel does: each row equals its kernel product alone
-    within float32 rounding of sum |x_q w| (K * 2^-22), not within the int8 error, so a
-    row's greedy token does not change when its batch grows past the kernel's rows.
-    Power: tiles over the raw x miss that by far."""
-    import verispec.models.quantized as qm
-    monkeypatch.setattr(qm, "ARITHMETIC", "int8")
-    monkeypatch.setattr(qm, "KERNEL_MAX_ROWS", 24)
-    k = _k_for(fmt, 2)
-    q = QuantizedMatrix.from_bytes(random_blocks(fmt, 48, k, seed=11), fmt, k)
-    w = q.dequantize()
-    m = qm.KERNEL_MAX_ROWS + 8
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
-    alone = torch.cat([q.linear(x[i:i + 1].contiguous(), 1) for i in range(m)])
-    xq = qm.int8_activations(x)
-    limit = 4 * k * 2.0 ** -24 * (xq.abs().double() @ w.abs().double().t()) + 1e-30
-    assert ((q.linear(x, 2).double() - alone.double()).abs() <= limit).all()
-    monkeypatch.setattr(qm, "int8_activations", lambda t: t)
-    assert not ((q.linear(x, 2).double() - alone.double()).abs() <= limit).all()
+    for fmt in ("Q4_1", "Q8_0", "Q6_K"):
+        q = QuantizedMatrix.from_bytes(random_blocks(fmt, 40, k, seed=5), fmt, k)
+        x = torch.randn(3 * qm.KERNEL_MAX_ROWS, k, generator=torch.Generator().manual_seed(1))
+        for arithmetic in ("int8", "float"):
+            monkeypatch.setattr(qm, "ARITHMETIC", arithmetic)
+            alone = torch.cat([q.linear(x[i:i + 1].contiguous(), 2) for i in range(x.shape[0])])
+            m = qm.KERNEL_MAX_ROWS
+            assert torch.equal(q.linear(x[:m].contiguous(), 2), alone[:m])
+            if arithmetic == "int8":
+                assert torch.equal(q.linear(x[:m + 1].contiguous(), 2), alone[:m + 1])
+                assert torch.equal(q.linear(x, 2), alone)
+            else:
+                assert not torch.equal(q.linear(x[:m + 1].contiguous(), 2), alone[:m + 1])
 
 
 def test_argument_errors():

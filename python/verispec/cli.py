@@ -1060,8 +1060,9 @@ def collect_info() -> dict:
                           f"2-16 tokens; 1 token and prefill: torch.mm)",
         "quantized_linear": f"{_quant_arithmetic()}, formats "
                             f"{', '.join(verispec._C.quant_formats())} (GGUF on CPU, dtype auto: "
-                            f"1-{quantized.KERNEL_MAX_ROWS} tokens; longer prefills: dequantized "
-                            f"{quantized.PREFILL_TILE_ROWS}-row tiles into torch.mm)",
+                            f"int8: every product; float: 1-{quantized.KERNEL_MAX_ROWS} tokens, "
+                            f"longer prefills: dequantized {quantized.PREFILL_TILE_ROWS}-row "
+                            f"tiles into torch.mm)",
         "threads": verispec._C.linear_threads()}
     loading: dict = {"native": "GGUF files, Hugging Face Llama folders",
                      "transformers": "other Hugging Face causal LM folders (HFModel)",

@@ -779,8 +779,9 @@ class LlamaModel:
         #: RMSNorm in verispec's one-pass CPU kernel (float32 on CPU): torch's float32
         #: rms_norm is ~10 small ops. Set False to use torch's.
         self.native_norm = self._native_norm_ok
-        #: A quantized model's decoder layers in one native call per forward of at most
-        #: KERNEL_MAX_ROWS tokens (_C._QuantDecodeLayers: the same kernels, in the same
+        #: A quantized model's decoder layers in one native call per forward (any number
+        #: of tokens with the int8 arithmetic, at most KERNEL_MAX_ROWS with float; no row
+        #: longer than KERNEL_MAX_QUERIES) (_C._QuantDecodeLayers: the same kernels, in the same
         #: order, as the layer loop with native_layer_ops, without ~10 Python calls a
         #: layer). Set False to run the loop.
         self._decode_layers = None
@@ -855,7 +856,7 @@ class LlamaModel:
              else F.embedding(ids, w.embed))
         if (isinstance(ops, _NativeLayerOps) and self.native_decode_layers
                 and self._decode_layers is not None and not ops.long_rows
-                and num_tokens <= _quantized.KERNEL_MAX_ROWS):
+                and (_quantized.ARITHMETIC == "int8" or num_tokens <= _quantized.KERNEL_MAX_ROWS)):
             ops.run_layers(self._decode_layers, x, batch.kv, inter)
             layers = []
         else:

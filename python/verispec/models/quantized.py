@@ -23,15 +23,17 @@ QUANT_FORMATS: dict[str, tuple[int, int, int]] = dict(_C.quant_formats())
 _NAMES = {tid: name for name, (tid, _, _) in QUANT_FORMATS.items()}
 # Rows dequantized at a time for a long product (prefill): 256 rows x 1536 floats = 1.5 MB.
 PREFILL_TILE_ROWS = 256
-# Products of up to this many rows run on the native kernel, whose rows are bitwise the
-# same at any M: every decode, verify and serving pass (and prefill chunks up to this
-# size), so a request's greedy tokens do not depend on what shares its passes. Longer
-# products (a long prompt prefilled at once) run dequantized tiles into torch.mm, faster
-# there but rounded differently. SmolLM2-135M Q4_1, all layers' matrices and the Q8_0
-# head, 2 threads, kernel int8 (16 weight rows per pass) / kernel float / tiles: M = 1:
-# 7.9 / 11 / - ms, 6: 11.9 / 18 / - ms, 24: 36 / 60 / 72 ms, 96: 113 / 169 / 134 ms,
-# 256: 338 / 490 / 313 ms (the int8 figures at the commit that made 16 rows per pass;
-# the price of invariance is prefill time past about 256 rows).
+# Products in the int8 arithmetic run on the native kernel at every M: its rows are
+# bitwise the same at any M, so a request's greedy tokens do not depend on what shares its
+# passes, however many prompts prefill together. In the float arithmetic, products of up
+# to KERNEL_MAX_ROWS rows run on the kernel (every decode, verify and serving pass of
+# up to 512 tokens); longer ones (a long prompt prefilled at once) run dequantized tiles
+# into torch.mm, rounded differently. SmolLM2-135M Q4_1, all layers' matrices, 2 threads,
+# int8 kernel / float kernel / float tiles: M = 1: 7.9 / 11 / - ms, 6: 11.9 / 18 / - ms,
+# 24: 36 / 60 / 72 ms, 96: 113 / 169 / 134 ms, 256: 338 / 490 / 313 ms; the int8 kernel
+# against int8 tiles (x quantized, then torch.mm) at 512 / 1024 rows: 0.94 / 1.82 s
+# against 1.44 / 2.78 s (the int8 figures at the commit that made 16 weight rows per
+# pass).
 KERNEL_MAX_ROWS = 512
 _ARITHMETICS = ("int8", "float")
 
@@ -43,34 +45,18 @@ def _arithmetic_from_env() -> str:
     return value
 
 
-#: The arithmetic of the few-row products (M <= KERNEL_MAX_ROWS, decoding and
-#: verification; quant.h):
-#: "int8" (x quantized per block of 32 to int8, integer dot products: the faster one for
-#: plain decoding, ~25% at 2 threads, relative error ~ 2^-8 per product, see
-#: docs/design.md) or "float" (dequantized weights, float32 products: the quantized model
-#: then equals its float32 load up to float32 summation; faster verify passes). From the
+#: The arithmetic of the kernel's products (quant.h):
+#: "int8" (x quantized per block of 32 to int8, integer dot products: the faster one at
+#: every M since the kernel runs 16 weight rows per pass, relative error ~ 2^-8 per
+#: product, see docs/design.md; every product of any M on the kernel) or "float"
+#: (dequantized weights, float32 products: the quantized model then equals its float32
+#: load up to float32 summation; products of M <= KERNEL_MAX_ROWS). From the
 #: environment variable VERISPEC_QUANT_ARITHMETIC at import, default int8 (since attention
 #: is batch invariant too, int8's coarser products no longer tip a served request's greedy
 #: text against the same request alone); one arithmetic for every call keeps speculative
-#: and plain greedy outputs equal. Longer products (M > KERNEL_MAX_ROWS, prefill) run
-#: float32 tiles.
+#: and plain greedy outputs equal. The float arithmetic's longer products (M >
+#: KERNEL_MAX_ROWS, prefill) run float32 tiles.
 ARITHMETIC = _arithmetic_from_env()
-
-
-def int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 (K a multiple of 32) as the int8 arithmetic reads it: per block of
-    32, dx = amax / 127 and q = round-half-even(x * (127 / amax)), returned as q * dx
-    (float32; a zero block stays zero, a block with a non-finite value becomes NaN). The
-    same rule as quantize_block in csrc/kernels/cpu/quant_int8.cpp."""
-    m, k = x.shape
-    xb = x.reshape(m, k // 32, 32)
-    amax = xb.abs().amax(dim=-1, keepdim=True)
-    finite = torch.isfinite(xb).all(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(xb * inv)
-    dx = amax / 127.0
-    out = torch.where(finite, q * dx, torch.full_like(xb, float("nan")))
-    return out.reshape(m, k)
 
 
 def quant_format_name(type_id: int) -> Optional[str]:
@@ -172,21 +158,18 @@ class QuantizedMatrix:
         return self.dequantize()[rows]
 
     def linear(self, x: torch.Tensor, num_threads: int) -> torch.Tensor:
-        """x [M, K] float32 (contiguous) @ self^T -> [M, N]: the native few-row kernel for
-        M <= KERNEL_MAX_ROWS in ARITHMETIC (batch invariant, verispec/quant.h), dequantized
-        tiles of PREFILL_TILE_ROWS rows into torch.mm for longer products (prefill)."""
+        """x [M, K] float32 (contiguous) @ self^T -> [M, N]: the native kernel in
+        ARITHMETIC (batch invariant, verispec/quant.h) for any M with int8 and for M <=
+        KERNEL_MAX_ROWS with float; the float arithmetic's longer products (prefill) run
+        dequantized tiles of PREFILL_TILE_ROWS rows into torch.mm."""
         m = x.shape[0]
         int8 = ARITHMETIC == "int8"
+        kernel = int8 or m <= KERNEL_MAX_ROWS
         out = torch.empty((m, self.shape[0]), dtype=torch.float32)
-        # Tiles with the int8 arithmetic multiply x as the kernel sees it (quantized per
-        # block of 32), so a row's output differs from the kernel's only by float32
-        # rounding whether its batch is short (kernel) or long (tiles): greedy tokens do
-        # not change with the batch, as with the float arithmetic.
-        xt = int8_activations(x) if int8 and m > KERNEL_MAX_ROWS else x
         n0 = 0
         for p in self.parts:
             n, tid = p.data.shape[0], QUANT_FORMATS[p.fmt][0]
-            if m <= KERNEL_MAX_ROWS:
+            if kernel:
                 _C._quant_linear_unchecked(x.data_ptr(), p.data.data_ptr(),
                                            out.data_ptr() + 4 * n0, m, n, self.k, x.stride(0),
                                            p.data.stride(0), out.stride(0), tid, num_threads,
@@ -197,6 +180,6 @@ class QuantizedMatrix:
                     r1 = min(n, r0 + PREFILL_TILE_ROWS)
                     t = tile[:r1 - r0]
                     _C.quant_dequantize(p.data[r0:r1], tid, self.k, None, t)
-                    torch.mm(xt, t.t(), out=out[:, n0 + r0:n0 + r1])
+                    torch.mm(x, t.t(), out=out[:, n0 + r0:n0 + r1])
             n0 += n
         return out
