@@ -16,11 +16,12 @@ double expected_tree_tokens(double a, double s, int64_t depth) {
   return expected_tokens(a, depth) + (1.0 - std::min(a, 1.0)) * std::max(s, 0.0) * levels;
 }
 
-bool tree_pays(double a, double s, int64_t depth, double expected, double draft_cost,
-               double target_chain, double target_tree) {
-  if (depth < 1) return false;
-  const double gain = expected_tree_tokens(a, s, depth) - expected_tokens(a, depth);
-  return (expected + gain) * (draft_cost + target_chain) > expected * (draft_cost + target_tree);
+bool tree_pays(double a, double s, int64_t chain_depth, int64_t tree_depth, double expected,
+               double draft_chain, double draft_tree, double target_chain, double target_tree) {
+  if (tree_depth < 1) return false;
+  const double with_tree =
+      expected - expected_tokens(a, chain_depth) + expected_tree_tokens(a, s, tree_depth);
+  return with_tree * (draft_chain + target_chain) > expected * (draft_tree + target_tree);
 }
 
 int64_t best_k_in_batch(double a, double rest_expected, int64_t rest_k, double draft_pass,

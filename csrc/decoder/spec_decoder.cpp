@@ -572,8 +572,7 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
     } else {
       free.push_back(c);
       rate.push_back(acc.rate);
-      // a draft tree's depth is chosen as a chain's, then widened if it pays (below)
-      cap.push_back(c->fanout > 1 ? (c->cap + c->fanout - 1) / c->fanout : c->cap);
+      cap.push_back(c->cap);  // a draft tree row: its chain depth (widened below if it pays)
       continue;
     }
     rest.expected += expected_tokens(acc.rate, c->k);
@@ -593,23 +592,26 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
       expected += expected_tokens(rate[i], k[i]);
       depth = std::max(depth, k[i]);
     }
-    // Draft-tree rows: widen the chain of depth k into the tree of f k nodes where the
-    // siblings' acceptance pays their verify rows (adaptive_k.h, tree_pays); else chain.
+    // Draft-tree rows: the chain of depth k, or the tree of depth min(k, cap / f) where
+    // the siblings' acceptance pays their verify rows and the lost depth (adaptive_k.h,
+    // tree_pays).
     for (size_t i = 0; i < free.size(); ++i) {
       Choice& c = *free[i];
       if (c.fanout <= 1) continue;
-      const int64_t nodes = std::min(c.cap, c.fanout * k[i]);
-      const int64_t extra = nodes - k[i];
+      const int64_t d = std::min(k[i], c.cap / c.fanout), nodes = c.fanout * d;
+      int64_t others = rest.k;  // the deepest other row: the step's draft passes
+      for (size_t j = 0; j < free.size(); ++j)
+        if (j != i) others = std::max(others, k[j]);
       const double s = c.s->sibling.rate;
-      if (k[i] > 0 && extra > 0) {
-        const std::vector<double> t = cost_.target_passes(tokens, extra + 1);
-        if (tree_pays(rate[i], s, k[i], expected, static_cast<double>(depth) * draft_pass, t[0],
-                      t[static_cast<size_t>(extra)])) {
-          expected += expected_tree_tokens(rate[i], s, k[i]) - expected_tokens(rate[i], k[i]);
-          tokens += extra;
-          k[i] = nodes;
-          continue;
-        }
+      if (k[i] > 0 && d > 0 &&
+          tree_pays(rate[i], s, k[i], d, expected,
+                    static_cast<double>(std::max(others, k[i])) * draft_pass,
+                    static_cast<double>(std::max(others, d)) * draft_pass,
+                    cost_.target_pass(tokens), cost_.target_pass(tokens + nodes - k[i]))) {
+        expected += expected_tree_tokens(rate[i], s, d) - expected_tokens(rate[i], k[i]);
+        tokens += nodes - k[i];
+        k[i] = nodes;
+        continue;
       }
       c.fanout = 1;  // a chain row: node i's parent is node i - 1
       for (size_t j = 0; j < c.parents.size(); ++j) c.parents[j] = static_cast<int32_t>(j) - 1;

@@ -274,19 +274,27 @@ void test_tree_tokens_and_when_a_tree_pays() {
   CHECK_NEAR(verispec::expected_tree_tokens(0.5, 0.4, 2), 1.75 + 0.5 * 0.4 * 1.5, 1e-12);
   CHECK_NEAR(verispec::expected_tree_tokens(1.0, 0.9, 4), 5.0, 1e-12);  // the spine never fails
   CHECK_NEAR(verispec::expected_tree_tokens(0.0, 1.0, 3), 2.0, 1e-12);  // level 0's sibling only
-  // Depth 2, a = 0.5: the chain expects 1.75 tokens, the tree 1.75 + 0.75 s. Draft passes
-  // cost 0.2; the chain's target pass 1.0, the tree's (two more rows) 1.2: the tree pays
-  // iff (1.75 + 0.75 s) / 1.4 > 1.75 / 1.2, i.e. s > 0.3889.
-  CHECK(verispec::tree_pays(0.5, 0.40, 2, 1.75, 0.2, 1.0, 1.2));
-  CHECK(!verispec::tree_pays(0.5, 0.38, 2, 1.75, 0.2, 1.0, 1.2));
-  CHECK(!verispec::tree_pays(0.5, 0.0, 2, 1.75, 0.2, 1.0, 1.0001));  // siblings never accepted
-  CHECK(!verispec::tree_pays(1.0, 1.0, 2, 3.0, 0.2, 1.0, 1.01));     // the spine never fails
-  CHECK(verispec::tree_pays(0.5, 0.5, 2, 1.75, 0.2, 1.0, 1.0));      // free rows: any s > 0
-  CHECK(!verispec::tree_pays(0.5, 0.5, 0, 1.0, 0.0, 1.0, 1.0));      // depth 0: no tree
+  // Depth 2 either way, a = 0.5: the chain expects 1.75 tokens, the tree 1.75 + 0.75 s.
+  // Draft passes cost 0.2; the chain's target pass 1.0, the tree's (two more rows) 1.2:
+  // the tree pays iff (1.75 + 0.75 s) / 1.4 > 1.75 / 1.2, i.e. s > 0.3889.
+  CHECK(verispec::tree_pays(0.5, 0.40, 2, 2, 1.75, 0.2, 0.2, 1.0, 1.2));
+  CHECK(!verispec::tree_pays(0.5, 0.38, 2, 2, 1.75, 0.2, 0.2, 1.0, 1.2));
+  CHECK(!verispec::tree_pays(0.5, 0.0, 2, 2, 1.75, 0.2, 0.2, 1.0, 1.0001));  // no sibling accepted
+  CHECK(!verispec::tree_pays(1.0, 1.0, 2, 2, 3.0, 0.2, 0.2, 1.0, 1.01));     // the spine never fails
+  CHECK(verispec::tree_pays(0.5, 0.5, 2, 2, 1.75, 0.2, 0.2, 1.0, 1.0));      // free rows: any s > 0
+  CHECK(!verispec::tree_pays(0.5, 0.5, 1, 0, 1.5, 0.1, 0.0, 1.0, 1.0));      // depth 0: no tree
   // In a batch the other rows' expected tokens dilute the gain: with 10 more expected
   // tokens in the step, s = 0.9 no longer pays for the 20% longer pass.
-  CHECK(verispec::tree_pays(0.5, 0.9, 2, 1.75, 0.2, 1.0, 1.2));
-  CHECK(!verispec::tree_pays(0.5, 0.9, 2, 11.75, 0.2, 1.0, 1.2));
+  CHECK(verispec::tree_pays(0.5, 0.9, 2, 2, 1.75, 0.2, 0.2, 1.0, 1.2));
+  CHECK(!verispec::tree_pays(0.5, 0.9, 2, 2, 11.75, 0.2, 0.2, 1.0, 1.2));
+  // A node budget of 6 with f = 2: the chain of 6 (a = 0.9: E = 5.69, 6 draft passes of
+  // 0.05, pass 1.0) against the tree of depth 3 (E = 3.44 + 0.1 s 2.71 <= 3.71, 3 draft
+  // passes, the same 6 nodes): the deep chain wins even when every sibling is accepted.
+  CHECK(!verispec::tree_pays(0.9, 1.0, 6, 3, verispec::expected_tokens(0.9, 6), 0.3, 0.15, 1.0, 1.0));
+  // With a = 0.3 the chain stops at depth 1 (E = 1.3); the tree of depth 1 and its one
+  // sibling (E = 1.3 + 0.7 s) pays for a 10% longer pass once s > 0.18.
+  CHECK(verispec::tree_pays(0.3, 0.25, 1, 1, 1.3, 0.05, 0.05, 1.0, 1.1));
+  CHECK(!verispec::tree_pays(0.3, 0.15, 1, 1, 1.3, 0.05, 0.05, 1.0, 1.1));
 }
 
 void test_cost_model() {

@@ -97,20 +97,21 @@ struct BatchRest {
 std::vector<int64_t> best_batch_k(const std::vector<double>& a, const std::vector<int64_t>& cap,
                                   double draft_pass, const CostModel& cost, const BatchRest& rest);
 
-// Draft trees under adaptive k (spec_decoder.h "Draft trees"): a row's depth d is chosen
-// as a chain's (best_batch_k on the spine's acceptance a); then the tree's extra nodes
-// (f - 1 siblings a level) are worth their verify rows only if siblings get accepted.
+// Draft trees under adaptive k (spec_decoder.h "Draft trees"): a row's chain depth d is
+// chosen as a chain's (best_batch_k on the spine's acceptance a, the node budget as its
+// cap); the row becomes a tree of depth d' = min(d, budget / f) (f children a level)
+// only if its siblings' acceptance pays for the extra verify rows and the lost depth.
 // With s the chance that a sibling is accepted where the spine node was rejected (a
-// sibling has no children: the path ends there), a tree of depth d emits
-//   expected_tree_tokens(a, s, d) = expected_tokens(a, d) + (1 - a) s sum_{j<d} a^j.
+// sibling has no children: the path ends there), a tree of depth d' emits
+//   expected_tree_tokens(a, s, d') = expected_tokens(a, d') + (1 - a) s sum_{j<d'} a^j.
 double expected_tree_tokens(double a, double s, int64_t depth);
-// Whether a row widens its chain of depth d into a tree: the step's rate with the tree,
-//   (expected + gain) / (draft_cost + target_tree)  with gain = expected_tree_tokens -
-//   expected_tokens(a, d), beats the chain's expected / (draft_cost + target_chain)
-// (expected: the step's expected tokens with the row a chain; draft_cost: its draft
-// passes, the same for both; target_*: its target pass with the row as a chain / tree).
-bool tree_pays(double a, double s, int64_t depth, double expected, double draft_cost,
-               double target_chain, double target_tree);
+// Whether the row's tree of depth tree_depth beats its chain of chain_depth in the step's
+// rate: (expected - E(a, chain_depth) + E_tree(a, s, tree_depth)) / (draft_tree +
+// target_tree) against expected / (draft_chain + target_chain) (expected: the step's
+// expected tokens with the row a chain; draft_*, target_*: the step's draft passes and
+// target pass with the row as a chain / tree).
+bool tree_pays(double a, double s, int64_t chain_depth, int64_t tree_depth, double expected,
+               double draft_chain, double draft_tree, double target_chain, double target_tree);
 
 // Per-sequence acceptance estimate over proposal trials: every accepted position, plus
 // the rejected one if there was a rejection. rate = (s + 1) / (t + 2) with s successes
