@@ -192,7 +192,8 @@ def test_adaptive_draft_trees_widen_only_where_the_siblings_pay(monkeypatch):
     one-row pass (synthetic sleeps, large next to the toy work). Two drafts whose first choice is
     wrong at the same half of the contexts: one whose second choice is then right (its
     siblings are accepted: the later steps are trees) and one whose second choice is
-    wrong too (s falls as 1 / (n + 2) over n tries: the later steps are chains). Greedy
+    wrong too (s falls as 1 / (n + 2) over n tries: the later steps are chains). Both
+    try trees first (kTreeExploreTrials: s is measured before it is judged). Greedy
     output stays the plain greedy tokens in both."""
     from test_adaptive_k import Slow
     watch = Watch(monkeypatch)
@@ -203,14 +204,31 @@ def test_adaptive_draft_trees_widen_only_where_the_siblings_pay(monkeypatch):
         watch.verify_passes.clear()
         dec = SpecDecoder(Slow(target, 0.02, 0.004), Slow(draft, 0.002, 0.0), k="auto",
                           max_k=6, num_blocks=64, block_size=4, draft_branches=2)
-        (r,) = dec.generate([PROMPTS[0]], max_new_tokens=40, greedy=True)
-        assert r.tokens == greedy_reference(target, PROMPTS[0], 40)
+        (r,) = dec.generate([PROMPTS[0]], max_new_tokens=64, greedy=True)
+        assert r.tokens == greedy_reference(target, PROMPTS[0], 64)
         # the steady steps: past the first (the prior s = 0.5) and before the last (where
         # the tokens left cap the row below a second level)
         tail[second] = [int(v) for v in watch.verify_passes[6:-3]]
         assert_no_leaks(dec)
     assert len(tail[True]) >= 8 and len(tail[False]) >= 8, tail
     assert sum(tail[True]) >= 0.8 * len(tail[True]) and sum(tail[False]) <= 0.2 * len(tail[False]), tail
+
+
+def test_adaptive_draft_trees_go_deep_with_a_perfect_draft():
+    """k="auto" with draft_branches = 2 and a draft that is always right: the first steps
+    measure the draft (two levels, so one draft pass is steady even when every proposal
+    was accepted and the catch-up pass carries two tokens), then the rows go deep as
+    chains do (a tree's siblings are never needed). Before the measuring steps had a
+    second level, such a row stayed at one level: 2 tokens per target pass."""
+    from test_adaptive_k import Slow
+    target = Slow(CacheModel(50, seed=1, scale=4.0), 0.02, 0.002)
+    twin = Slow(CacheModel(50, seed=1, scale=4.0), 0.002, 0.0)
+    dec = SpecDecoder(target, twin, k="auto", max_k=6, num_blocks=64, block_size=4,
+                      draft_branches=2)
+    (r,) = dec.generate([[1, 2, 3]], max_new_tokens=60, greedy=True)
+    assert r.tokens == greedy_reference(target, [1, 2, 3], 60)
+    assert dec.cost_model()["draft_pass_s"] is not None
+    assert r.stats["tokens_per_target_pass"] > 3, r.stats["k_history"]
 
 
 @pytest.mark.parametrize("source", ["separate", "early_exit"])

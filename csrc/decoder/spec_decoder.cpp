@@ -567,8 +567,9 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
       c->k = 0;
     } else if (!c->s->ngram && !cost_.has_draft()) {
       // Measure the draft first: one steady draft pass (one token per row) is enough,
-      // the second pass when the first catches the draft's own cache up.
-      c->k = std::min<int64_t>(c->cap, shared ? 1 : 2);
+      // the second pass when the first catches the draft's own cache up (a draft tree:
+      // its second level, so f nodes a level).
+      c->k = std::min<int64_t>(c->cap, (shared ? 1 : 2) * c->fanout);
     } else {
       free.push_back(c);
       rate.push_back(acc.rate);
@@ -594,7 +595,7 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
     }
     // Draft-tree rows: the chain of depth k, or the tree of depth min(k, cap / f) where
     // the siblings' acceptance pays their verify rows and the lost depth (adaptive_k.h,
-    // tree_pays).
+    // tree_pays), or while that acceptance is barely measured (kTreeExploreTrials).
     for (size_t i = 0; i < free.size(); ++i) {
       Choice& c = *free[i];
       if (c.fanout <= 1) continue;
@@ -603,11 +604,12 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
       for (size_t j = 0; j < free.size(); ++j)
         if (j != i) others = std::max(others, k[j]);
       const double s = c.s->sibling.rate;
+      const bool explore = c.s->sibling.trials < kTreeExploreTrials;
       if (k[i] > 0 && d > 0 &&
-          tree_pays(rate[i], s, k[i], d, expected,
+          (explore || tree_pays(rate[i], s, k[i], d, expected,
                     static_cast<double>(std::max(others, k[i])) * draft_pass,
                     static_cast<double>(std::max(others, d)) * draft_pass,
-                    cost_.target_pass(tokens), cost_.target_pass(tokens + nodes - k[i]))) {
+                    cost_.target_pass(tokens), cost_.target_pass(tokens + nodes - k[i])))) {
         expected += expected_tree_tokens(rate[i], s, d) - expected_tokens(rate[i], k[i]);
         tokens += nodes - k[i];
         k[i] = nodes;

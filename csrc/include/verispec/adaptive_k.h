@@ -112,6 +112,10 @@ double expected_tree_tokens(double a, double s, int64_t depth);
 // target pass with the row as a chain / tree).
 bool tree_pays(double a, double s, int64_t chain_depth, int64_t tree_depth, double expected,
                double draft_chain, double draft_tree, double target_chain, double target_tree);
+// s is only measured where trees are proposed: a row whose sibling tracker holds fewer
+// than this many (discounted) trials proposes the tree whatever tree_pays says, so that
+// a draft whose siblings would pay is not judged on the prior alone.
+constexpr double kTreeExploreTrials = 4.0;
 
 // Per-sequence acceptance estimate over proposal trials: every accepted position, plus
 // the rejected one if there was a rejection. rate = (s + 1) / (t + 2) with s successes
