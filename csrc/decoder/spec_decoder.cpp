@@ -30,8 +30,10 @@ struct SpecDecoder::Sequence {
   // better predictor than a 1-token one). tracker = the one this step uses.
   std::vector<AcceptanceTracker> trackers;
   int64_t tracker = 0;
-  // Draft trees: how often a sibling was accepted where the spine node was rejected.
+  // Draft trees: how often a sibling was accepted where the spine node was rejected, and
+  // how many steps proposed a tree.
   AcceptanceTracker sibling;
+  int64_t tree_steps = 0;
 
   int64_t committed() const { return static_cast<int64_t>(tokens.size()); }
   int64_t num_generated() const { return committed() - prompt_len; }
@@ -595,7 +597,8 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
     }
     // Draft-tree rows: the chain of depth k, or the tree of depth min(k, cap / f) where
     // the siblings' acceptance pays their verify rows and the lost depth (adaptive_k.h,
-    // tree_pays), or while that acceptance is barely measured (kTreeExploreTrials).
+    // tree_pays), or while that acceptance is barely measured (kTreeExploreTrials,
+    // kTreeExploreSteps).
     for (size_t i = 0; i < free.size(); ++i) {
       Choice& c = *free[i];
       if (c.fanout <= 1) continue;
@@ -604,7 +607,8 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
       for (size_t j = 0; j < free.size(); ++j)
         if (j != i) others = std::max(others, k[j]);
       const double s = c.s->sibling.rate;
-      const bool explore = c.s->sibling.trials < kTreeExploreTrials;
+      const bool explore =
+          c.s->sibling.trials < kTreeExploreTrials && c.s->tree_steps < kTreeExploreSteps;
       if (k[i] > 0 && d > 0 &&
           (explore || tree_pays(rate[i], s, k[i], d, expected,
                     static_cast<double>(std::max(others, k[i])) * draft_pass,
@@ -1195,6 +1199,7 @@ CommitOutput SpecDecoder::commit_row(OpenStep& st, int64_t b, const VerifyOutput
     const int32_t last = a > 0 ? out.accepted_nodes[b * K + a - 1] : -1;
     const bool on_sibling = last >= 0 && last % f != 0;
     const int64_t spine = on_sibling ? a - 1 : a;
+    s.tree_steps += 1;
     s.trackers[static_cast<size_t>(s.tracker)].update(depth, spine);
     population_[static_cast<size_t>(s.tracker)].update(depth, spine);
     if (spine < depth && std::min(f, kb - spine * f) > 1) {

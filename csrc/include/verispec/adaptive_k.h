@@ -113,9 +113,12 @@ double expected_tree_tokens(double a, double s, int64_t depth);
 bool tree_pays(double a, double s, int64_t chain_depth, int64_t tree_depth, double expected,
                double draft_chain, double draft_tree, double target_chain, double target_tree);
 // s is only measured where trees are proposed: a row whose sibling tracker holds fewer
-// than this many (discounted) trials proposes the tree whatever tree_pays says, so that
-// a draft whose siblings would pay is not judged on the prior alone.
+// than kTreeExploreTrials (discounted) trials proposes the tree whatever tree_pays says
+// in its first kTreeExploreSteps tree-capable steps, so that a draft whose siblings would
+// pay is not judged on the prior alone (a draft whose spine is rarely rejected gives few
+// sibling trials: past those steps the prior judges).
 constexpr double kTreeExploreTrials = 4.0;
+constexpr int64_t kTreeExploreSteps = 4;
 
 // Per-sequence acceptance estimate over proposal trials: every accepted position, plus
 // the rejected one if there was a rejection. rate = (s + 1) / (t + 2) with s successes
