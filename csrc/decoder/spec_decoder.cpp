@@ -589,11 +589,17 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
     const int64_t batch_rows = static_cast<int64_t>(free.size());  // rows that may probe
     int64_t tokens = rest.tokens;  // the step's target tokens at the chosen k
     double expected = rest.expected;
-    int64_t depth = rest.k;
+    // the two deepest chains (with the rest's k): the step's draft passes without a row
+    size_t deepest = 0;
+    int64_t first = rest.k, second = rest.k;
     for (size_t i = 0; i < free.size(); ++i) {
       tokens += k[i] + 1;
       expected += expected_tokens(rate[i], k[i]);
-      depth = std::max(depth, k[i]);
+      if (k[i] > first) {
+        second = first, first = k[i], deepest = i;
+      } else {
+        second = std::max(second, k[i]);
+      }
     }
     // Draft-tree rows: the chain of depth k, or the tree of depth min(k, cap / f) where
     // the siblings' acceptance pays their verify rows and the lost depth (adaptive_k.h,
@@ -603,9 +609,7 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
       Choice& c = *free[i];
       if (c.fanout <= 1) continue;
       const int64_t d = std::min(k[i], c.cap / c.fanout), nodes = c.fanout * d;
-      int64_t others = rest.k;  // the deepest other row: the step's draft passes
-      for (size_t j = 0; j < free.size(); ++j)
-        if (j != i) others = std::max(others, k[j]);
+      const int64_t others = i == deepest && first > rest.k ? second : first;
       const double s = c.s->sibling.rate;
       const bool explore =
           c.s->sibling.trials < kTreeExploreTrials && c.s->tree_steps < kTreeExploreSteps;

@@ -81,9 +81,10 @@
 // path's leading spine nodes: commit rolls the draft back to C + that many (capped by
 // what it cached). The target verifies the whole tree in one pass as for n-gram tries;
 // keyed rows and rows with more than kTreeMaxUncached uncached tokens propose chains.
-// With adaptive k a row's depth d is chosen as a chain's (on the spine's acceptance),
-// and the row proposes the tree of min(k, f d) nodes only where its siblings' measured
-// acceptance pays their verify rows (adaptive_k.h, tree_pays), else the chain of d.
+// With adaptive k a row's chain depth d is chosen as a chain's (on the spine's
+// acceptance, the node budget as its cap), and the row proposes the tree of depth
+// min(d, k / f) only where its siblings' measured acceptance pays their verify rows and
+// the lost depth (adaptive_k.h, tree_pays), else the chain of d.
 #pragma once
 
 #include <cstdint>

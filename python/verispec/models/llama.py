@@ -856,7 +856,7 @@ class LlamaModel:
              else F.embedding(ids, w.embed))
         if (isinstance(ops, _NativeLayerOps) and self.native_decode_layers
                 and self._decode_layers is not None and not ops.long_rows
-                and (_quantized.ARITHMETIC == "int8" or num_tokens <= _quantized.KERNEL_MAX_ROWS)):
+                and _quantized.on_kernel(num_tokens)):
             ops.run_layers(self._decode_layers, x, batch.kv, inter)
             layers = []
         else:

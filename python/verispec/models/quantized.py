@@ -59,6 +59,12 @@ def _arithmetic_from_env() -> str:
 ARITHMETIC = _arithmetic_from_env()
 
 
+def on_kernel(m: int) -> bool:
+    """Whether a product of m rows runs on the native kernel (bitwise batch invariant):
+    every m in the int8 arithmetic, m <= KERNEL_MAX_ROWS in the float one."""
+    return ARITHMETIC == "int8" or m <= KERNEL_MAX_ROWS
+
+
 def quant_format_name(type_id: int) -> Optional[str]:
     """The name of a supported ggml type id ("Q4_1"), or None."""
     return _NAMES.get(type_id)
@@ -164,7 +170,7 @@ class QuantizedMatrix:
         dequantized tiles of PREFILL_TILE_ROWS rows into torch.mm."""
         m = x.shape[0]
         int8 = ARITHMETIC == "int8"
-        kernel = int8 or m <= KERNEL_MAX_ROWS
+        kernel = on_kernel(m)
         out = torch.empty((m, self.shape[0]), dtype=torch.float32)
         n0 = 0
         for p in self.parts:
