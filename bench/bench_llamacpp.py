@@ -233,15 +233,20 @@ def main(argv=None) -> int:
 
     q_model, tok = load(path)
     f_model, _ = load(path, dtype=torch.float32)
+    other = "int8" if quantized.ARITHMETIC == "float" else "float"
+    saved, quantized.ARITHMETIC = quantized.ARITHMETIC, other
+    try:  # its matrices in the layout of the other arithmetic's kernel
+        o_model, _ = load(path)
+    finally:
+        quantized.ARITHMETIC = saved
     ids_of = {p: tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
               for p, text in prompts.items()}
     n = args.max_new_tokens
     capacity = max(map(len, ids_of.values())) + n + max(NGRAM_K, *LOOKUP_KS) + 1
     engines = {}
     for mode in ("plain", "ngram"):
-        other = "int8" if quantized.ARITHMETIC == "float" else "float"
         engines[f"verispec quantized {mode}"] = Verispec(q_model, mode == "ngram", capacity)
-        engines[f"verispec quantized/{other} {mode}"] = Verispec(q_model, mode == "ngram",
+        engines[f"verispec quantized/{other} {mode}"] = Verispec(o_model, mode == "ngram",
                                                                   capacity, other)
         engines[f"verispec float32 {mode}"] = Verispec(f_model, mode == "ngram", capacity)
     engines["verispec quantized ngram auto"] = Verispec(q_model, True, capacity, k="auto")

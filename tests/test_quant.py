@@ -273,6 +273,107 @@ def test_int8_rows_keep_their_bits_at_any_m_float_up_to_kernel_max_rows(monkeypa
                 assert not torch.equal(q.linear(x[:m + 1].contiguous(), 2), alone[:m + 1])
 
 
+def _pack_by_the_rule(data: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The packed layout as quant.h states it, in numpy: rows in groups of 16 (zero rows
+    pad the last); each row cut into 2-byte chunks (its half fields) and 4-byte chunks
+    (the rest); the chunk of c bytes at offset x of row r at 16 x + c r of its group."""
+    n, rb = data.shape
+    _, _, unit = QUANT_FORMATS[fmt]
+    chunks, x = [], 0
+    while x < rb:
+        c = 2 if x % unit in _HALF_FIELDS[fmt] else 4
+        chunks.append((x, c))
+        x += c
+    src = data.numpy()
+    groups = (n + 15) // 16
+    out = np.zeros((groups, 16 * rb), dtype=np.uint8)
+    for row in range(n):
+        g, r = divmod(row, 16)
+        for x, c in chunks:
+            out[g, 16 * x + c * r:16 * x + c * r + c] = src[row, x:x + c]
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packed_layout_is_the_documented_rule_and_computes_the_same_bits(fmt):
+    """ops.quant_pack lays the bytes out as quant.h says (checked against a numpy
+    rendering of the rule), unpacks back to the file's bytes, and products (both
+    arithmetics, every int8 path this CPU runs, M = 1..16, row counts that do and do not
+    fill the last group) and dequantized rows are bitwise those of the file's layout."""
+    from verispec.models.quantized import QuantPart
+    k = _k_for(fmt, 3)
+    for n in (1, 15, 16, 37):
+        data = random_blocks(fmt, n, k, seed=n)
+        packed = ops.quant_pack(data, fmt)
+        assert torch.equal(packed, _pack_by_the_rule(data, fmt)), n
+        back = torch.empty_like(data)
+        _C.quant_unpack16(packed, QUANT_FORMATS[fmt][0], k, n, back)
+        assert torch.equal(back, data)
+        x = torch.randn(16, k, generator=torch.Generator().manual_seed(n))
+        for arithmetic in ("int8", "float"):
+            for path in INT8_PATHS if arithmetic == "int8" else [""]:
+                try:
+                    if path:  # a path this CPU lacks is refused (tested above): skip it
+                        try:
+                            _C._quant_int8_force_path(path)
+                        except ValueError:
+                            continue
+                    want = ops.quant_linear(x, data, fmt, num_threads=2, arithmetic=arithmetic)
+                    for m in (1, 2, 5, 16):
+                        got = ops.quant_linear(x[:m], packed, fmt, num_threads=2,
+                                               arithmetic=arithmetic, packed_rows=n)
+                        assert torch.equal(got, want[:m]), (n, arithmetic, path, m)
+                finally:
+                    _C._quant_int8_force_path("")
+        q = QuantizedMatrix([QuantPart(fmt, data)], k)
+        p = q.pack()
+        assert p.packed and not q.packed and p.shape == q.shape and p.pack() is p
+        assert p.nbytes == packed.numel() and p.nbytes - q.nbytes < 16 * data.shape[1]
+        rows = torch.tensor([n - 1, 0, n // 2])
+        assert torch.equal(p.dequantize(), q.dequantize())
+        assert torch.equal(p.dequantize(rows), q.dequantize(rows))
+        assert torch.equal(p.unpack().parts[0].data, data)
+
+
+def test_packed_matrices_in_parts_prefill_tiles_and_errors(monkeypatch):
+    """A packed matrix of parts in several formats gives the unpacked one's bits in both
+    arithmetics, on the kernel and through the float arithmetic's tiles; cat unpacks;
+    a packed part of the wrong shape, and packed weights of the wrong shape, are refused
+    with the expected shape named."""
+    import verispec.models.quantized as qm
+    from verispec.models.quantized import QuantPart
+    k = 256
+    q = QuantizedMatrix.cat([QuantizedMatrix.from_bytes(random_blocks(f, n, k, seed=n), f, k)
+                             for f, n in (("Q4_K", 21), ("Q6_K", 9), ("Q8_0", 40))])
+    p = q.pack()
+    assert p.formats == q.formats and all(part.packed for part in p.parts)
+    monkeypatch.setattr(qm, "PREFILL_TILE_ROWS", 32)
+    monkeypatch.setattr(qm, "KERNEL_MAX_ROWS", 8)
+    for arithmetic in ("int8", "float"):
+        monkeypatch.setattr(qm, "ARITHMETIC", arithmetic)
+        for m in (1, 8, 9):  # float: 9 rows run the tiles
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            assert torch.equal(p.linear(x, 2), q.linear(x, 2)), (arithmetic, m)
+    both = QuantizedMatrix.cat([p, q])
+    assert not any(part.packed for part in both.parts) and both.shape[0] == 2 * q.shape[0]
+    assert torch.equal(both.dequantize(), torch.cat([q.dequantize(), q.dequantize()]))
+    bad = torch.zeros(2, 16 * qm.row_bytes("Q8_0", k), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"Q8_0 part must be a contiguous uint8 CPU tensor "
+                                         r"\[3, 4352\] \(packed\), got torch.uint8 \[2, 4352\]"):
+        QuantizedMatrix([QuantPart("Q8_0", bad, 40)], k)
+    with pytest.raises(ValueError, match="packed_rows must be an int >= 0, got -1"):
+        QuantizedMatrix([QuantPart("Q8_0", bad, -1)], k)
+    x = torch.randn(1, k)
+    with pytest.raises(ValueError, match=r"a packed weight of 40 rows must be contiguous "
+                                         r"\[3, 4352\] \(Q8_0, K = 256\), got \[2, 4352\]"):
+        ops.quant_linear(x, bad, "Q8_0", packed_rows=40)
+    with pytest.raises(ValueError, match="quant_unpack16: out must have N = 20 rows, got 19"):
+        _C.quant_unpack16(bad, 8, k, 20, torch.empty(19, 272, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="quant_pack: weight's rows must be whole Q8_0 blocks "
+                                         "of 34 bytes, got 40 bytes"):
+        ops.quant_pack(torch.zeros(3, 40, dtype=torch.uint8), "Q8_0")
+
+
 def test_argument_errors():
     data = random_blocks("Q4_0", 4, 64, seed=0)
     x = torch.randn(2, 64)
@@ -385,6 +486,7 @@ def test_quantized_model_matches_dequantized_float32(quantized_files, tied, monk
     matrices = [q.weights.embed] + ([] if tied else [q.weights.lm_head]) + [
         m for lw in q.weights.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
     assert sum(m.nbytes for m in matrices) <= os.path.getsize(path)
+    assert not any(m.packed for m in matrices)  # the float arithmetic's layout: the file's
     assert torch.equal(q.weights.layers[1].w_down.dequantize(), f.weights.layers[1].w_down)
     g = torch.Generator().manual_seed(2)
     chunks = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (20, 1, 6, 17)]
@@ -449,6 +551,9 @@ def test_decode_layers_in_one_call_equal_the_layer_loop(quantized_files, monkeyp
     monkeypatch.setattr(qm, "ARITHMETIC", arithmetic)
     model = load_model(quantized_files[False])
     assert model.native_decode_layers and model._decode_layers.num_layers == LAYERS
+    # the matrices in the layout of the arithmetic's kernel (int8: packed)
+    lw = model.weights.layers[0]
+    assert all(m.packed == (arithmetic == "int8") for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
     calls = []
     original = model._decode_layers
 

@@ -218,7 +218,8 @@ QuantType parse_quant_type(const char* fn, int type_id) {
 class QuantDecodeLayers {
  public:
   // layers: [(attn_norm_ptr, mlp_norm_ptr, wqkv, wo, gate_up, down)], a matrix being
-  // (n, k, [(quant_type, data_ptr, rows, row_bytes), ...]).
+  // (n, k, [(quant_type, data_ptr, rows, row_bytes, packed), ...]) (packed: the part is in
+  // QuantLayout::kPacked16, row_bytes then unused).
   explicit QuantDecodeLayers(const py::list& layers) {
     for (const py::handle& item : layers) {
       const py::tuple layer = py::reinterpret_borrow<py::tuple>(item);
@@ -243,6 +244,10 @@ class QuantDecodeLayers {
           mats[i]->data[p] = reinterpret_cast<const uint8_t*>(part[1].cast<uintptr_t>());
           mats[i]->rows[p] = part[2].cast<int64_t>();
           mats[i]->ldw[p] = part[3].cast<int64_t>();
+          if (part.size() != 5)
+            throw py::value_error("_QuantDecodeLayers: a part is (quant_type, data_ptr, rows, "
+                                  "row_bytes, packed), got " + std::to_string(part.size()) + " entries");
+          mats[i]->layout[p] = part[4].cast<bool>() ? QuantLayout::kPacked16 : QuantLayout::kRows;
         }
       }
       layers_.push_back(ref);
@@ -305,11 +310,22 @@ class QuantDecodeLayers {
   std::vector<QuantLayerRef> layers_;
 };
 
-// The [N, row_bytes] uint8 weight of a quantized [N, K] matrix: rows contiguous.
-void expect_quant_weight(const TensorView& w, QuantType type, int64_t k) {
+// The uint8 weight of a quantized [N, K] matrix: [N, row_bytes] with rows contiguous
+// (packed_rows < 0), or packed (QuantLayout::kPacked16) [ceil(N / 16), 16 row_bytes]
+// contiguous holding N = packed_rows rows. Returns N.
+int64_t expect_quant_weight(const char* fn, const TensorView& w, QuantType type, int64_t k,
+                            int64_t packed_rows) {
   const int64_t row_bytes = k / quant_block_elems(type) * quant_block_bytes(type);
-  w.expect({DType::kUInt8}, {{"N", kAnyDim}, {"row_bytes", row_bytes}}).expect_cpu()
-      .expect_last_dim_contiguous();
+  if (packed_rows < 0) {
+    w.expect({DType::kUInt8}, {{"N", kAnyDim}, {"row_bytes", row_bytes}}).expect_cpu()
+        .expect_last_dim_contiguous();
+    return w.size(0);
+  }
+  const int64_t groups = (packed_rows + kQuantPackRows - 1) / kQuantPackRows;
+  w.expect({DType::kUInt8}, {{"groups", groups}, {"16 * row_bytes", kQuantPackRows * row_bytes}})
+      .expect_cpu().expect_contiguous();
+  (void)fn;
+  return packed_rows;
 }
 
 QuantArith parse_arith(const char* fn, const std::string& name) {
@@ -320,7 +336,7 @@ QuantArith parse_arith(const char* fn, const std::string& name) {
 
 void quant_linear(const py::handle& x_obj, const py::handle& w_obj, int type_id,
                   const py::handle& out_obj, int num_threads, const std::string& isa_name,
-                  bool own_threads, const std::string& arith_name) {
+                  bool own_threads, const std::string& arith_name, int64_t packed_rows) {
   const QuantArith arith = parse_arith("quant_linear", arith_name);
   const QuantType type = parse_quant_type("quant_linear", type_id);
   const LinearIsa isa = parse_isa(isa_name);
@@ -333,8 +349,7 @@ void quant_linear(const py::handle& x_obj, const py::handle& w_obj, int type_id,
                           std::to_string(quant_block_elems(type)) + " weights, got K = " +
                           std::to_string(k));
   const TensorView w = TensorView::from(w_obj, "quant_linear", "weight");
-  expect_quant_weight(w, type, k);
-  const int64_t n = w.size(0);
+  const int64_t n = expect_quant_weight("quant_linear", w, type, k, packed_rows);
   const TensorView out = TensorView::from(out_obj, "quant_linear", "out", /*writable=*/true);
   out.expect({DType::kFloat32}, {{"M", m}, {"N", n}}).expect_cpu().expect_last_dim_contiguous();
   QuantLinearArgs a;
@@ -345,7 +360,8 @@ void quant_linear(const py::handle& x_obj, const py::handle& w_obj, int type_id,
   a.n = n;
   a.k = k;
   a.ldx = m > 1 ? x.stride(0) : k;
-  a.ldw = n > 1 ? w.stride(0) : w.size(1);
+  a.ldw = packed_rows >= 0 ? 0 : n > 1 ? w.stride(0) : w.size(1);
+  a.layout = packed_rows >= 0 ? QuantLayout::kPacked16 : QuantLayout::kRows;
   a.ldy = m > 1 ? out.stride(0) : n;
   a.type = type;
   a.num_threads = num_threads;
@@ -363,7 +379,7 @@ void quant_linear(const py::handle& x_obj, const py::handle& w_obj, int type_id,
 // verispec.models.llama's hot path, unchecked like linear_unchecked.
 void quant_linear_unchecked(uintptr_t x, uintptr_t w, uintptr_t out, int64_t m, int64_t n,
                             int64_t k, int64_t ldx, int64_t ldw, int64_t ldy, int type_id,
-                            int num_threads, bool int8) {
+                            int num_threads, bool int8, bool packed) {
   QuantLinearArgs a;
   a.x = reinterpret_cast<const float*>(x);
   a.w = reinterpret_cast<const uint8_t*>(w);
@@ -373,6 +389,7 @@ void quant_linear_unchecked(uintptr_t x, uintptr_t w, uintptr_t out, int64_t m, 
   a.k = k;
   a.ldx = ldx;
   a.ldw = ldw;
+  a.layout = packed ? QuantLayout::kPacked16 : QuantLayout::kRows;
   a.ldy = ldy;
   a.type = parse_quant_type("quant_linear", type_id);
   a.num_threads = num_threads;
@@ -388,7 +405,7 @@ void quant_linear_unchecked(uintptr_t x, uintptr_t w, uintptr_t out, int64_t m, 
 }
 
 void quant_dequantize(const py::handle& w_obj, int type_id, int64_t k, const py::handle& rows_obj,
-                      const py::handle& out_obj, const std::string& isa_name) {
+                      const py::handle& out_obj, const std::string& isa_name, int64_t packed_rows) {
   const QuantType type = parse_quant_type("quant_dequantize", type_id);
   const LinearIsa isa = parse_isa(isa_name);
   if (k <= 0 || k % quant_block_elems(type) != 0)
@@ -396,8 +413,7 @@ void quant_dequantize(const py::handle& w_obj, int type_id, int64_t k, const py:
                           std::to_string(quant_block_elems(type)) + " for " +
                           quant_type_name(type) + ", got " + std::to_string(k));
   const TensorView w = TensorView::from(w_obj, "quant_dequantize", "weight");
-  expect_quant_weight(w, type, k);
-  const int64_t n = w.size(0);
+  const int64_t n = expect_quant_weight("quant_dequantize", w, type, k, packed_rows);
   const int64_t* rows = nullptr;
   int64_t count = n;
   if (!rows_obj.is_none()) {
@@ -412,10 +428,56 @@ void quant_dequantize(const py::handle& w_obj, int type_id, int64_t k, const py:
   {
     py::gil_scoped_release release;
     error = quant_dequantize_rows(type, w.data<const uint8_t>(), n, k,
-                                  n > 1 ? w.stride(0) : w.size(1), rows, count, out.data<float>(),
-                                  count > 1 ? out.stride(0) : k, isa);
+                                  packed_rows >= 0 ? 0 : n > 1 ? w.stride(0) : w.size(1), rows,
+                                  count, out.data<float>(), count > 1 ? out.stride(0) : k, isa,
+                                  packed_rows >= 0 ? QuantLayout::kPacked16 : QuantLayout::kRows);
   }
   if (!error.empty()) throw py::value_error("quant_dequantize: " + error);
+}
+
+// out (uint8 [ceil(N / 16), 16 row_bytes]) = weight (uint8 [N, row_bytes]) packed.
+void quant_pack16_py(const py::handle& w_obj, int type_id, int64_t k, const py::handle& out_obj) {
+  const QuantType type = parse_quant_type("quant_pack16", type_id);
+  if (k <= 0 || k % quant_block_elems(type) != 0)
+    throw py::value_error("quant_pack16: k must be a positive multiple of " +
+                          std::to_string(quant_block_elems(type)) + " for " +
+                          quant_type_name(type) + ", got " + std::to_string(k));
+  const TensorView w = TensorView::from(w_obj, "quant_pack16", "weight");
+  const int64_t n = expect_quant_weight("quant_pack16", w, type, k, -1);
+  const TensorView out = TensorView::from(out_obj, "quant_pack16", "out", /*writable=*/true);
+  expect_quant_weight("quant_pack16", out, type, k, n);
+  std::string error;
+  {
+    py::gil_scoped_release release;
+    error = quant_pack16(type, w.data<const uint8_t>(), n, k, n > 1 ? w.stride(0) : w.size(1),
+                         out.data<uint8_t>());
+  }
+  if (!error.empty()) throw py::value_error("quant_pack16: " + error);
+}
+
+// out (uint8 [N, row_bytes]) = the N rows of packed (uint8 [ceil(N / 16), 16 row_bytes]).
+void quant_unpack16_py(const py::handle& p_obj, int type_id, int64_t k, int64_t n,
+                       const py::handle& out_obj) {
+  const QuantType type = parse_quant_type("quant_unpack16", type_id);
+  if (k <= 0 || k % quant_block_elems(type) != 0)
+    throw py::value_error("quant_unpack16: k must be a positive multiple of " +
+                          std::to_string(quant_block_elems(type)) + " for " +
+                          quant_type_name(type) + ", got " + std::to_string(k));
+  if (n < 0) throw py::value_error("quant_unpack16: n must be >= 0, got " + std::to_string(n));
+  const TensorView p = TensorView::from(p_obj, "quant_unpack16", "packed");
+  expect_quant_weight("quant_unpack16", p, type, k, n);
+  const TensorView out = TensorView::from(out_obj, "quant_unpack16", "out", /*writable=*/true);
+  const int64_t rows = expect_quant_weight("quant_unpack16", out, type, k, -1);
+  if (rows != n)
+    throw py::value_error("quant_unpack16: out must have N = " + std::to_string(n) + " rows, got " +
+                          std::to_string(rows));
+  std::string error;
+  {
+    py::gil_scoped_release release;
+    error = quant_unpack16(type, p.data<const uint8_t>(), n, k, 0, n, out.data<uint8_t>(),
+                           n > 1 ? out.stride(0) : out.size(1));
+  }
+  if (!error.empty()) throw py::value_error("quant_unpack16: " + error);
 }
 
 py::dict quant_formats() {
@@ -486,16 +548,27 @@ void register_linear(py::module_& m) {
         "exp(x) as the decode ops compute it (tests compare against it)");
   m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("weight"), py::arg("quant_type"),
         py::arg("out"), py::arg("num_threads"), py::arg("isa") = "auto",
-        py::arg("own_threads") = false, py::arg("arithmetic") = "int8",
+        py::arg("own_threads") = false, py::arg("arithmetic") = "int8", py::arg("packed_rows") = -1,
         "out[M, N] = x[M, K] @ dequant(weight)[N, K]^T, weight uint8 [N, row_bytes] in ggml "
-        "blocks (CPU); see verispec.ops.quant_linear");
+        "blocks (CPU), or packed_rows >= 0: weight packed by quant_pack16 holding N = "
+        "packed_rows rows; see verispec.ops.quant_linear");
   m.def("_quant_linear_unchecked", &quant_linear_unchecked, py::arg("x_ptr"), py::arg("w_ptr"),
         py::arg("out_ptr"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("ldx"),
         py::arg("ldw"), py::arg("ldy"), py::arg("quant_type"), py::arg("num_threads"),
-        py::arg("int8") = true, "quant_linear on raw CPU pointers (verispec.models.llama's hot path; no checks)");
+        py::arg("int8") = true, py::arg("packed") = false,
+        "quant_linear on raw CPU pointers (verispec.models.llama's hot path; no checks)");
   m.def("quant_dequantize", &quant_dequantize, py::arg("weight"), py::arg("quant_type"),
-        py::arg("k"), py::arg("rows"), py::arg("out"), py::arg("isa") = "auto",
-        "out[R, K] = float32 weights of rows (int64 [R], or None: all) of a quantized matrix");
+        py::arg("k"), py::arg("rows"), py::arg("out"), py::arg("isa") = "auto", py::arg("packed_rows") = -1,
+        "out[R, K] = float32 weights of rows (int64 [R], or None: all) of a quantized matrix "
+        "(packed_rows >= 0: weight packed by quant_pack16, holding that many rows)");
+  m.def("quant_pack16", &quant_pack16_py, py::arg("weight"), py::arg("quant_type"), py::arg("k"),
+        py::arg("out"),
+        "out (uint8 [ceil(N / 16), 16 * row_bytes]) = weight (uint8 [N, row_bytes]) in the "
+        "packed layout the int8 kernel reads (16 rows' fields side by side; verispec/quant.h)");
+  m.def("quant_unpack16", &quant_unpack16_py, py::arg("packed"), py::arg("quant_type"), py::arg("k"),
+        py::arg("n"), py::arg("out"),
+        "out (uint8 [N, row_bytes]) = the N rows of a packed matrix in the file's layout");
+  m.attr("QUANT_PACK_ROWS") = kQuantPackRows;
   m.def("quant_int8_path", [](const std::string& isa) {
           return std::string(quant_int8_path_name(parse_isa(isa)));
         }, py::arg("isa") = "auto",

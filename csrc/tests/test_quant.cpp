@@ -188,8 +188,38 @@ void test_format(QuantType t, std::mt19937& rng) {
         CHECK(same);
         CHECK(std::isnan(y[n]) && std::isnan(y[n + 1]));  // the row padding is not written
       }
+    // The packed layout (41 rows: two full groups and one of 9): the same bits, read from a
+    // buffer of exactly quant_packed_bytes (the sanitizers see any read past it).
+    std::vector<uint8_t> packed(static_cast<size_t>(quant_packed_bytes(t, n, k)));
+    CHECK(packed.size() == static_cast<size_t>(3 * 16 * row_bytes));
+    CHECK(quant_pack16(t, w.data(), n, k, row_bytes, packed.data()).empty());
+    for (int64_t m : {1, 5, 17})
+      for (int threads : {1, 2}) {
+        std::vector<float> y(static_cast<size_t>(m * n), NAN);
+        QuantLinearArgs a;
+        a.x = x.data(); a.w = packed.data(); a.y = y.data(); a.layout = QuantLayout::kPacked16;
+        a.m = m; a.n = n; a.k = k; a.ldx = ldx; a.ldw = 0; a.ldy = n;
+        a.type = t; a.num_threads = threads; a.isa = isa; a.arith = arith;
+        CHECK(quant_linear_f32(a).empty());
+        CHECK(std::memcmp(y.data(), alone.data(), y.size() * sizeof(float)) == 0);
+      }
+    std::vector<float> deq(static_cast<size_t>(n * k));
+    CHECK(quant_dequantize_rows(t, packed.data(), n, k, 0, nullptr, n, deq.data(), k, isa,
+                                QuantLayout::kPacked16).empty());
+    CHECK(std::memcmp(deq.data(), ref.data(), deq.size() * sizeof(float)) == 0);
    }
   }
+  // Packing is lossless: rows 0..n and any range of them come back.
+  std::vector<uint8_t> packed(static_cast<size_t>(quant_packed_bytes(t, n, k)));
+  CHECK(quant_pack16(t, w.data(), n, k, row_bytes, packed.data()).empty());
+  std::vector<uint8_t> back(w.size(), 0);
+  CHECK(quant_unpack16(t, packed.data(), n, k, 0, n, back.data(), row_bytes).empty());
+  CHECK(back == w);
+  std::vector<uint8_t> some(static_cast<size_t>(20 * row_bytes));
+  CHECK(quant_unpack16(t, packed.data(), n, k, 13, 20, some.data(), row_bytes).empty());
+  CHECK(std::memcmp(some.data(), w.data() + 13 * row_bytes, some.size()) == 0);
+  CHECK(native_check::has(quant_unpack16(t, packed.data(), n, k, 30, 12, some.data(), row_bytes),
+                          "rows [30, 42) are out of range [0, 41)"));
 }
 
 void test_errors() {

@@ -30,7 +30,7 @@ import torch
 from verispec import _C
 from verispec._policy import fold_greedy, policy_error
 
-__all__ = ["DeferredErrors", "apply_policy", "deferred_errors", "linear", "quant_linear", "sample", "verify",
+__all__ = ["DeferredErrors", "apply_policy", "deferred_errors", "linear", "quant_linear", "quant_pack", "sample", "verify",
            "verify_keyed", "verify_tree"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -322,10 +322,13 @@ def linear(x, weight, *, out=None, num_threads=None, isa="auto"):
     return out
 
 
-def quant_linear(x, weight, fmt, *, out=None, num_threads=None, isa="auto", arithmetic="int8"):
+def quant_linear(x, weight, fmt, *, out=None, num_threads=None, isa="auto", arithmetic="int8",
+                 packed_rows=None):
     """``x @ dequantize(weight).T`` with ``weight`` kept in a GGUF block format: ``x``
     float32 CPU [M, K]; ``weight`` uint8 CPU [N, row_bytes], each row K / block blocks of
     format ``fmt`` ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K" or "Q6_K") -> float32 [M, N].
+    With ``packed_rows=N``, ``weight`` is those N rows in the packed layout of
+    ``quant_pack`` (the int8 arithmetic reads it fastest; the same bits either way).
 
     ``arithmetic="int8"`` (default, the faster): each row of ``x`` is quantized per block
     of 32 to int8 with a float scale (amax / 127), the weights' quants are unpacked to
@@ -361,12 +364,53 @@ def quant_linear(x, weight, fmt, *, out=None, num_threads=None, isa="auto", arit
     if k % block:
         raise ValueError(f"{op}: x.shape[1] (K) must be a multiple of {fmt}'s block of {block}, "
                          f"got {k}")
-    if weight.shape[1] != row_bytes(fmt, k):
-        raise ValueError(f"{op}: weight must be [N, {row_bytes(fmt, k)}] ({fmt} rows of K = {k}), "
-                         f"got {list(weight.shape)}")
-    num_threads, out = _threads_and_out(op, num_threads, out, (x.shape[0], weight.shape[0]))
+    if packed_rows is None:
+        if weight.shape[1] != row_bytes(fmt, k):
+            raise ValueError(f"{op}: weight must be [N, {row_bytes(fmt, k)}] ({fmt} rows of "
+                             f"K = {k}), got {list(weight.shape)}")
+        n = weight.shape[0]
+    else:
+        if isinstance(packed_rows, bool) or not isinstance(packed_rows, int) or packed_rows < 0:
+            raise ValueError(f"{op}: packed_rows must be an int >= 0, got {packed_rows!r}")
+        g = _C.QUANT_PACK_ROWS
+        want = [(packed_rows + g - 1) // g, g * row_bytes(fmt, k)]
+        if list(weight.shape) != want or not weight.is_contiguous():
+            raise ValueError(f"{op}: a packed weight of {packed_rows} rows must be contiguous "
+                             f"{want} ({fmt}, K = {k}), got {list(weight.shape)}")
+        n = packed_rows
+    num_threads, out = _threads_and_out(op, num_threads, out, (x.shape[0], n))
     _C.quant_linear(_last_dim_contiguous(x), _last_dim_contiguous(weight),
-                    QUANT_FORMATS[fmt][0], out, num_threads, isa, False, arithmetic)
+                    QUANT_FORMATS[fmt][0], out, num_threads, isa, False, arithmetic,
+                    -1 if packed_rows is None else packed_rows)
+    return out
+
+
+def quant_pack(weight, fmt):
+    """``weight`` (uint8 CPU [N, row_bytes] in format ``fmt``, as ``quant_linear``) in the
+    packed layout: uint8 [ceil(N / 16), 16 * row_bytes], the rows in groups of 16 (the
+    last padded with zero rows), each field of the 16 rows side by side: the 2-byte halves
+    (d, dmin, m) as 16 halves, the rest as 4-byte pieces, the piece of c bytes at offset x
+    of row r stored at 16 x + c r of its group (csrc/include/verispec/quant.h). The int8
+    kernel then loads each field as it is and reads a group as one stream. Pass the result
+    to ``quant_linear`` with ``packed_rows=N``."""
+    from verispec.models.quantized import QUANT_FORMATS, row_bytes
+
+    op = "quant_pack"
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"{op}: fmt must be one of {', '.join(QUANT_FORMATS)}, got {fmt!r}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{op}: weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2 or weight.dtype != torch.uint8 or weight.device.type != "cpu":
+        raise ValueError(f"{op}: weight must be a 2-D torch.uint8 CPU tensor, got "
+                         f"{_describe(weight)} on {weight.device}")
+    size = QUANT_FORMATS[fmt][2]
+    if weight.shape[1] == 0 or weight.shape[1] % size:
+        raise ValueError(f"{op}: weight's rows must be whole {fmt} blocks of {size} bytes, got "
+                         f"{weight.shape[1]} bytes")
+    k = weight.shape[1] // size * QUANT_FORMATS[fmt][1]
+    g = _C.QUANT_PACK_ROWS
+    out = torch.empty(((weight.shape[0] + g - 1) // g, g * row_bytes(fmt, k)), dtype=torch.uint8)
+    _C.quant_pack16(_last_dim_contiguous(weight), QUANT_FORMATS[fmt][0], k, out)
     return out
 
 

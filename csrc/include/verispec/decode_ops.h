@@ -110,7 +110,8 @@ struct QuantMatrixRef {
   QuantType type[kMaxParts] = {};
   const uint8_t* data[kMaxParts] = {};
   int64_t rows[kMaxParts] = {};
-  int64_t ldw[kMaxParts] = {};  // bytes per row
+  int64_t ldw[kMaxParts] = {};  // bytes per row (kRows)
+  QuantLayout layout[kMaxParts] = {};
   int64_t n = 0, k = 0;
 };
 

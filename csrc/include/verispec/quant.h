@@ -81,9 +81,35 @@ const char* quant_type_name(QuantType type);
 int64_t quant_block_elems(QuantType type);  // weights per block
 int64_t quant_block_bytes(QuantType type);  // bytes per block
 
+// How a matrix's blocks lie in memory.
+//
+// kRows: row n's blocks, in order, at w + n * ldw (the file's layout).
+// kPacked16: the rows in groups of 16 (the last group padded with zero rows), group g
+//   at w + 16 * row_bytes * g. A row's bytes are cut into chunks: 2 bytes for each IEEE
+//   half field (d, dmin, m) and 4 bytes for everything else (quants, scales, high bits),
+//   in order; the chunk of c bytes at offset x of row r's bytes is stored at 16 x + c r of
+//   its group. So a field's values for the 16 rows lie side by side, one 64-byte line per
+//   4 bytes of each row (lane r: row r) or 32 bytes for a half: the int8 kernel loads them
+//   as they are (no transposes) and reads each group as one stream. Same bytes in all
+//   (plus the padding); quant_pack16 / quant_unpack16 convert.
+enum class QuantLayout : int32_t { kRows = 0, kPacked16 = 1 };
+constexpr int64_t kQuantPackRows = 16;
+
+// Bytes of n rows of k weights packed (16 * row_bytes per group of 16 rows).
+int64_t quant_packed_bytes(QuantType type, int64_t n, int64_t k);
+// out (quant_packed_bytes) = rows 0..n of w ([n, k] blocks, row stride ldw) packed.
+std::string quant_pack16(QuantType type, const uint8_t* w, int64_t n, int64_t k, int64_t ldw,
+                         uint8_t* out);
+// out[i] (row stride ldo bytes) = row row0 + i of the packed n x k matrix `packed`, in the
+// file's layout, for i < count.
+std::string quant_unpack16(QuantType type, const uint8_t* packed, int64_t n, int64_t k, int64_t row0,
+                           int64_t count, uint8_t* out, int64_t ldo);
+
 struct QuantLinearArgs {
   const float* x = nullptr;    // [m, k], row stride ldx (elements)
-  const uint8_t* w = nullptr;  // [n, k] in blocks of `type`, row stride ldw (bytes)
+  const uint8_t* w = nullptr;  // [n, k] in blocks of `type`: kRows row stride ldw (bytes);
+                               // kPacked16 packed (ldw unused)
+  QuantLayout layout = QuantLayout::kRows;
   float* y = nullptr;          // [m, n], row stride ldy (elements)
   int64_t m = 0, n = 0, k = 0;
   int64_t ldx = 0, ldw = 0, ldy = 0;
@@ -99,9 +125,10 @@ struct QuantLinearArgs {
 std::string quant_linear_f32(const QuantLinearArgs& args);
 
 // out[r, 0..k) = the float32 weights of rows[r] of w ([n, k] blocks, row stride ldw
-// bytes); out row stride ldo elements. rows == nullptr: rows 0..count-1.
+// bytes; packed: ldw unused); out row stride ldo elements. rows == nullptr: rows 0..count-1.
 std::string quant_dequantize_rows(QuantType type, const uint8_t* w, int64_t n, int64_t k,
                                   int64_t ldw, const int64_t* rows, int64_t count, float* out,
-                                  int64_t ldo, LinearIsa isa = LinearIsa::kAuto);
+                                  int64_t ldo, LinearIsa isa = LinearIsa::kAuto,
+                                  QuantLayout layout = QuantLayout::kRows);
 
 }  // namespace verispec

@@ -409,6 +409,7 @@ std::string quant_product(const QuantMatrixRef& w, const float* x, int64_t m, fl
     a.k = w.k;
     a.ldx = w.k;
     a.ldw = w.ldw[p];
+    a.layout = w.layout[p];
     a.ldy = w.n;
     a.type = w.type[p];
     a.num_threads = threads;

@@ -213,8 +213,14 @@ void rows_scalar(const QuantLinearArgs& a, const QuantX& xq, int64_t n0, int64_t
   const bool has_mins = a.type == QuantType::kQ4_1 || a.type == QuantType::kQ4_K ||
                         a.type == QuantType::kQ5_K;
   alignas(32) uint8_t u[32];
+  const int64_t rb = a.k / quant_block_elems(a.type) * quant_block_bytes(a.type);
+  std::vector<uint8_t> unpacked(a.layout == QuantLayout::kPacked16 ? static_cast<size_t>(rb) : 0);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = a.w + n * a.ldw;
+    if (!unpacked.empty()) {  // packed: the row back in the file's layout
+      quant_unpack16(a.type, a.w, a.n, a.k, n, 1, unpacked.data(), rb);
+      row = unpacked.data();
+    }
     for (int64_t m = 0; m < a.m; ++m) {
       float y = 0.0f;
       for (int64_t b = 0; b < nb; ++b) {
@@ -358,13 +364,14 @@ void quant_linear_int8(const QuantLinearArgs& a, LinearIsa isa) {
   Job job{&a, &xq, &rows_scalar, 0};
 #if VERISPEC_X86
   switch (int8_path(isa)) {
-    case Int8Path::kAvx512Vnni: job.rows = vnni512::rows_for_type(a.type); break;
-    case Int8Path::kAvxVnni: job.rows = avxvnni::rows_for_type(a.type); break;
-    case Int8Path::kAvx2: job.rows = avx2::rows_for_type(a.type); break;
+    case Int8Path::kAvx512Vnni: job.rows = vnni512::rows_for_type(a.type, a.layout); break;
+    case Int8Path::kAvxVnni: job.rows = avxvnni::rows_for_type(a.type, a.layout); break;
+    case Int8Path::kAvx2: job.rows = avx2::rows_for_type(a.type, a.layout); break;
     case Int8Path::kScalar: break;
   }
 #endif
-  // N split in parts of whole rows (a multiple of 16), at least 2^16 multiply-adds each.
+  // N split in parts of whole rows (a multiple of 16: packed, whole groups), at least 2^16
+  // multiply-adds each.
   const int64_t work = a.m * a.n * a.k;
   int64_t parts = std::min<int64_t>(a.num_threads, std::max<int64_t>(1, work / (int64_t{1} << 16)));
   parts = std::max<int64_t>(1, std::min<int64_t>(parts, (a.n + kRows - 1) / kRows));

@@ -56,6 +56,11 @@ const char* int8_path_name(Int8Path path);
 // empty name undoes it. Returns an error when the name is unknown or the CPU lacks it.
 std::string int8_force_path(const char* name);
 
+// Rows 0..rows-1 (<= 16) of one packed group (QuantLayout::kPacked16) in the file's layout,
+// row stride ldo bytes.
+void unpack16_group(QuantType type, int64_t k, const uint8_t* group, int64_t rows, uint8_t* out,
+                    int64_t ldo);
+
 // y = x w^T in the int8 arithmetic; arguments checked by quant_linear_f32.
 void quant_linear_int8(const QuantLinearArgs& args, LinearIsa isa);
 

@@ -400,8 +400,7 @@ struct Job {
 };
 
 #if VERISPEC_X86
-void run_part_fused(const Job& job, int64_t n0, int64_t n1) {
-  const QuantLinearArgs& a = *job.args;
+void run_part_fused(const Job& job, const QuantLinearArgs& a, int64_t n0, int64_t n1) {
   const FusedFn* table = static_cast<const FusedFn*>(job.fused);
   const int mb = static_cast<int>(a.m);  // <= kLinearRowBlock on this path
   FusedTile t{a.x, nullptr, nullptr, a.ldx, a.ldw, a.ldy, a.k / 32};
@@ -419,14 +418,11 @@ void run_part_fused(const Job& job, int64_t n0, int64_t n1) {
 }
 #endif
 
-void run_part(void* ctx, int part) {
-  const Job& job = *static_cast<const Job*>(ctx);
-  const QuantLinearArgs& a = *job.args;
-  const int64_t n0 = part * job.cols_per_part;
-  const int64_t n1 = std::min(a.n, n0 + job.cols_per_part);
+// Rows n0..n1 of a (the file's layout).
+void run_rows(const Job& job, const QuantLinearArgs& a, int64_t n0, int64_t n1) {
 #if VERISPEC_X86
   if (job.fused != nullptr) {
-    run_part_fused(job, n0, n1);
+    run_part_fused(job, a, n0, n1);
     return;
   }
 #endif
@@ -443,6 +439,33 @@ void run_part(void* ctx, int part) {
                               a.y + m0 * a.ldy + n, a.ldy, a.k);
     }
     n += rows;
+  }
+}
+
+void run_part(void* ctx, int part) {
+  const Job& job = *static_cast<const Job*>(ctx);
+  const QuantLinearArgs& a = *job.args;
+  const int64_t n0 = part * job.cols_per_part;
+  const int64_t n1 = std::min(a.n, n0 + job.cols_per_part);
+  if (a.layout == QuantLayout::kRows) {
+    run_rows(job, a, n0, n1);
+    return;
+  }
+  // Packed: each group of 16 rows back in the file's layout (parts are whole groups), then
+  // the same rows as from the file.
+  const int64_t rb = a.k / quant_block_elems(a.type) * quant_block_bytes(a.type);
+  thread_local std::vector<uint8_t> rows_bytes;
+  if (rows_bytes.size() < static_cast<size_t>(kQuantPackRows * rb)) rows_bytes.resize(kQuantPackRows * rb);
+  QuantLinearArgs g = a;
+  g.layout = QuantLayout::kRows;
+  g.w = rows_bytes.data();
+  g.ldw = rb;
+  for (int64_t n = n0; n < n1; n += kQuantPackRows) {
+    const int64_t rows = std::min<int64_t>(kQuantPackRows, n1 - n);
+    quant_detail::unpack16_group(a.type, a.k, a.w + n * rb, rows, rows_bytes.data(), rb);
+    g.n = rows;
+    g.y = a.y + n;
+    run_rows(job, g, 0, rows);
   }
 }
 
@@ -518,7 +541,10 @@ std::string quant_linear_f32(const QuantLinearArgs& a) {
   if (a.m < 0 || a.n < 0 || a.k < 0)
     return "sizes must be >= 0, got m = " + std::to_string(a.m) + ", n = " + std::to_string(a.n) +
            ", k = " + std::to_string(a.k);
-  std::string error = check_weights(a.type, a.n, a.k, a.ldw);
+  const bool packed = a.layout == QuantLayout::kPacked16;
+  if (!packed && a.layout != QuantLayout::kRows)
+    return "unknown weight layout " + std::to_string(static_cast<int32_t>(a.layout));
+  std::string error = check_weights(a.type, a.n, a.k, packed ? INT64_MAX : a.ldw);
   if (!error.empty()) return error;
   if (a.ldx < a.k || a.ldy < a.n)
     return "row strides must cover a row: ldx = " + std::to_string(a.ldx) + " (>= k = " +
@@ -531,7 +557,7 @@ std::string quant_linear_f32(const QuantLinearArgs& a) {
   const int64_t row_bytes = a.k / quant_block_elems(a.type) * quant_block_bytes(a.type);
   const int64_t y_bytes = ((a.m - 1) * a.ldy + a.n) * 4;
   if (overlaps(a.y, y_bytes, a.x, ((a.m - 1) * a.ldx + a.k) * 4) ||
-      overlaps(a.y, y_bytes, a.w, (a.n - 1) * a.ldw + row_bytes))
+      overlaps(a.y, y_bytes, a.w, packed ? quant_packed_bytes(a.type, a.n, a.k) : (a.n - 1) * a.ldw + row_bytes))
     return "the output must not overlap x or w";
 
   const LinearIsa isa = linear_detail::resolve_isa(a.isa);
@@ -542,9 +568,10 @@ std::string quant_linear_f32(const QuantLinearArgs& a) {
   const int wide = linear_detail::tile_rows(isa);
   const int64_t work = a.m * a.n * std::max<int64_t>(a.k, 1);
   int64_t parts = std::min<int64_t>(a.num_threads, std::max<int64_t>(1, work / kMinWorkPerThread));
-  parts = std::min<int64_t>(parts, (a.n + wide - 1) / wide);
+  const int64_t align = packed ? kQuantPackRows : wide;  // packed: parts of whole groups
+  parts = std::min<int64_t>(parts, (a.n + align - 1) / align);
   int64_t per = (a.n + parts - 1) / parts;
-  per = (per + wide - 1) / wide * wide;
+  per = (per + align - 1) / align * align;
   parts = (a.n + per - 1) / per;
   const DequantFn dequant = dequant_for(isa);
   const void* fused = nullptr;
@@ -559,13 +586,16 @@ std::string quant_linear_f32(const QuantLinearArgs& a) {
 
 std::string quant_dequantize_rows(QuantType type, const uint8_t* w, int64_t n, int64_t k,
                                   int64_t ldw, const int64_t* rows, int64_t count, float* out,
-                                  int64_t ldo, LinearIsa isa) {
+                                  int64_t ldo, LinearIsa isa, QuantLayout layout) {
   if (!quant_type_supported(static_cast<int32_t>(type)))
     return "unsupported quantization type id " + std::to_string(static_cast<int32_t>(type));
   if (n < 0 || k < 0 || count < 0)
     return "sizes must be >= 0, got n = " + std::to_string(n) + ", k = " + std::to_string(k) +
            ", count = " + std::to_string(count);
-  std::string error = check_weights(type, n, k, ldw);
+  const bool packed = layout == QuantLayout::kPacked16;
+  if (!packed && layout != QuantLayout::kRows)
+    return "unknown weight layout " + std::to_string(static_cast<int32_t>(layout));
+  std::string error = check_weights(type, n, k, packed ? INT64_MAX : ldw);
   if (!error.empty()) return error;
   if (ldo < k) return "ldo must be >= k = " + std::to_string(k) + ", got " + std::to_string(ldo);
   if (!linear_isa_supported(isa))
@@ -578,9 +608,16 @@ std::string quant_dequantize_rows(QuantType type, const uint8_t* w, int64_t n, i
   }
   const DequantFn dequant = dequant_for(linear_detail::resolve_isa(isa));
   const int64_t blocks = k / quant_block_elems(type);
+  const int64_t rb = blocks * quant_block_bytes(type);
+  std::vector<uint8_t> row_bytes(packed ? static_cast<size_t>(rb) : 0);
   for (int64_t i = 0; i < count; ++i) {
     const int64_t row = rows != nullptr ? rows[i] : i;
-    dequant(type, w + row * ldw, blocks, out + i * ldo);
+    const uint8_t* src = w + row * ldw;
+    if (packed) {
+      quant_unpack16(type, w, n, k, row, 1, row_bytes.data(), rb);
+      src = row_bytes.data();
+    }
+    dequant(type, src, blocks, out + i * ldo);
   }
   return "";
 }

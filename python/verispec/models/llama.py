@@ -181,7 +181,9 @@ class LlamaWeights:
                         if tuple(p.shape) != shape:
                             raise ValueError(f"LlamaWeights: {name} must have shape {list(shape)}, "
                                              f"got {list(p.shape)}")
-                    return parts[0] if len(parts) == 1 else QuantizedMatrix.cat(parts)
+                    # In the layout of the arithmetic's kernel, once (int8: packed).
+                    m = parts[0] if len(parts) == 1 else QuantizedMatrix.cat(parts)
+                    return m.for_arithmetic()
             return matmul_layout(torch.cat([get(name, shape) for name, shape in names]))
 
         c = config
@@ -602,9 +604,9 @@ class _NativeLayerOps:
 
 def _matrix_ref(m: QuantizedMatrix) -> tuple:
     """A QuantizedMatrix as _C._QuantDecodeLayers reads it: (n, k, [(ggml type id, data
-    pointer, rows, bytes per row) per part])."""
-    return (m.shape[0], m.k, [(QUANT_FORMATS[p.fmt][0], p.data.data_ptr(), p.data.shape[0],
-                               p.data.stride(0)) for p in m.parts])
+    pointer, rows, bytes per row, packed) per part])."""
+    return (m.shape[0], m.k, [(QUANT_FORMATS[p.fmt][0], p.data.data_ptr(), p.rows,
+                               p.data.stride(0), p.packed) for p in m.parts])
 
 
 def split_evenly(n: int, world_size: int, rank: int) -> tuple[int, int]:
