@@ -12,8 +12,10 @@ step). Writes JSON.
 
 Then the quantized kernels (``--quant``, default every format): the same pass with the
 matrices in each GGUF block format (random blocks), verispec's quantized kernel at every
-M in each arithmetic (``quant_<fmt>_ms``: int8, the default; ``quant_<fmt>_float_ms``:
-dequantized float32; alternating with the rest), and its weight bytes per pass. K-quants need K to be a multiple
+M in each arithmetic, each on the layout a model keeps for it (``quant_<fmt>_ms``: int8,
+the default, on the packed layout; ``quant_<fmt>_rows_ms``: int8 on the file's layout;
+``quant_<fmt>_float_ms``: dequantized float32 on the file's layout; alternating with the
+rest), and its weight bytes per pass. K-quants need K to be a multiple
 of 256, so for them K = 576 is rounded up to 768 (their pass reads 4/3 of the inputs).
 
     .venv/bin/python bench/bench_linear.py --out bench/out/linear.json
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 
 import verispec
-from verispec import _C
+from verispec import _C, ops
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
@@ -95,20 +97,22 @@ def main(argv=None) -> int:
                     .half().view(torch.uint8)
             mats[-1] = (data.reshape(n, -1).contiguous(), k)
         quant_bytes[fmt] = sum(d.numel() for d, _ in mats)
+        packed = [(ops.quant_pack(d, fmt), k, d.shape[0], True) for d, k in mats]
 
-        def quant_pass(mats=mats, tid=tid, int8=True):
+        def quant_pass(mats, tid=tid, int8=True):
             def run(xs):
                 native = _C._quant_linear_unchecked
-                for data, k in mats:
+                for data, k, n, is_packed in mats:
                     x = xs[k]
                     m = x.shape[0]
-                    n = data.shape[0]
                     out = torch.empty((m, n))
                     native(x.data_ptr(), data.data_ptr(), out.data_ptr(), m, n, k, k,
-                           data.stride(0), n, tid, threads, int8)
+                           data.stride(0), n, tid, threads, int8, is_packed)
             return run
-        engines[f"quant_{fmt}"] = quant_pass()
-        engines[f"quant_{fmt}_float"] = quant_pass(int8=False)
+        rows_layout = [(d, k, d.shape[0], False) for d, k in mats]
+        engines[f"quant_{fmt}"] = quant_pass(packed)
+        engines[f"quant_{fmt}_rows"] = quant_pass(rows_layout)
+        engines[f"quant_{fmt}_float"] = quant_pass(rows_layout, int8=False)
     rows = []
     print(f"verispec {verispec.__version__}, torch {torch.__version__}, {threads} threads, "
           f"isa {_C.linear_best_isa()}, threads on {_C.linear_threads()}; "
@@ -145,7 +149,7 @@ def main(argv=None) -> int:
                      f"**{r['speedup_row']:.2f}x** | {r['torch_col_ms']:.1f} | {r['verispec_col_ms']:.1f} | "
                      f"**{r['speedup_col']:.2f}x** | {rel} |")
     if args.quant:
-        lines += ["", "| rows M | " + " | ".join(f"{f} int8 / float ms" for f in args.quant)
+        lines += ["", "| rows M | " + " | ".join(f"{f} int8 packed / int8 / float ms" for f in args.quant)
                   + " | float32 column-major verispec/torch.mm ms |",
                   "|---:|" + "---:|" * (len(args.quant) + 1),
                   "| MB per pass | " + " | ".join(f"{quant_bytes[f] / 1e6:.0f}" for f in args.quant)
@@ -153,7 +157,8 @@ def main(argv=None) -> int:
         for r in rows:
             best_f32 = r["verispec_col_ms"] if r["rows"] > 1 else r["torch_col_ms"]
             lines.append(f"| {r['rows']} | " + " | ".join(
-                f"{r[f'quant_{f}_ms']:.1f} / {r[f'quant_{f}_float_ms']:.1f}" for f in args.quant)
+                f"{r[f'quant_{f}_ms']:.1f} / {r[f'quant_{f}_rows_ms']:.1f} / "
+                f"{r[f'quant_{f}_float_ms']:.1f}" for f in args.quant)
                 + f" | {best_f32:.1f} |")
     table = "\n".join(lines)
     print(table)

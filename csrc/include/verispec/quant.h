@@ -43,9 +43,10 @@
 // order:
 //   y = fma(float(P), fl(ws * dx_b), y);  y = fma(float(S), fl(wc * dx_b), y)
 // The vector paths run 16 weight rows side by side, one per lane (a block's quants of the
-// 16 rows transposed in registers, so each block's integer sum stays whole in its row's
-// lane): one float sequence on every instruction set, so every path computes the same
-// bits (tested).
+// 16 rows loaded as they lie in the packed layout, QuantLayout::kPacked16, or transposed in
+// registers from the file's layout, so each block's integer sum stays whole in its row's
+// lane): one float sequence on every instruction set and layout, so every path computes
+// the same bits (tested).
 // Accuracy against a float64 dot product of the dequantized weights w (the activation
 // rounding dominates: |x_k - dx_b q_k| <= 0.50003 amax_b / 127):
 //   |y - y64| <= sum_b 0.50003 * amax_b / 127 * sum_{k in b} |w_k|
