@@ -16,6 +16,7 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define VERISPEC_X86 1
+#include <immintrin.h>
 #endif
 
 #define VERISPEC_INLINE inline __attribute__((always_inline))
@@ -67,6 +68,166 @@ VERISPEC_INLINE float dot(const float* a, const float* b, int64_t n) {
   return lane_sum(acc);
 }
 
+#if VERISPEC_X86
+// dot() with the 16 lanes in registers: the same products, sums and halving, so the same
+// bits (a horizontal sum of a lane array costs the loop form ~30 scalar operations and
+// store-to-load round trips per dot: most of an attention call).
+__attribute__((target("avx512f,avx2"))) VERISPEC_INLINE float dot_avx512(const float* a, const float* b,
+                                                                         int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    acc = _mm512_mask_add_ps(acc, m, acc,
+                             _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i)));
+  }
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// The same with the lanes as two 256-bit halves (lanes 0..7, 8..15).
+__attribute__((target("avx2"))) VERISPEC_INLINE float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8)));
+  }
+  alignas(32) float lanes[kLanes];
+  _mm256_store_ps(lanes, lo);
+  _mm256_store_ps(lanes + 8, hi);
+  for (int l = 0; i + l < n; ++l) lanes[l] += a[i + l] * b[i + l];
+  const __m256 s8 = _mm256_add_ps(_mm256_load_ps(lanes), _mm256_load_ps(lanes + 8));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#endif
+
+// scores[g * keys + j] = (q_g . k_j) * scale for query heads g < nq (rows of q, d apart) and
+// the keys at k_pool + (slots[j] * nkv + kvh) * d.
+#define VERISPEC_SCORES(suffix, target_attr, dot_fn)                                          \
+  target_attr void scores_##suffix(const float* q, const float* k_pool, const int64_t* slots,  \
+                                   int64_t keys, int64_t nkv, int64_t kvh, int64_t d,          \
+                                   int64_t nq, float scale, float* scores) {                   \
+    for (int64_t g = 0; g < nq; ++g)                                                           \
+      for (int64_t j = 0; j < keys; ++j)                                                       \
+        scores[g * keys + j] = dot_fn(q + g * d, k_pool + (slots[j] * nkv + kvh) * d, d) * scale; \
+  }
+
+// out[g] = sum_j p[g * keys + j] * v_j (j in order, from 0) for g < nq, v_j at v_pool +
+// (slots[j] * nkv + kvh) * d: plain loops (the compiler vectorizes over the d elements).
+VERISPEC_INLINE void values_loops(const float* p, const float* v_pool, const int64_t* slots,
+                                  int64_t keys, int64_t nkv, int64_t kvh, int64_t d, int64_t nq,
+                                  float* out) {
+  for (int64_t i = 0; i < nq * d; ++i) out[i] = 0.0f;
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* v = v_pool + (slots[j] * nkv + kvh) * d;
+    for (int64_t g = 0; g < nq; ++g) {
+      const float pj = p[g * keys + j];
+      float* o = out + g * d;
+      for (int64_t i = 0; i < d; ++i) o[i] += pj * v[i];
+    }
+  }
+}
+
+VERISPEC_SCORES(portable, , dot)
+void values_portable(const float* p, const float* v_pool, const int64_t* slots, int64_t keys,
+                     int64_t nkv, int64_t kvh, int64_t d, int64_t nq, float* out) {
+  values_loops(p, v_pool, slots, keys, nkv, kvh, d, nq, out);
+}
+#if VERISPEC_X86
+VERISPEC_SCORES(avx2, __attribute__((target("avx2"))), dot_avx2)
+__attribute__((target("avx2"))) void values_avx2(const float* p, const float* v_pool,
+                                                 const int64_t* slots, int64_t keys, int64_t nkv,
+                                                 int64_t kvh, int64_t d, int64_t nq, float* out) {
+  values_loops(p, v_pool, slots, keys, nkv, kvh, d, nq, out);
+}
+
+// AVX-512 with d = 16 C (C = 4, 8: head sizes 64 and 128): q's and the output rows stay in
+// registers across the keys (the loop forms keep them in memory, and each key's sum then
+// waits on the last key's store). The same operations in the same order as the loops.
+template <int C>
+__attribute__((target("avx512f,avx2"))) void scores_avx512_d(const float* q, const float* k_pool,
+                                                             const int64_t* slots, int64_t keys,
+                                                             int64_t nkv, int64_t kvh, int64_t nq,
+                                                             float scale, float* scores) {
+  constexpr int64_t d = 16 * C;
+  for (int64_t g = 0; g < nq; ++g) {
+    __m512 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * d + 16 * c);
+    for (int64_t j = 0; j < keys; ++j) {
+      const float* k = k_pool + (slots[j] * nkv + kvh) * d;
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) acc = _mm512_add_ps(acc, _mm512_mul_ps(qv[c], _mm512_loadu_ps(k + 16 * c)));
+      const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      scores[g * keys + j] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) * scale;
+    }
+  }
+}
+
+// G query heads at a time (16 registers of sums), so a key's G * C sums are independent.
+template <int C>
+__attribute__((target("avx512f,avx2"))) void values_avx512_d(const float* p, const float* v_pool,
+                                                             const int64_t* slots, int64_t keys,
+                                                             int64_t nkv, int64_t kvh, int64_t nq,
+                                                             float* out) {
+  constexpr int64_t d = 16 * C;
+  constexpr int G = 16 / C;
+  for (int64_t g0 = 0; g0 < nq; g0 += G) {
+    const int ng = static_cast<int>(std::min<int64_t>(G, nq - g0));
+    __m512 o[G][C];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) o[g][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < keys; ++j) {
+      const float* v = v_pool + (slots[j] * nkv + kvh) * d;
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        if (g >= ng) break;
+        const __m512 pj = _mm512_set1_ps(p[(g0 + g) * keys + j]);
+        for (int c = 0; c < C; ++c) o[g][c] = _mm512_add_ps(o[g][c], _mm512_mul_ps(pj, vv[c]));
+      }
+    }
+    for (int g = 0; g < ng; ++g)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (g0 + g) * d + 16 * c, o[g][c]);
+  }
+}
+
+__attribute__((target("avx512f,avx2"))) void scores_avx512(const float* q, const float* k_pool,
+                                                           const int64_t* slots, int64_t keys,
+                                                           int64_t nkv, int64_t kvh, int64_t d,
+                                                           int64_t nq, float scale, float* scores) {
+  if (d == 64) return scores_avx512_d<4>(q, k_pool, slots, keys, nkv, kvh, nq, scale, scores);
+  if (d == 128) return scores_avx512_d<8>(q, k_pool, slots, keys, nkv, kvh, nq, scale, scores);
+  for (int64_t g = 0; g < nq; ++g)
+    for (int64_t j = 0; j < keys; ++j)
+      scores[g * keys + j] = dot_avx512(q + g * d, k_pool + (slots[j] * nkv + kvh) * d, d) * scale;
+}
+
+__attribute__((target("avx512f,avx2"))) void values_avx512(const float* p, const float* v_pool,
+                                                           const int64_t* slots, int64_t keys,
+                                                           int64_t nkv, int64_t kvh, int64_t d,
+                                                           int64_t nq, float* out) {
+  if (d == 64) return values_avx512_d<4>(p, v_pool, slots, keys, nkv, kvh, nq, out);
+  if (d == 128) return values_avx512_d<8>(p, v_pool, slots, keys, nkv, kvh, nq, out);
+  values_loops(p, v_pool, slots, keys, nkv, kvh, d, nq, out);
+}
+#endif
+#undef VERISPEC_SCORES
+using ScoresFn = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, float, float*);
+using ValuesFn = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, float*);
+
 // ---- RoPE and the cache write ----------------------------------------------------------
 
 VERISPEC_INLINE void rope_row(const float* x, const float* c, const float* s, int64_t d, float* y) {
@@ -107,6 +268,7 @@ struct AttentionJob {
   void (*item_fn)(const AttentionJob&, int64_t);
 };
 
+template <ScoresFn Scores, ValuesFn Values>
 VERISPEC_INLINE void attend_body(const AttentionJob& job, int64_t item) {
   const PagedAttentionArgs& a = *job.a;
   const int64_t d = a.head_dim, nh = a.num_heads, nkv = a.num_kv_heads;
@@ -154,15 +316,20 @@ VERISPEC_INLINE void attend_body(const AttentionJob& job, int64_t item) {
     scratch.resize(static_cast<size_t>(nq * keys));
   float* scores = scratch.data();  // [nq, keys]
   const float* q = a.q + t * nh * d;
-  for (int64_t j = 0; j < keys; ++j) {
-    const float* k = a.k_pool + (slots[j] * nkv + kvh) * d;
-    for (int64_t g = 0; g < nq; ++g) scores[g * keys + j] = dot(q + (h0 + g) * d, k, d) * a.scale;
-  }
+  Scores(q + h0 * d, a.k_pool, slots.data(), keys, nkv, kvh, d, nq, a.scale, scores);
   float sums[64];  // nq <= group <= 64 (checked)
   for (int64_t g = 0; g < nq; ++g) {
     float* sg = scores + g * keys;
-    float m = sg[0];
-    for (int64_t j = 1; j < keys; ++j) m = sg[j] > m ? sg[j] : m;
+    // The largest score, as m = sg[j] > m ? sg[j] : m from m = sg[0] in order would find
+    // it, in 16 lanes (the same value, a zero's sign aside, which no exp below sees).
+    float lane_max[kLanes];
+    for (int l = 0; l < kLanes; ++l) lane_max[l] = sg[0];
+    int64_t jm = 0;
+    for (; jm + kLanes <= keys; jm += kLanes)
+      for (int l = 0; l < kLanes; ++l) lane_max[l] = sg[jm + l] > lane_max[l] ? sg[jm + l] : lane_max[l];
+    for (; jm < keys; ++jm) lane_max[0] = sg[jm] > lane_max[0] ? sg[jm] : lane_max[0];
+    float m = lane_max[0];
+    for (int l = 1; l < kLanes; ++l) m = lane_max[l] > m ? lane_max[l] : m;
     float acc[kLanes] = {};
     int64_t j = 0;
     for (; j + kLanes <= keys; j += kLanes)
@@ -176,15 +343,7 @@ VERISPEC_INLINE void attend_body(const AttentionJob& job, int64_t item) {
     }
     sums[g] = lane_sum(acc);
   }
-  for (int64_t i = 0; i < nq * d; ++i) out[i] = 0.0f;
-  for (int64_t j = 0; j < keys; ++j) {
-    const float* v = a.v_pool + (slots[j] * nkv + kvh) * d;
-    for (int64_t g = 0; g < nq; ++g) {
-      const float p = scores[g * keys + j];
-      float* o = out + g * d;
-      for (int64_t i = 0; i < d; ++i) o[i] += p * v[i];
-    }
-  }
+  Values(scores, a.v_pool, slots.data(), keys, nkv, kvh, d, nq, out);
   for (int64_t g = 0; g < nq; ++g)
     for (int64_t i = 0; i < d; ++i) out[g * d + i] = out[g * d + i] / sums[g];
 }
@@ -204,7 +363,7 @@ VERISPEC_INLINE void silu_mul_body(const float* gu, int64_t rows, int64_t inter,
 #define VERISPEC_ISA_FNS(suffix, target_attr)                                              \
   target_attr void rope_kv_##suffix(const RopeKvArgs& a) { rope_kv_body(a); }               \
   target_attr void attend_##suffix(const AttentionJob& j, int64_t item) {                   \
-    attend_body(j, item);                                                                   \
+    attend_body<scores_##suffix, values_##suffix>(j, item);                                 \
   }                                                                                         \
   target_attr void silu_mul_##suffix(const float* gu, int64_t rows, int64_t inter,          \
                                      int64_t ld, float* out, int64_t ldo) {                 \
