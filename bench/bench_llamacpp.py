@@ -22,7 +22,7 @@ generation tokens/s, the time of a generation of N new tokens minus that of 1 ne
 token (the prefill and first token), over N - 1; tokens/s including the prefill, N over
 the time of N; and the first token's seconds. Also: bytes of weights read per token
 (every matrix's bytes: the embedding lookup reads a row) and the measured read
-bandwidth of this machine (a float32 sum over 1 GiB), i.e. the tokens/s a pure
+bandwidth of this machine (a float32 sum over 1 GiB, the median of one per round), i.e. the tokens/s a pure
 weight-streaming decoder would reach. Targets (issue #23), per prompt, on generation
 tokens/s: verispec quantized plain >= llama.cpp plain; verispec's quantized n-gram >= 2x
 llama.cpp best on the copy-heavy prompt, >= 1.3x on open chat; verispec quantized
@@ -263,7 +263,9 @@ def main(argv=None) -> int:
     tokens: dict[tuple[str, str], list[int]] = {}
     for e in engines.values():  # warm-up
         e.run(next(iter(ids_of.values())), 4)
+    bandwidths = []  # measured in every round: the machine's state drifts between rounds
     for _ in range(args.repeats):
+        bandwidths.append(read_bandwidth(args.threads))
         for p, ids in ids_of.items():
             for name, e in engines.items():
                 for count in (1, n):
@@ -272,7 +274,7 @@ def main(argv=None) -> int:
                     if count == n:
                         tokens[p, name] = out
 
-    bandwidth = read_bandwidth(args.threads)
+    bandwidth = statistics.median(bandwidths)
     nbytes = {id(m): weight_bytes(m) for m in (q_model, f_model)}
     rows = []
     for p, ids in ids_of.items():

@@ -178,7 +178,7 @@ class QuantizedMatrix:
 
     def for_arithmetic(self, arithmetic: Optional[str] = None) -> "QuantizedMatrix":
         """The same matrix in the layout ``arithmetic``'s kernel reads fastest (default:
-        ARITHMETIC): packed for int8 (about 1.6x faster at one row, see ``pack``); the file's
+        ARITHMETIC): packed for int8 (1.3x to 1.7x faster at one row, see ``pack``); the file's
         layout for float (its kernel dequantizes rows, and would first have to unpack each
         group of 16: ~1.7x slower at one row). Both kernels read both layouts, same bits."""
         arithmetic = ARITHMETIC if arithmetic is None else arithmetic
