@@ -107,6 +107,27 @@ def test_cost_model_fits_measured_sizes_and_never_makes_a_longer_pass_cheaper():
     assert _C.best_k(0.1, 0.5, passes, 8) == 0
 
 
+def test_the_fit_keeps_decode_sizes_accurate_next_to_prompt_passes():
+    """A server's target passes: decode batches of 16-32 tokens (tens of ms) and whole
+    prompts (over a second). The fit weighs relative errors, so 4 proposals on a batch
+    of 16 rows cost what they were measured to cost; fitted unweighted (as before), the
+    prompts set the line, the cost was flat up to 32 tokens and proposals looked free:
+    n-gram auto then speculated at 0.5x of plain decoding's throughput under load."""
+    cm = _C.CostModel()
+    for t, s in ((16, 0.040), (20, 0.046), (32, 0.064), (700, 1.30), (900, 1.80)):
+        cm.observe_target(t, s)
+    assert cm.target_pass(16) == pytest.approx(0.040, rel=0.1)
+    assert cm.target_pass(20) - cm.target_pass(16) >= 0.005
+    assert cm.target_pass(32) == pytest.approx(0.064, rel=0.1)
+    # 16 decode rows whose lookups are right 30% of the time: proposing does not pay
+    assert _C.best_batch_k([0.3] * 16, [8] * 16, 0.0, cm) == [0] * 16
+    # (the unweighted fit's flat 45 ms up to 32 tokens made it pay)
+    flat = _C.CostModel()
+    for t, s in ((16, 0.0454), (32, 0.0454), (700, 1.3601)):
+        flat.observe_target(t, s)
+    assert sum(_C.best_batch_k([0.3] * 16, [8] * 16, 0.0, flat)) > 0
+
+
 def hinge_cost_model(knee=16, slope=1 / 16):
     """A target pass that costs 1 up to `knee` tokens (memory-bound), then grows by
     `slope` per token (compute-bound), measured at the sizes a decoder would see."""

@@ -96,29 +96,35 @@ void CostModel::fit() {
     flat_ = unit, knee_ = 1.0, slope_ = kPriorSlope * unit;
     return;
   }
+  // Least squares on RELATIVE errors (weights 1 / y^2): the decisions compare passes of
+  // nearby sizes, and a batch's measured sizes span from a few decode rows (tens of ms)
+  // to whole prompts (seconds). Unweighted, the long passes decide the line and the
+  // fitted cost of the decode sizes can be off by 2x or below zero.
+  std::vector<double> w(m);
+  for (size_t i = 0; i < m; ++i) w[i] = 1.0 / std::max(y[i] * y[i], 1e-300);
   double mean = 0;
   for (double v : y) mean += v;
   mean /= static_cast<double>(m);
   // Candidate: flat at the mean (no growth measured, or a falling fit).
   double best_sse = 0;
-  for (double v : y) best_sse += (v - mean) * (v - mean);
+  for (size_t i = 0; i < m; ++i) best_sse += w[i] * (y[i] - mean) * (y[i] - mean);
   flat_ = mean, knee_ = x[0], slope_ = 0.0;
   for (size_t j = 0; j + 1 < m; ++j) {  // knee at x[j]: y = f + s * max(0, x - x[j])
-    double su = 0, sy = 0, suu = 0, suy = 0;
+    double sw = 0, su = 0, sy = 0, suu = 0, suy = 0;
     for (size_t i = 0; i < m; ++i) {
       const double u = std::max(0.0, x[i] - x[j]);
-      su += u, sy += y[i], suu += u * u, suy += u * y[i];
+      sw += w[i], su += w[i] * u, sy += w[i] * y[i], suu += w[i] * u * u, suy += w[i] * u * y[i];
     }
-    const double n = static_cast<double>(m);
-    const double det = n * suu - su * su;
+    const double det = sw * suu - su * su;
     if (!(det > 0)) continue;
-    const double s = (n * suy - su * sy) / det;
+    const double s = (sw * suy - su * sy) / det;
     if (!(s > 0)) continue;  // a falling or flat fit: the flat candidate covers it
-    const double f = (sy - s * su) / n;
+    const double f = (sy - s * su) / sw;
+    if (!(f > 0)) continue;  // a pass costs something
     double sse = 0;
     for (size_t i = 0; i < m; ++i) {
       const double r = y[i] - f - s * std::max(0.0, x[i] - x[j]);
-      sse += r * r;
+      sse += w[i] * r * r;
     }
     if (sse < best_sse * (1.0 - 1e-12)) {
       best_sse = sse;

@@ -343,6 +343,17 @@ void test_cost_model() {
   noisy.observe_target(1, 5.0);
   noisy.observe_target(2, 3.0);
   for (double c : noisy.target_passes(1, 6)) CHECK_NEAR(c, 4.0, 1e-12);
+  // A server's sizes: decode batches of 16-32 tokens (tens of ms) and whole prompts (over
+  // a second). Fitted on relative errors, the decode sizes keep their growth: 4 more
+  // tokens at 16 cost ~6 ms. (Unweighted, the prompts decided the line: flat at 45 ms up
+  // to 32 tokens, so 16 proposals looked free.)
+  verispec::CostModel served;
+  const int64_t sizes[] = {16, 20, 32, 700, 900};
+  const double secs[] = {0.040, 0.046, 0.064, 1.30, 1.80};
+  for (int i = 0; i < 5; ++i) served.observe_target(sizes[i], secs[i]);
+  CHECK_NEAR(served.target_pass(16), 0.040, 0.004);
+  CHECK(served.target_pass(20) - served.target_pass(16) >= 0.005);
+  CHECK_NEAR(served.target_pass(32), 0.064, 0.006);
 }
 
 // The batch rule: with a pass cost flat to 16 tokens and then linear, one row speculates

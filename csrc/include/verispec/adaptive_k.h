@@ -47,7 +47,9 @@ int64_t best_k(double a, double draft_pass, const std::vector<double>& target_pa
 // four per octave; each keeps the average T and seconds it saw). The target cost is a fit
 // through the buckets, a flat memory-bound part then linear compute-bound growth:
 //   target_pass(T) = flat + slope * max(0, T - knee),   slope >= 0,
-// by least squares with the knee at one of the measured T (the best of each). Nothing
+// by least squares on relative errors (each bucket weighted 1 / seconds^2: decode passes
+// of tens of ms and prompt passes of seconds are fitted alike) with the knee at one of the
+// measured T (the best of each; the flat part > 0). Nothing
 // measured: the prior 1 + 0.2 (T - 1) in arbitrary units (a 5-token pass costing 1.8x a
 // 1-token pass, as measured for SmolLM2 on CPU); one bucket: that prior scaled through it;
 // a fit that falls (noise) is flat at the mean, so a longer pass never costs less.
