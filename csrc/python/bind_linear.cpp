@@ -218,8 +218,8 @@ QuantType parse_quant_type(const char* fn, int type_id) {
 class QuantDecodeLayers {
  public:
   // layers: [(attn_norm_ptr, mlp_norm_ptr, wqkv, wo, gate_up, down)], a matrix being
-  // (n, k, [(quant_type, data_ptr, rows, row_bytes, packed), ...]) (packed: the part is in
-  // QuantLayout::kPacked16, row_bytes then unused).
+  // (n, k, [(quant_type, data_ptr, rows, row_bytes[, packed]), ...]) (packed: the part is
+  // in QuantLayout::kPacked16, row_bytes then unused; absent: the file's layout).
   explicit QuantDecodeLayers(const py::list& layers) {
     for (const py::handle& item : layers) {
       const py::tuple layer = py::reinterpret_borrow<py::tuple>(item);
@@ -244,10 +244,11 @@ class QuantDecodeLayers {
           mats[i]->data[p] = reinterpret_cast<const uint8_t*>(part[1].cast<uintptr_t>());
           mats[i]->rows[p] = part[2].cast<int64_t>();
           mats[i]->ldw[p] = part[3].cast<int64_t>();
-          if (part.size() != 5)
+          if (part.size() != 4 && part.size() != 5)
             throw py::value_error("_QuantDecodeLayers: a part is (quant_type, data_ptr, rows, "
-                                  "row_bytes, packed), got " + std::to_string(part.size()) + " entries");
-          mats[i]->layout[p] = part[4].cast<bool>() ? QuantLayout::kPacked16 : QuantLayout::kRows;
+                                  "row_bytes[, packed]), got " + std::to_string(part.size()) + " entries");
+          mats[i]->layout[p] = part.size() == 5 && part[4].cast<bool>() ? QuantLayout::kPacked16
+                                                                        : QuantLayout::kRows;
         }
       }
       layers_.push_back(ref);
