@@ -94,7 +94,10 @@ def sampled_configs(ee):
 
 def run_section(model, ids, configs, *, greedy, repeats, new_tokens, seqs, eos):
     """Median tokens/s and the statistics of each config on one prompt."""
-    decs = [(name, family, SpecDecoder(model, draft, num_blocks=96 * seqs, block_size=16,
+    # each sequence's blocks: its prompt, the new tokens and a step's proposals (a fixed 96
+    # blocks a sequence held 2 GB of cache per decoder at 32 sequences)
+    per_seq = -(-(len(ids) + new_tokens + 32) // 16) + 1
+    decs = [(name, family, SpecDecoder(model, draft, num_blocks=per_seq * seqs, block_size=16,
                                        seed=7, **kw))
             for name, family, draft, kw in configs]
     rates = {name: [] for name, _, _ in decs}
