@@ -15,7 +15,12 @@ k="auto"). The best chain of a family is its fastest fixed-k chain.
 Sampled section (temperature 0.7, --sampled-seqs sequences per run from the decoder's
 seeded stream): the draft model's chain verified token-wise and by block verification
 (SpecDecoder(verify_method="block")), and draft trees with i.i.d. and distinct
-siblings: accepted proposals per step and tokens/s.
+siblings: accepted proposals per step and tokens/s. Block verification's guarantee is
+per step (on the same draft and distributions its expected accepted length is at least
+token-wise's), while two whole decodes walk different texts; so the section also runs the
+token-wise chain once more (untimed) with PairedVerify, which verifies every step's
+inputs both ways with PAIRED_COINS fresh coins each: the two methods' expected accepted
+proposals on the same steps, with the paired difference's z-score.
 
 Each config runs --repeats times, interleaved (plain, c1, ..., plain, c1, ...), and
 reports the median tokens/s; writes JSON (--out) and a PNG beside it, prints a table.
@@ -65,6 +70,7 @@ TREES = ((2, 8), (4, 8), (4, 16))  # n-gram tries: (branches, k nodes)
 DRAFT_KS = (2, 3, 4)
 DRAFT_TREES = ((2, 4), (2, 6), (3, 6))  # draft trees: (branches, k nodes)
 SAMPLED = dict(temperature=0.7)
+PAIRED_COINS = 16  # coin draws per step and method in PairedVerify
 
 
 def greedy_configs(ee):
@@ -121,6 +127,60 @@ def run_section(model, ids, configs, *, greedy, repeats, new_tokens, seqs, eos):
     return out
 
 
+class PairedVerify:
+    """verispec.ops for a token-wise decoder that, at each chain verify of a sampled draft
+    (draft_probs given), also verifies the same inputs token-wise and by block
+    verification with `coins` fresh seeds each (not the decoder's) and keeps, per step,
+    the two methods' mean accepted proposals summed over the batch's rows (self.steps:
+    (token, block, proposing rows)). The decoder itself goes on with its own result."""
+
+    def __init__(self, coins: int = PAIRED_COINS) -> None:
+        self.coins = coins
+        self.steps: list[tuple[float, float, int]] = []
+
+    def __getattr__(self, name):
+        return getattr(verispec.ops, name)
+
+    def verify(self, target, draft_tokens, draft_probs=None, **kw):
+        out = verispec.ops.verify(target, draft_tokens, draft_probs, **kw)
+        if draft_probs is not None and kw.get("method", "token") == "token":
+            mean = {}
+            for method in ("token", "block"):
+                total = 0.0
+                for c in range(self.coins):
+                    coin = dict(kw, seed=1_000_003 + c, offset=len(self.steps), method=method)
+                    total += float(verispec.ops.verify(target, draft_tokens, draft_probs,
+                                                       **coin)[2].double().sum())
+                mean[method] = total / self.coins
+            nd = kw.get("num_draft")
+            rows = int((nd > 0).sum()) if nd is not None else target.shape[0]
+            self.steps.append((mean["token"], mean["block"], rows))
+        return out
+
+    def summary(self) -> dict:
+        """Expected accepted proposals per proposing row-step of each method on the same
+        steps, and the z-score of the summed paired difference (block - token)."""
+        n = len(self.steps)
+        rows = sum(r for _, _, r in self.steps)
+        tok = sum(t for t, _, _ in self.steps)
+        blk = sum(b for _, b, _ in self.steps)
+        diffs = [b - t for t, b, _ in self.steps]
+        sd = statistics.stdev(diffs) if n > 1 else 0.0
+        z = sum(diffs) / (sd * n ** 0.5) if sd > 0 else 0.0
+        return dict(steps=n, row_steps=rows, token=tok / max(rows, 1), block=blk / max(rows, 1),
+                    z=z, coins=self.coins)
+
+
+def paired_block_token(model, ids, ee, k, *, seqs, new_tokens, eos) -> dict:
+    """PairedVerify's summary over one token-wise sampled decode of `seqs` sequences."""
+    paired = PairedVerify()
+    per_seq = -(-(len(ids) + new_tokens + 32) // 16) + 1
+    SpecDecoder(model, ee, k=k, num_blocks=per_seq * seqs, block_size=16, seed=7,
+                ops=paired).generate([ids] * seqs, max_new_tokens=new_tokens, eos_token_id=eos,
+                                     **SAMPLED)
+    return paired.summary()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=96)
@@ -154,7 +214,7 @@ def main(argv=None) -> int:
     SpecDecoder(model, ee, k=4, num_blocks=16, draft_branches=2).generate(
         [[1, 2, 3, 1, 2]], max_new_tokens=4)  # warm up
     eos = list(tok.eos_token_ids)
-    rows, summary = [], {}
+    rows, summary, paired = [], {}, {}
     for pname in names:
         ids = list(tok.apply_chat_template([{"role": "user", "content": PROMPTS[pname]}],
                                            add_generation_prompt=True, tokenize=True))
@@ -177,6 +237,15 @@ def main(argv=None) -> int:
                                  accepted_per_step=r["accepted_per_step"],
                                  acceptance_rate=r["acceptance_rate"]))
             summary.setdefault(pname, {}).update(summarize(rows, pname, section))
+            if not greedy:
+                for k in (2, 4):
+                    ps = paired_block_token(model, ids, ee, k, seqs=args.sampled_seqs,
+                                            new_tokens=args.new_tokens, eos=eos)
+                    paired[(pname, k)] = ps
+                    summary[pname][f"block / token expected accepted per step, same steps, "
+                                   f"k={k}"] = (f"{ps['block']:.3f} / {ps['token']:.3f} "
+                                                f"(z = {ps['z']:.1f}, {ps['row_steps']} "
+                                                f"row-steps)")
     print(f"{'prompt':22} {'section':8} {'draft':26} {'tok/s':>7} {'x plain':>8} {'tok/pass':>9} "
           f"{'acc/step':>9}")
     for r in rows:
@@ -191,7 +260,11 @@ def main(argv=None) -> int:
         threads=args.threads, new_tokens=args.new_tokens, repeats=args.repeats,
         draft=args.draft, early_exit_layers=args.early_exit_layers if args.draft == "early-exit"
         else None, sampled_seqs=args.sampled_seqs,
-        sampled_policy=SAMPLED, rows=rows, summary=summary), indent=2) + "\n")
+        sampled_policy=SAMPLED, rows=rows, summary=summary,
+        paired_block_token=[dict(prompt=pn, k=k, **ps) for (pn, k), ps in paired.items()],
+        block_at_least_token_on_the_same_steps=(all(ps["block"] >= ps["token"]
+                                                     for ps in paired.values())
+                                                 if paired else None)), indent=2) + "\n")
     print(f"wrote {args.out}")
     plot(rows, args.out.with_suffix(".png"))
     print(f"wrote {args.out.with_suffix('.png')}")

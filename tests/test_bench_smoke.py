@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,3 +135,37 @@ def test_bench_serve_quick(tmp_path):
     assert result["summary"]["greedy_texts_agree"] is True
     assert (out / "serve.md").read_text().startswith("# verispec serve under load")
     assert (out / "serve.png").stat().st_size > 0
+
+
+def test_bench_trees_paired_verify_compares_block_and_token_on_the_same_steps():
+    """bench_trees.PairedVerify on a toy pair (a close draft, T = 0.7, k = 4, fixed seeds):
+    it records every sampled chain step, leaves the decoder's own result alone (the text
+    equals an unwrapped decoder's), and block verification's expected acceptance on the
+    same steps comes out above token-wise's by more than 3 paired standard errors (block
+    is never worse per step, Sun et al.; on a close draft it is strictly better, so a
+    PairedVerify that ran token-wise twice would fail)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import bench_trees
+        from toymodels import CacheModel
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+        sys.path.remove(str(ROOT / "tests"))
+    from verispec.decoder import SpecDecoder
+
+    target = CacheModel(32, seed=11, table_rows=211, scale=2.0, max_context=512)
+    draft = CacheModel(32, base=target, noise=0.9, seed=12, max_context=512)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 32, (6,), generator=g).tolist() for _ in range(40)]
+
+    def run(ops):
+        dec = SpecDecoder(target, draft, k=4, num_blocks=2000, block_size=4, seed=3, ops=ops)
+        return [r.tokens for r in dec.generate(prompts, max_new_tokens=64, temperature=0.7)]
+
+    paired = bench_trees.PairedVerify(coins=8)
+    assert run(paired) == run(None)
+    s = paired.summary()
+    assert s["steps"] > 10 and s["row_steps"] > 40 * 4
+    assert 0 < s["token"] < 4 and 0 < s["block"] < 4
+    assert s["z"] > 3, s
