@@ -12,7 +12,9 @@ greedy) at each concurrency of --concurrency (default 1, 4, 16, 64): max(c, 4) r
 per cell, at most c in flight, no new request after --cell-seconds. Two prompts: the
 copy-heavy rewrite and the open chat of ``verispec bench``. The three servers are idle
 but for the one measured; the cells rotate the order of the servers (a shared machine
-drifts between cells).
+drifts between cells). Each cell runs --rounds times (default 3); the table shows the
+median throughput and the median of the per-round ratios to plain (each round's cell
+against plain in that round), the JSON every round.
 
 Per cell: throughput (completion tokens / wall time of the cell), time to first token
 (send -> first content chunk), inter-token latency (the gaps between a stream's content
@@ -27,7 +29,7 @@ copy-heavy prompt, n-gram (k = 5) >= 2x plain.
 Writes serve.json (every number, the settings, the git commit, the machine), serve.md
 (the table, also printed), serve.png (the curves) and the servers' logs into --out.
 
-    PYTHONPATH=python python bench/bench_serve.py            # ~10 min on 2 cores
+    PYTHONPATH=python python bench/bench_serve.py            # ~25 min on 2 cores
     PYTHONPATH=python python bench/bench_serve.py --quick    # smoke run, < 1 min
 """
 
@@ -220,6 +222,35 @@ def _summary(cell: dict, before: dict, after: dict) -> dict:
     }
 
 
+def _medians(rounds: list[dict]) -> list[dict]:
+    """One row per (prompt, concurrency, config) over the rounds: the round whose tok_s is
+    the median's (its latencies and text), with tok_s and vs_plain the medians over the
+    rounds (vs_plain of each round taken against plain in that round), the per-round values
+    beside them, and acceptance, tokens per pass and preemptions over all rounds."""
+    keys = list(dict.fromkeys((r["prompt"], r["concurrency"], r["config"]) for r in rounds))
+    rows = []
+    for key in keys:
+        mine = [r for r in rounds if (r["prompt"], r["concurrency"], r["config"]) == key]
+        by_rate = sorted(mine, key=lambda r: r["tok_s"])
+        row = {k: v for k, v in by_rate[(len(by_rate) - 1) // 2].items() if k != "round"}
+        ratios = [r["vs_plain"] for r in mine if r["vs_plain"] is not None]
+        row.update(
+            rounds=len(mine), tok_s=statistics.median(r["tok_s"] for r in mine),
+            tok_s_rounds=[r["tok_s"] for r in mine],
+            vs_plain=statistics.median(ratios) if ratios else None, vs_plain_rounds=ratios,
+            acceptance=_mean_of([r["acceptance"] for r in mine]),
+            tokens_per_target_pass=_mean_of([r["tokens_per_target_pass"] for r in mine]),
+            preemptions=sum(r["preemptions"] for r in mine),
+            text_equals_plain=all(r["text_equals_plain"] for r in mine))
+        rows.append(row)
+    return rows
+
+
+def _mean_of(values: list[Optional[float]]) -> Optional[float]:
+    got = [v for v in values if v is not None]
+    return sum(got) / len(got) if got else None
+
+
 def _ms(x: Optional[float]) -> Optional[float]:
     return None if x is None else x * 1e3
 
@@ -251,7 +282,7 @@ def run(args) -> dict:
     t_start = time.perf_counter()
     load_before = _loadavg()
     servers = {name: Server(name, flags, args, out) for name, flags in CONFIGS.items()}
-    rows = []
+    rounds = []
     try:
         deadline = time.monotonic() + SERVER_START_S
         for s in servers.values():
@@ -262,32 +293,36 @@ def run(args) -> dict:
             for prompt in prompts.values():
                 asyncio.run(_cell(s.url, prompt, 1, 1, 4, 60.0))
         turn = 0
-        for pname, prompt in prompts.items():
-            for c in args.concurrency:
-                order = names[turn % len(names):] + names[:turn % len(names)]
-                turn += 1
-                for name in order:
-                    s = servers[name]
-                    before = _metrics(s.url)
-                    cell = asyncio.run(_cell(s.url, prompt, c, max(c, 4) if not args.quick else c,
-                                             args.max_tokens, args.cell_seconds))
-                    after = _metrics(s.url)
-                    row = dict(prompt=pname, concurrency=c, config=name,
-                               **_summary(cell, before, after))
-                    rows.append(row)
-                    print(f"  {pname:<22} c={c:<3} {name:<11} {row['tok_s']:7.1f} tok/s  "
-                          f"TTFT p50 {_fmt(row['ttft_ms']['p50'], '.0f')} ms  "
-                          f"ITL p50 {_fmt(row['itl_ms']['p50'], '.0f')} ms  "
-                          f"({row['requests']} requests, {row['tokens']} tokens)",
-                          file=sys.stderr, flush=True)
+        for rnd in range(args.rounds):
+            for pname, prompt in prompts.items():
+                for c in args.concurrency:
+                    order = names[turn % len(names):] + names[:turn % len(names)]
+                    turn += 1
+                    for name in order:
+                        s = servers[name]
+                        before = _metrics(s.url)
+                        cell = asyncio.run(_cell(s.url, prompt, c,
+                                                 max(c, 4) if not args.quick else c,
+                                                 args.max_tokens, args.cell_seconds))
+                        after = _metrics(s.url)
+                        row = dict(prompt=pname, concurrency=c, config=name, round=rnd,
+                                   **_summary(cell, before, after))
+                        rounds.append(row)
+                        print(f"  [{rnd + 1}/{args.rounds}] {pname:<22} c={c:<3} {name:<11} "
+                              f"{row['tok_s']:7.1f} tok/s  "
+                              f"TTFT p50 {_fmt(row['ttft_ms']['p50'], '.0f')} ms  "
+                              f"ITL p50 {_fmt(row['itl_ms']['p50'], '.0f')} ms  "
+                              f"({row['requests']} requests, {row['tokens']} tokens)",
+                              file=sys.stderr, flush=True)
     finally:
         for s in servers.values():
             s.stop()
-    for r in rows:
-        plain = next(p for p in rows if p["prompt"] == r["prompt"]
+    for r in rounds:  # each cell against plain in the same round (the machine drifts)
+        plain = next(p for p in rounds if p["prompt"] == r["prompt"] and p["round"] == r["round"]
                      and p["concurrency"] == r["concurrency"] and p["config"] == "plain")
         r["vs_plain"] = r["tok_s"] / plain["tok_s"] if plain["tok_s"] else None
         r["text_equals_plain"] = r["first_text"] == plain["first_text"]
+    rows = _medians(rounds)
     auto = [r["vs_plain"] for r in rows if r["config"] == "ngram auto" and r["vs_plain"]]
     c1 = [r for r in rows if r["config"] == "ngram k=5" and r["concurrency"] == 1
           and r["prompt"] == "rewrite (copy-heavy)"]
@@ -304,13 +339,15 @@ def run(args) -> dict:
         "settings": {"model": args.model, "concurrency": args.concurrency,
                      "max_tokens": args.max_tokens, "cell_seconds": args.cell_seconds,
                      "num_blocks": args.num_blocks, "threads": args.threads, "quick": args.quick,
+                     "rounds": args.rounds,
                      "requests_per_cell": "c" if args.quick else "max(c, 4)",
                      "configs": {n: " ".join(f) for n, f in CONFIGS.items()},
                      "endpoint": "/v1/chat/completions, streamed, temperature 0"},
         "environment": {"python": platform.python_version(), "platform": platform.platform(),
                         "cpu_count": os.cpu_count(), "git": _git(),
                         "load_average_before": load_before, "load_average_after": _loadavg()},
-        "rows": rows, "summary": summary, "wall_s": time.perf_counter() - t_start,
+        "rows": rows, "rounds": rounds, "summary": summary,
+        "wall_s": time.perf_counter() - t_start,
     }
 
 
@@ -327,7 +364,8 @@ def markdown(result: dict) -> str:
         f"{(git.get('commit') or '?')[:10]}{', dirty' if git.get('dirty') else ''}; "
         f"{env['cpu_count']} CPUs, {st['threads']} torch threads per server, load average "
         f"{env['load_average_before']} -> {env['load_average_after']}; {st['endpoint']}, "
-        f"max_tokens {st['max_tokens']}, {st['requests_per_cell']} requests per cell; "
+        f"max_tokens {st['max_tokens']}, {st['requests_per_cell']} requests per cell, "
+        f"{st['rounds']} round(s) a cell (tok/s and vs plain: medians over the rounds); "
         f"TTFT, ITL (gap between content chunks, one per decode step) and TPOT in ms.",
         "",
         "| prompt | c | server | tok/s | vs plain | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 "
@@ -395,6 +433,9 @@ def main(argv=None) -> int:
                     help="no new request of a cell after this many seconds")
     ap.add_argument("--num-blocks", type=int, default=1024, help="KV blocks of each server")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads of each server")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="times each cell runs (server order rotating); the table shows "
+                         "medians (default 3; --quick: 1)")
     ap.add_argument("--quick", action="store_true",
                     help=f"smoke run: concurrency {QUICK['concurrency']}, "
                          f"{QUICK['max_tokens']} tokens, c requests per cell")
@@ -405,9 +446,12 @@ def main(argv=None) -> int:
         ap.error(f"--concurrency: expected comma-separated ints, got {args.concurrency!r}")
     if any(c < 1 for c in args.concurrency) or args.max_tokens < 1 or args.cell_seconds <= 0:
         ap.error("--concurrency values and --max-tokens must be >= 1, --cell-seconds > 0")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.quick:
         args.concurrency, args.max_tokens = QUICK["concurrency"], QUICK["max_tokens"]
         args.cell_seconds, args.num_blocks = QUICK["cell_seconds"], QUICK["num_blocks"]
+        args.rounds = 1
     result = run(args)
     (args.out / "serve.json").write_text(json.dumps(result, indent=2) + "\n")
     md = markdown(result)
