@@ -18,9 +18,9 @@ seeded stream): the draft model's chain verified token-wise and by block verific
 siblings: accepted proposals per step and tokens/s. Block verification's guarantee is
 per step (on the same draft and distributions its expected accepted length is at least
 token-wise's), while two whole decodes walk different texts; so the section also runs the
-token-wise chain once more (untimed) with PairedVerify, which verifies every step's
-inputs both ways with PAIRED_COINS fresh coins each: the two methods' expected accepted
-proposals on the same steps, with the paired difference's z-score.
+token-wise chain once more (untimed) with PairedVerify, which computes for every step's
+inputs what each method accepts in expectation (exactly, expected_accepted): the two
+methods on the same steps, with the paired difference's z-score over the steps.
 
 Each config runs --repeats times, interleaved (plain, c1, ..., plain, c1, ...), and
 reports the median tokens/s; writes JSON (--out) and a PNG beside it, prints a table.
@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 import verispec
+from verispec import reference
 from verispec.decoder import SpecDecoder
 from verispec.drafters import EarlyExit, NGram
 from verispec.models import load
@@ -70,7 +71,6 @@ TREES = ((2, 8), (4, 8), (4, 16))  # n-gram tries: (branches, k nodes)
 DRAFT_KS = (2, 3, 4)
 DRAFT_TREES = ((2, 4), (2, 6), (3, 6))  # draft trees: (branches, k nodes)
 SAMPLED = dict(temperature=0.7)
-PAIRED_COINS = 16  # coin draws per step and method in PairedVerify
 
 
 def greedy_configs(ee):
@@ -127,15 +127,46 @@ def run_section(model, ids, configs, *, greedy, repeats, new_tokens, seqs, eos):
     return out
 
 
+def expected_accepted(target, draft_tokens, draft_probs, num_draft, policy):
+    """Each row's expected accepted proposals under token-wise and block verification of
+    the same draft (exact, no coins): token-wise sum_i prod_{j <= i} min(1, p_j / q_j) at
+    the drafted tokens; block, with its keep probabilities h (verispec.reference's),
+    sum_i P(tau >= i) = sum_i (1 - prod_{j = i..n} (1 - h_j)), as tau is the largest i whose
+    coin falls below h_i. p is the target after the policy, as verify applies it."""
+    b, k1, v = target.shape
+    k = k1 - 1
+
+    def per_position(x):
+        return x.repeat_interleave(k1) if torch.is_tensor(x) and x.dim() == 1 else x
+
+    p = verispec.ops.apply_policy(target.reshape(b * k1, v).float(),
+                                  **{n: per_position(x) for n, x in policy.items()}).view(b, k1, v)
+    q = torch.cat([draft_probs.float(), draft_probs.new_zeros(b, 1, v).float()], dim=1)
+    nd = torch.full((b,), k, dtype=torch.long) if num_draft is None else num_draft.long().cpu()
+    y = torch.where(torch.arange(k)[None] < nd[:, None], draft_tokens.long(), 0)
+    p_y = p[:, :k].gather(-1, y[..., None]).squeeze(-1).double()
+    q_y = q[:, :k].gather(-1, y[..., None]).squeeze(-1).double()
+    accept = torch.where(q_y > 0, (p_y / q_y.clamp(min=1e-300)).clamp(max=1.0),
+                         (p_y > 0).double())
+    live = torch.arange(k)[None] < nd[:, None]
+    token = (accept.cumprod(dim=-1) * live).sum(dim=-1)
+    w = reference._block_weights(p_y.float(), q_y.float())
+    h = reference._block_keep_probabilities(p, q, w, nd).double()            # [B, K]
+    miss = (1.0 - h).flip(-1).cumprod(dim=-1).flip(-1)   # prod_{j >= i} (1 - h_j), 0 past n
+    block = ((1.0 - miss) * live).sum(dim=-1)
+    return token, block
+
+
 class PairedVerify:
     """verispec.ops for a token-wise decoder that, at each chain verify of a sampled draft
-    (draft_probs given), also verifies the same inputs token-wise and by block
-    verification with `coins` fresh seeds each (not the decoder's) and keeps, per step,
-    the two methods' mean accepted proposals summed over the batch's rows (self.steps:
-    (token, block, proposing rows)). The decoder itself goes on with its own result."""
+    (draft_probs given), also computes what token-wise and block verification accept on
+    those very inputs in expectation (expected_accepted: exact, no coins) and keeps, per
+    step, the two sums over the batch's rows (self.steps: (token, block, proposing rows)).
+    The decoder goes on with its own result."""
 
-    def __init__(self, coins: int = PAIRED_COINS) -> None:
-        self.coins = coins
+    POLICY = ("temperature", "top_k", "top_p", "min_p")
+
+    def __init__(self) -> None:
         self.steps: list[tuple[float, float, int]] = []
 
     def __getattr__(self, name):
@@ -143,23 +174,20 @@ class PairedVerify:
 
     def verify(self, target, draft_tokens, draft_probs=None, **kw):
         out = verispec.ops.verify(target, draft_tokens, draft_probs, **kw)
-        if draft_probs is not None and kw.get("method", "token") == "token":
-            mean = {}
-            for method in ("token", "block"):
-                total = 0.0
-                for c in range(self.coins):
-                    coin = dict(kw, seed=1_000_003 + c, offset=len(self.steps), method=method)
-                    total += float(verispec.ops.verify(target, draft_tokens, draft_probs,
-                                                       **coin)[2].double().sum())
-                mean[method] = total / self.coins
+        greedy = kw.get("greedy", False)
+        if (draft_probs is not None and kw.get("method", "token") == "token"
+                and not (torch.is_tensor(greedy) and bool(greedy.any())) and greedy is not True):
             nd = kw.get("num_draft")
+            token, block = expected_accepted(target, draft_tokens, draft_probs, nd,
+                                             {n: kw[n] for n in self.POLICY if n in kw})
             rows = int((nd > 0).sum()) if nd is not None else target.shape[0]
-            self.steps.append((mean["token"], mean["block"], rows))
+            self.steps.append((float(token.sum()), float(block.sum()), rows))
         return out
 
     def summary(self) -> dict:
         """Expected accepted proposals per proposing row-step of each method on the same
-        steps, and the z-score of the summed paired difference (block - token)."""
+        steps, and the z-score of the summed paired difference (block - token) over the
+        steps (what is left of chance: which drafts were drawn)."""
         n = len(self.steps)
         rows = sum(r for _, _, r in self.steps)
         tok = sum(t for t, _, _ in self.steps)
@@ -168,7 +196,7 @@ class PairedVerify:
         sd = statistics.stdev(diffs) if n > 1 else 0.0
         z = sum(diffs) / (sd * n ** 0.5) if sd > 0 else 0.0
         return dict(steps=n, row_steps=rows, token=tok / max(rows, 1), block=blk / max(rows, 1),
-                    z=z, coins=self.coins)
+                    z=z)
 
 
 def paired_block_token(model, ids, ee, k, *, seqs, new_tokens, eos) -> dict:
