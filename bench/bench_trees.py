@@ -13,7 +13,9 @@ chains (k in DRAFT_KS, and k="auto") and as draft trees (draft_branches=b, k nod
 k="auto"). The best chain of a family is its fastest fixed-k chain.
 
 Sampled section (temperature 0.7, --sampled-seqs sequences per run from the decoder's
-seeded stream): the draft model's chain verified token-wise and by block verification
+seeded stream): n-gram chains and tries (sampled text need not follow the most recent
+occurrence of a phrase, so a trie's other branches can hold it); the draft model's chain
+verified token-wise and by block verification
 (SpecDecoder(verify_method="block")), and draft trees with i.i.d. and distinct
 siblings: accepted proposals per step and tokens/s. Block verification's guarantee is
 per step (on the same draft and distributions its expected accepted length is at least
@@ -71,6 +73,8 @@ TREES = ((2, 8), (4, 8), (4, 16))  # n-gram tries: (branches, k nodes)
 DRAFT_KS = (2, 3, 4)
 DRAFT_TREES = ((2, 4), (2, 6), (3, 6))  # draft trees: (branches, k nodes)
 SAMPLED = dict(temperature=0.7)
+SAMPLED_NGRAM_KS = (4, 8)
+SAMPLED_TRIES = ((2, 8), (4, 16))
 
 
 def greedy_configs(ee):
@@ -90,6 +94,10 @@ def greedy_configs(ee):
 
 def sampled_configs(ee):
     yield "plain", "plain", None, dict(k=0)
+    for k in SAMPLED_NGRAM_KS:  # sampled text leaves the most recent occurrence: tries
+        yield f"ngram chain k={k}", "ngram chain", NGram(1, 4), dict(k=k)
+    for b, k in SAMPLED_TRIES:
+        yield f"ngram trie b={b} k={k}", "ngram tree", NGram(1, 4, branches=b), dict(k=k)
     for k in (2, 4):
         yield f"draft chain k={k} token", "token", ee, dict(k=k)
         yield f"draft chain k={k} block", "block", ee, dict(k=k, verify_method="block")
@@ -307,24 +315,28 @@ def summarize(rows, pname, section) -> dict:
         fam = [r for r in mine if r["family"] == family]
         return max(fam, key=lambda r: r["tokens_per_s"]) if fam else None
 
+    def tree_vs_chain(chain, tree):
+        c, t = best(chain), best(tree)
+        out[f"{tree} / best {chain}"] = (f"{t['tokens_per_s'] / c['tokens_per_s']:.2f}x "
+                                         f"({t['draft']} vs {c['draft']})")
+        # tokens per target pass does not move with the machine's load
+        tp = max(r["tokens_per_target_pass"] for r in mine if r["family"] == tree)
+        cp = max(r["tokens_per_target_pass"] for r in mine if r["family"] == chain)
+        out[f"{tree} / {chain}, best tokens per target pass"] = f"{tp:.2f} / {cp:.2f}"
+        return c
+
     out = {}
     if section == "greedy":
-        for chain, tree, auto in (("ngram chain", "ngram tree", None),
-                                  ("draft chain", "draft tree", "draft tree auto")):
-            c, t = best(chain), best(tree)
-            out[f"{tree} / best {chain}"] = (f"{t['tokens_per_s'] / c['tokens_per_s']:.2f}x "
-                                             f"({t['draft']} vs {c['draft']})")
-            # tokens per target pass does not move with the machine's load
-            tp = max(r["tokens_per_target_pass"] for r in mine if r["family"] == tree)
-            cp = max(r["tokens_per_target_pass"] for r in mine if r["family"] == chain)
-            out[f"{tree} / {chain}, best tokens per target pass"] = f"{tp:.2f} / {cp:.2f}"
-            if auto is not None:
-                a = best(auto)
-                out[f"{auto} / best {chain}"] = f"{a['tokens_per_s'] / c['tokens_per_s']:.2f}x"
+        tree_vs_chain("ngram chain", "ngram tree")
+        c = tree_vs_chain("draft chain", "draft tree")
+        a = best("draft tree auto")
+        out["draft tree auto / best draft chain"] = f"{a['tokens_per_s'] / c['tokens_per_s']:.2f}x"
         a = best("draft auto")
         out["draft chain auto / best draft chain"] = (
             f"{a['tokens_per_s'] / best('draft chain')['tokens_per_s']:.2f}x")
     else:
+        tree_vs_chain("ngram chain", "ngram tree")
+        tree_vs_chain("token", "draft tree")  # the draft's chains verified token-wise
         for k in (2, 4):
             tok = next(r for r in mine if r["draft"] == f"draft chain k={k} token")
             blk = next(r for r in mine if r["draft"] == f"draft chain k={k} block")
