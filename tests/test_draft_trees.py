@@ -188,13 +188,14 @@ def _wrong_first(target, bad_rows, second: bool):
 def test_adaptive_draft_trees_widen_only_where_the_siblings_pay(monkeypatch):
     """k="auto" with draft_branches = 2: a row's depth is chosen as a chain's and it
     proposes the tree (2 children a level) only where its siblings' measured acceptance
-    pays their verify rows (adaptive_k.h, tree_pays). Each target row costs 20% of a
+    pays their verify rows (adaptive_k.h, tree_pays). Each target row costs 10% of a
     one-row pass (synthetic sleeps, large next to the toy work). Two drafts whose first choice is
     wrong at the same half of the contexts: one whose second choice is then right (its
     siblings are accepted: the later steps are trees) and one whose second choice is
     wrong too (s falls as 1 / (n + 2) over n tries: the later steps are chains). Both
-    try trees first (kTreeExploreTrials: s is measured before it is judged). Greedy
-    output stays the plain greedy tokens in both."""
+    try trees first (kTreeExploreTrials: s is measured before it is judged; with these
+    costs a tree would pay if its siblings were always right). Greedy output stays the
+    plain greedy tokens in both."""
     from test_adaptive_k import Slow
     watch = Watch(monkeypatch)
     target, _ = models()
@@ -202,7 +203,7 @@ def test_adaptive_draft_trees_widen_only_where_the_siblings_pay(monkeypatch):
     for second in (True, False):
         draft = _wrong_first(target, range(0, 17, 2), second)
         watch.verify_passes.clear()
-        dec = SpecDecoder(Slow(target, 0.02, 0.004), Slow(draft, 0.002, 0.0), k="auto",
+        dec = SpecDecoder(Slow(target, 0.02, 0.002), Slow(draft, 0.002, 0.0), k="auto",
                           max_k=6, num_blocks=64, block_size=4, draft_branches=2)
         (r,) = dec.generate([PROMPTS[0]], max_new_tokens=64, greedy=True)
         assert r.tokens == greedy_reference(target, PROMPTS[0], 64)
@@ -214,13 +215,17 @@ def test_adaptive_draft_trees_widen_only_where_the_siblings_pay(monkeypatch):
     assert sum(tail[True]) >= 0.8 * len(tail[True]) and sum(tail[False]) <= 0.2 * len(tail[False]), tail
 
 
-def test_adaptive_draft_trees_go_deep_with_a_perfect_draft():
+def test_adaptive_draft_trees_go_deep_with_a_perfect_draft(monkeypatch):
     """k="auto" with draft_branches = 2 and a draft that is always right: the first steps
     measure the draft (two levels, so one draft pass is steady even when every proposal
     was accepted and the catch-up pass carries two tokens), then the rows go deep as
     chains do (a tree's siblings are never needed). Before the measuring steps had a
-    second level, such a row stayed at one level: 2 tokens per target pass."""
+    second level, such a row stayed at one level: 2 tokens per target pass. Exploring
+    trees is only for a draft whose siblings could pay (tree_pays with s = 1): once this
+    draft's acceptance is measured, no step is a tree (at most the first, on the prior;
+    exploring regardless took kTreeExploreSteps = 4 tree steps)."""
     from test_adaptive_k import Slow
+    watch = Watch(monkeypatch)
     target = Slow(CacheModel(50, seed=1, scale=4.0), 0.02, 0.002)
     twin = Slow(CacheModel(50, seed=1, scale=4.0), 0.002, 0.0)
     dec = SpecDecoder(target, twin, k="auto", max_k=6, num_blocks=64, block_size=4,
@@ -229,6 +234,7 @@ def test_adaptive_draft_trees_go_deep_with_a_perfect_draft():
     assert r.tokens == greedy_reference(target, [1, 2, 3], 60)
     assert dec.cost_model()["draft_pass_s"] is not None
     assert r.stats["tokens_per_target_pass"] > 3, r.stats["k_history"]
+    assert sum(watch.verify_passes[1:]) == 0, watch.verify_passes
 
 
 @pytest.mark.parametrize("source", ["separate", "early_exit"])

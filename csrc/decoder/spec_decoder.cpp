@@ -604,20 +604,24 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
     // Draft-tree rows: the chain of depth k, or the tree of depth min(k, cap / f) where
     // the siblings' acceptance pays their verify rows and the lost depth (adaptive_k.h,
     // tree_pays), or while that acceptance is barely measured (kTreeExploreTrials,
-    // kTreeExploreSteps).
+    // kTreeExploreSteps) where a tree could pay at all (with every sibling accepted).
     for (size_t i = 0; i < free.size(); ++i) {
       Choice& c = *free[i];
       if (c.fanout <= 1) continue;
       const int64_t d = std::min(k[i], c.cap / c.fanout), nodes = c.fanout * d;
       const int64_t others = i == deepest && first > rest.k ? second : first;
       const double s = c.s->sibling.rate;
-      const bool explore =
-          c.s->sibling.trials < kTreeExploreTrials && c.s->tree_steps < kTreeExploreSteps;
-      if (k[i] > 0 && d > 0 &&
-          (explore || tree_pays(rate[i], s, k[i], d, expected,
-                    static_cast<double>(std::max(others, k[i])) * draft_pass,
-                    static_cast<double>(std::max(others, d)) * draft_pass,
-                    cost_.target_pass(tokens), cost_.target_pass(tokens + nodes - k[i])))) {
+      const double draft_chain = static_cast<double>(std::max(others, k[i])) * draft_pass;
+      const double draft_tree = static_cast<double>(std::max(others, d)) * draft_pass;
+      const double target_chain = cost_.target_pass(tokens);
+      const double target_tree = cost_.target_pass(tokens + nodes - k[i]);
+      auto pays = [&](double sibling) {
+        return tree_pays(rate[i], sibling, k[i], d, expected, draft_chain, draft_tree,
+                         target_chain, target_tree);
+      };
+      const bool explore = c.s->sibling.trials < kTreeExploreTrials &&
+                           c.s->tree_steps < kTreeExploreSteps && pays(1.0);
+      if (k[i] > 0 && d > 0 && (explore || pays(s))) {
         expected += expected_tree_tokens(rate[i], s, d) - expected_tokens(rate[i], k[i]);
         tokens += nodes - k[i];
         k[i] = nodes;

@@ -116,9 +116,12 @@ bool tree_pays(double a, double s, int64_t chain_depth, int64_t tree_depth, doub
                double draft_chain, double draft_tree, double target_chain, double target_tree);
 // s is only measured where trees are proposed: a row whose sibling tracker holds fewer
 // than kTreeExploreTrials (discounted) trials proposes the tree whatever tree_pays says
-// in its first kTreeExploreSteps tree-capable steps, so that a draft whose siblings would
-// pay is not judged on the prior alone (a draft whose spine is rarely rejected gives few
-// sibling trials: past those steps the prior judges).
+// in its first kTreeExploreSteps tree steps, so that a draft whose siblings would pay is
+// not judged on the prior alone (a draft whose spine is rarely rejected gives few
+// sibling trials: past those steps the prior judges). It explores only where the tree
+// would pay with s = 1 (every rejected spine node's sibling accepted): a draft whose
+// spine is accepted so often that even then the lost depth and the extra rows cost more
+// (a close draft) spends no steps measuring siblings that cannot pay.
 constexpr double kTreeExploreTrials = 4.0;
 constexpr int64_t kTreeExploreSteps = 4;
 
