@@ -1049,6 +1049,22 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
     st->draft_mark[b] = draft_alloc_ ? draft_alloc_->length(s.draft_seq) : st->target_mark[b];
     st->tracker_mark.push_back(std::move(c.mark));
   }
+  // A step whose rows all came out as chains (k = "auto" chose no tree, or the tries had
+  // one continuation) runs as a chain step: a tree step's masks, tree verify, K/V moves
+  // and f-child draft samples would cost without changing what a chain accepts.
+  if (st->tree) {
+    bool chains = true;
+    for (size_t b = 0; b < B && chains; ++b) {
+      if (st->draft_tree && st->fanout[b] > 1) chains = false;
+      const std::vector<int32_t>& par = st->parents[b];
+      for (size_t i = 0; i < par.size() && chains; ++i)
+        chains = par[i] == static_cast<int32_t>(i) - 1;
+    }
+    if (chains) {
+      st->tree = st->draft_tree = false;
+      st->fanout.assign(B, 1);
+    }
+  }
   try {
     plan_draft_passes(*st);
     plan_verify_pass(*st);

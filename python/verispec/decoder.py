@@ -273,6 +273,10 @@ class SpecDecoder:
                                  f"got {dg.device}")
         if ops is None:
             from verispec import ops
+        if ((draft_branches > 1 or (ngram is not None and ngram.branches > 1))
+                and not hasattr(ops, "verify_tree")):
+            raise ValueError(f"SpecDecoder: trees (NGram(branches > 1), draft_branches > 1) "
+                             f"need ops with verify_tree; {ops!r} has none")
         self._ops = ops
         self.target, self.draft, self.ngram, self.k = target, draft, ngram, k
         self.verify_method = verify_method
