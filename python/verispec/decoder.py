@@ -169,6 +169,13 @@ def _view(buf: torch.Tensor, offset: int, n: int, dtype: torch.dtype) -> torch.T
     return buf[offset:offset + n * _SIZES[dtype]].view(dtype)
 
 
+def _check_tree_ops(ops) -> None:
+    """Trees (NGram(branches > 1), draft_branches > 1) are verified by ops.verify_tree."""
+    if not hasattr(ops, "verify_tree"):
+        raise ValueError(f"SpecDecoder: trees (NGram(branches > 1), draft_branches > 1) "
+                         f"need ops with verify_tree; {ops!r} has none")
+
+
 class SpecDecoder:
     """Speculative decoding of a target model with a draft, exact for the target.
 
@@ -273,10 +280,8 @@ class SpecDecoder:
                                  f"got {dg.device}")
         if ops is None:
             from verispec import ops
-        if ((draft_branches > 1 or (ngram is not None and ngram.branches > 1))
-                and not hasattr(ops, "verify_tree")):
-            raise ValueError(f"SpecDecoder: trees (NGram(branches > 1), draft_branches > 1) "
-                             f"need ops with verify_tree; {ops!r} has none")
+        if draft_branches > 1 or (ngram is not None and ngram.branches > 1):
+            _check_tree_ops(ops)
         self._ops = ops
         self.target, self.draft, self.ngram, self.k = target, draft, ngram, k
         self.verify_method = verify_method
@@ -778,9 +783,7 @@ class SpecDecoder:
         tree too); keyed rows (chains) take verify_keyed's outputs, their accepted nodes
         being 0..a-1. Returns (tokens, num_emitted, num_accepted, accepted_nodes)."""
         B, K = plan["batch"], plan["k"]
-        if not hasattr(self._ops, "verify_tree"):
-            raise ValueError(f"SpecDecoder: trees (NGram(branches > 1), draft_branches > 1) "
-                             f"need ops with verify_tree; {self._ops!r} has none")
+        _check_tree_ops(self._ops)  # ops may have been swapped since construction
         parents = _view(inputs, plan["tree_parents"], B * K, torch.int32).view(B, K)
         extra = {}
         if q is not None:  # a draft model's tree: its children were drawn from q
