@@ -231,6 +231,57 @@ def test_attention_errors_name_the_problem():
             Cache([10]).attend(q, [0, 1], [5], isa="avx512")
 
 
+def _write_attend(cache, q, k, v, slots, query_start, positions, threads=1):
+    """_C._write_attend_unchecked on strided [1, heads, T, HD] views (transposes of
+    [T, heads, HD] rows, as a transformers attention module passes them)."""
+    qv, kv, vv = (x.transpose(0, 1)[None] for x in (q, k, v))
+    assert not qv.is_contiguous()
+    qs = torch.tensor(query_start, dtype=torch.int64)
+    pos = torch.tensor(positions, dtype=torch.int64)
+    sl = torch.tensor(slots, dtype=torch.int32)
+    out = torch.full((1, q.shape[0], NH, cache.hd), float("nan"))
+    _C._write_attend_unchecked(
+        qv.data_ptr(), qv.stride(1), qv.stride(2), kv.data_ptr(), kv.stride(1), kv.stride(2),
+        vv.data_ptr(), vv.stride(1), vv.stride(2), sl.data_ptr(), cache.k.data_ptr(),
+        cache.v.data_ptr(), cache.k.shape[0], q.shape[0], NH, NKV, cache.hd,
+        len(query_start) - 1, qs.data_ptr(), pos.data_ptr(), cache.ctx.data_ptr(),
+        cache.tables.data_ptr(), cache.tables.stride(0), cache.tables.shape[1], 0, BS,
+        1.0 / math.sqrt(cache.hd), out.data_ptr(), threads)
+    return out[0].reshape(q.shape[0], NH * cache.hd)
+
+
+def test_write_attend_equals_the_cache_write_then_attention():
+    """HFModel's one call a layer: strided K/V written at the slots (padding: nowhere),
+    then the same bits as paged attention over contiguous queries; a bad slot or batch
+    raises before anything is written."""
+    cache = Cache([9, 14], seed=13)
+    g = torch.Generator().manual_seed(14)
+    q = torch.randn(4, NH, HD, generator=g)
+    k, v = torch.randn(4, NKV, HD, generator=g), torch.randn(4, NKV, HD, generator=g)
+    # row 0 decodes key 8; row 1 verifies keys 11..13 with a padding token in between
+    slots = [int(cache.slots(0, 9)[8]), int(cache.slots(1, 12)[11]), -1,
+             int(cache.slots(1, 14)[13])]
+    positions = [8, 11, -1, 13]
+    want = Cache([9, 14], seed=13)
+    for t, s in enumerate(slots):
+        if s >= 0:
+            want.k[s], want.v[s] = k[t], v[t]
+    before_k = cache.k.clone()
+    for threads in (1, 2):
+        got = _write_attend(cache, q, k, v, slots, [0, 1, 4], positions, threads)
+        assert torch.equal(cache.k, want.k) and torch.equal(cache.v, want.v)
+        assert torch.equal(got, want.attend(q, [0, 1, 4], positions, threads=threads))
+    assert not torch.equal(cache.k, before_k)  # power: the keys were written
+    assert torch.equal(got[2], torch.zeros(NH * HD))  # padding attends to nothing
+    for bad_slots, bad_pos, match in (
+            ([0, 1, -1, 64 * BS], positions, r"token 3's slot must be < num_slots = 256"),
+            (slots, [8, 11, -1, 14], r"token 3 \(row 1\) must have a position")):
+        k2 = k + 1
+        with pytest.raises(ValueError, match=match):
+            _write_attend(cache, q, k2, v, bad_slots, [0, 1, 4], bad_pos)
+        assert torch.equal(cache.k, want.k) and torch.equal(cache.v, want.v)
+
+
 # ---- RoPE + cache write, silu * up, the residual norm -----------------------------------
 
 def _rope_tables(max_pos, hd):

@@ -258,13 +258,15 @@ def native_calls(monkeypatch) -> list[int]:
     """The layer calls that attended in verispec's paged kernel: the most new tokens of
     a row in each."""
     calls: list[int] = []
-    original = hf_mod._Plan._attend_native
+    original = hf_mod._Plan._write_attend_native
 
     def spy(self, query, *args):
-        calls.append(max(self.q_lens))
-        return original(self, query, *args)
+        out = original(self, query, *args)
+        if out is not None:
+            calls.append(max(self.q_lens))
+        return out
 
-    monkeypatch.setattr(hf_mod._Plan, "_attend_native", spy)
+    monkeypatch.setattr(hf_mod._Plan, "_write_attend_native", spy)
     return calls
 
 

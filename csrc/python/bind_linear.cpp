@@ -499,6 +499,37 @@ std::vector<std::string> supported_isas() {
 
 }  // namespace
 
+void write_attend_unchecked(uintptr_t q, int64_t q_head_stride, int64_t q_token_stride,
+                            uintptr_t k, int64_t k_head_stride, int64_t k_token_stride,
+                            uintptr_t v, int64_t v_head_stride, int64_t v_token_stride,
+                            uintptr_t slots, uintptr_t k_pool, uintptr_t v_pool,
+                            int64_t num_slots, int64_t tokens, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t rows,
+                            uintptr_t query_start, uintptr_t positions, uintptr_t context_lens,
+                            uintptr_t block_tables, int64_t table_stride, int64_t table_width,
+                            uintptr_t tree_mask, int64_t block_size, double scale, uintptr_t out,
+                            int num_threads, int64_t window) {
+  WriteAttendArgs w;
+  w.attention = batch_attention_args(num_slots, tokens, num_heads, num_kv_heads, head_dim, rows,
+                                     query_start, positions, context_lens, block_tables,
+                                     table_stride, table_width, tree_mask, block_size, scale,
+                                     num_threads);
+  w.attention.out = reinterpret_cast<float*>(out);
+  w.attention.window = window;
+  w.q = {reinterpret_cast<const float*>(q), q_head_stride, q_token_stride};
+  w.k = {reinterpret_cast<const float*>(k), k_head_stride, k_token_stride};
+  w.v = {reinterpret_cast<const float*>(v), v_head_stride, v_token_stride};
+  w.slots = reinterpret_cast<const int32_t*>(slots);
+  w.k_pool = reinterpret_cast<float*>(k_pool);
+  w.v_pool = reinterpret_cast<float*>(v_pool);
+  std::string error;
+  {
+    py::gil_scoped_release release;
+    error = write_attend_f32(w);
+  }
+  if (!error.empty()) throw py::value_error(error);
+}
+
 void register_linear(py::module_& m) {
   m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("out"),
         py::arg("num_threads"), py::arg("isa") = "auto", py::arg("own_threads") = false,
@@ -529,6 +560,18 @@ void register_linear(py::module_& m) {
         py::arg("max_queries"), py::arg("num_threads"), py::arg("isa") = "auto",
         py::arg("check_only") = false, py::arg("window") = 0,
         "attention of new tokens over the paged cache (verispec/decode_ops.h)");
+  m.def("_write_attend_unchecked", &write_attend_unchecked, py::arg("q_ptr"),
+        py::arg("q_head_stride"), py::arg("q_token_stride"), py::arg("k_ptr"),
+        py::arg("k_head_stride"), py::arg("k_token_stride"), py::arg("v_ptr"),
+        py::arg("v_head_stride"), py::arg("v_token_stride"), py::arg("slots_ptr"),
+        py::arg("k_pool_ptr"), py::arg("v_pool_ptr"), py::arg("num_slots"), py::arg("tokens"),
+        py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("rows"),
+        py::arg("query_start_ptr"), py::arg("positions_ptr"), py::arg("context_lens_ptr"),
+        py::arg("block_tables_ptr"), py::arg("table_stride"), py::arg("table_width"),
+        py::arg("tree_mask_ptr"), py::arg("block_size"), py::arg("scale"), py::arg("out_ptr"),
+        py::arg("num_threads"), py::arg("window") = 0,
+        "strided new tokens' K/V written to the cache, then their attention "
+        "(verispec/decode_ops.h write_attend_f32; verispec.models.HFModel's hot path)");
   m.def("_silu_mul_unchecked", &silu_mul_unchecked, py::arg("gate_up_ptr"), py::arg("rows"),
         py::arg("inter"), py::arg("ld"), py::arg("out_ptr"), py::arg("ldo"), py::arg("isa") = "auto",
         "out = silu(gate) * up of a fused [rows, 2 inter] product (verispec/decode_ops.h)");

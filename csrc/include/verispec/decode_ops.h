@@ -97,6 +97,29 @@ struct PagedAttentionArgs {
 // a row reads is checked against the pools before anything is computed.
 std::string paged_attention_f32(const PagedAttentionArgs& args);
 
+// A transformers attention function's new tokens, where they lie: query, key and value
+// as strided [heads, tokens, head_dim] views (element h, t, i at data + h head_stride +
+// t token_stride + i). Their keys and values are written to the cache,
+//   k_pool[slots[t], h] = k[h, t], v_pool[slots[t], h] = v[h, t]   (slots[t] < 0: no write)
+// then the queries attend as paged_attention_f32 computes it (the same bits: the queries
+// are copied into rows first). One call a layer instead of the views, copies and cache
+// writes a framework would make of them.
+struct StridedHeads {
+  const float* data = nullptr;
+  int64_t head_stride = 0, token_stride = 0;
+};
+struct WriteAttendArgs {
+  PagedAttentionArgs attention;  // its q and pools are set from the fields below
+  StridedHeads q, k, v;          // [num_heads | num_kv_heads, tokens, head_dim]
+  const int32_t* slots = nullptr;  // [tokens]
+  float* k_pool = nullptr;         // [num_slots, num_kv_heads, head_dim]
+  float* v_pool = nullptr;
+};
+
+// Returns "" or what is wrong (nothing is written then: the slots and the attention's
+// batch are checked before the first write).
+std::string write_attend_f32(const WriteAttendArgs& args);
+
 // out[r, i] = silu(g[r, i]) * u[r, i] with g = gate_up[r, 0..inter), u = gate_up[r,
 // inter..2 inter); silu(g) = g / (1 + exp(-g)). Returns "" or what is wrong.
 std::string silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, int64_t ld,

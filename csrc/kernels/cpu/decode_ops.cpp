@@ -536,6 +536,43 @@ std::string paged_attention_f32(const PagedAttentionArgs& a) {
   return "";
 }
 
+std::string write_attend_f32(const WriteAttendArgs& w) {
+  const PagedAttentionArgs& in = w.attention;
+  const int64_t t_count = in.tokens, d = in.head_dim;
+  if (!w.q.data || !w.k.data || !w.v.data || !w.slots || !w.k_pool || !w.v_pool)
+    return "write_attend: null data pointer";
+  for (int64_t t = 0; t < t_count; ++t)
+    if (w.slots[t] >= in.num_slots)
+      return "write_attend: token " + std::to_string(t) + "'s slot must be < num_slots = " +
+             std::to_string(in.num_slots) + " (or < 0: no write), got " +
+             std::to_string(w.slots[t]);
+  PagedAttentionArgs a = in;
+  a.k_pool = w.k_pool;
+  a.v_pool = w.v_pool;
+  thread_local std::vector<float> rows;  // the queries as [tokens, num_heads head_dim]
+  if (rows.size() < static_cast<size_t>(t_count * in.num_heads * d + 1))
+    rows.resize(static_cast<size_t>(t_count * in.num_heads * d + 1));
+  a.q = rows.data();
+  a.check_only = true;
+  std::string error = paged_attention_f32(a);
+  if (!error.empty()) return "write_attend: " + error;
+  for (int64_t t = 0; t < t_count; ++t) {
+    for (int64_t h = 0; h < in.num_heads; ++h)
+      std::memcpy(rows.data() + (t * in.num_heads + h) * d,
+                  w.q.data + h * w.q.head_stride + t * w.q.token_stride, sizeof(float) * d);
+    const int64_t s = w.slots[t];
+    if (s < 0) continue;
+    for (int64_t h = 0; h < in.num_kv_heads; ++h) {
+      std::memcpy(w.k_pool + (s * in.num_kv_heads + h) * d,
+                  w.k.data + h * w.k.head_stride + t * w.k.token_stride, sizeof(float) * d);
+      std::memcpy(w.v_pool + (s * in.num_kv_heads + h) * d,
+                  w.v.data + h * w.v.head_stride + t * w.v.token_stride, sizeof(float) * d);
+    }
+  }
+  a.check_only = false;
+  return paged_attention_f32(a);
+}
+
 std::string silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, int64_t ld,
                          float* out, int64_t ldo, LinearIsa isa) {
   const IsaFns* fns = fns_for(isa);

@@ -310,29 +310,45 @@ class _Plan:
                     query_start=host("query_start").to(torch.int64).contiguous(),
                     context_lens=host("context_lens").to(torch.int32).contiguous(),
                     tables=tables if tables.stride(1) == 1 else tables.contiguous(),
-                    tree=None if self.tree is None else self.tree.contiguous())
+                    tree=None if self.tree is None else self.tree.contiguous(),
+                    slots=host("slot_mapping").to(torch.int32).contiguous())
         return self._native or None
 
-    def _attend_native(self, query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                       scaling: float, window: Optional[int], index: dict[str, Any]) -> torch.Tensor:
-        """query [1, H, T, D] -> [1, T, H, D] through verispec's paged attention kernel
-        (verispec/decode_ops.h: each token's keys in cache order, the same bits whatever
-        shares the pass)."""
-        from verispec import _C
-
+    def _write_attend_native(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             pool: int, scaling: float, window: Optional[int]
+                             ) -> Optional[torch.Tensor]:
+        """A float32 CPU layer in verispec's paged kernel (verispec/decode_ops.h: each
+        token's keys in cache order, the same bits whatever shares the pass), in one native
+        call that writes the new tokens' K/V to the pools and attends, reading the strided
+        [1, heads, T, D] tensors the module passes (no views, transposes or copies made
+        here); -> [1, T, H, D]. None (nothing written) when the tensors or pools are not
+        laid out for it."""
+        k_pool, v_pool = self.kv.k[pool], self.kv.v[pool]
         _, h, t, d = query.shape
-        kvh = k_pool.shape[2]
-        q = query[0].transpose(0, 1).contiguous()                               # [T, H, D]
-        out = torch.empty((t, h, d), dtype=torch.float32)
+        kvh = key.shape[1]
+        if not (query.dtype == key.dtype == value.dtype == k_pool.dtype == torch.float32
+                and key.shape[3] == value.shape[3] == d and h % kvh == 0
+                and query.is_cpu and k_pool.shape[2:] == (kvh, d)
+                and v_pool.shape[2:] == (kvh, d) and k_pool.is_contiguous()
+                and v_pool.is_contiguous()):
+            return None
+        query, key, value = (x if x.stride(3) == 1 else x.contiguous()
+                             for x in (query, key, value))
+
+        index = self._native
         tables, tree = index["tables"], index["tree"]
-        _C._paged_attention_unchecked(
-            q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0] * k_pool.shape[1],
-            t, h, kvh, d, tables.shape[0], index["query_start"].data_ptr(),
-            index["positions"].data_ptr(), index["context_lens"].data_ptr(), tables.data_ptr(),
-            tables.stride(0), tables.shape[1], 0 if tree is None else tree.data_ptr(),
-            self.block_size, scaling, out.data_ptr(), 0, torch.get_num_threads(),
+        out = torch.empty((1, t, h, d), dtype=torch.float32)
+        _native()._write_attend_unchecked(
+            query.data_ptr(), query.stride(1), query.stride(2),
+            key.data_ptr(), key.stride(1), key.stride(2),
+            value.data_ptr(), value.stride(1), value.stride(2), index["slots"].data_ptr(),
+            k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0] * k_pool.shape[1], t, h, kvh,
+            d, tables.shape[0], index["query_start"].data_ptr(), index["positions"].data_ptr(),
+            index["context_lens"].data_ptr(), tables.data_ptr(), tables.stride(0),
+            tables.shape[1], 0 if tree is None else tree.data_ptr(), self.block_size, scaling,
+            out.data_ptr(), torch.get_num_threads(),
             window=window if window is not None and window > 0 else 0)
-        return out[None]
+        return out
 
     def attend(self, module, query, key, value, *, scaling, window, softcap, sinks):
         pool = self.pool_of.get(id(module))
@@ -344,17 +360,16 @@ class _Plan:
         _, kvh, t, dk = key.shape
         dv = value.shape[3]
         h = query.shape[1]
+        if scaling is None:
+            scaling = 1.0 / math.sqrt(dk)
+        if self.native and softcap is None and sinks is None:
+            out = self._write_attend_native(query, key, value, pool, scaling, window)
+            if out is not None:
+                return out
         k_flat = self.kv.k[pool].view(-1, kvh, dk)
         v_flat = self.kv.v[pool].view(-1, kvh, dv)
         self.write(k_flat, key[0].transpose(0, 1))
         self.write(v_flat, value[0].transpose(0, 1))
-        if scaling is None:
-            scaling = 1.0 / math.sqrt(dk)
-        if (self.native and softcap is None and sinks is None and query.dtype == torch.float32
-                and dk == dv and h % kvh == 0 and self.kv.k[pool].is_contiguous()
-                and self.kv.v[pool].is_contiguous()):
-            return self._attend_native(query, self.kv.k[pool], self.kv.v[pool], scaling,
-                                       window, self._native)
         if len(self.groups) == 1 and self.groups[0].lean and softcap is None and sinks is None:
             return self._attend_lean(self.groups[0], query[0], k_flat, v_flat, scaling, window)
         q = query[0].transpose(0, 1)                                           # [T, H, Dk]
@@ -471,19 +486,17 @@ def _product(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
     MKL costs ~2.2x a one-row product for 6 rows), anything else through F.linear."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (kernels.linear and NATIVE_LINEAR_MIN_ROWS <= rows <= NATIVE_LINEAR_MAX_ROWS
-            and x.dtype == torch.float32 and x.device.type == "cpu"
-            and w.dtype == torch.float32 and w.device.type == "cpu"):
-        from verispec import _C
-
+            and x.dtype == torch.float32 and x.is_cpu
+            and w.dtype == torch.float32 and w.is_cpu):
         x2 = x.reshape(rows, x.shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         n, k = w.shape
         out = torch.empty((rows, n), dtype=torch.float32)
         column_major = w.stride(0) == 1
-        _C._linear_unchecked(x2.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k, k,
-                             w.stride(1) if column_major else w.stride(0), n,
-                             torch.get_num_threads(), column_major)
+        _native()._linear_unchecked(x2.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k,
+                                    k, w.stride(1) if column_major else w.stride(0), n,
+                                    torch.get_num_threads(), column_major)
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], n)
@@ -532,7 +545,7 @@ def _sibling_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     elif s.input is not x:
         return _product(x, self.weight, self.bias, s.kernels)
     start, stop = s.bounds[i]
-    out = s.output[..., start:stop].contiguous()
+    out = s.output.narrow(-1, start, stop - start).contiguous()
     if i == len(s.bounds) - 1:
         s.input = s.output = None
     return out
@@ -591,19 +604,31 @@ def _sibling_groups(model: torch.nn.Module, calls) -> list[list[torch.nn.Module]
 def _norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """An RMSNorm module's forward (checked at wrap time to compute plain RMSNorm) as one
     pass of verispec's CPU kernel for float32 CPU inputs; the module's own otherwise."""
-    if (self._verispec_kernels.norm and x.dtype == torch.float32 and x.device.type == "cpu"
-            and x.shape[-1] == self.weight.shape[0]):
+    w = self._parameters["weight"]
+    dim = w.shape[0]
+    if (self._verispec_kernels.norm and x.dtype == torch.float32 and x.is_cpu
+            and x.shape[-1] == dim):
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = torch.empty_like(x)
+        _native()._rms_norm_unchecked(x.data_ptr(), x.numel() // dim if dim else 0, dim, dim,
+                                      w.data_ptr(), self._verispec_eps, out.data_ptr(), dim)
+        return out
+    return type(self).forward(self, x)
+
+
+def _native():
+    """verispec's compiled module (imported on first use: a plain import of this module
+    does not load it)."""
+    global _C_MODULE
+    if _C_MODULE is None:
         from verispec import _C
 
-        x2 = x.reshape(-1, x.shape[-1])
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        out = torch.empty_like(x2)
-        rows, dim = x2.shape
-        _C._rms_norm_unchecked(x2.data_ptr(), rows, dim, dim, self.weight.data_ptr(),
-                               self._verispec_eps, out.data_ptr(), dim)
-        return out.view(x.shape)
-    return type(self).forward(self, x)
+        _C_MODULE = _C
+    return _C_MODULE
+
+
+_C_MODULE = None
 
 
 def _install_cpu_kernels(model: torch.nn.Module, run) -> _CpuKernels:
