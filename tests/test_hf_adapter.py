@@ -819,6 +819,38 @@ def test_cpu_kernels_are_installed_and_agree_with_the_modules_own_code(monkeypat
         assert (fast - want).abs().max().item() <= ATOL
 
 
+def test_model_modules_are_called_straight_through_and_hooks_still_run():
+    """Under the CPU kernels the model's own module classes (layers, attention, MLP, ...)
+    become same-named subclasses called straight through their forward; torch's modules
+    (nn.Linear, nn.Embedding) and the model itself keep their classes. A hook registered
+    afterwards still runs (nn.Module.__call__ then), and wrapping again with
+    cpu_kernels=False gives every module its own class back."""
+    hf = copy.deepcopy(_reference("llama"))
+    classes = {name: type(m) for name, m in hf.named_modules()}
+    model = HFModel(hf)
+    swapped = {name for name, m in hf.named_modules() if type(m) is not classes[name]}
+    assert {"model.layers.0.self_attn", "model.layers.0.mlp", "model.layers.0"} <= swapped
+    for name, m in hf.named_modules():
+        if name in swapped:
+            assert isinstance(m, classes[name]) and type(m).__name__ == classes[name].__name__
+            assert not classes[name].__module__.startswith("torch.")
+        else:
+            assert name == "" or classes[name].__module__.startswith("torch."), name
+    seen = []
+    attn = hf.model.layers[0].self_attn
+    handle = attn.register_forward_hook(lambda mod, args, out: seen.append(mod))
+    runner = PagedRunner(model, num_blocks=16, block_size=BLOCK_SIZE)
+    seq = runner.add_sequence()
+    with_hook = runner.step({seq: [3, 4, 5]})[0]
+    assert seen == [attn]
+    handle.remove()
+    runner.rollback(seq, 0)
+    assert torch.equal(runner.step({seq: [3, 4, 5]})[0], with_hook)
+    assert seen == [attn]
+    HFModel(hf, cpu_kernels=False)
+    assert all(type(m) is classes[name] for name, m in hf.named_modules())
+
+
 def test_plain_rms_norm_detection():
     llama, gemma = _reference("llama"), _reference("gemma")
     assert hf_mod._is_plain_rms_norm(copy.deepcopy(llama.model.norm))

@@ -40,6 +40,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as _nn_module  # its global hooks (_fast_call)
 
 from verispec.models.base import ModelGeometry, PagedBatch, attention_groups, check_batch
 # Forwards of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS tokens (verify passes) of a
@@ -264,6 +265,7 @@ class _Plan:
         self._batch = batch
         self.native = False
         self._native: Optional[dict[str, Any]] = None
+        self._pools: dict[int, tuple] = {}
 
     def prepare(self, native: bool) -> None:
         """Decides, before the first layer writes the cache, how layers attend: with
@@ -323,18 +325,23 @@ class _Plan:
         [1, heads, T, D] tensors the module passes (no views, transposes or copies made
         here); -> [1, T, H, D]. None (nothing written) when the tensors or pools are not
         laid out for it."""
-        k_pool, v_pool = self.kv.k[pool], self.kv.v[pool]
-        _, h, t, d = query.shape
-        kvh = key.shape[1]
-        if not (query.dtype == key.dtype == value.dtype == k_pool.dtype == torch.float32
-                and key.shape[3] == value.shape[3] == d and h % kvh == 0
-                and query.is_cpu and k_pool.shape[2:] == (kvh, d)
-                and v_pool.shape[2:] == (kvh, d) and k_pool.is_contiguous()
-                and v_pool.is_contiguous()):
+        entry = self._pools.get(pool)
+        if entry is None:  # the pools' layout, once a forward: (k, v, KV heads, head size)
+            k_pool, v_pool = self.kv.k[pool], self.kv.v[pool]
+            ok = (k_pool.dtype == v_pool.dtype == torch.float32 and k_pool.is_cpu
+                  and k_pool.dim() == 4 and k_pool.shape == v_pool.shape
+                  and k_pool.is_contiguous() and v_pool.is_contiguous())
+            entry = self._pools[pool] = (k_pool, v_pool, *k_pool.shape[2:]) if ok else ()
+        if not entry:
             return None
-        query, key, value = (x if x.stride(3) == 1 else x.contiguous()
-                             for x in (query, key, value))
-
+        k_pool, v_pool, kvh, d = entry
+        _, h, t, _ = query.shape
+        if not (query.dtype == key.dtype == value.dtype == torch.float32 and query.is_cpu
+                and query.shape[3] == key.shape[3] == value.shape[3] == d
+                and key.shape[1] == kvh and h % kvh == 0):
+            return None
+        if query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1:
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         index = self._native
         tables, tree = index["tables"], index["tree"]
         out = torch.empty((1, t, h, d), dtype=torch.float32)
@@ -521,17 +528,17 @@ class _Siblings:
         self.weight = matmul_layout(torch.cat([m.weight.data for m in modules]))
         self.bias = (None if modules[0].bias is None
                      else torch.cat([m.bias.data for m in modules]))
-        self.bounds = []
+        self.sizes = []
         start = 0
         for m in modules:
             stop = start + m.weight.shape[0]
             m.weight.data = self.weight[start:stop]
             if self.bias is not None:
                 m.bias.data = self.bias[start:stop]
-            self.bounds.append((start, stop))
+            self.sizes.append(stop - start)
             start = stop
         self.input: Optional[torch.Tensor] = None   # the leader's input, until the last reads
-        self.output: Optional[torch.Tensor] = None
+        self.outputs: Optional[tuple[torch.Tensor, ...]] = None  # each sibling's slice
 
 
 def _sibling_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -541,13 +548,12 @@ def _sibling_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     s: _Siblings = self._verispec_siblings
     i = self._verispec_sibling
     if i == 0:
-        s.input, s.output = x, _product(x, s.weight, s.bias, s.kernels)
+        s.input, s.outputs = x, _product(x, s.weight, s.bias, s.kernels).split(s.sizes, -1)
     elif s.input is not x:
         return _product(x, self.weight, self.bias, s.kernels)
-    start, stop = s.bounds[i]
-    out = s.output.narrow(-1, start, stop - start).contiguous()
-    if i == len(s.bounds) - 1:
-        s.input = s.output = None
+    out = s.outputs[i].contiguous()
+    if i == len(s.sizes) - 1:
+        s.input = s.outputs = None
     return out
 
 
@@ -631,12 +637,53 @@ def _native():
 _C_MODULE = None
 
 
+def _fast_call(self: torch.nn.Module, *args, **kwargs):
+    """__call__ of a model's own module classes under HFModel's CPU kernels (_fast_class):
+    straight to the module's forward, skipping nn.Module.__call__'s bookkeeping (the
+    arguments packed twice, the hook checks: ~2-3% of a SmolLM2 decode step); with hooks
+    registered (a profiler's, a user's), nn.Module.__call__ as usual."""
+    if (self._forward_hooks or self._forward_pre_hooks or self._backward_hooks
+            or self._backward_pre_hooks or _nn_module._global_forward_hooks
+            or _nn_module._global_forward_pre_hooks or _nn_module._global_backward_hooks
+            or _nn_module._global_backward_pre_hooks):
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+    return self.forward(*args, **kwargs)
+
+
+_FAST_CLASSES: dict[type, type] = {}
+
+
+def _fast_class(cls: type) -> type:
+    """A subclass of ``cls`` (same name and module) whose instances are called through
+    _fast_call."""
+    sub = _FAST_CLASSES.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (cls,), {"__call__": _fast_call, "__module__": cls.__module__,
+                                          "__qualname__": cls.__qualname__})
+        _FAST_CLASSES[cls] = sub
+    return sub
+
+
+def _install_fast_calls(model: torch.nn.Module) -> None:
+    """The model's own module classes (its layers, attention, MLP, ...; not the model
+    itself, not torch's modules such as nn.Linear, not modules with their own __call__ or
+    compiled) become _fast_class subclasses; _uninstall_cpu_kernels puts them back."""
+    for module in model.modules():
+        cls = type(module)
+        if (module is not model and cls.__call__ is torch.nn.Module.__call__
+                and not cls.__module__.startswith("torch.")
+                and getattr(module, "_compiled_call_impl", None) is None):
+            module._verispec_class = cls
+            module.__class__ = _fast_class(cls)
+
+
 def _install_cpu_kernels(model: torch.nn.Module, run) -> _CpuKernels:
     """Puts verispec's CPU kernels under a float32 CPU model's linear layers and plain
     RMSNorm modules (instance-level forwards; values and parameters unchanged, weight
     matrices stored column-major, which MKL's one-row products read ~10% faster).
     Linear layers that one recording forward ``run()`` shows reading the same input one
-    after another share one product (_Siblings)."""
+    after another share one product (_Siblings). The model's own modules are then called
+    straight through (_install_fast_calls)."""
     import types
 
     from verispec.models.llama import matmul_layout
@@ -662,6 +709,7 @@ def _install_cpu_kernels(model: torch.nn.Module, run) -> _CpuKernels:
             elif _is_plain_rms_norm(module):
                 module._verispec_kernels = kernels
                 module.forward = types.MethodType(_norm_forward, module)
+    _install_fast_calls(model)
     return kernels
 
 
@@ -671,6 +719,9 @@ def _uninstall_cpu_kernels(model: torch.nn.Module) -> None:
     own tensor again (same values), so that cutting one does not leave a stale stack."""
     with torch.no_grad():
         for m in model.modules():
+            if "_verispec_class" in vars(m):
+                m.__class__ = m._verispec_class
+                del m._verispec_class
             if not hasattr(m, "_verispec_kernels"):
                 continue
             if hasattr(m, "_verispec_siblings"):
@@ -727,7 +778,9 @@ class HFModel:
     ``cpu_kernels`` (float32 models on an x86 CPU with AVX2 or AVX-512): run the model's
     ``nn.Linear`` layers of verify passes and its plain RMSNorm modules on verispec's CPU
     kernels, and store its weight matrices column-major (same values). This sets
-    instance-level ``forward`` methods on those modules of ``hf_model``.
+    instance-level ``forward`` methods on those modules of ``hf_model``, and gives its own
+    module classes below the top level same-named subclasses called straight through
+    ``forward`` while no hooks are registered (``_install_fast_calls``).
     ``tp`` (a ``verispec.distributed.TensorParallel``): make this model one rank of a
     tensor-parallel group by cutting ``hf_model``'s modules in place along its config's
     ``base_model_tp_plan`` (``verispec.models.hf_tp``; every rank must pass the same model);
