@@ -171,9 +171,11 @@ def _tiny_llama(seed=0):
 
 def test_model_uses_the_kernel_for_verify_passes_and_matches_torch(monkeypatch):
     """Same logits as torch.mm's products up to rounding, for prefill-sized and
-    verify-sized forwards; the kernel runs exactly for the verify-sized one; and a verify
+    verify-sized forwards; the kernel runs for passes of up to NATIVE_LINEAR_MAX_ROWS
+    tokens, torch.mm for longer ones; and a verify
     pass gives its last tokens bitwise the logits a pass of just those tokens gives them
     (the projections are batch invariant; the attention's small matmuls are too here)."""
+    from verispec.models import llama
     from verispec.models.testing import PagedRunner
     model = _tiny_llama()
     vector_isa = _C.linear_best_isa() != "scalar"
@@ -188,11 +190,13 @@ def test_model_uses_the_kernel_for_verify_passes_and_matches_torch(monkeypatch):
 
     def run(native, chunks):
         model.native_linear = native
-        runner = PagedRunner(model, num_blocks=16, block_size=8)
+        runner = PagedRunner(model, num_blocks=24, block_size=8)
         seq = runner.add_sequence()
         return [runner.step({seq: c})[0] for c in chunks]
 
-    assert model.weights.lm_head.stride(0) == 1  # column-major: the kernel's [K, N] path
+    # matmul_layout: row-major where the kernel runs them, column-major for MKL
+    assert model.weights.lm_head.is_contiguous() == vector_isa
+    assert (model.weights.lm_head.stride(0) == 1) != vector_isa
     chunks = [prompt, draft]
     got, want = run(True, chunks), run(False, chunks)
     for a, b in zip(got, want):
@@ -200,11 +204,20 @@ def test_model_uses_the_kernel_for_verify_passes_and_matches_torch(monkeypatch):
     if not vector_isa:  # a CPU without AVX2: every product stays with torch.mm
         assert calls == []
         return
-    assert set(calls) == {6}  # the 6-token pass only (the 20-token prefill is torch.mm)
-    assert len(calls) == 4 * 2 + 1  # 4 products a layer, 2 layers, the head
-    # token 5 of the draft: in the 6-token pass vs in a 2-token pass [draft[4], draft[5]]
+    # both passes: 4 products a layer, 2 layers, the head
+    assert calls.count(20) == calls.count(6) == 4 * 2 + 1 and set(calls) == {20, 6}
+    calls.clear()
+    long_prompt = torch.randint(0, 97, (llama.NATIVE_LINEAR_MAX_ROWS + 1,), generator=g).tolist()
+    run(True, [long_prompt])
+    assert calls == []  # a longer prompt at once: torch.mm
+    # token 5 of the draft: in the 6-token pass vs in a 2-token pass [draft[4], draft[5]],
+    # and vs one-token passes (plain decoding runs on the kernel too)
     split = run(True, [prompt, draft[:4], draft[4:]])
     assert torch.equal(got[1][4:], split[2])
+    calls.clear()
+    single = run(True, [prompt] + [[t] for t in draft])
+    assert calls.count(1) == 6 * (4 * 2 + 1) and set(calls) == {20, 1}
+    assert torch.equal(got[1][5:], single[6])
 
 
 # --- RMSNorm (the model's other CPU kernel) ---------------------------------------------

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch.nn.modules import module as _nn_module  # its global hooks (_fast_call)
 
 from verispec.models.base import ModelGeometry, PagedBatch, attention_groups, check_batch
-# Forwards of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS tokens (verify passes) of a
+# Forwards of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS tokens (decoding, verify passes) of a
 # float32 CPU model run their linear layers on verispec's CPU kernel, as LlamaModel's do.
 from verispec.models.llama import (KERNEL_MAX_QUERIES, NATIVE_LINEAR_MAX_ROWS,
                                    NATIVE_LINEAR_MIN_ROWS)
@@ -488,9 +488,9 @@ class _CpuKernels:
 def _product(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
              kernels: _CpuKernels) -> torch.Tensor:
     """x @ w^T + bias for HFModel's float32 CPU linear layers: products of
-    NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS rows (a verify pass) on verispec's
-    kernel (``verispec.ops.linear``: it reads the weight once for up to 8 rows, where
-    MKL costs ~2.2x a one-row product for 6 rows), anything else through F.linear."""
+    NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS rows (decoding, verify passes) on
+    verispec's kernel (``verispec.ops.linear``: it streams the weight once for up to 8
+    rows; see verispec.models.llama), anything else through F.linear."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (kernels.linear and NATIVE_LINEAR_MIN_ROWS <= rows <= NATIVE_LINEAR_MAX_ROWS
             and x.dtype == torch.float32 and x.is_cpu
@@ -500,7 +500,10 @@ def _product(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
             x2 = x2.contiguous()
         n, k = w.shape
         out = torch.empty((rows, n), dtype=torch.float32)
-        column_major = w.stride(0) == 1
+        column_major = w.stride(1) != 1  # else row-major (matmul_layout's, on these CPUs)
+        if column_major and w.stride(0) != 1:
+            w = w.contiguous()
+            column_major = False
         _native()._linear_unchecked(x2.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k,
                                     k, w.stride(1) if column_major else w.stride(0), n,
                                     torch.get_num_threads(), column_major)
@@ -680,7 +683,7 @@ def _install_fast_calls(model: torch.nn.Module) -> None:
 def _install_cpu_kernels(model: torch.nn.Module, run) -> _CpuKernels:
     """Puts verispec's CPU kernels under a float32 CPU model's linear layers and plain
     RMSNorm modules (instance-level forwards; values and parameters unchanged, weight
-    matrices stored column-major, which MKL's one-row products read ~10% faster).
+    matrices in matmul_layout: row-major where verispec's kernel runs them).
     Linear layers that one recording forward ``run()`` shows reading the same input one
     after another share one product (_Siblings). The model's own modules are then called
     straight through (_install_fast_calls)."""
@@ -777,7 +780,8 @@ class HFModel:
     vocabulary, so SpecDecoder can refuse a draft with a different tokenizer.
     ``cpu_kernels`` (float32 models on an x86 CPU with AVX2 or AVX-512): run the model's
     ``nn.Linear`` layers of verify passes and its plain RMSNorm modules on verispec's CPU
-    kernels, and store its weight matrices column-major (same values). This sets
+    kernels, and store its weight matrices in the layout those read fastest
+    (``verispec.models.llama.matmul_layout``; same values). This sets
     instance-level ``forward`` methods on those modules of ``hf_model``, and gives its own
     module classes below the top level same-named subclasses called straight through
     ``forward`` while no hooks are registered (``_install_fast_calls``).

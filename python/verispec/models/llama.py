@@ -18,13 +18,13 @@ One forward over a PagedBatch, per layer::
 then logits = norm(x[logits_indices]) @ Wlm, in the model's dtype (like transformers).
 
 Speed (decoding is a chain of few-row matmuls plus ~20 small ops per layer):
-- float32 matrices on CPU are stored column-major (``W.t()`` contiguous, same [out, in]
-  shape): in a decode loop MKL's one-row products read them ~7% faster than row-major;
-- float32 products of 2..16 rows on CPU (verify passes) run in verispec's own kernel
-  (``verispec.ops.linear``): it reads the weights once for up to 8 rows, so a 6-token
-  pass costs ~1.4x a 1-token pass instead of MKL's ~2.2x (bench/bench_linear.py), and
-  a token's projections do not depend on how many tokens share the pass. One row
-  (plain decoding), longer products (prefill), other dtypes and devices use torch.mm;
+- float32 products of 1..128 rows on CPU (decode, verify and serving passes, prefill
+  chunks) run in verispec's own kernel (``verispec.ops.linear``) on row-major matrices:
+  it streams each weight row once for up to 8 rows, so a 1-token pass is ~1.4x faster
+  than MKL's best layout on this project's CPU and a 6-token pass costs ~1.16x a 1-token
+  pass (MKL: ~1.9x; bench/bench_linear.py), and a token's projections do not depend on
+  how many tokens share the pass (plain decoding and verify passes round alike). Longer
+  products (a long prompt at once), other dtypes and devices use torch.mm;
 - float32 RMSNorm on CPU is one pass of verispec's (``_C._rms_norm_unchecked``): torch's
   is ~10 small ops, ~65 us a call in a decode loop, 61 calls a SmolLM2 token;
 - every per-forward decision (slots to write, keys to read, mask) is taken once, not
@@ -59,13 +59,15 @@ SMALL_ROW_QUERIES = 16
 # products' KERNEL_MAX_ROWS). Longer rows (a long prompt at once) use SDPA's blocked
 # kernel: ~2x faster at 512 tokens, ~6x at 1024, rounded differently.
 KERNEL_MAX_QUERIES = 512
-# Products of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS rows (tokens in a forward: a
-# verify pass) use verispec's CPU linear kernel when the model is float32 on CPU
-# (LlamaModel.native_linear); on SmolLM2's shapes it beats MKL up to ~16 rows.
-NATIVE_LINEAR_MAX_ROWS = 16
-# One row (plain decoding) stays with MKL's matrix-vector product: as fast or faster in a
-# decode loop (bench/bench_linear.py), while ours wins from 2 rows on.
-NATIVE_LINEAR_MIN_ROWS = 2
+# Products of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS rows (tokens in a forward:
+# plain decoding, verify passes, serving batches, prefill chunks) use verispec's CPU
+# linear kernel when the model is float32 on CPU (LlamaModel.native_linear). On
+# SmolLM2's shapes, row-major, it is at least as fast as MKL's best layout from 1 row
+# (1.4x) to 128 (1.05x) (bench/bench_linear.py, commit 00b2907), and it rounds a row
+# the same whatever shares the pass, so a sequence's logits do not depend on the batch
+# up to 128 tokens a pass. Longer products (a long prompt at once) use torch.mm.
+NATIVE_LINEAR_MAX_ROWS = 128
+NATIVE_LINEAR_MIN_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -204,8 +206,8 @@ class LlamaWeights:
                 w_down=matrix([(p + "mlp.down_proj.weight", (h, c.intermediate_size))]),
             ))
         # One tensor for embedding and head when tied: the head's layout wins (a lookup
-        # of a few rows from a column-major table costs microseconds; the head's product
-        # is every step). A quantized table is looked up by dequantizing the rows read.
+        # of a few rows costs microseconds in either layout; the head's product is every
+        # step). A quantized table is looked up by dequantizing the rows read.
         embed = matrix([("model.embed_tokens.weight", (c.vocab_size, h))])
         if c.tie_word_embeddings:
             lm_head = embed
@@ -218,15 +220,18 @@ class LlamaWeights:
 def matmul_layout(w: torch.Tensor) -> torch.Tensor:
     """``w`` [out, in] as the layout its products run fastest in on its device.
 
-    For float32 on CPU that is column-major (``w.t()`` contiguous; shape and values
-    unchanged): in a decode loop MKL's one-row products read it ~7% faster than a
-    row-major matrix, and verispec's few-row kernel reads either. (bfloat16 goes
-    through oneDNN, which prefers row-major.) Otherwise ``w`` as it is.
+    For float32 on a CPU where verispec's linear kernel has vector instructions that is
+    row-major: the kernel streams each weight row once for up to 8 rows of x (~2.8x
+    MKL's one-row product on SmolLM2's matrices). Without them (MKL does the products)
+    column-major (``w.t()`` contiguous; shape and values unchanged): MKL's one-row
+    products read it ~7% faster than row-major. (bfloat16 goes through oneDNN, which
+    prefers row-major.) Otherwise ``w`` as it is.
     """
-    if (w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2
-            or w.t().is_contiguous()):
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
         return w
-    return w.t().contiguous().t()
+    if _C.linear_best_isa() != "scalar":
+        return w if w.is_contiguous() else w.contiguous()
+    return w if w.t().is_contiguous() else w.t().contiguous().t()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -764,12 +769,13 @@ class LlamaModel:
         #: verispec's quantized kernels, see QuantizedMatrix.linear).
         self.quantized = any(isinstance(m, QuantizedMatrix) for m in matrices + [w.embed])
         matrices = [m for m in matrices if not isinstance(m, QuantizedMatrix)]
-        # verispec's kernel reads the column-major float32 CPU matrices, and pays off
-        # only with vector instructions (its portable fallback is slower than MKL).
+        # verispec's kernel reads row-major or column-major float32 CPU matrices, and pays
+        # off only with vector instructions (its portable fallback is slower than MKL).
         self._native_linear_ok = (
             self.geometry.device.type == "cpu" and self.geometry.dtype == torch.float32
             and _C.linear_best_isa() != "scalar"
-            and all(m.stride(0) == 1 and m.stride(1) >= m.shape[0] for m in matrices))
+            and all((m.stride(1) == 1 and m.stride(0) >= m.shape[1])
+                    or (m.stride(0) == 1 and m.stride(1) >= m.shape[0]) for m in matrices))
         #: Use verispec's CPU linear kernel for forwards of at most NATIVE_LINEAR_MAX_ROWS
         #: tokens (when the model can: float32 on an x86 CPU with AVX2 or AVX-512). Set
         #: False to run every product through torch.mm (e.g. to compare).
@@ -902,15 +908,17 @@ class LlamaModel:
             threads, native = torch.get_num_threads(), _C._linear_unchecked
 
             def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                # x: a float32 CPU activation made in this forward; w: column-major [out,
-                # in], checked at bind time, read as w^T [in, out] row-major
+                # x: a float32 CPU activation made in this forward; w: [out, in] row-major
+                # (matmul_layout) or column-major (read as w^T [in, out]), checked at
+                # bind time
                 if not x.is_contiguous():
                     x = x.contiguous()
                 m, k = x.shape
                 n = w.shape[0]
                 out = torch.empty((m, n), dtype=torch.float32)
-                native(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, k, w.stride(1), n,
-                       threads, True)
+                kn = w.stride(1) != 1
+                native(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, k,
+                       w.stride(1) if kn else w.stride(0), n, threads, kn)
                 return out
             return linear
         return lambda x, w: torch.mm(x, w.t())
