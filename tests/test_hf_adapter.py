@@ -861,6 +861,33 @@ def test_plain_rms_norm_detection():
     assert not hf_mod._is_plain_rms_norm(shifted)
 
 
+def test_native_norm_reads_a_weight_kept_as_a_buffer(monkeypatch):
+    """An RMSNorm whose weight is a buffer, not a parameter, runs on the kernel too and
+    matches its own forward."""
+    from verispec import _C
+
+    calls = []
+    kernel = _C._rms_norm_unchecked
+    monkeypatch.setattr(_C, "_rms_norm_unchecked", lambda *a: calls.append(a[1]) or kernel(*a))
+    class BufferRMSNorm(torch.nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.register_buffer("weight", 1 + 0.1 * torch.randn(dim))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            return torch.nn.functional.rms_norm(x, x.shape[-1:], self.weight,
+                                                self.variance_epsilon)
+
+    norm = BufferRMSNorm(48)
+    assert hf_mod._is_plain_rms_norm(norm)
+    norm._verispec_kernels = hf_mod._CpuKernels()
+    x = torch.randn(2, 3, 48)
+    got = hf_mod._norm_forward(norm, x)
+    assert got.shape == x.shape and torch.allclose(got, norm(x), rtol=1e-5, atol=1e-6)
+    assert calls[-1] == 6  # the kernel ran, on the 2 x 3 rows
+
+
 def test_cpu_kernels_off_leaves_the_modules_alone_and_copies_stay_independent():
     ref = _reference("llama")
     untouched = HFModel(copy.deepcopy(ref), cpu_kernels=False)

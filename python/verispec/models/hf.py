@@ -613,7 +613,9 @@ def _sibling_groups(model: torch.nn.Module, calls) -> list[list[torch.nn.Module]
 def _norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """An RMSNorm module's forward (checked at wrap time to compute plain RMSNorm) as one
     pass of verispec's CPU kernel for float32 CPU inputs; the module's own otherwise."""
-    w = self._parameters["weight"]
+    w = self._parameters.get("weight")
+    if w is None:  # a buffer or plain attribute (_is_plain_rms_norm accepted the tensor)
+        w = self.weight
     dim = w.shape[0]
     if (self._verispec_kernels.norm and x.dtype == torch.float32 and x.is_cpu
             and x.shape[-1] == dim):
