@@ -46,7 +46,7 @@ from verispec.models.base import ModelGeometry, PagedBatch, attention_groups, ch
 # Forwards of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS tokens (decoding, verify passes) of a
 # float32 CPU model run their linear layers on verispec's CPU kernel, as LlamaModel's do.
 from verispec.models.llama import (KERNEL_MAX_QUERIES, NATIVE_LINEAR_MAX_ROWS,
-                                   NATIVE_LINEAR_MIN_ROWS)
+                                   NATIVE_LINEAR_MIN_ROWS, native_linear, native_rms_norm)
 
 __all__ = ["ATTN_IMPLEMENTATION", "HFModel"]
 
@@ -498,18 +498,12 @@ def _product(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
         x2 = x.reshape(rows, x.shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        n, k = w.shape
-        out = torch.empty((rows, n), dtype=torch.float32)
-        column_major = w.stride(1) != 1  # else row-major (matmul_layout's, on these CPUs)
-        if column_major and w.stride(0) != 1:
+        if w.stride(1) != 1 and w.stride(0) != 1:  # neither of matmul_layout's layouts
             w = w.contiguous()
-            column_major = False
-        _native()._linear_unchecked(x2.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k,
-                                    k, w.stride(1) if column_major else w.stride(0), n,
-                                    torch.get_num_threads(), column_major)
+        out = native_linear(x2, w, torch.get_num_threads())
         if bias is not None:
             out += bias
-        return out.view(*x.shape[:-1], n)
+        return out.view(*x.shape[:-1], w.shape[0])
     return F.linear(x, w, bias)
 
 
@@ -619,12 +613,8 @@ def _norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     dim = w.shape[0]
     if (self._verispec_kernels.norm and x.dtype == torch.float32 and x.is_cpu
             and x.shape[-1] == dim):
-        if not x.is_contiguous():
-            x = x.contiguous()
-        out = torch.empty_like(x)
-        _native()._rms_norm_unchecked(x.data_ptr(), x.numel() // dim if dim else 0, dim, dim,
-                                      w.data_ptr(), self._verispec_eps, out.data_ptr(), dim)
-        return out
+        return native_rms_norm(x if x.is_contiguous() else x.contiguous(), w,
+                               self._verispec_eps)
     return type(self).forward(self, x)
 
 
@@ -747,15 +737,11 @@ def _is_plain_rms_norm(module: torch.nn.Module) -> bool:
             or not isinstance(w, torch.Tensor) or w.dim() != 1 or w.dtype != torch.float32
             or w.device.type != "cpu" or not w.is_contiguous() or list(module.children())):
         return False
-    from verispec import _C
-
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, w.shape[0], generator=g) * 3
     with torch.no_grad():
         want = module(x)
-    got = torch.empty_like(x)
-    _C._rms_norm_unchecked(x.data_ptr(), 3, w.shape[0], w.shape[0], w.data_ptr(), eps,
-                           got.data_ptr(), w.shape[0])
+    got = native_rms_norm(x, w, eps)
     if want.shape != got.shape or not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
         return False
     module._verispec_eps = eps

@@ -234,6 +234,30 @@ def matmul_layout(w: torch.Tensor) -> torch.Tensor:
     return w if w.t().is_contiguous() else w.t().contiguous().t()
 
 
+def native_linear(x: torch.Tensor, w: torch.Tensor, threads: int) -> torch.Tensor:
+    """x @ w^T on verispec's float32 CPU kernel (``_C._linear_unchecked``): x [m, k]
+    contiguous, w [n, k] row-major or column-major (read as w^T [k, n]; matmul_layout's
+    two layouts), both float32 CPU, checked by the caller -> a new [m, n]."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32)
+    kn = w.stride(1) != 1
+    _C._linear_unchecked(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, k,
+                         w.stride(1) if kn else w.stride(0), n, threads, kn)
+    return out
+
+
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension in one pass of verispec's float32 CPU kernel
+    (``_C._rms_norm_unchecked``; rounds as transformers' float32 RMSNorm): x [..., dim]
+    and weight [dim] contiguous float32 CPU, checked by the caller -> a new tensor."""
+    dim = weight.shape[0]
+    out = torch.empty_like(x)
+    _C._rms_norm_unchecked(x.data_ptr(), x.numel() // dim if dim else 0, dim, dim,
+                           weight.data_ptr(), eps, out.data_ptr(), dim)
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with the statistics in float32, rounded back before the weight (as transformers)."""
     xf = x.float()
@@ -516,12 +540,7 @@ class _NativeLayerOps:
         self._attention(batch.kv.k[0], batch.kv.v[0], None, None, check_only=True)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x = x if x.is_contiguous() else x.contiguous()
-        out = torch.empty_like(x)
-        rows, dim = x.shape
-        _C._rms_norm_unchecked(x.data_ptr(), rows, dim, dim, weight.data_ptr(), self.eps,
-                               out.data_ptr(), dim)
-        return out
+        return native_rms_norm(x if x.is_contiguous() else x.contiguous(), weight, self.eps)
 
     def rope_write(self, qkv: torch.Tensor, k_pool: torch.Tensor,
                    v_pool: torch.Tensor) -> torch.Tensor:
@@ -905,21 +924,12 @@ class LlamaModel:
     def _dense_linear(self, num_tokens: int):
         if (self.native_linear and self._native_linear_ok
                 and NATIVE_LINEAR_MIN_ROWS <= num_tokens <= NATIVE_LINEAR_MAX_ROWS):
-            threads, native = torch.get_num_threads(), _C._linear_unchecked
+            threads = torch.get_num_threads()
 
             def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                # x: a float32 CPU activation made in this forward; w: [out, in] row-major
-                # (matmul_layout) or column-major (read as w^T [in, out]), checked at
-                # bind time
-                if not x.is_contiguous():
-                    x = x.contiguous()
-                m, k = x.shape
-                n = w.shape[0]
-                out = torch.empty((m, n), dtype=torch.float32)
-                kn = w.stride(1) != 1
-                native(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, k,
-                       w.stride(1) if kn else w.stride(0), n, threads, kn)
-                return out
+                # x: a float32 CPU activation made in this forward; w: in one of
+                # matmul_layout's layouts, checked at bind time
+                return native_linear(x if x.is_contiguous() else x.contiguous(), w, threads)
             return linear
         return lambda x, w: torch.mm(x, w.t())
 
@@ -927,16 +937,11 @@ class LlamaModel:
         """RMSNorm for this forward: verispec's one-pass kernel or torch's ops."""
         if not (self.native_norm and self._native_norm_ok):
             return self._norm
-        native, eps = _C._rms_norm_unchecked, self.config.rms_norm_eps
+        eps = self.config.rms_norm_eps
 
         def norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             # x: a float32 CPU activation made in this forward; weight: checked at bind time
-            if not x.is_contiguous():
-                x = x.contiguous()
-            out = torch.empty_like(x)
-            rows, dim = x.shape
-            native(x.data_ptr(), rows, dim, dim, weight.data_ptr(), eps, out.data_ptr(), dim)
-            return out
+            return native_rms_norm(x if x.is_contiguous() else x.contiguous(), weight, eps)
         return norm
 
     def _use_native_ops(self, batch: PagedBatch) -> bool:
