@@ -106,6 +106,50 @@ CONFIGS = {
     "bert_decoder": lambda: transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
         intermediate_size=96, is_decoder=True, pad_token_id=0, max_position_embeddings=256),
+    # their decoder layers call the attention module without the forward's keyword
+    # arguments (the plan reaches the attention function through a context variable)
+    "stablelm": lambda: _cfg("stablelm"),
+    "nemotron": lambda: _cfg("nemotron", head_dim=16),
+    # more families
+    "qwen2_moe": lambda: _cfg("qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "glm": lambda: _cfg("glm", head_dim=16),
+    "glm4": lambda: _cfg("glm4", head_dim=16),
+    "glm4_moe": lambda: _cfg("glm4_moe", head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+                             topk_group=1),
+    "phimoe": lambda: _cfg("phimoe", num_local_experts=4, num_experts_per_tok=2,
+                           sliding_window=None),
+    "granitemoe": lambda: _cfg("granitemoe", num_local_experts=4, num_experts_per_tok=2,
+                               attention_multiplier=0.3),
+    "olmo": lambda: _cfg("olmo"),
+    "olmo3": lambda: _cfg("olmo3", sliding_window=WINDOW,
+                          layer_types=["sliding_attention", "sliding_attention",
+                                       "full_attention"]),
+    "exaone4": lambda: _cfg("exaone4", head_dim=16, sliding_window=WINDOW,
+                            layer_types=["sliding_attention", "sliding_attention",
+                                         "full_attention"]),
+    "ernie4_5": lambda: _cfg("ernie4_5", head_dim=16),
+    "seed_oss": lambda: _cfg("seed_oss", head_dim=16),
+    "hunyuan_v1_dense": lambda: _cfg("hunyuan_v1_dense", head_dim=16),
+    "ministral": lambda: _cfg("ministral", head_dim=16, sliding_window=WINDOW,
+                              layer_types=["sliding_attention", "full_attention",
+                                           "sliding_attention"]),
+    "cohere": lambda: _cfg("cohere", logit_scale=0.5),
+    "vaultgemma": lambda: _cfg("vaultgemma", head_dim=16, sliding_window=WINDOW),
+    "gptj": lambda: transformers.AutoConfig.for_model(
+        "gptj", vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=256, rotary_dim=8,
+        bos_token_id=1, eos_token_id=2),
+    "gpt_bigcode": lambda: transformers.AutoConfig.for_model(
+        "gpt_bigcode", vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=256,
+        multi_query=True, bos_token_id=1, eos_token_id=2),
+    "deepseek_v2": lambda: _cfg("deepseek_v2", num_key_value_heads=4, kv_lora_rank=16,
+                                q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+                                n_group=1, topk_group=1, moe_intermediate_size=32,
+                                first_k_dense_replace=1),
+    "minimax_m2": lambda: _cfg("minimax_m2", head_dim=16, num_local_experts=4,
+                               num_experts_per_tok=2),
 }
 ISSUE_TWELVE = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text",
                 "starcoder2", "gpt_neox", "mixtral", "gpt_oss"]
@@ -133,7 +177,8 @@ def _reference(name: str):
             # Gemma's RMSNorm scales by (1 + weight): centre its weights on 0, not 1, so its
             # logits stay O(1..10) like the others' (else 2x per norm, and transformers'
             # own prefix-vs-full forwards already differ by ~5e-6)
-            if type(module).__name__ in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"):
+            if type(module).__name__ in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm",
+                                         "VaultGemmaRMSNorm", "NemotronLayerNorm1P"):
                 module.weight -= 1.0
     return model
 
@@ -388,7 +433,7 @@ def test_geometry(name):
     assert g.vocab_size == VOCAB
     assert g.dtype == torch.float32 and g.device == torch.device("cpu")
     assert g.max_context == text.max_position_embeddings
-    if name == "deepseek_v3":
+    if name in ("deepseek_v3", "deepseek_v2"):
         assert g.layer_kv == ((4, 24, 12),) * 3
     else:
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
@@ -612,6 +657,30 @@ def test_refuses_model_outside_the_interface(model_type):
         model_type, vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, bos_token_id=1,
         eos_token_id=2, **layers)).eval()
     _refused(model, "AttentionInterface")
+
+
+def test_refuses_layers_that_pass_their_own_attention_mask():
+    """Doge's layers compute a dynamic mask from the values and pass it to the attention
+    function, which masks by position, window and tree only: refused at construction
+    (silently ignored, the logits would be wrong), and a mask that appears later is an
+    error, never ignored."""
+    model = _tiny("doge")
+    msg = _refused(model, "own attention mask", "DogeAttention")
+    assert "float32 [1, 4, 2, 2]" in msg  # the probe's 2 tokens, 4 heads
+    wrapped = _wrap("llama")
+    runner = PagedRunner(wrapped, num_blocks=4, block_size=BLOCK_SIZE)
+    seq = runner.add_sequence()
+    runner.step({seq: [3, 4]})
+    attention = wrapped.layers[0].module
+    original = attention.forward
+
+    def with_mask(*args, **kwargs):
+        kwargs["attention_mask"] = torch.zeros(1, 1, 1, 3)
+        return original(*args, **kwargs)
+
+    attention.forward = with_mask
+    with pytest.raises(RuntimeError, match="passed its own attention mask"):
+        runner.step({seq: [5]})
 
 
 def _bypass(module):

@@ -10,9 +10,10 @@ How: transformers computes attention through a registry of attention functions
 forward down to that function. HFModel registers one function,
 ``ATTN_IMPLEMENTATION``, selects it on the wrapped model, and calls the model with
 explicit ``position_ids``, ``use_cache=False`` (no transformers cache, no mask built by
-transformers), ``logits_to_keep`` (the LM head runs on the rows verify needs; the
-model's own final softcap / logit scaling stays) and one extra keyword, the forward's
-plan. Per layer the function writes the new tokens' K/V into the layer's pools at the
+transformers) and ``logits_to_keep`` (the LM head runs on the rows verify needs; the
+model's own final softcap / logit scaling stays); the forward's plan reaches the function
+through a context variable (so layers that do not pass keyword arguments down work too).
+Per layer the function writes the new tokens' K/V into the layer's pools at the
 batch's slot mapping and attends each row's queries over the row's context through
 its block table, applying what the module passes: ``scaling``, ``sliding_window`` (per
 layer), ``softcap``, attention sinks (``s_aux``), and the batch's tree mask.
@@ -20,7 +21,8 @@ layer), ``softcap``, attention sinks (``s_aux``), and the batch's tree mask.
 No per-architecture code: the cache geometry (K/V heads, K and V head sizes per layer)
 is probed with one recording forward at construction, which also proves the function is
 really called by every layer. Refused at construction, with the reason: models whose
-attention does not go through the interface, hybrids whose other layers keep recurrent
+attention does not go through the interface, layers that compute their own attention
+mask and pass it to the function (it masks by position, window and tree only), hybrids whose other layers keep recurrent
 or convolution state (that state would need rollback), bidirectional (encoder) models,
 encoder-decoders, chunked attention (applied by transformers' mask, not passed down).
 
@@ -33,6 +35,7 @@ The wrapped model keeps working for transformers' own generate only after
 
 from __future__ import annotations
 
+import contextvars
 import math
 import copy
 from dataclasses import dataclass, replace
@@ -53,8 +56,11 @@ __all__ = ["ATTN_IMPLEMENTATION", "HFModel"]
 #: The name verispec's paged attention function is registered under in transformers'
 #: AttentionInterface (``from_pretrained(..., attn_implementation=ATTN_IMPLEMENTATION)``).
 ATTN_IMPLEMENTATION = "verispec_paged"
-# The keyword that carries a forward's plan to every layer (not a name transformers uses).
-_CTX = "verispec_ctx"
+# The plan (or the construction probe) of the forward running in this thread, read by
+# every layer's attention call: a context variable rather than a keyword argument, which
+# some models' layers do not pass down to their attention.
+_CONTEXT: contextvars.ContextVar[Any] = contextvars.ContextVar("verispec_hf_forward",
+                                                                default=None)
 # Layer types (config.layer_types) that are plain attention over the KV cache.
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention", "global", "local")
 # Rows of at most this many queries, and any row with softcapping or sinks, attend with
@@ -84,13 +90,17 @@ def register_attention() -> None:
 def _paged_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
                      sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """transformers' attention-function signature: query [1, H, T, Dk], key [1, KvH, T, Dk],
-    value [1, KvH, T, Dv] (the new tokens, after RoPE / q-k norms) -> ([1, T, H, Dv], None)."""
-    ctx = kwargs.get(_CTX)
+    value [1, KvH, T, Dv] (the new tokens, after RoPE / q-k norms) -> ([1, T, H, Dv], None).
+    ``attention_mask`` is None for every model HFModel accepts (it builds no mask); a layer
+    that passes its own is refused at construction (_Probe) and never silently ignored."""
+    ctx = _CONTEXT.get()
     if ctx is None:
         raise RuntimeError(
             f"{type(module).__name__}: the model's attention implementation is "
             f"{ATTN_IMPLEMENTATION!r}, which runs only inside verispec.models.HFModel.forward; "
             f"call model.set_attn_implementation('sdpa') to use the model on its own")
+    if attention_mask is not None:
+        ctx.masked(module, attention_mask)
     return ctx.attend(module, query, key, value, scaling=scaling, window=sliding_window,
                       softcap=softcap, sinks=s_aux), None
 
@@ -111,6 +121,13 @@ class _Probe:
 
     def __init__(self) -> None:
         self.layers: list[_LayerRecord] = []
+        self.mask: Optional[str] = None  # the first layer passing its own mask, described
+
+    def masked(self, module, mask) -> None:
+        if self.mask is None:
+            self.mask = (f"{type(module).__name__} passes "
+                         f"{getattr(mask, 'dtype', type(mask).__name__)} "
+                         f"{list(getattr(mask, 'shape', []))}")
 
     def attend(self, module, query, key, value, *, scaling, window, softcap, sinks):
         self.layers.append(_LayerRecord(
@@ -266,6 +283,12 @@ class _Plan:
         self.native = False
         self._native: Optional[dict[str, Any]] = None
         self._pools: dict[int, tuple] = {}
+
+    def masked(self, module, mask) -> None:
+        raise RuntimeError(f"HFModel.forward: {type(module).__name__} passed its own attention "
+                           f"mask ({getattr(mask, 'dtype', type(mask).__name__)} "
+                           f"{list(getattr(mask, 'shape', []))}), which verispec's paged "
+                           f"attention cannot apply (the construction probe saw none)")
 
     def prepare(self, native: bool) -> None:
         """Decides, before the first layer writes the cache, how layers attend: with
@@ -818,11 +841,7 @@ class HFModel:
                 raise _refuse(hf_model, "its attention does not go through transformers' "
                                         "AttentionInterface")
             self.model = hf_model
-            try:
-                probe, logits = self._probe(device)
-            except TypeError as e:
-                raise _refuse(hf_model, f"its forward does not pass keyword arguments down to "
-                                        f"the attention function ({e})") from e
+            probe, logits = self._probe(device)
             layers = probe.layers
             num_layers = getattr(text, "num_hidden_layers", None)
             if not layers:
@@ -837,6 +856,11 @@ class HFModel:
             if len({id(r.module) for r in layers}) != len(layers):
                 raise _refuse(hf_model, "one attention module is called more than once per "
                                         "forward")
+            if probe.mask is not None:
+                raise _refuse(hf_model, f"its attention layers compute their own attention "
+                                        f"mask ({probe.mask}), which verispec's paged "
+                                        f"attention does not apply (it masks by position, "
+                                        f"sliding window and tree)")
             if not all(r.causal for r in layers):
                 raise _refuse(hf_model, "its attention is bidirectional (an encoder); verispec "
                                         "runs causal LMs")
@@ -1021,9 +1045,13 @@ class HFModel:
         if self.model is None:
             raise RuntimeError("HFModel: this wrapper's modules were cut by "
                                "verispec.distributed.shard; use the model shard returned")
-        with torch.inference_mode():
-            out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                             logits_to_keep=keep, return_dict=True, **{_CTX: ctx})
+        token = _CONTEXT.set(ctx)
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=ids[None], position_ids=positions[None],
+                                 use_cache=False, logits_to_keep=keep, return_dict=True)
+        finally:
+            _CONTEXT.reset(token)
         return out.logits
 
     def __call__(self, batch: PagedBatch) -> torch.Tensor:
