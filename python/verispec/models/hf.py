@@ -848,14 +848,19 @@ class HFModel:
                 raise _refuse(hf_model, "its layers never called the attention function "
                                         "(attention does not go through transformers' "
                                         "AttentionInterface)")
-            if num_layers is not None and len(layers) != num_layers:
+            if len({id(r.module) for r in layers}) != len(layers):
+                raise _refuse(hf_model, "one attention module is called more than once per "
+                                        "forward")
+            if num_layers is not None and len(layers) < num_layers:
                 raise _refuse(hf_model, f"only {len(layers)} of its {num_layers} layers call the "
                                         f"attention function; the others (recurrent, convolution "
                                         f"or custom attention) keep state verispec cannot roll "
                                         f"back")
-            if len({id(r.module) for r in layers}) != len(layers):
-                raise _refuse(hf_model, "one attention module is called more than once per "
-                                        "forward")
+            if num_layers is not None and len(layers) > num_layers:
+                raise _refuse(hf_model, f"{len(layers)} attention modules called the attention "
+                                        f"function, but its config has num_hidden_layers = "
+                                        f"{num_layers} (a decoder whose layers the config does "
+                                        f"not count, as an encoder-decoder family's causal LM)")
             if probe.mask is not None:
                 raise _refuse(hf_model, f"its attention layers compute their own attention "
                                         f"mask ({probe.mask}), which verispec's paged "
