@@ -1082,3 +1082,31 @@ def test_on_a_gpu(name):
     moved once per forward; the logits equal transformers' forward on the same GPU."""
     worst = _device_check(name, "cuda")
     assert worst <= 1e-4, f"{name}: {worst:.3g}"
+
+
+# ---------------------------------------------------------------- the architecture sweep
+
+def test_arch_sweep_tool(tmp_path, monkeypatch):
+    """tools/hf_arch_sweep.py, which finds architectures beyond the ones pinned here: a
+    model that works is "ok" with its difference, a refused one carries HFModel's reason,
+    and a wrong answer is a MISMATCH (a model whose mask the adapter ignored), exit 1."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "hf_arch_sweep.py"
+    spec = importlib.util.spec_from_file_location("hf_arch_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--only", "llama,doge,xglm", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["results"]
+    assert r["llama"]["status"] == "ok" and 0 < r["llama"]["max_abs_diff"] <= 1e-5
+    assert r["doge"]["status"] == "refused" and "own attention mask" in r["doge"]["why"]
+    assert r["xglm"]["status"] == "refused" and "AttentionInterface" in r["xglm"]["why"]
+    # power: with the mask checks switched off (construction and forward), the sweep
+    # reports Doge's wrong logits
+    for cls in (hf_mod._Probe, hf_mod._Plan):
+        monkeypatch.setattr(cls, "masked", lambda self, module, mask: None)
+    assert sweep.main(["--only", "doge", "--out", str(out)]) == 1
+    assert json.loads(out.read_text())["results"]["doge"]["status"] == "MISMATCH"

@@ -1,0 +1,177 @@
+"""Every causal LM the installed transformers knows, through verispec.models.HFModel.
+
+For each model type in transformers' causal-LM mapping: a tiny random float32 model from
+a generic small config (4 heads of 16, 3 layers, vocabulary 97; models whose config
+needs more than that are reported as "no tiny config"), wrapped by HFModel, then a
+prompt of 12 tokens, 4 decode steps and a verify pass of 5 tokens after a rollback of
+2, each row's logits against transformers' own forward of the whole sequence:
+
+    ok        every row's argmax equal, and max |Δ logit| <= max(1e-5, transformers' own
+              float32 forward's distance from its float64 forward)
+    MISMATCH  otherwise (a wrong answer the construction checks let through)
+    refused   HFModel refused it at construction (the reason is printed)
+    skipped   no tiny config, or transformers itself failed on it (the error is printed)
+
+Tests pin the architectures listed in the README (tests/test_hf_adapter.py); this sweep
+is how new ones are found. Writes JSON (--out) and prints a table; exits 1 on a
+MISMATCH.
+
+    .venv/bin/python tools/hf_arch_sweep.py [--only llama,qwen2] [--out bench/out/hf_sweep.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+VOCAB = 97
+BLOCK_SIZE = 4
+MAX_PARAMS = 20_000_000   # generic configs that come out bigger (a default vocabulary of a
+                          # sub-table, a default expert count) are skipped, not built
+SECONDS = 60              # per model type
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0, head_dim=16, sliding_window=5,
+              vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)
+ATOL = 1e-5
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _tiny(transformers, model_type: str):
+    """A tiny config of ``model_type`` from COMMON (dropping what it rejects), or None."""
+    args = dict(COMMON)
+    for _ in range(len(COMMON) + 1):
+        try:
+            return transformers.AutoConfig.for_model(model_type, **args)
+        except TypeError as e:  # an argument this config does not take
+            bad = [k for k in args if f"'{k}'" in str(e)]
+            if not bad:
+                return None
+            for k in bad:
+                args.pop(k)
+        except Exception:  # noqa: BLE001 - a config that validates against these sizes
+            return None
+    return None
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double()
+
+
+def check(transformers, model_type: str) -> dict:
+    from verispec.models import HFModel
+    from verispec.models.testing import PagedRunner, randomize_weights
+
+    config = _tiny(transformers, model_type)
+    if config is None:
+        return dict(status="skipped", why="no tiny config")
+    cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    with torch.device("meta"):
+        size = sum(p.numel() for p in cls(config).parameters())
+    if size > MAX_PARAMS:
+        return dict(status="skipped", why=f"the tiny config has {size / 1e6:.0f}M parameters")
+    torch.manual_seed(0)
+    ref = cls(config).float().eval()
+    randomize_weights(ref, seed=1)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, VOCAB, (12,), generator=g).tolist()
+    decode = torch.randint(3, VOCAB, (4,), generator=g).tolist()
+    verify = torch.randint(3, VOCAB, (5,), generator=g).tolist()
+    try:
+        _logits(ref, prompt + decode)
+    except Exception as e:  # noqa: BLE001 - transformers' own forward on this config
+        return dict(status="skipped", why=f"transformers' forward: {type(e).__name__}: {e}")
+    try:
+        model = HFModel(copy.deepcopy(ref))
+    except (ValueError, TypeError) as e:
+        return dict(status="refused", why=str(e))
+    runner = PagedRunner(model, num_blocks=32, block_size=BLOCK_SIZE)
+    seq = runner.add_sequence()
+    rows = [runner.step({seq: prompt})[0]]
+    rows += [runner.step({seq: [t]})[0] for t in decode]
+    runner.rollback(seq, len(prompt) + len(decode) - 2)
+    rows.append(runner.step({seq: verify})[0])
+    got = torch.cat(rows).double()
+    ids = prompt + decode
+    kept = prompt + decode[:-2] + verify
+    want32 = torch.cat([_logits(ref, ids), _logits(ref, kept)[-len(verify):]])
+    ref64 = copy.deepcopy(ref).double()
+    want64 = torch.cat([_logits(ref64, ids), _logits(ref64, kept)[-len(verify):]])
+    err = float((got - want32).abs().max())
+    own = float((want32 - want64).abs().max())
+    argmax = int((got.argmax(-1) != want32.argmax(-1)).sum())
+    ok = argmax == 0 and err <= max(ATOL, own)
+    return dict(status="ok" if ok else "MISMATCH", max_abs_diff=err,
+                transformers_float32_vs_float64=own, argmax_mismatches=argmax,
+                layers=model.num_layers)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated model types (default: all)")
+    ap.add_argument("--out", type=Path, default=Path("bench/out/hf_sweep.json"))
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    import verispec
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    types = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if args.only:
+        wanted = [t.strip() for t in args.only.split(",")]
+        unknown = [t for t in wanted if t not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+        if unknown:
+            raise SystemExit(f"--only: expected causal-LM model types, got {unknown}")
+        types = wanted
+
+    def alarm(*_):
+        raise _Timeout()
+
+    signal.signal(signal.SIGALRM, alarm)
+    results = {}
+    for model_type in types:
+        start = time.perf_counter()
+        signal.alarm(SECONDS)
+        try:
+            r = check(transformers, model_type)
+        except _Timeout:
+            r = dict(status="skipped", why=f"over {SECONDS} s")
+        except Exception as e:  # noqa: BLE001 - reported, and a MISMATCH-free run goes on
+            r = dict(status="skipped", why=f"{type(e).__name__}: {e}")
+        finally:
+            signal.alarm(0)
+        r["seconds"] = round(time.perf_counter() - start, 2)
+        results[model_type] = r
+        detail = (f"max |Δ| {r['max_abs_diff']:.2g} (transformers' own float32 vs float64 "
+                  f"{r['transformers_float32_vs_float64']:.2g}), argmax mismatches "
+                  f"{r['argmax_mismatches']}" if "max_abs_diff" in r else r["why"][:150])
+        print(f"{model_type:28} {r['status']:9} {detail}", flush=True)
+    counts = {s: sum(r["status"] == s for r in results.values())
+              for s in ("ok", "MISMATCH", "refused", "skipped")}
+    print(", ".join(f"{n} {s}" for s, n in counts.items()))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(
+        tool="hf_arch_sweep", verispec=verispec.__version__,
+        transformers=transformers.__version__, torch=torch.__version__, counts=counts,
+        results=results), indent=1))
+    print(f"wrote {args.out}")
+    return 1 if counts["MISMATCH"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
