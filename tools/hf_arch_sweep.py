@@ -6,8 +6,9 @@ needs more than that are reported as "no tiny config"), wrapped by HFModel, then
 prompt of 12 tokens, 4 decode steps and a verify pass of 5 tokens after a rollback of
 2, each row's logits against transformers' own forward of the whole sequence:
 
-    ok        every row's argmax equal, and max |Δ logit| <= max(1e-5, transformers' own
-              float32 forward's distance from its float64 forward)
+    ok        every row's argmax equal, and max |Δ logit| <= 1e-5, or the adapter no
+              further from transformers' float64 forward than transformers' own float32
+              forward is (models whose float32 rounding alone exceeds 1e-5)
     MISMATCH  otherwise (a wrong answer the construction checks let through)
     refused   HFModel refused it at construction (the reason is printed)
     skipped   no tiny config, or transformers itself failed on it (the error is printed)
@@ -110,10 +111,11 @@ def check(transformers, model_type: str) -> dict:
     ref64 = copy.deepcopy(ref).double()
     want64 = torch.cat([_logits(ref64, ids), _logits(ref64, kept)[-len(verify):]])
     err = float((got - want32).abs().max())
+    err64 = float((got - want64).abs().max())
     own = float((want32 - want64).abs().max())
     argmax = int((got.argmax(-1) != want32.argmax(-1)).sum())
-    ok = argmax == 0 and err <= max(ATOL, own)
-    return dict(status="ok" if ok else "MISMATCH", max_abs_diff=err,
+    ok = argmax == 0 and (err <= ATOL or err64 <= own)
+    return dict(status="ok" if ok else "MISMATCH", max_abs_diff=err, max_abs_diff_float64=err64,
                 transformers_float32_vs_float64=own, argmax_mismatches=argmax,
                 layers=model.num_layers)
 
@@ -157,9 +159,10 @@ def main(argv=None) -> int:
             signal.alarm(0)
         r["seconds"] = round(time.perf_counter() - start, 2)
         results[model_type] = r
-        detail = (f"max |Δ| {r['max_abs_diff']:.2g} (transformers' own float32 vs float64 "
-                  f"{r['transformers_float32_vs_float64']:.2g}), argmax mismatches "
-                  f"{r['argmax_mismatches']}" if "max_abs_diff" in r else r["why"][:150])
+        detail = (f"max |Δ| {r['max_abs_diff']:.2g} (from float64 {r['max_abs_diff_float64']:.2g},"
+                  f" transformers' own float32 {r['transformers_float32_vs_float64']:.2g}), "
+                  f"argmax mismatches {r['argmax_mismatches']}" if "max_abs_diff" in r
+                  else r["why"][:150])
         print(f"{model_type:28} {r['status']:9} {detail}", flush=True)
     counts = {s: sum(r["status"] == s for r in results.values())
               for s in ("ok", "MISMATCH", "refused", "skipped")}
