@@ -415,8 +415,9 @@ def test_half_precision_models_round_no_worse_than_transformers(name, dtype):
     pass after a rollback, against the float32 forward of the same (rounded) weights; the
     adapter's logits are no further from it than twice transformers' own forward in that
     dtype (rounding only: with the window and softcap switched off the adapter misses by
-    0.5-3 against transformers' 0.004-0.05), and come back in the model's dtype. (Not the MoE models: in bfloat16 a router's near-tie flips an expert
-    and transformers' own forward lands ~2 away from float32.)"""
+    0.5-3 against transformers' 0.004-0.05), and come back in the model's dtype. (Not
+    the MoE models: in bfloat16 a router's near-tie flips an expert and transformers' own
+    forward lands ~2 away from float32.)"""
     ref = copy.deepcopy(_reference(name)).to(dtype)
     truth = copy.deepcopy(ref).float()
     runner = PagedRunner(HFModel(copy.deepcopy(ref)), num_blocks=16, block_size=BLOCK_SIZE)

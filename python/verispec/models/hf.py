@@ -6,8 +6,7 @@
     dec = verispec.SpecDecoder(target, verispec.drafters.NGram(), k="auto")
 
 How: transformers computes attention through a registry of attention functions
-(``transformers.AttentionInterface``) and passes keyword arguments of the model's
-forward down to that function. HFModel registers one function,
+(``transformers.AttentionInterface``). HFModel registers one function,
 ``ATTN_IMPLEMENTATION``, selects it on the wrapped model, and calls the model with
 explicit ``position_ids``, ``use_cache=False`` (no transformers cache, no mask built by
 transformers) and ``logits_to_keep`` (the LM head runs on the rows verify needs; the
@@ -22,9 +21,10 @@ No per-architecture code: the cache geometry (K/V heads, K and V head sizes per 
 is probed with one recording forward at construction, which also proves the function is
 really called by every layer. Refused at construction, with the reason: models whose
 attention does not go through the interface, layers that compute their own attention
-mask and pass it to the function (it masks by position, window and tree only), hybrids whose other layers keep recurrent
-or convolution state (that state would need rollback), bidirectional (encoder) models,
-encoder-decoders, chunked attention (applied by transformers' mask, not passed down).
+mask and pass it to the function (it masks by position, window and tree only), hybrids
+whose other layers keep recurrent or convolution state (that state would need
+rollback), bidirectional (encoder) models, encoder-decoders, chunked attention (applied
+by transformers' mask, not passed down).
 
 Tensor parallelism: ``HFModel(hf_model, tp=tp)`` cuts the model in place along its
 config's ``base_model_tp_plan`` (``verispec.models.hf_tp``), one rank of a group.
