@@ -150,6 +150,13 @@ CONFIGS = {
                                 first_k_dense_replace=1),
     "minimax_m2": lambda: _cfg("minimax_m2", head_dim=16, num_local_experts=4,
                                num_experts_per_tok=2),
+    # windows on layers 0 and 2 that transformers applies through its mask alone (the
+    # module keeps its window but does not pass it down)
+    "qwen2_moe_sliding": lambda: _cfg("qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=32,
+                                      use_sliding_window=True, sliding_window=WINDOW,
+                                      max_window_layers=3),
 }
 # Models whose float32 forward in transformers is itself further than ATOL from its float64
 # forward on these tiny configs (Gemma 4 attends with scaling 1.0 after its q/k norms,
@@ -765,6 +772,21 @@ def test_refuses_a_layer_that_bypasses_the_hook():
     model = _tiny("llama")
     _bypass(model.model.layers[1].self_attn)
     _refused(model, "only 2 of its 3 layers")
+
+
+def test_refuses_a_window_only_transformers_mask_would_apply():
+    """PhiMoE applies its config's sliding window through transformers' mask alone (its
+    layers neither pass it nor keep it): refused, unless the context never exceeds the
+    window (then the adapter equals transformers)."""
+    model = _tiny("phimoe", num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW)
+    ref = copy.deepcopy(model)
+    _refused(model, f"sliding_window = {WINDOW}", f"max_context <= {WINDOW}")
+    wrapped = HFModel(model, max_context=WINDOW)
+    assert wrapped.geometry.max_context == WINDOW
+    ids = [3, 4, 5, 6, 7]
+    runner = PagedRunner(wrapped, num_blocks=4, block_size=BLOCK_SIZE)
+    got = runner.step({runner.add_sequence(): ids})[0]
+    assert (got - _ref_logits(ref, ids)).abs().max().item() <= ATOL
 
 
 def test_refuses_more_attention_layers_than_the_config_counts():

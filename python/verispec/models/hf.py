@@ -87,8 +87,11 @@ def register_attention() -> None:
         _registered = True
 
 
+_NOT_PASSED = object()
+
+
 def _paged_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
-                     sliding_window=None, softcap=None, s_aux=None, **kwargs):
+                     sliding_window=_NOT_PASSED, softcap=None, s_aux=None, **kwargs):
     """transformers' attention-function signature: query [1, H, T, Dk], key [1, KvH, T, Dk],
     value [1, KvH, T, Dv] (the new tokens, after RoPE / q-k norms) -> ([1, T, H, Dv], None).
     ``attention_mask`` is None for every model HFModel accepts (it builds no mask); a layer
@@ -101,6 +104,14 @@ def _paged_attention(module, query, key, value, attention_mask, *, scaling=None,
             f"call model.set_attn_implementation('sdpa') to use the model on its own")
     if attention_mask is not None:
         ctx.masked(module, attention_mask)
+    if sliding_window is _NOT_PASSED:
+        # a layer that passes no window at all, whose window transformers applies through
+        # its mask alone: the one it keeps on the module, if any (Qwen2-MoE's sliding
+        # layers). A window passed as None is no window (EXAONE 4 keeps the config's
+        # window on every module and passes it on its sliding layers only).
+        sliding_window = getattr(module, "sliding_window", None)
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+            sliding_window = None
     return ctx.attend(module, query, key, value, scaling=scaling, window=sliding_window,
                       softcap=softcap, sinks=s_aux), None
 
@@ -114,6 +125,7 @@ class _LayerRecord:
     k_head_dim: int
     v_head_dim: int
     causal: bool
+    window: Optional[int] = None  # the sliding window the layer attends with
 
 
 class _Probe:
@@ -134,7 +146,8 @@ class _Probe:
             module=module, num_heads=query.shape[1], q_head_dim=query.shape[3],
             num_kv_heads=key.shape[1], k_head_dim=key.shape[3],
             v_head_dim=value.shape[3],
-            causal=getattr(module, "is_causal", True) is not False))
+            causal=getattr(module, "is_causal", True) is not False,
+            window=window if window is not None and window > 0 else None))
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
 
 
@@ -866,6 +879,18 @@ class HFModel:
                                         f"mask ({probe.mask}), which verispec's paged "
                                         f"attention does not apply (it masks by position, "
                                         f"sliding window and tree)")
+            window = getattr(text, "sliding_window", None)
+            limit = (max_context if isinstance(max_context, int)
+                     and not isinstance(max_context, bool)
+                     else getattr(text, "max_position_embeddings", None))
+            if (isinstance(window, int) and not isinstance(window, bool) and window > 0
+                    and (not isinstance(limit, int) or window < limit)
+                    and "sliding_attention" in (layer_types or {"sliding_attention"})
+                    and not any(r.window for r in layers)):
+                raise _refuse(hf_model, f"its config sets sliding_window = {window}, which "
+                                        f"transformers applies through its attention mask, but "
+                                        f"no layer passes a window to the attention function; "
+                                        f"pass max_context <= {window} to run it without one")
             if not all(r.causal for r in layers):
                 raise _refuse(hf_model, "its attention is bidirectional (an encoder); verispec "
                                         "runs causal LMs")
