@@ -21,7 +21,8 @@ No per-architecture code: the cache geometry (K/V heads, K and V head sizes per 
 is probed with one recording forward at construction, which also proves the function is
 really called by every layer. Refused at construction, with the reason: models whose
 attention does not go through the interface, layers that compute their own attention
-mask and pass it to the function (it masks by position, window and tree only), hybrids
+mask and pass it to the function (it masks by position, window and tree only), a
+config window that no layer passes down or keeps (unless max_context fits in it), hybrids
 whose other layers keep recurrent or convolution state (that state would need
 rollback), bidirectional (encoder) models, encoder-decoders, chunked attention (applied
 by transformers' mask, not passed down).
