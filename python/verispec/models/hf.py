@@ -117,6 +117,11 @@ def _paged_attention(module, query, key, value, attention_mask, *, scaling=None,
                       softcap=softcap, sinks=s_aux), None
 
 
+def _describe(mask: Any) -> str:
+    """An attention mask a layer passed, as errors name it: "dtype [shape]"."""
+    return f"{getattr(mask, 'dtype', type(mask).__name__)} {list(getattr(mask, 'shape', []))}"
+
+
 @dataclass
 class _LayerRecord:
     module: Any
@@ -138,9 +143,7 @@ class _Probe:
 
     def masked(self, module, mask) -> None:
         if self.mask is None:
-            self.mask = (f"{type(module).__name__} passes "
-                         f"{getattr(mask, 'dtype', type(mask).__name__)} "
-                         f"{list(getattr(mask, 'shape', []))}")
+            self.mask = f"{type(module).__name__} passes {_describe(mask)}"
 
     def attend(self, module, query, key, value, *, scaling, window, softcap, sinks):
         self.layers.append(_LayerRecord(
@@ -300,9 +303,8 @@ class _Plan:
 
     def masked(self, module, mask) -> None:
         raise RuntimeError(f"HFModel.forward: {type(module).__name__} passed its own attention "
-                           f"mask ({getattr(mask, 'dtype', type(mask).__name__)} "
-                           f"{list(getattr(mask, 'shape', []))}), which verispec's paged "
-                           f"attention cannot apply (the construction probe saw none)")
+                           f"mask ({_describe(mask)}), which verispec's paged attention cannot "
+                           f"apply (the construction probe saw none)")
 
     def prepare(self, native: bool) -> None:
         """Decides, before the first layer writes the cache, how layers attend: with
