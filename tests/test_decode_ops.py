@@ -327,6 +327,49 @@ def test_rope_kv_write_equals_torch_bitwise(isa):
                                     q.data_ptr(), isa)
 
 
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def test_rotate_half_rope_equals_torch_bitwise():
+    """HFModel's RoPE call: strided [1, heads, T, D] queries and keys (transposes of the
+    projections, as a layer passes them) and cos / sin rows with a row stride give bit
+    for bit torch's q * cos + rotate_half(q) * sin, into contiguous outputs; bad sizes
+    raise before anything is written. Power: the half-swap done the other way round (the
+    sign on the second half) is caught."""
+    g = torch.Generator().manual_seed(21)
+    t, d = 5, HD
+    q = torch.randn(1, t, NH, d, generator=g).transpose(1, 2)
+    k = torch.randn(1, t, NKV, d, generator=g).transpose(1, 2)
+    table = torch.randn(2, t, d + 6, generator=g)  # rows of d + 6 floats: a row stride
+    cos, sin = table[0:1, :, :d], table[1:2, :, :d]
+    q_out, k_out = torch.empty(1, NH, t, d), torch.empty(1, NKV, t, d)
+
+    def run(q_ptr, heads, tokens, head_dim, stride):
+        _C._rotate_half_rope_unchecked(q_ptr, q.stride(1), q.stride(2), heads, k.data_ptr(),
+                                       k.stride(1), k.stride(2), NKV, tokens, head_dim,
+                                       cos.data_ptr(), sin.data_ptr(), stride, q_out.data_ptr(),
+                                       k_out.data_ptr())
+
+    run(q.data_ptr(), NH, t, d, cos.stride(1))
+    want_q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+    want_k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
+    assert torch.equal(q_out, want_q) and torch.equal(k_out, want_k)
+    swapped = q * cos[:, None] + torch.cat((q[..., d // 2:], -q[..., :d // 2]), -1) * sin[:, None]
+    assert not torch.equal(q_out, swapped)
+    before = q_out.clone()
+    for args, match in (((q.data_ptr(), NH, t, d - 1, cos.stride(1)), "head_dim even"),
+                        ((q.data_ptr(), 0, t, d, cos.stride(1)), "heads >= 1"),
+                        ((q.data_ptr(), NH, t, d, d - 2), "row stride >= head_dim"),
+                        ((0, NH, t, d, cos.stride(1)), "null data pointer")):
+        with pytest.raises(ValueError, match=match):
+            run(*args)
+    assert torch.equal(q_out, before)
+    run(0, NH, 0, d, 0)  # no tokens: nothing read, nothing written
+    assert torch.equal(q_out, before)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_silu_mul_matches_torch(isa):
     g = torch.Generator().manual_seed(17)

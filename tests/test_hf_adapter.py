@@ -1018,6 +1018,65 @@ def test_model_modules_are_called_straight_through_and_hooks_still_run():
     assert all(type(m) is classes[name] for name, m in hf.named_modules())
 
 
+def test_rope_runs_on_the_kernel_where_the_model_function_computes_its_bits(monkeypatch):
+    """A float32 llama's apply_rotary_pos_emb passes the bitwise check, so its modeling
+    module's name is bound to the dispatcher: inside the wrapped model's forwards each
+    layer's RoPE is one kernel call, with logits bit for bit those of the model's own
+    function; outside them (transformers' own forward of an unwrapped model, a model
+    wrapped with cpu_kernels=False) the original runs. Power: the check rejects GPT-J's
+    interleaved RoPE and a rotate-half with the halves' signs swapped."""
+    from transformers.models.gptj import modeling_gptj
+    from transformers.models.llama import modeling_llama
+
+    from verispec import _C
+
+    calls = []
+
+    def counted(*args, _fn=_C._rotate_half_rope_unchecked):
+        calls.append(args[8])  # tokens
+        return _fn(*args)
+
+    monkeypatch.setattr(_C, "_rotate_half_rope_unchecked", counted)
+    model = _wrap("llama")
+    assert model.native_rope
+    bound = modeling_llama.apply_rotary_pos_emb
+    original = bound._verispec_original
+    assert hf_mod._computes_rotate_half_rope(original)
+    runner = PagedRunner(model, num_blocks=16, block_size=BLOCK_SIZE)
+    seq = runner.add_sequence()
+    runner.step({seq: list(range(3, 13))})
+    calls.clear()
+    fast = runner.step({seq: [20, 21, 22, 23, 24, 25]})[0]
+    assert calls == [6] * model.num_layers
+    runner.rollback(seq, 10)
+    model.native_rope = False
+    calls.clear()
+    slow = runner.step({seq: [20, 21, 22, 23, 24, 25]})[0]
+    assert calls == [] and not model.native_rope
+    assert torch.equal(fast, slow)
+    model.native_rope = True
+    want = _ref_logits(_reference("llama"), list(range(3, 13)) + [20, 21, 22, 23, 24, 25])
+    assert calls == []  # transformers' own forward: the original function
+    assert (fast - want[10:]).abs().max().item() <= ATOL
+    off = HFModel(copy.deepcopy(_reference("llama")), cpu_kernels=False)
+    assert not off.native_rope
+    off_runner = PagedRunner(off, num_blocks=16, block_size=BLOCK_SIZE)
+    off_runner.step({off_runner.add_sequence(): list(range(3, 13))})
+    assert calls == []
+    assert modeling_llama.apply_rotary_pos_emb is bound  # bound once, kept
+
+    def swapped(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+        def rot(x):
+            half = x.shape[-1] // 2
+            return torch.cat((x[..., half:], -x[..., :half]), dim=-1)
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+    assert not hf_mod._computes_rotate_half_rope(swapped)
+    assert not hf_mod._computes_rotate_half_rope(modeling_gptj.apply_rotary_pos_emb)
+
+
 def test_plain_rms_norm_detection():
     llama, gemma = _reference("llama"), _reference("gemma")
     assert hf_mod._is_plain_rms_norm(copy.deepcopy(llama.model.norm))

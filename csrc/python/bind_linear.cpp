@@ -530,6 +530,27 @@ void write_attend_unchecked(uintptr_t q, int64_t q_head_stride, int64_t q_token_
   if (!error.empty()) throw py::value_error(error);
 }
 
+void rotate_half_rope_unchecked(uintptr_t q, int64_t q_head_stride, int64_t q_token_stride,
+                                int64_t num_heads, uintptr_t k, int64_t k_head_stride,
+                                int64_t k_token_stride, int64_t num_kv_heads, int64_t tokens,
+                                int64_t head_dim, uintptr_t cos, uintptr_t sin, int64_t cs_stride,
+                                uintptr_t q_out, uintptr_t k_out) {
+  RotateHalfArgs a;
+  a.q = {reinterpret_cast<const float*>(q), q_head_stride, q_token_stride};
+  a.k = {reinterpret_cast<const float*>(k), k_head_stride, k_token_stride};
+  a.num_heads = num_heads;
+  a.num_kv_heads = num_kv_heads;
+  a.tokens = tokens;
+  a.head_dim = head_dim;
+  a.cos = reinterpret_cast<const float*>(cos);
+  a.sin = reinterpret_cast<const float*>(sin);
+  a.cs_stride = cs_stride;
+  a.q_out = reinterpret_cast<float*>(q_out);
+  a.k_out = reinterpret_cast<float*>(k_out);
+  const std::string error = rotate_half_rope_f32(a);
+  if (!error.empty()) throw py::value_error(error);
+}
+
 void register_linear(py::module_& m) {
   m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("out"),
         py::arg("num_threads"), py::arg("isa") = "auto", py::arg("own_threads") = false,
@@ -572,6 +593,13 @@ void register_linear(py::module_& m) {
         py::arg("num_threads"), py::arg("window") = 0,
         "strided new tokens' K/V written to the cache, then their attention "
         "(verispec/decode_ops.h write_attend_f32; verispec.models.HFModel's hot path)");
+  m.def("_rotate_half_rope_unchecked", &rotate_half_rope_unchecked, py::arg("q_ptr"),
+        py::arg("q_head_stride"), py::arg("q_token_stride"), py::arg("num_heads"),
+        py::arg("k_ptr"), py::arg("k_head_stride"), py::arg("k_token_stride"),
+        py::arg("num_kv_heads"), py::arg("tokens"), py::arg("head_dim"), py::arg("cos_ptr"),
+        py::arg("sin_ptr"), py::arg("cs_stride"), py::arg("q_out_ptr"), py::arg("k_out_ptr"),
+        "transformers' rotate-half RoPE of strided queries and keys, bit for bit "
+        "(verispec/decode_ops.h rotate_half_rope_f32; verispec.models.HFModel)");
   m.def("_silu_mul_unchecked", &silu_mul_unchecked, py::arg("gate_up_ptr"), py::arg("rows"),
         py::arg("inter"), py::arg("ld"), py::arg("out_ptr"), py::arg("ldo"), py::arg("isa") = "auto",
         "out = silu(gate) * up of a fused [rows, 2 inter] product (verispec/decode_ops.h)");

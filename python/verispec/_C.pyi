@@ -185,6 +185,20 @@ def _paged_attention_unchecked(q_ptr: int, k_pool_ptr: int, v_pool_ptr: int, num
                                check_only: bool = False, window: int = 0) -> None: ...
 def _silu_mul_unchecked(gate_up_ptr: int, rows: int, inter: int, ld: int, out_ptr: int, ldo: int,
                         isa: str = "auto") -> None: ...
+def _write_attend_unchecked(q_ptr: int, q_head_stride: int, q_token_stride: int, k_ptr: int,
+                            k_head_stride: int, k_token_stride: int, v_ptr: int,
+                            v_head_stride: int, v_token_stride: int, slots_ptr: int,
+                            k_pool_ptr: int, v_pool_ptr: int, num_slots: int, tokens: int,
+                            num_heads: int, num_kv_heads: int, head_dim: int, rows: int,
+                            query_start_ptr: int, positions_ptr: int, context_lens_ptr: int,
+                            block_tables_ptr: int, table_stride: int, table_width: int,
+                            tree_mask_ptr: int, block_size: int, scale: float, out_ptr: int,
+                            num_threads: int, window: int = 0) -> None: ...
+def _rotate_half_rope_unchecked(q_ptr: int, q_head_stride: int, q_token_stride: int,
+                                num_heads: int, k_ptr: int, k_head_stride: int,
+                                k_token_stride: int, num_kv_heads: int, tokens: int,
+                                head_dim: int, cos_ptr: int, sin_ptr: int, cs_stride: int,
+                                q_out_ptr: int, k_out_ptr: int) -> None: ...
 def decode_exp(x: float) -> float: ...
 class _QuantDecodeLayers:
     def __init__(self, layers: list[tuple[Any, ...]]) -> None: ...

@@ -120,6 +120,27 @@ struct WriteAttendArgs {
 // batch are checked before the first write).
 std::string write_attend_f32(const WriteAttendArgs& args);
 
+// transformers' rotate-half RoPE (apply_rotary_pos_emb) of a layer's queries and keys as
+// strided [heads, tokens, head_dim] views, with one cos and one sin row per token:
+//   out[h, t, i] = x[h, t, i] * cos[t, i] + r[h, t, i] * sin[t, i],
+//   r[h, t, i] = -x[h, t, i + d/2] for i < d/2, x[h, t, i - d/2] otherwise (d = head_dim)
+// each product and the sum rounded on its own (no fused multiply-add): bit for bit what
+// torch computes for `q * cos + rotate_half(q) * sin` in float32. out is a contiguous
+// [heads, tokens, head_dim]. verispec.models.HFModel runs it in place of a model's own
+// apply_rotary_pos_emb once that is checked to compute the same bits.
+struct RotateHalfArgs {
+  StridedHeads q, k;             // [num_heads | num_kv_heads, tokens, head_dim]
+  int64_t num_heads = 0, num_kv_heads = 0, tokens = 0, head_dim = 0;
+  const float* cos = nullptr;    // [tokens, head_dim], row stride cs_stride
+  const float* sin = nullptr;
+  int64_t cs_stride = 0;
+  float* q_out = nullptr;        // [num_heads, tokens, head_dim]
+  float* k_out = nullptr;        // [num_kv_heads, tokens, head_dim]
+};
+
+// Returns "" or what is wrong with the arguments (nothing is written then).
+std::string rotate_half_rope_f32(const RotateHalfArgs& args);
+
 // out[r, i] = silu(g[r, i]) * u[r, i] with g = gate_up[r, 0..inter), u = gate_up[r,
 // inter..2 inter); silu(g) = g / (1 + exp(-g)). Returns "" or what is wrong.
 std::string silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, int64_t ld,

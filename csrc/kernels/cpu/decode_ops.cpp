@@ -573,6 +573,42 @@ std::string write_attend_f32(const WriteAttendArgs& w) {
   return paged_attention_f32(a);
 }
 
+namespace {
+
+// One group of heads: out[h, t] = x[h, t] * cos[t] + rotate_half(x[h, t]) * sin[t].
+void rotate_half_heads(const StridedHeads& x, int64_t heads, const RotateHalfArgs& a,
+                       float* out) {
+  const int64_t d = a.head_dim, half = d / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < a.tokens; ++t) {
+      const float* in = x.data + h * x.head_stride + t * x.token_stride;
+      const float* c = a.cos + t * a.cs_stride;
+      const float* s = a.sin + t * a.cs_stride;
+      float* o = out + (h * a.tokens + t) * d;
+      for (int64_t i = 0; i < half; ++i) o[i] = in[i] * c[i] + (-in[i + half]) * s[i];
+      for (int64_t i = half; i < d; ++i) o[i] = in[i] * c[i] + in[i - half] * s[i];
+    }
+  }
+}
+
+}  // namespace
+
+std::string rotate_half_rope_f32(const RotateHalfArgs& a) {
+  if (a.tokens < 0 || a.head_dim < 2 || a.head_dim % 2 || a.num_heads < 1 || a.num_kv_heads < 1 ||
+      (a.tokens > 1 && a.cs_stride < a.head_dim))
+    return "rotate_half_rope: tokens must be >= 0, head_dim even and >= 2, heads >= 1 and the "
+           "cos/sin row stride >= head_dim; got tokens " + std::to_string(a.tokens) +
+           ", head_dim " + std::to_string(a.head_dim) + ", heads " +
+           std::to_string(a.num_heads) + " / " + std::to_string(a.num_kv_heads) +
+           ", row stride " + std::to_string(a.cs_stride);
+  if (a.tokens == 0) return "";
+  if (!a.q.data || !a.k.data || !a.cos || !a.sin || !a.q_out || !a.k_out)
+    return "rotate_half_rope: null data pointer";
+  rotate_half_heads(a.q, a.num_heads, a, a.q_out);
+  rotate_half_heads(a.k, a.num_kv_heads, a, a.k_out);
+  return "";
+}
+
 std::string silu_mul_f32(const float* gate_up, int64_t rows, int64_t inter, int64_t ld,
                          float* out, int64_t ldo, LinearIsa isa) {
   const IsaFns* fns = fns_for(isa);

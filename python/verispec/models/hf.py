@@ -517,11 +517,14 @@ def _attend_matmul(q, k, v, mask, scaling, softcap, sinks):
 
 class _CpuKernels:
     """The switch HFModel's CPU kernels read at each call (one object per model, shared
-    by its modules; ``HFModel.native_linear`` / ``native_norm`` flip it)."""
+    by its modules; ``HFModel.native_linear`` / ``native_norm`` / ``native_rope`` flip
+    it). ``rope`` can be True only where ``rope_found``: some attention module's RoPE
+    function was checked and a dispatcher bound in its place (_install_rope)."""
 
     def __init__(self) -> None:
         self.linear = True
         self.norm = True
+        self.rope = self.rope_found = False
 
 
 def _product(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
@@ -657,6 +660,114 @@ def _norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return type(self).forward(self, x)
 
 
+# --- transformers' rotate-half RoPE on verispec's kernel ----------------------------------
+# Most modeling modules define their own copy of apply_rotary_pos_emb (q * cos +
+# rotate_half(q) * sin, the same for k): about a dozen small torch ops per layer, ~10% of
+# a SmolLM2 decode forward on a CPU. Where a module's function computes those very bits
+# (checked on random strided inputs, _computes_rotate_half_rope), the name in the module's
+# namespace is bound to a dispatcher that runs verispec's one-call kernel inside the
+# forwards of HFModels with CPU kernels on, and the original function everywhere else.
+
+_ROPE_NAME = "apply_rotary_pos_emb"
+# (heads, KV heads, tokens, head size) of the random inputs a RoPE function is checked on
+_ROPE_CHECK_SHAPES = ((4, 2, 3, 8), (3, 1, 1, 64), (2, 2, 5, 128))
+
+
+def _rope_native(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """rotate_half_rope_f32 (verispec/decode_ops.h) of a forward's [1, heads, T, D] queries
+    and keys with [1, T, D] cos / sin rows, all float32 on the CPU, the last dimension
+    dense; -> contiguous (q, k) as transformers' apply_rotary_pos_emb returns them, or
+    None for any other input (the caller then runs the original)."""
+    if not (q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32
+            and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and q.is_cpu and k.is_cpu
+            and cos.is_cpu and sin.is_cpu):
+        return None
+    _, h, t, d = q.shape
+    kvh = k.shape[1]
+    if (q.shape[0] != 1 or k.shape[0] != 1 or k.shape[2] != t or k.shape[3] != d or d % 2
+            or cos.shape != (1, t, d) or sin.shape != cos.shape
+            or q.stride(3) != 1 or k.stride(3) != 1):
+        return None
+    if cos.stride(2) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    q_out = torch.empty((1, h, t, d), dtype=torch.float32)
+    k_out = torch.empty((1, kvh, t, d), dtype=torch.float32)
+    _native()._rotate_half_rope_unchecked(
+        q.data_ptr(), q.stride(1), q.stride(2), h, k.data_ptr(), k.stride(1), k.stride(2), kvh,
+        t, d, cos.data_ptr(), sin.data_ptr(), cos.stride(1), q_out.data_ptr(), k_out.data_ptr())
+    return q_out, k_out
+
+
+def _rope_dispatch(original):
+    """The dispatcher bound in place of a modeling module's checked apply_rotary_pos_emb:
+    verispec's kernel inside an HFModel forward with native_rope on, for the call shape
+    _rope_native takes (q, k, cos, sin; unsqueeze_dim 1); ``original`` otherwise."""
+    import functools
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        kernels = getattr(_CONTEXT.get(), "kernels", None)
+        if (kernels is not None and kernels.rope and not args
+                and (not kwargs or (len(kwargs) == 1 and kwargs.get("unsqueeze_dim") == 1))):
+            out = _rope_native(q, k, cos, sin)
+            if out is not None:
+                return out
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb._verispec_original = original
+    return apply_rotary_pos_emb
+
+
+def _computes_rotate_half_rope(fn) -> bool:
+    """Whether ``fn(q, k, cos, sin)`` returns exactly (bit for bit) what verispec's kernel
+    computes, on random [1, heads, T, D] queries and keys laid out as a layer passes them
+    (transposed views) and random [1, T, D] cos / sin, for several head counts, token
+    counts and head sizes."""
+    g = torch.Generator().manual_seed(0)
+    for h, kvh, t, d in _ROPE_CHECK_SHAPES:
+        q = torch.randn(1, t, h, d, generator=g).transpose(1, 2)
+        k = torch.randn(1, t, kvh, d, generator=g).transpose(1, 2)
+        cos, sin = torch.randn(1, t, d, generator=g), torch.randn(1, t, d, generator=g)
+        with torch.inference_mode():
+            try:
+                want = fn(q, k, cos, sin)
+            except Exception:  # noqa: BLE001 - any failure: not this function
+                return False
+            got = _rope_native(q, k, cos, sin)
+        if not (isinstance(want, tuple) and len(want) == 2 and got is not None
+                and all(torch.is_tensor(w) and w.dtype == x.dtype and w.shape == x.shape
+                        and torch.equal(w, x) for w, x in zip(want, got))):
+            return False
+    return True
+
+
+def _install_rope(model: torch.nn.Module) -> bool:
+    """Binds _rope_dispatch in place of apply_rotary_pos_emb in the namespace of each
+    modeling module whose classes' forwards the model runs, where that function passes
+    _computes_rotate_half_rope (once per module: a dispatcher already bound stays).
+    Returns whether any of the model's modules reads a dispatcher."""
+    import inspect
+
+    seen: set[int] = set()
+    found = False
+    for module in model.modules():
+        forward = getattr(type(module), "forward", None)
+        space = getattr(inspect.unwrap(forward), "__globals__", None) if forward else None
+        if not isinstance(space, dict) or id(space) in seen:
+            continue
+        seen.add(id(space))
+        fn = space.get(_ROPE_NAME)
+        if not callable(fn):
+            continue
+        if getattr(fn, "_verispec_original", None) is not None:
+            found = True
+        elif _computes_rotate_half_rope(fn):
+            space[_ROPE_NAME] = _rope_dispatch(fn)
+            found = True
+    return found
+
+
 def _native():
     """verispec's compiled module (imported on first use: a plain import of this module
     does not load it)."""
@@ -743,6 +854,7 @@ def _install_cpu_kernels(model: torch.nn.Module, run) -> _CpuKernels:
             elif _is_plain_rms_norm(module):
                 module._verispec_kernels = kernels
                 module.forward = types.MethodType(_norm_forward, module)
+    kernels.rope = kernels.rope_found = _install_rope(model)
     _install_fast_calls(model)
     return kernels
 
@@ -972,6 +1084,18 @@ class HFModel:
         if self._kernels is not None:
             self._kernels.norm = bool(on)
 
+    @property
+    def native_rope(self) -> bool:
+        """Whether the model's rotate-half RoPE runs as one call of verispec's CPU kernel
+        (float32 CPU models whose modeling module's apply_rotary_pos_emb computes the
+        kernel's bits; set False to run the model's own function)."""
+        return self._kernels is not None and self._kernels.rope
+
+    @native_rope.setter
+    def native_rope(self, on: bool) -> None:
+        if self._kernels is not None:
+            self._kernels.rope = bool(on) and self._kernels.rope_found
+
     def early_exit(self, num_layers: int) -> "HFModel":
         """The first ``num_layers`` decoder layers + the model's final norm and LM head,
         sharing this model's modules (no copy of any weight): a self-speculation draft
@@ -1096,6 +1220,7 @@ class HFModel:
         g = self.geometry
         device = g.device
         plan = _Plan(batch, self._pool_of, device)
+        plan.kernels = self._kernels  # read by the RoPE dispatcher (_rope_dispatch)
         plan.prepare(self.native_attention)
         if max(plan.ctx_lens) > g.max_context:
             raise ValueError(f"HFModel.forward: context_lens must be <= max_context = "
