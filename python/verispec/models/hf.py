@@ -923,7 +923,12 @@ class HFModel:
     (``verispec.models.llama.matmul_layout``; same values). This sets
     instance-level ``forward`` methods on those modules of ``hf_model``, and gives its own
     module classes below the top level same-named subclasses called straight through
-    ``forward`` while no hooks are registered (``_install_fast_calls``).
+    ``forward`` while no hooks are registered (``_install_fast_calls``). Where the
+    model's modeling module defines an ``apply_rotary_pos_emb`` that computes
+    rotate-half RoPE bit for bit as verispec's kernel does (checked on random inputs),
+    that name in the module's namespace is bound to a dispatcher running the kernel
+    inside this model's forwards (``native_rope``) and the original function anywhere
+    else, so unwrapped models of the same class compute exactly what they did.
     ``tp`` (a ``verispec.distributed.TensorParallel``): make this model one rank of a
     tensor-parallel group by cutting ``hf_model``'s modules in place along its config's
     ``base_model_tp_plan`` (``verispec.models.hf_tp``; every rank must pass the same model);
