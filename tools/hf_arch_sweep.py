@@ -47,6 +47,39 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               # mixture-of-experts sizes, under the names the families use
               num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2,
               moe_intermediate_size=32, shared_expert_intermediate_size=32)
+# Families the generic sizes do not fit, with the names and sizes they need on top of
+# COMMON: multi-head latent attention (K head 16 + 8, V head 12, as the pinned
+# deepseek tests), partial rotary dimensions, and nested or extra fields.
+_DROP = object()  # a COMMON entry the family's config does not take
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, qk_head_dim=24, v_head_dim=12, n_group=1, topk_group=1,
+            first_k_dense_replace=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+_MLA_ROPE_HEAD = dict(_MLA, head_dim=8)  # families whose head_dim is the RoPE part
+FAMILY = {
+    "deepseek_v2": _MLA, "minicpm3": _MLA, "glm4_moe_lite": _MLA, "sarvam_mla": _MLA,
+    "deepseek_v3": _MLA_ROPE_HEAD, "deepseek_v32": _MLA_ROPE_HEAD,
+    "longcat_flash": _MLA_ROPE_HEAD, "youtu": _MLA_ROPE_HEAD, "axk1": _MLA_ROPE_HEAD,
+    "axk2": _MLA_ROPE_HEAD, "glm_moe_dsa": _MLA_ROPE_HEAD,
+    "codegen": dict(rotary_dim=8, n_ctx=256), "gptj": dict(rotary_dim=8),
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1], [["global"], 1]],
+                    window_size=256),
+    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2, head_dim=_DROP),
+    "dbrx": dict(attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32},
+                 d_model=64, n_heads=4, n_layers=3, max_seq_len=256),
+    "gemma3n_text": dict(num_hidden_layers=4, num_kv_shared_layers=2,
+                         layer_types=["sliding_attention", "full_attention"] * 2,
+                         intermediate_size=[96] * 4, activation_sparsity_pattern=[0.0] * 4,
+                         laurel_rank=8, altup_num_inputs=2),
+    "cohere_compass_text": dict(
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={t: {"rope_type": "default", "rope_theta": 10000.0}
+                         for t in ("full_attention", "sliding_attention")}),
+    "lfm2_moe": dict(layer_types=["full_attention", "conv", "full_attention"]),
+    "dots1": dict(first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+                  n_shared_experts=1),
+}
 ATOL = 1e-5
 
 
@@ -56,8 +89,8 @@ class _Timeout(Exception):
 
 def _tiny(transformers, model_type: str):
     """A tiny config of ``model_type`` from COMMON (dropping what it rejects), or None."""
-    args = dict(COMMON)
-    for _ in range(len(COMMON) + 1):
+    args = {k: v for k, v in {**COMMON, **FAMILY.get(model_type, {})}.items() if v is not _DROP}
+    for _ in range(len(args) + 1):
         try:
             return transformers.AutoConfig.for_model(model_type, **args)
         except TypeError as e:  # an argument this config does not take

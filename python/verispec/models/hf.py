@@ -23,9 +23,10 @@ really called by every layer. Refused at construction, with the reason: models w
 attention does not go through the interface, layers that compute their own attention
 mask and pass it to the function (it masks by position, window and tree only), a
 config window that no layer passes down or keeps (unless max_context fits in it), hybrids
-whose other layers keep recurrent or convolution state (that state would need
-rollback), bidirectional (encoder) models, encoder-decoders, chunked attention (applied
-by transformers' mask, not passed down).
+whose other layers keep state of their own (recurrent, convolution, a sparse-attention
+indexer's keys: that state would need its own cache and rollback), bidirectional
+(encoder) models, encoder-decoders, chunked attention (applied by transformers' mask,
+not passed down).
 
 Tensor parallelism: ``HFModel(hf_model, tp=tp)`` cuts the model in place along its
 config's ``base_model_tp_plan`` (``verispec.models.hf_tp``), one rank of a group.
@@ -954,9 +955,11 @@ class HFModel:
                                     "transformers' mask, not passed to the attention function")
         other = sorted(t for t in layer_types if t not in _ATTENTION_LAYER_TYPES)
         if other:
-            raise _refuse(hf_model, f"a hybrid: its layer types {other} keep recurrent or "
-                                    f"convolution state outside the KV cache, which would need "
-                                    f"rollback on rejected drafts")
+            raise _refuse(hf_model, f"a hybrid: its layer types {other} are not plain "
+                                    f"attention over the KV cache; they keep state of their own "
+                                    f"(recurrent, convolution, or a sparse-attention indexer's "
+                                    f"keys) outside verispec's pools, which would need its own "
+                                    f"cache and rollback on rejected drafts")
         params = [p for p in hf_model.parameters() if p.is_floating_point()]
         if not params:
             raise TypeError(f"HFModel: {type(hf_model).__name__} has no floating-point weights")
