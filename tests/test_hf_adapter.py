@@ -150,6 +150,20 @@ CONFIGS = {
                                 first_k_dense_replace=1),
     "minimax_m2": lambda: _cfg("minimax_m2", head_dim=16, num_local_experts=4,
                                num_experts_per_tok=2),
+    # found by tools/hf_arch_sweep.py with family sizes: a nested attention config with QKV
+    # clipping (dbrx), a fused QKV laid out in model-parallel chunks with partial
+    # interleaved RoPE (codegen), a deepseek-style MoE with shared experts (dots1)
+    "dbrx": lambda: transformers.AutoConfig.for_model(
+        "dbrx", vocab_size=VOCAB, d_model=64, n_heads=4, n_layers=3, max_seq_len=256,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 32},
+        pad_token_id=0),
+    "codegen": lambda: transformers.AutoConfig.for_model(
+        "codegen", vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=256,
+        n_ctx=256, rotary_dim=8, bos_token_id=1, eos_token_id=2),
+    "dots1": lambda: _cfg("dots1", head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+                          topk_group=1, n_shared_experts=1, routed_scaling_factor=1.0),
     # windows on layers 0 and 2 that transformers applies through its mask alone (the
     # module keeps its window but does not pass it down)
     "qwen2_moe_sliding": lambda: _cfg("qwen2_moe", num_experts=4, num_experts_per_tok=2,
@@ -169,6 +183,11 @@ F64_CONFIGS = {
     "gemma4_text": lambda: _cfg("gemma4_text", head_dim=16, sliding_window=WINDOW,
                                 vocab_size_per_layer_input=VOCAB,
                                 hidden_size_per_layer_input=8),
+    # multi-head latent attention with embedding, residual and logit scales (found by
+    # tools/hf_arch_sweep.py): transformers' float32 forward is 1.5e-5 from its float64
+    "minicpm3": lambda: _cfg("minicpm3", num_key_value_heads=4, kv_lora_rank=16,
+                             q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                             v_head_dim=12),
 }
 ISSUE_TWELVE = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text",
                 "starcoder2", "gpt_neox", "mixtral", "gpt_oss"]
