@@ -35,8 +35,9 @@ hf_adapter.md (the table, also printed) into --out. ``--quick`` is the smoke run
 8 new tokens, one round, a 2-token warm-up.
 
 ``--profile`` instead breaks one decode forward (1 token) and one n-gram verify forward
-(k + 1 tokens) down, adapter vs native: paired wall times, and per module kind /
-function the exclusive time and the number of aten ops (profile.json).
+(k + 1 tokens) down, adapter vs native: paired wall times (also of the adapter with
+the model's own RoPE function, native_rope off), and per module kind / function the
+exclusive time and the number of aten ops (profile.json).
 
     PYTHONPATH=python python bench/bench_hf_adapter.py              # ~3-5 min on 2 cores
     PYTHONPATH=python python bench/bench_hf_adapter.py --quick      # < 1 min
@@ -383,18 +384,25 @@ def profile(args) -> dict:
     steps = []
     for t in (1, (k if isinstance(k := args.ngram_k, int) else 8) + 1):
         batches = {"adapter": (adapter, batch_for(adapter, t)), "native": (native, batch_for(native, t))}
-        times: dict[str, list[float]] = {"adapter": [], "native": []}
+        # a third arm: the adapter with the model's own RoPE function (native_rope off)
+        arms = ("adapter", "native", "adapter, own RoPE")
+        times: dict[str, list[float]] = {w: [] for w in arms}
         for r in range(rounds + 3):
-            for who in (("adapter", "native") if r % 2 else ("native", "adapter")):
-                model, batch = batches[who]
+            for who in (arms if r % 2 else arms[::-1]):
+                model, batch = batches["native" if who == "native" else "adapter"]
+                if who != "native":
+                    adapter.native_rope = who == "adapter"
                 t0 = time.perf_counter()
                 model.forward(batch)
                 if r >= 3:
                     times[who].append(time.perf_counter() - t0)
+        adapter.native_rope = True
         step = {"tokens": t, "context": len(ids), "rounds": rounds,
                 "forward_ms": {w: statistics.median(v) * 1e3 for w, v in times.items()},
                 "adapter_over_native_time": statistics.median(
-                    a / b for a, b in zip(times["adapter"], times["native"]))}
+                    a / b for a, b in zip(times["adapter"], times["native"])),
+                "own_rope_minus_native_rope_ms": statistics.median(
+                    (a - b) * 1e3 for a, b in zip(times["adapter, own RoPE"], times["adapter"]))}
         for who, (model, batch) in batches.items():
             regions = _Regions()
             if who == "adapter":
@@ -446,7 +454,9 @@ def _profile_text(step: dict) -> str:
     f = step["forward_ms"]
     lines = [f"## forward of {step['tokens']} new token(s) after {step['context']}: adapter "
              f"{f['adapter']:.1f} ms, native {f['native']:.1f} ms (adapter / native time "
-             f"{step['adapter_over_native_time']:.2f}, median of {step['rounds']} paired rounds)"]
+             f"{step['adapter_over_native_time']:.2f}, median of {step['rounds']} paired rounds); "
+             f"the adapter with the model's own RoPE function {f['adapter, own RoPE']:.1f} ms "
+             f"(paired: {step['own_rope_minus_native_rope_ms']:+.2f} ms against native_rope)"]
     for who in ("adapter", "native"):
         s = step[who]
         lines.append(f"{who}: {s['instrumented_forward_ms']:.1f} ms instrumented, "
