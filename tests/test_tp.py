@@ -402,3 +402,31 @@ def test_a_draft_hfmodel_of_other_collectives_or_a_shard_resharded_is_refused():
     draft.tp = types.SimpleNamespace(rank=1, world_size=2)
     with pytest.raises(ValueError, match=r"shard: model is already a shard \(rank 1 of 2\)"):
         distributed.shard(draft, draft.tp)
+
+
+def test_close_with_a_barrier_meets_then_tears_down(monkeypatch):
+    """distributed.close(barrier=True) waits at a barrier, then destroys the group; a
+    failing barrier (a rank gone) still tears down; without barrier none is called."""
+    import torch.distributed as dist
+
+    from verispec import distributed
+
+    port = _free_port()
+    calls = []
+    for barrier, fail in ((True, False), (True, True), (False, False)):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+        real = dist.barrier
+
+        def counted(*a, _real=real, _fail=fail, **k):
+            calls.append(_fail)
+            if _fail:
+                raise RuntimeError("peer gone")
+            return _real(*a, **k)
+
+        monkeypatch.setattr(dist, "barrier", counted)
+        distributed.close(barrier=barrier)
+        monkeypatch.setattr(dist, "barrier", real)
+        assert not dist.is_initialized()
+        port = _free_port()
+    assert calls == [False, True]

@@ -614,20 +614,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from verispec import distributed
 
     tp = distributed.init(timeout_s=args.tp_timeout, check_every=args.tp_check_every)
+    finished = False
     try:
         if tp.rank == 0:
-            return _generate(args, tp)
-        # the other ranks run the same loop in lock-step and print nothing
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), \
-                contextlib.redirect_stderr(quiet):
-            return _generate(args, tp)
+            code = _generate(args, tp)
+        else:
+            # the other ranks run the same loop in lock-step and print nothing
+            with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), \
+                    contextlib.redirect_stderr(quiet):
+                code = _generate(args, tp)
+        finished = True
+        return code
     except (RuntimeError, distributed.RankDivergenceError) as e:
         # a collective that failed or timed out (a rank died or stalled), or diverging ranks
         sys.stdout.flush()
         print(f"{PROG} generate: error: rank {tp.rank} of {tp.world_size}: {e}", file=sys.stderr)
         return 1
     finally:
-        distributed.close(tp)
+        # after a normal end every rank meets before the sockets close (a rank that tore
+        # its group down while its peer was still in it once aborted at exit under load)
+        distributed.close(tp, barrier=finished)
 
 
 def _tp_shard(model, tp, arg: str):

@@ -211,9 +211,19 @@ def init(*, backend: str = "gloo", timeout_s: float = 60.0, check_every: int = 8
     return TensorParallel(check_every=check_every, timeout_s=timeout_s)
 
 
-def close(tp: Optional[TensorParallel] = None) -> None:
-    """Destroys the default process group (its sockets closed) if one is initialised."""
+def close(tp: Optional[TensorParallel] = None, *, barrier: bool = False) -> None:
+    """Destroys the default process group (its sockets closed) if one is initialised.
+
+    ``barrier``: first wait (up to the group's timeout) until every rank has arrived, so
+    that no rank tears its connections down while a peer is still finishing with them;
+    for the normal end of a run. A failed barrier (a rank gone) does not stop the
+    teardown."""
     if dist.is_available() and dist.is_initialized():
+        if barrier:
+            try:
+                dist.barrier()
+            except RuntimeError:
+                pass  # a rank is gone: tear down what is left
         dist.destroy_process_group()
 
 
@@ -238,6 +248,7 @@ def shard(model: Any, tp: TensorParallel) -> Any:
                       cpu_kernels=model._kernels is not None, tp=tp)
         out.tokenizer_fingerprint = model.tokenizer_fingerprint
         out.native_linear, out.native_norm = model.native_linear, model.native_norm
+        out.native_rope = model.native_rope
         model.model = None  # its modules are this rank's now: the whole-model wrapper is void
         return out
     if not isinstance(model, LlamaModel):
