@@ -173,7 +173,7 @@ void test_format(QuantType t, std::mt19937& rng) {
       if (isa == LinearIsa::kScalar) int8_scalar = alone;
       else CHECK(std::memcmp(alone.data(), int8_scalar.data(), alone.size() * sizeof(float)) == 0);
     }
-    for (int64_t m : {2, 8, 9, 16, 17})
+    for (int64_t m : {2, 3, 5, 6, 7, 8, 9, 16, 17})  // every pass size (quant_int8_body.inc)
       for (int threads : {1, 2, 5}) {
         std::vector<float> y(static_cast<size_t>(m * (n + 2)), NAN);
         QuantLinearArgs a;
