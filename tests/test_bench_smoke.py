@@ -53,6 +53,18 @@ def test_bench_kernels_quick(tmp_path):
     assert all(r["native_ms"] > 0 and r["reference_ms"] > 0 for r in result["verify_tree"])
 
 
+def test_bench_attention_quick(tmp_path):
+    out = tmp_path / "attention.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "bench_attention.py"), "--quick", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert result["quick"] is True
+    assert {(r["cache"], r["context"], r["tokens"]) for r in result["rows"]} == {
+        ("SmolLM2-135M", 150, 1), ("SmolLM2-135M", 150, 6)}
+    # the two layouts are timed on the same pass and give the same bits
+    assert all(r["shared_ms"] > 0 and r["per_token_ms"] > 0 and r["same_bits"] for r in result["rows"])
+
+
 def test_bench_overhead_quick(tmp_path):
     out = tmp_path / "overhead.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "bench_overhead.py"), "--quick", "--out", str(out)],

@@ -64,7 +64,7 @@ class Cache:
         return self.tables[row].long()[j // BS] * BS + j % BS
 
     def attend(self, q, query_start, positions, *, tree=None, isa="auto", threads=1,
-               max_queries=0, out=None):
+               max_queries=0, out=None, share_keys=True, window=0):
         q = q.contiguous()
         qs = torch.tensor(query_start, dtype=torch.int64)
         pos = torch.tensor(positions, dtype=torch.int64)
@@ -75,7 +75,7 @@ class Cache:
             NH, NKV, self.hd, len(query_start) - 1, qs.data_ptr(), pos.data_ptr(),
             self.ctx.data_ptr(), self.tables.data_ptr(), self.tables.stride(0), self.tables.shape[1],
             0 if tree_t is None else tree_t.data_ptr(), BS, 1.0 / math.sqrt(self.hd), out.data_ptr(),
-            max_queries, threads, isa)
+            max_queries, threads, isa, share_keys=share_keys, window=window)
         return out
 
     def reference(self, q, row, keys_seen):
@@ -161,6 +161,100 @@ def test_attention_is_batch_invariant():
     swapped = cache2.attend(torch.cat([q[7:12], q[0:6]]), [0, 5, 11],
                             list(range(28, 33)) + list(range(34, 40)))
     assert torch.equal(swapped[:5], together[7:12])
+
+
+@pytest.mark.parametrize("hd", [64, 128, 80])
+def test_verify_rows_share_key_reads_with_the_same_bits(hd):
+    """Verify rows whose keys span several of the kernel's 64-key tiles: the tokens of a
+    row read each key once together (share_keys, the default), their outputs accumulated
+    tile by tile, and come out bit for bit as each token attending alone (a decode pass)
+    and as the layout where every token reads its own keys, on every instruction set and
+    thread count; within 2e-6 of float64. Power: one key more (or less) is caught."""
+    cache = Cache([203, 130, 64], seed=11, num_blocks=112, hd=hd)
+    q = _queries(12, 12, hd)
+    qs = [0, 7, 10, 12]
+    positions = list(range(196, 203)) + [127, 128, 129] + [62, 63]
+    base = cache.attend(q, qs, positions, isa="scalar", threads=1, share_keys=False)
+    for isa in ISAS:
+        for threads in (1, 2, 3):
+            for share in (True, False):
+                got = cache.attend(q, qs, positions, isa=isa, threads=threads, share_keys=share)
+                assert torch.equal(got, base), (isa, threads, share)
+    rows = [0] * 7 + [1] * 3 + [2] * 2
+    for t in range(12):  # each token alone, a decode pass of its row's first keys
+        alone = Cache([203, 130, 64], seed=11, num_blocks=112, hd=hd)
+        alone.ctx = torch.tensor([positions[t] + 1], dtype=torch.int32)
+        alone.tables = cache.tables[rows[t]:rows[t] + 1].clone()
+        assert torch.equal(alone.attend(q[t:t + 1], [0, 1], [positions[t]], threads=2)[0],
+                           base[t]), t
+    worst = max((base[t].double() - cache.reference(q[t], rows[t], list(range(positions[t] + 1))))
+                .abs().max().item() for t in (0, 6, 7, 9, 11))
+    assert worst < 2e-6, worst
+    # power: token 6 over one key less, token 7 over one key more, are far off
+    assert (base[6].double() - cache.reference(q[6], 0, list(range(202)))).abs().max() > 1e-3
+    assert (base[7].double() - cache.reference(q[7], 1, list(range(129)))).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("hd", [64, 80])
+def test_long_contexts_attend_in_key_chunks_with_the_same_bits(hd):
+    """Past 512 keys the kernel attends each chunk of 512 on its own and merges the chunks
+    in order (weights exp(m_c - max m)), so a decode token's chunks can be cut across
+    threads. A token alone (its chunks cut across 2 or 3 threads, or not), in a verify row
+    (read with the row's other tokens, tile by tile), in either layout, on every
+    instruction set: the same bits, and within 2e-6 of float64 (1300 and 700 keys: 3 and
+    2 chunks). Power: the chunks merged without their weights are far off."""
+    cache = Cache([1300, 700], seed=21, num_blocks=520, hd=hd)
+    q = _queries(9, 22, hd)
+    qs, positions = [0, 6, 9], list(range(1294, 1300)) + [697, 698, 699]
+    rows = [0] * 6 + [1] * 3
+    base = cache.attend(q, qs, positions, isa="scalar", threads=1, share_keys=False)
+    for isa in ISAS:
+        for threads in (1, 2, 3):
+            for share in (True, False):
+                got = cache.attend(q, qs, positions, isa=isa, threads=threads, share_keys=share)
+                assert torch.equal(got, base), (isa, threads, share)
+    for t in (0, 5, 6, 8):
+        alone = Cache([1300, 700], seed=21, num_blocks=520, hd=hd)
+        alone.ctx = torch.tensor([positions[t] + 1], dtype=torch.int32)
+        alone.tables = cache.tables[rows[t]:rows[t] + 1].clone()
+        for isa in ISAS:
+            for threads in (1, 2, 3):
+                got = alone.attend(q[t:t + 1], [0, 1], [positions[t]], isa=isa, threads=threads)
+                assert torch.equal(got[0], base[t]), (t, isa, threads)
+    worst = max((base[t].double() - cache.reference(q[t], rows[t], list(range(positions[t] + 1))))
+                .abs().max().item() for t in (0, 5, 6, 8))
+    assert worst < 2e-6, worst
+    # power: token 5 (1300 keys) with its chunks' softmaxes averaged unweighted
+    s = cache.slots(0, 1300)
+    k, v = cache.k[s].double(), cache.v[s].double()
+    wrong = []
+    for h in range(NH):
+        kv = h // (NH // NKV)
+        parts = [torch.softmax(k[c:c + 512, kv] @ q[5, h].double() / math.sqrt(hd), dim=0)
+                 @ v[c:c + 512, kv] for c in range(0, 1300, 512)]
+        wrong.append(sum(parts) / len(parts))
+    assert (base[5].double() - torch.cat(wrong)).abs().max().item() > 1e-3
+
+
+def test_a_sliding_window_past_a_chunk_attends_the_same_alone_and_in_a_row():
+    """A window of 600 keys (two chunks of the window's keys) at 1300 cached: decode
+    alone on 1-3 threads (chunks cut or not) = in a verify row, every instruction set;
+    within 2e-6 of float64 over the window's keys; power: the keys before the window."""
+    cache = Cache([1300], seed=23, num_blocks=330)
+    q = _queries(3, 24)
+    positions = [1297, 1298, 1299]
+    base = cache.attend(q, [0, 3], positions, isa="scalar", window=600)
+    for isa in ISAS:
+        for threads in (1, 2, 3):
+            assert torch.equal(cache.attend(q, [0, 3], positions, isa=isa, threads=threads,
+                                            window=600), base), (isa, threads)
+            alone = Cache([1300], seed=23, num_blocks=330)
+            alone.ctx = torch.tensor([1300], dtype=torch.int32)
+            got = alone.attend(q[2:3], [0, 1], [1299], isa=isa, threads=threads, window=600)
+            assert torch.equal(got[0], base[2]), (isa, threads)
+    ref = cache.reference(q[2], 0, list(range(700, 1300)))
+    assert (base[2].double() - ref).abs().max().item() < 2e-6
+    assert (base[2].double() - cache.reference(q[2], 0, list(range(1300)))).abs().max().item() > 1e-3
 
 
 def test_tree_attention_equals_the_chain_of_each_path():

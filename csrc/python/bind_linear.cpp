@@ -177,7 +177,8 @@ void paged_attention_unchecked(uintptr_t q, uintptr_t k_pool, uintptr_t v_pool, 
                                uintptr_t block_tables, int64_t table_stride, int64_t table_width,
                                uintptr_t tree_mask, int64_t block_size, double scale,
                                uintptr_t out, int64_t max_queries, int num_threads,
-                               const std::string& isa, bool check_only, int64_t window) {
+                               const std::string& isa, bool check_only, int64_t window,
+                               bool share_keys) {
   PagedAttentionArgs a = batch_attention_args(
       num_slots, tokens, num_heads, num_kv_heads, head_dim, rows, query_start, positions,
       context_lens, block_tables, table_stride, table_width, tree_mask, block_size, scale,
@@ -190,6 +191,7 @@ void paged_attention_unchecked(uintptr_t q, uintptr_t k_pool, uintptr_t v_pool, 
   a.isa = parse_isa(isa);
   a.check_only = check_only;
   a.window = window;
+  a.share_keys = share_keys;
   std::string error;
   {
     py::gil_scoped_release release;
@@ -579,7 +581,7 @@ void register_linear(py::module_& m) {
         py::arg("block_tables_ptr"), py::arg("table_stride"), py::arg("table_width"),
         py::arg("tree_mask_ptr"), py::arg("block_size"), py::arg("scale"), py::arg("out_ptr"),
         py::arg("max_queries"), py::arg("num_threads"), py::arg("isa") = "auto",
-        py::arg("check_only") = false, py::arg("window") = 0,
+        py::arg("check_only") = false, py::arg("window") = 0, py::arg("share_keys") = true,
         "attention of new tokens over the paged cache (verispec/decode_ops.h)");
   m.def("_write_attend_unchecked", &write_attend_unchecked, py::arg("q_ptr"),
         py::arg("q_head_stride"), py::arg("q_token_stride"), py::arg("k_ptr"),

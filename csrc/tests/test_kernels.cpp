@@ -1390,14 +1390,17 @@ void test_paged_attention() {
   const std::vector<float> base = out;
   for (LinearIsa isa : {LinearIsa::kScalar, LinearIsa::kAvx2, LinearIsa::kAvx512}) {
     if (!linear_isa_supported(isa)) continue;
-    for (int threads : {1, 2, 3}) {
-      std::fill(out.begin(), out.end(), kNan);
-      a.isa = isa;
-      a.num_threads = threads;
-      CHECK(paged_attention_f32(a).empty());
-      CHECK(std::memcmp(out.data(), base.data(), sizeof(float) * out.size()) == 0);
-    }
+    for (int threads : {1, 2, 3})
+      for (bool share : {true, false}) {  // row 0's 3 tokens read their keys together or each
+        std::fill(out.begin(), out.end(), kNan);
+        a.isa = isa;
+        a.num_threads = threads;
+        a.share_keys = share;
+        CHECK(paged_attention_f32(a).empty());
+        CHECK(std::memcmp(out.data(), base.data(), sizeof(float) * out.size()) == 0);
+      }
   }
+  a.share_keys = true;
   a.isa = LinearIsa::kAuto;
   a.num_threads = 1;
   // row 0 as a tree: new tokens 7, 8, 9 = a root and two children (8 and 9 siblings);
@@ -1426,6 +1429,90 @@ void test_paged_attention() {
   // exp against std::exp
   for (float x = -87.0f; x <= 88.0f; x += 0.37f)
     CHECK_NEAR(decode_exp(x), std::exp(static_cast<double>(x)), 3e-7 * std::exp(static_cast<double>(x)));
+}
+
+// Past 512 keys: chunks merged in order, a decode token's chunks cut across items on 2-3
+// threads; a row of 3 tokens read together or each alone. Same bits everywhere, float64
+// within 2e-6 (under ASan: the partial buffers' bounds).
+void test_paged_attention_long_context() {
+  std::mt19937 rng(22);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t nh = 4, nkv = 2, d = 16, bs = 8, ctx = 1100, blocks = (ctx + bs - 1) / bs;
+  std::vector<float> k(blocks * bs * nkv * d), v(blocks * bs * nkv * d);
+  for (auto& x : k) x = normal(rng);
+  for (auto& x : v) x = normal(rng);
+  std::vector<int32_t> table(blocks);
+  for (int64_t i = 0; i < blocks; ++i) table[i] = static_cast<int32_t>((i * 37) % blocks);
+  const std::vector<int32_t> ctx_lens = {static_cast<int32_t>(ctx)};
+  const std::vector<int64_t> qs = {0, 3}, pos = {ctx - 3, ctx - 2, ctx - 1};
+  std::vector<float> q(3 * nh * d), out(3 * nh * d, kNan), base;
+  for (auto& x : q) x = normal(rng);
+  PagedAttentionArgs a;
+  a.q = q.data();
+  a.k_pool = k.data();
+  a.v_pool = v.data();
+  a.num_slots = blocks * bs;
+  a.tokens = 3;
+  a.num_heads = nh;
+  a.num_kv_heads = nkv;
+  a.head_dim = d;
+  a.rows = 1;
+  a.query_start = qs.data();
+  a.positions = pos.data();
+  a.context_lens = ctx_lens.data();
+  a.block_tables = table.data();
+  a.table_stride = blocks;
+  a.table_width = blocks;
+  a.block_size = bs;
+  a.scale = 0.25f;
+  a.out = out.data();
+  a.share_keys = false;
+  CHECK(paged_attention_f32(a).empty());
+  base = out;
+  for (int64_t h = 0; h < nh; ++h) {  // token 2 against float64
+    const int64_t kvh = h / (nh / nkv);
+    std::vector<double> sc(ctx), o(d, 0.0);
+    double m = -1e300, sum = 0.0;
+    for (int64_t j = 0; j < ctx; ++j) {
+      const float* kj = k.data() + ((table[j / bs] * bs + j % bs) * nkv + kvh) * d;
+      double dot = 0.0;
+      for (int64_t i = 0; i < d; ++i) dot += static_cast<double>(q[(2 * nh + h) * d + i]) * kj[i];
+      sc[j] = dot * a.scale;
+      m = std::max(m, sc[j]);
+    }
+    for (int64_t j = 0; j < ctx; ++j) {
+      const double e = std::exp(sc[j] - m);
+      sum += e;
+      const float* vj = v.data() + ((table[j / bs] * bs + j % bs) * nkv + kvh) * d;
+      for (int64_t i = 0; i < d; ++i) o[i] += e * vj[i];
+    }
+    for (int64_t i = 0; i < d; ++i) CHECK_NEAR(base[(2 * nh + h) * d + i], o[i] / sum, 2e-6);
+  }
+  for (LinearIsa isa : {LinearIsa::kScalar, LinearIsa::kAvx2, LinearIsa::kAvx512}) {
+    if (!linear_isa_supported(isa)) continue;
+    for (int threads : {1, 2, 3})
+      for (bool share : {true, false}) {
+        a.isa = isa;
+        a.num_threads = threads;
+        a.share_keys = share;
+        a.tokens = 3;
+        a.query_start = qs.data();
+        a.positions = pos.data();
+        a.q = q.data();
+        std::fill(out.begin(), out.end(), kNan);
+        CHECK(paged_attention_f32(a).empty());
+        CHECK(std::memcmp(out.data(), base.data(), sizeof(float) * out.size()) == 0);
+        // the last token alone: a decode pass (its chunks cut when share and threads > 1)
+        const std::vector<int64_t> one = {0, 1}, last = {ctx - 1};
+        a.tokens = 1;
+        a.query_start = one.data();
+        a.positions = last.data();
+        a.q = q.data() + 2 * nh * d;
+        std::fill(out.begin(), out.end(), kNan);
+        CHECK(paged_attention_f32(a).empty());
+        CHECK(std::memcmp(out.data(), base.data() + 2 * nh * d, sizeof(float) * nh * d) == 0);
+      }
+  }
 }
 
 int main() {
@@ -1458,5 +1545,6 @@ int main() {
   test_linear();
   test_rms_norm();
   test_paged_attention();
+  test_paged_attention_long_context();
   return native_check::check_summary("test_kernels");
 }

@@ -182,7 +182,8 @@ def _paged_attention_unchecked(q_ptr: int, k_pool_ptr: int, v_pool_ptr: int, num
                                context_lens_ptr: int, block_tables_ptr: int, table_stride: int,
                                table_width: int, tree_mask_ptr: int, block_size: int, scale: float, out_ptr: int,
                                max_queries: int, num_threads: int, isa: str = "auto",
-                               check_only: bool = False, window: int = 0) -> None: ...
+                               check_only: bool = False, window: int = 0,
+                               share_keys: bool = True) -> None: ...
 def _silu_mul_unchecked(gate_up_ptr: int, rows: int, inter: int, ld: int, out_ptr: int, ldo: int,
                         isa: str = "auto") -> None: ...
 def _write_attend_unchecked(q_ptr: int, q_head_stride: int, q_token_stride: int, k_ptr: int,

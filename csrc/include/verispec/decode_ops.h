@@ -88,6 +88,12 @@ struct PagedAttentionArgs {
   int64_t max_queries = 0;
   int num_threads = 1;
   LinearIsa isa = LinearIsa::kAuto;       // code path only: every path computes the same bits
+  // How the work is cut (the same bits either way): true, the tokens of a chain row share
+  // each key read (and a decode token's query heads share theirs), and when that leaves
+  // threads idle a long context's key chunks run on several; false, each token's keys
+  // are read for it alone, by one thread (the layout before; bench/bench_attention.py
+  // compares the two).
+  bool share_keys = true;
   // Only check the arguments (q and out are not read): a forward checks its batch once,
   // before it writes the first layer's cache.
   bool check_only = false;

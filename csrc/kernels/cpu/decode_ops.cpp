@@ -109,27 +109,30 @@ __attribute__((target("avx2"))) VERISPEC_INLINE float dot_avx2(const float* a, c
 }
 #endif
 
-// scores[g * keys + j] = (q_g . k_j) * scale for query heads g < nq (rows of q, d apart) and
-// the keys at k_pool + (slots[j] * nkv + kvh) * d.
+// scores[g * ld + j] = (q_g . k_j) * scale for query heads g < nq (rows of q, d apart) and
+// the keys j < keys at k_pool + (slots[j] * nkv + kvh) * d.
 #define VERISPEC_SCORES(suffix, target_attr, dot_fn)                                          \
   target_attr void scores_##suffix(const float* q, const float* k_pool, const int64_t* slots,  \
                                    int64_t keys, int64_t nkv, int64_t kvh, int64_t d,          \
-                                   int64_t nq, float scale, float* scores) {                   \
+                                   int64_t nq, float scale, float* scores, int64_t ld) {       \
     for (int64_t g = 0; g < nq; ++g)                                                           \
       for (int64_t j = 0; j < keys; ++j)                                                       \
-        scores[g * keys + j] = dot_fn(q + g * d, k_pool + (slots[j] * nkv + kvh) * d, d) * scale; \
+        scores[g * ld + j] = dot_fn(q + g * d, k_pool + (slots[j] * nkv + kvh) * d, d) * scale; \
   }
 
-// out[g] = sum_j p[g * keys + j] * v_j (j in order, from 0) for g < nq, v_j at v_pool +
-// (slots[j] * nkv + kvh) * d: plain loops (the compiler vectorizes over the d elements).
-VERISPEC_INLINE void values_loops(const float* p, const float* v_pool, const int64_t* slots,
-                                  int64_t keys, int64_t nkv, int64_t kvh, int64_t d, int64_t nq,
-                                  float* out) {
-  for (int64_t i = 0; i < nq * d; ++i) out[i] = 0.0f;
+// out[g] = sum_j p[g * ldp + j] * v_j (j < keys in order, from 0, or with `accumulate`
+// from out[g] as it is: the sum over earlier keys, so keys in several calls add up to
+// the same bits) for g < nq, v_j at v_pool + (slots[j] * nkv + kvh) * d: plain loops (the
+// compiler vectorizes over the d elements).
+VERISPEC_INLINE void values_loops(const float* p, int64_t ldp, const float* v_pool,
+                                  const int64_t* slots, int64_t keys, int64_t nkv, int64_t kvh,
+                                  int64_t d, int64_t nq, float* out, bool accumulate) {
+  if (!accumulate)
+    for (int64_t i = 0; i < nq * d; ++i) out[i] = 0.0f;
   for (int64_t j = 0; j < keys; ++j) {
     const float* v = v_pool + (slots[j] * nkv + kvh) * d;
     for (int64_t g = 0; g < nq; ++g) {
-      const float pj = p[g * keys + j];
+      const float pj = p[g * ldp + j];
       float* o = out + g * d;
       for (int64_t i = 0; i < d; ++i) o[i] += pj * v[i];
     }
@@ -137,63 +140,116 @@ VERISPEC_INLINE void values_loops(const float* p, const float* v_pool, const int
 }
 
 VERISPEC_SCORES(portable, , dot)
-void values_portable(const float* p, const float* v_pool, const int64_t* slots, int64_t keys,
-                     int64_t nkv, int64_t kvh, int64_t d, int64_t nq, float* out) {
-  values_loops(p, v_pool, slots, keys, nkv, kvh, d, nq, out);
+void values_portable(const float* p, int64_t ldp, const float* v_pool, const int64_t* slots,
+                     int64_t keys, int64_t nkv, int64_t kvh, int64_t d, int64_t nq, float* out,
+                     bool accumulate) {
+  values_loops(p, ldp, v_pool, slots, keys, nkv, kvh, d, nq, out, accumulate);
 }
 #if VERISPEC_X86
 VERISPEC_SCORES(avx2, __attribute__((target("avx2"))), dot_avx2)
-__attribute__((target("avx2"))) void values_avx2(const float* p, const float* v_pool,
+__attribute__((target("avx2"))) void values_avx2(const float* p, int64_t ldp, const float* v_pool,
                                                  const int64_t* slots, int64_t keys, int64_t nkv,
-                                                 int64_t kvh, int64_t d, int64_t nq, float* out) {
-  values_loops(p, v_pool, slots, keys, nkv, kvh, d, nq, out);
+                                                 int64_t kvh, int64_t d, int64_t nq, float* out,
+                                                 bool accumulate) {
+  values_loops(p, ldp, v_pool, slots, keys, nkv, kvh, d, nq, out, accumulate);
 }
 
 // AVX-512 with d = 16 C (C = 4, 8: head sizes 64 and 128): q's and the output rows stay in
 // registers across the keys (the loop forms keep them in memory, and each key's sum then
 // waits on the last key's store). The same operations in the same order as the loops.
 template <int C>
+__attribute__((target("avx512f,avx2"))) VERISPEC_INLINE float score_avx512(const __m512* qv,
+                                                                        const float* k) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) acc = _mm512_add_ps(acc, _mm512_mul_ps(qv[c], _mm512_loadu_ps(k + 16 * c)));
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc),
+                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+// The 16 keys' sums of acc[0..15] as score_avx512 reduces each one (lanes l and l + w
+// added for w = 8, 4, 2, 1), computed across the registers: each stage adds the halves of
+// two registers at once, so 16 keys take 15 additions instead of 64 (the same pairs, so
+// the same bits). Returns the sums in key order.
+__attribute__((target("avx512f,avx2"))) VERISPEC_INLINE __m512 reduce16_avx512(const __m512* acc) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int m = 0; m < 8; ++m)  // 256-bit half h of s1[m]: key 2m + h, lanes i + (i + 8)
+    s1[m] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * m], acc[2 * m + 1], 0x44),
+                          _mm512_shuffle_f32x4(acc[2 * m], acc[2 * m + 1], 0xEE));
+  for (int n = 0; n < 4; ++n)  // 128-bit lane L of s2[n]: key 4n + L, lanes i + (i + 4)
+    s2[n] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * n], s1[2 * n + 1], 0x88),
+                          _mm512_shuffle_f32x4(s1[2 * n], s1[2 * n + 1], 0xDD));
+  for (int n = 0; n < 2; ++n)  // lane L: keys 8n + L (floats 0, 1), 8n + 4 + L (2, 3)
+    s3[n] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * n], s2[2 * n + 1], 0x44),
+                          _mm512_shuffle_ps(s2[2 * n], s2[2 * n + 1], 0xEE));
+  // float 4 L + i: key L + 4 i
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88),
+                                 _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+// Each query head (its q in registers) over the keys 16 at a time: their sums as
+// score_avx512 forms them, reduced together (reduce16_avx512); the last keys one by one.
+template <int C>
 __attribute__((target("avx512f,avx2"))) void scores_avx512_d(const float* q, const float* k_pool,
                                                              const int64_t* slots, int64_t keys,
                                                              int64_t nkv, int64_t kvh, int64_t nq,
-                                                             float scale, float* scores) {
+                                                             float scale, float* scores, int64_t ld) {
   constexpr int64_t d = 16 * C;
+  const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t g = 0; g < nq; ++g) {
     __m512 qv[C];
     for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * d + 16 * c);
-    for (int64_t j = 0; j < keys; ++j) {
-      const float* k = k_pool + (slots[j] * nkv + kvh) * d;
-      __m512 acc = _mm512_setzero_ps();
-      for (int c = 0; c < C; ++c) acc = _mm512_add_ps(acc, _mm512_mul_ps(qv[c], _mm512_loadu_ps(k + 16 * c)));
-      const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc),
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
-      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      scores[g * keys + j] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1))) * scale;
+    float* out = scores + g * ld;
+    int64_t j = 0;
+    for (; j + 16 <= keys; j += 16) {
+      __m512 acc[16];
+      if (g == 0 && j + 32 <= keys)  // the next 16 keys: on their way from memory meanwhile
+        for (int u = 16; u < 32; ++u)
+          for (int c = 0; c < C; ++c)
+            _mm_prefetch(reinterpret_cast<const char*>(k_pool + (slots[j + u] * nkv + kvh) * d + 16 * c), _MM_HINT_T0);
+      for (int u = 0; u < 16; ++u) {
+        const float* k = k_pool + (slots[j + u] * nkv + kvh) * d;
+        acc[u] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c)
+          acc[u] = _mm512_add_ps(acc[u], _mm512_mul_ps(qv[c], _mm512_loadu_ps(k + 16 * c)));
+      }
+      _mm512_storeu_ps(out + j, _mm512_mul_ps(reduce16_avx512(acc), vscale));
     }
+    for (; j < keys; ++j)
+      out[j] = score_avx512<C>(qv, k_pool + (slots[j] * nkv + kvh) * d) * scale;
   }
 }
 
 // G query heads at a time (16 registers of sums), so a key's G * C sums are independent.
 template <int C>
-__attribute__((target("avx512f,avx2"))) void values_avx512_d(const float* p, const float* v_pool,
+__attribute__((target("avx512f,avx2"))) void values_avx512_d(const float* p, int64_t ldp,
+                                                             const float* v_pool,
                                                              const int64_t* slots, int64_t keys,
                                                              int64_t nkv, int64_t kvh, int64_t nq,
-                                                             float* out) {
+                                                             float* out, bool accumulate) {
   constexpr int64_t d = 16 * C;
   constexpr int G = 16 / C;
   for (int64_t g0 = 0; g0 < nq; g0 += G) {
     const int ng = static_cast<int>(std::min<int64_t>(G, nq - g0));
     __m512 o[G][C];
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) o[g][c] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c)
+        o[g][c] = accumulate && g < ng ? _mm512_loadu_ps(out + (g0 + g) * d + 16 * c)
+                                       : _mm512_setzero_ps();
     for (int64_t j = 0; j < keys; ++j) {
+      if (j + 8 < keys)  // 8 keys ahead: on its way from memory meanwhile
+        for (int c = 0; c < C; ++c)
+          _mm_prefetch(reinterpret_cast<const char*>(v_pool + (slots[j + 8] * nkv + kvh) * d + 16 * c), _MM_HINT_T0);
       const float* v = v_pool + (slots[j] * nkv + kvh) * d;
       __m512 vv[C];
       for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
       for (int g = 0; g < G; ++g) {
         if (g >= ng) break;
-        const __m512 pj = _mm512_set1_ps(p[(g0 + g) * keys + j]);
+        const __m512 pj = _mm512_set1_ps(p[(g0 + g) * ldp + j]);
         for (int c = 0; c < C; ++c) o[g][c] = _mm512_add_ps(o[g][c], _mm512_mul_ps(pj, vv[c]));
       }
     }
@@ -205,28 +261,30 @@ __attribute__((target("avx512f,avx2"))) void values_avx512_d(const float* p, con
 __attribute__((target("avx512f,avx2"))) void scores_avx512(const float* q, const float* k_pool,
                                                            const int64_t* slots, int64_t keys,
                                                            int64_t nkv, int64_t kvh, int64_t d,
-                                                           int64_t nq, float scale, float* scores) {
-  if (d == 64) return scores_avx512_d<4>(q, k_pool, slots, keys, nkv, kvh, nq, scale, scores);
-  if (d == 128) return scores_avx512_d<8>(q, k_pool, slots, keys, nkv, kvh, nq, scale, scores);
+                                                           int64_t nq, float scale, float* scores,
+                                                           int64_t ld) {
+  if (d == 64) return scores_avx512_d<4>(q, k_pool, slots, keys, nkv, kvh, nq, scale, scores, ld);
+  if (d == 128) return scores_avx512_d<8>(q, k_pool, slots, keys, nkv, kvh, nq, scale, scores, ld);
   for (int64_t g = 0; g < nq; ++g)
     for (int64_t j = 0; j < keys; ++j)
-      scores[g * keys + j] = dot_avx512(q + g * d, k_pool + (slots[j] * nkv + kvh) * d, d) * scale;
+      scores[g * ld + j] = dot_avx512(q + g * d, k_pool + (slots[j] * nkv + kvh) * d, d) * scale;
 }
 
-__attribute__((target("avx512f,avx2"))) void values_avx512(const float* p, const float* v_pool,
+__attribute__((target("avx512f,avx2"))) void values_avx512(const float* p, int64_t ldp,
+                                                           const float* v_pool,
                                                            const int64_t* slots, int64_t keys,
                                                            int64_t nkv, int64_t kvh, int64_t d,
-                                                           int64_t nq, float* out) {
-  if (d == 64) return values_avx512_d<4>(p, v_pool, slots, keys, nkv, kvh, nq, out);
-  if (d == 128) return values_avx512_d<8>(p, v_pool, slots, keys, nkv, kvh, nq, out);
-  values_loops(p, v_pool, slots, keys, nkv, kvh, d, nq, out);
+                                                           int64_t nq, float* out, bool accumulate) {
+  if (d == 64) return values_avx512_d<4>(p, ldp, v_pool, slots, keys, nkv, kvh, nq, out, accumulate);
+  if (d == 128) return values_avx512_d<8>(p, ldp, v_pool, slots, keys, nkv, kvh, nq, out, accumulate);
+  values_loops(p, ldp, v_pool, slots, keys, nkv, kvh, d, nq, out, accumulate);
 }
 #endif
 #undef VERISPEC_SCORES
 using ScoresFn = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, float, float*);
-using ValuesFn = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, float*);
+                          int64_t, int64_t, float, float*, int64_t);
+using ValuesFn = void (*)(const float*, int64_t, const float*, const int64_t*, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, float*, bool);
 
 // ---- RoPE and the cache write ----------------------------------------------------------
 
@@ -258,94 +316,272 @@ VERISPEC_INLINE void rope_kv_body(const RopeKvArgs& a) {
 
 // ---- attention -----------------------------------------------------------------------
 
-// One work item: token t, query heads h0..h1 (all of one KV head).
+// Keys are taken in chunks of kKeyChunk by their index in the token's key list: a token
+// with more keys than that attends each chunk on its own (its scores' maximum m_c, the
+// sum s_c of their exponentials, the weighted values o_c) and the chunks are merged in
+// chunk order (merge_chunks), so a long context's chunks can run on different threads
+// and the bits still depend only on the token's query and keys. With at most kKeyChunk
+// keys there is one chunk: the plain softmax, unchanged.
+constexpr int64_t kKeyChunk = 512;
+
+// Keys a several-token item takes at a time, for all its tokens and heads: their K (or V)
+// rows stay in the L1 cache while each query reads them. Divides kKeyChunk.
+constexpr int64_t kKeyTile = 64;
+
+inline int64_t key_chunks(int64_t keys) { return (keys + kKeyChunk - 1) / kKeyChunk; }
+
+// The first key a token at position p sees: keys at positions <= p - window are out of
+// the window (window 0: none is).
+inline int64_t window_first(int64_t p, int64_t window) {
+  return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+}
+
+// One work item: tokens t0..t1 - 1 of one row, query heads h0..h0 + nq - 1 (all of one
+// KV head). Several tokens only for a chain row without a window, whose tokens see the
+// row's keys 0..positions[t]: the item reads each key once for all of them. c1 > 0: a
+// single token's key chunks c0..c1 - 1 only (their partial results go to the job's
+// partials, merged after every item has run).
+struct AttentionItem {
+  int64_t t0, t1, h0, nq;
+  int64_t c0 = 0, c1 = 0;
+};
+
 struct AttentionJob {
   const PagedAttentionArgs* a;
   std::vector<int64_t> token_row;  // [tokens]: the row of each token
-  int64_t heads_per_item;          // query heads an item computes
-  int64_t items;
+  // The cache slot of each of a row's keys 0..context_lens[row] - 1, the rows one after
+  // another (row b's from row_slot_start[b]): worked out once a call, not per token and
+  // head (an integer division a key).
+  std::vector<int64_t> row_slots;
+  std::vector<int64_t> row_slot_start;  // [rows]
+  std::vector<AttentionItem> items;
+  // Tokens whose chunks are cut across items: part_start[t] >= 0, their chunks' o_c
+  // [nch][num_heads][head_dim] from part_o[part_start[t] * head_dim] and m_c, s_c
+  // [nch][num_heads] from part_m / part_s[part_start[t]].
+  std::vector<int64_t> part_start, part_chunks;
+  std::vector<float> part_o, part_m, part_s;
   int parts;
-  void (*item_fn)(const AttentionJob&, int64_t);
+  void (*item_fn)(const AttentionJob&, const AttentionItem&);
 };
 
+// sg[j] = exp(sg[j] - m) for j < keys (>= 1), m = max_j sg[j] (written to *max); returns
+// their sum, in 16 lanes (lane l: keys l, l + 16, ... in order) then halving (lane_sum).
+VERISPEC_INLINE float exp_scores(float* sg, int64_t keys, float* max) {
+  // The largest score, as m = sg[j] > m ? sg[j] : m from m = sg[0] in order would find
+  // it, in 16 lanes (the same value, a zero's sign aside, which no exp below sees).
+  float lane_max[kLanes];
+  for (int l = 0; l < kLanes; ++l) lane_max[l] = sg[0];
+  int64_t jm = 0;
+  for (; jm + kLanes <= keys; jm += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane_max[l] = sg[jm + l] > lane_max[l] ? sg[jm + l] : lane_max[l];
+  for (; jm < keys; ++jm) lane_max[0] = sg[jm] > lane_max[0] ? sg[jm] : lane_max[0];
+  float m = lane_max[0];
+  for (int l = 1; l < kLanes; ++l) m = lane_max[l] > m ? lane_max[l] : m;
+  float acc[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= keys; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      sg[j + l] = exp_poly(sg[j + l] - m);
+      acc[l] += sg[j + l];
+    }
+  for (int l = 0; j + l < keys; ++l) {
+    sg[j + l] = exp_poly(sg[j + l] - m);
+    acc[l] += sg[j + l];
+  }
+  *max = m;
+  return lane_sum(acc);
+}
+
+// The weight of each of nch chunks (maxima m[c * stride]): w_c = exp(m_c - max_c m_c),
+// into w[c]; returns sum_c w_c s_c in chunk order (s[c * stride]).
+VERISPEC_INLINE float chunk_weights(const float* m, const float* s, int64_t nch, int64_t stride,
+                                    float* w) {
+  float top = m[0];
+  for (int64_t c = 1; c < nch; ++c) top = m[c * stride] > top ? m[c * stride] : top;
+  float sum = 0.0f;
+  for (int64_t c = 0; c < nch; ++c) {
+    w[c] = exp_poly(m[c * stride] - top);
+    sum = c == 0 ? w[c] * s[0] : sum + w[c] * s[c * stride];
+  }
+  return sum;
+}
+
+// out[i] = w_0 o_0[i], then + w_c o_c[i] for c = 1, 2, ... (in this order, one chunk at a
+// time: merge_into(out, o_c, w_c, c == 0)).
+VERISPEC_INLINE void merge_into(float* out, const float* o, float w, bool first, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) out[i] = first ? w * o[i] : out[i] + w * o[i];
+}
+
+// A several-token item (a chain row: token t sees keys 0..positions[t], none when it is
+// padding, position < 0). Each score, sum and output is what attend_body computes for the
+// token alone: the same operations in the same order, the keys taken a tile at a time
+// (the outputs accumulate across a chunk's tiles in key order).
 template <ScoresFn Scores, ValuesFn Values>
-VERISPEC_INLINE void attend_body(const AttentionJob& job, int64_t item) {
+VERISPEC_INLINE void attend_tokens_body(const AttentionJob& job, const AttentionItem& it) {
   const PagedAttentionArgs& a = *job.a;
   const int64_t d = a.head_dim, nh = a.num_heads, nkv = a.num_kv_heads;
-  const int64_t group = nh / nkv, per_token = nh / job.heads_per_item;
-  const int64_t t = item / per_token;
-  const int64_t h0 = item % per_token * job.heads_per_item, nq = job.heads_per_item;
+  const int64_t kvh = it.h0 / (nh / nkv), nq = it.nq, nt = it.t1 - it.t0;
+  const int64_t* slots = job.row_slots.data() + job.row_slot_start[job.token_row[it.t0]];
+  auto keys_of = [&](int64_t t) { return a.positions[t] < 0 ? int64_t{0} : a.positions[t] + 1; };
+  int64_t ld = 0;
+  for (int64_t t = it.t0; t < it.t1; ++t) ld = std::max(ld, keys_of(t));
+  const int64_t max_chunks = std::max<int64_t>(1, key_chunks(ld));
+  thread_local std::vector<float> scratch, sums, maxima, weights, chunk_out;
+  if (static_cast<int64_t>(scratch.size()) < nt * nq * ld)
+    scratch.resize(static_cast<size_t>(nt * nq * ld));
+  sums.resize(static_cast<size_t>(nt * nq * max_chunks));    // [nt, nq, chunk]: s_c
+  maxima.resize(static_cast<size_t>(nt * nq * max_chunks));  // m_c
+  weights.resize(static_cast<size_t>(nt * nq * max_chunks)); // w_c
+  if (max_chunks > 1) chunk_out.resize(static_cast<size_t>(nt * nq * d));  // o_c of the chunk
+  auto scores_of = [&](int64_t t) { return scratch.data() + (t - it.t0) * nq * ld; };  // [nq, ld]
+  auto out_of = [&](int64_t t) { return a.out + t * nh * d + it.h0 * d; };            // [nq, d]
+  auto at = [&](int64_t t, int64_t g) { return ((t - it.t0) * nq + g) * max_chunks; };
+  for (int64_t j0 = 0; j0 < ld; j0 += kKeyTile)
+    for (int64_t t = it.t0; t < it.t1; ++t) {
+      const int64_t nk = std::min(keys_of(t), j0 + kKeyTile) - j0;
+      if (nk > 0)
+        Scores(a.q + t * nh * d + it.h0 * d, a.k_pool, slots + j0, nk, nkv, kvh, d, nq, a.scale,
+               scores_of(t) + j0, ld);
+    }
+  for (int64_t t = it.t0; t < it.t1; ++t) {
+    const int64_t keys = keys_of(t), nch = key_chunks(keys);
+    for (int64_t g = 0; g < nq; ++g) {
+      const int64_t i = at(t, g);
+      for (int64_t c = 0; c < nch; ++c)
+        sums[i + c] = exp_scores(scores_of(t) + g * ld + c * kKeyChunk,
+                                 std::min(keys, (c + 1) * kKeyChunk) - c * kKeyChunk, &maxima[i + c]);
+      if (nch > 1) sums[i] = chunk_weights(&maxima[i], &sums[i], nch, 1, &weights[i]);
+    }
+  }
+  for (int64_t j0 = 0; j0 < ld; j0 += kKeyTile)
+    for (int64_t t = it.t0; t < it.t1; ++t) {
+      const int64_t keys = keys_of(t), nk = std::min(keys, j0 + kKeyTile) - j0;
+      if (nk <= 0) continue;
+      if (key_chunks(keys) == 1) {
+        Values(scores_of(t) + j0, ld, a.v_pool, slots + j0, nk, nkv, kvh, d, nq, out_of(t), j0 > 0);
+        continue;
+      }
+      float* o = chunk_out.data() + (t - it.t0) * nq * d;
+      Values(scores_of(t) + j0, ld, a.v_pool, slots + j0, nk, nkv, kvh, d, nq, o, j0 % kKeyChunk > 0);
+      const int64_t c = j0 / kKeyChunk;
+      if (j0 + nk == std::min(keys, (c + 1) * kKeyChunk))  // the chunk's last tile
+        for (int64_t g = 0; g < nq; ++g)
+          merge_into(out_of(t) + g * d, o + g * d, weights[at(t, g) + c], c == 0, d);
+    }
+  for (int64_t t = it.t0; t < it.t1; ++t) {
+    float* out = out_of(t);
+    for (int64_t g = 0; g < nq; ++g)
+      for (int64_t i = 0; i < d; ++i)
+        out[g * d + i] = keys_of(t) > 0 ? out[g * d + i] / sums[at(t, g)] : 0.0f;
+  }
+}
+
+template <ScoresFn Scores, ValuesFn Values>
+VERISPEC_INLINE void attend_body(const AttentionJob& job, const AttentionItem& it) {
+  if (it.t1 - it.t0 > 1) return attend_tokens_body<Scores, Values>(job, it);
+  const PagedAttentionArgs& a = *job.a;
+  const int64_t d = a.head_dim, nh = a.num_heads, nkv = a.num_kv_heads;
+  const int64_t group = nh / nkv, t = it.t0, h0 = it.h0, nq = it.nq;
   const int64_t kvh = h0 / group, row = job.token_row[t];
-  if (row < 0) return;  // a skipped long row
   float* out = a.out + t * nh * d + h0 * d;  // [nq, d]
   if (a.tree_mask == nullptr && a.positions[t] < 0) {  // padding: sees nothing, outputs zeros
     for (int64_t i = 0; i < nq * d; ++i) out[i] = 0.0f;
     return;
   }
-  const int64_t bs = a.block_size;
-  const int32_t* table = a.block_tables + row * a.table_stride;
+  const int64_t* row_slots = job.row_slots.data() + job.row_slot_start[row];
   // The slots of the keys the token sees, in cache order: 0..positions[t], or with a
   // tree mask the keys before the row's new tokens and the new tokens the mask allows.
-  thread_local std::vector<int64_t> slots;
-  thread_local std::vector<float> scratch;
+  thread_local std::vector<int64_t> tree_slots;
+  thread_local std::vector<float> scratch, local_o, local_m, local_s, weights;
   const int64_t ctx = a.context_lens[row];
-  slots.clear();
-  // Keys at positions <= p - window are out of the window (window 0: none is).
   const int64_t p = a.positions[t];
-  const int64_t first = a.window > 0 && p - a.window + 1 > 0 ? p - a.window + 1 : 0;
-  if (a.tree_mask == nullptr) {
-    for (int64_t j = first; j <= p; ++j)
-      slots.push_back(static_cast<int64_t>(table[j / bs]) * bs + j % bs);
-  } else {
+  const int64_t first = window_first(p, a.window);
+  const int64_t* slots = row_slots + first;
+  int64_t keys = p + 1 - first;
+  if (a.tree_mask != nullptr) {
     const int64_t start = a.query_start[row], n = a.query_start[row + 1] - start;
     const uint8_t* mask = a.tree_mask + t * a.tokens + start;
-    for (int64_t j = first; j < ctx - n; ++j)
-      slots.push_back(static_cast<int64_t>(table[j / bs]) * bs + j % bs);
+    tree_slots.assign(row_slots + first, row_slots + (ctx - n > first ? ctx - n : first));
     for (int64_t u = 0; u < n; ++u)
-      if (mask[u] && a.positions[start + u] >= first) {
-        const int64_t j = ctx - n + u;
-        slots.push_back(static_cast<int64_t>(table[j / bs]) * bs + j % bs);
-      }
+      if (mask[u] && a.positions[start + u] >= first) tree_slots.push_back(row_slots[ctx - n + u]);
+    slots = tree_slots.data();
+    keys = static_cast<int64_t>(tree_slots.size());
   }
-  const int64_t keys = static_cast<int64_t>(slots.size());
   if (keys == 0) {  // a tree mask that hides everything, itself included: nothing to attend
     for (int64_t i = 0; i < nq * d; ++i) out[i] = 0.0f;
     return;
   }
-  if (static_cast<int64_t>(scratch.size()) < nq * keys)
-    scratch.resize(static_cast<size_t>(nq * keys));
-  float* scores = scratch.data();  // [nq, keys]
-  const float* q = a.q + t * nh * d;
-  Scores(q + h0 * d, a.k_pool, slots.data(), keys, nkv, kvh, d, nq, a.scale, scores);
-  float sums[64];  // nq <= group <= 64 (checked)
-  for (int64_t g = 0; g < nq; ++g) {
-    float* sg = scores + g * keys;
-    // The largest score, as m = sg[j] > m ? sg[j] : m from m = sg[0] in order would find
-    // it, in 16 lanes (the same value, a zero's sign aside, which no exp below sees).
-    float lane_max[kLanes];
-    for (int l = 0; l < kLanes; ++l) lane_max[l] = sg[0];
-    int64_t jm = 0;
-    for (; jm + kLanes <= keys; jm += kLanes)
-      for (int l = 0; l < kLanes; ++l) lane_max[l] = sg[jm + l] > lane_max[l] ? sg[jm + l] : lane_max[l];
-    for (; jm < keys; ++jm) lane_max[0] = sg[jm] > lane_max[0] ? sg[jm] : lane_max[0];
-    float m = lane_max[0];
-    for (int l = 1; l < kLanes; ++l) m = lane_max[l] > m ? lane_max[l] : m;
-    float acc[kLanes] = {};
-    int64_t j = 0;
-    for (; j + kLanes <= keys; j += kLanes)
-      for (int l = 0; l < kLanes; ++l) {
-        sg[j + l] = exp_poly(sg[j + l] - m);
-        acc[l] += sg[j + l];
-      }
-    for (int l = 0; j + l < keys; ++l) {
-      sg[j + l] = exp_poly(sg[j + l] - m);
-      acc[l] += sg[j + l];
-    }
-    sums[g] = lane_sum(acc);
+  const int64_t nch = key_chunks(keys), nk_max = std::min(keys, kKeyChunk);
+  if (static_cast<int64_t>(scratch.size()) < nq * nk_max)
+    scratch.resize(static_cast<size_t>(nq * nk_max));
+  float* scores = scratch.data();  // [nq, keys of the chunk]
+  const float* q = a.q + t * nh * d + h0 * d;
+  if (nch == 1) {
+    Scores(q, a.k_pool, slots, keys, nkv, kvh, d, nq, a.scale, scores, keys);
+    float sums[64], top;  // nq <= group <= 64 (checked)
+    for (int64_t g = 0; g < nq; ++g) sums[g] = exp_scores(scores + g * keys, keys, &top);
+    Values(scores, keys, a.v_pool, slots, keys, nkv, kvh, d, nq, out, false);
+    for (int64_t g = 0; g < nq; ++g)
+      for (int64_t i = 0; i < d; ++i) out[g * d + i] = out[g * d + i] / sums[g];
+    return;
   }
-  Values(scores, a.v_pool, slots.data(), keys, nkv, kvh, d, nq, out);
-  for (int64_t g = 0; g < nq; ++g)
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = out[g * d + i] / sums[g];
+  // Several chunks: each one's o_c, m_c, s_c ([chunk][head]), into the job's partials
+  // (chunks c0..c1 - 1 of a cut token, all its heads there) or here (all of them).
+  const bool cut = it.c1 > 0;
+  const int64_t c0 = cut ? it.c0 : 0, c1 = cut ? it.c1 : nch, heads = cut ? nh : nq;
+  const int64_t h_base = cut ? h0 : 0;
+  float *po, *pm, *ps;
+  if (cut) {
+    const int64_t base = job.part_start[t];
+    po = const_cast<float*>(job.part_o.data()) + base * d;
+    pm = const_cast<float*>(job.part_m.data()) + base;
+    ps = const_cast<float*>(job.part_s.data()) + base;
+  } else {
+    local_o.resize(static_cast<size_t>(nch * nq * d));
+    local_m.resize(static_cast<size_t>(nch * nq));
+    local_s.resize(static_cast<size_t>(nch * nq));
+    po = local_o.data();
+    pm = local_m.data();
+    ps = local_s.data();
+  }
+  for (int64_t c = c0; c < c1; ++c) {
+    const int64_t j0 = c * kKeyChunk, nk = std::min(keys, j0 + kKeyChunk) - j0;
+    Scores(q, a.k_pool, slots + j0, nk, nkv, kvh, d, nq, a.scale, scores, nk);
+    for (int64_t g = 0; g < nq; ++g) {
+      const int64_t i = c * heads + h_base + g;
+      ps[i] = exp_scores(scores + g * nk, nk, &pm[i]);
+    }
+    Values(scores, nk, a.v_pool, slots + j0, nk, nkv, kvh, d, nq, po + (c * heads + h_base) * d, false);
+  }
+  if (cut) return;  // merged by merge_cut_tokens
+  weights.resize(static_cast<size_t>(nch));
+  for (int64_t g = 0; g < nq; ++g) {
+    const float sum = chunk_weights(pm + g, ps + g, nch, nq, weights.data());
+    float* o = out + g * d;
+    for (int64_t c = 0; c < nch; ++c) merge_into(o, po + (c * nq + g) * d, weights[c], c == 0, d);
+    for (int64_t i = 0; i < d; ++i) o[i] = o[i] / sum;
+  }
+}
+
+// The heads of the tokens whose chunks were cut across items, merged as attend_body
+// merges an uncut token's.
+void merge_cut_tokens(AttentionJob& job) {
+  const PagedAttentionArgs& a = *job.a;
+  const int64_t d = a.head_dim, nh = a.num_heads;
+  std::vector<float> weights;
+  for (int64_t t = 0; t < a.tokens; ++t) {
+    if (job.part_start[t] < 0) continue;
+    const int64_t nch = job.part_chunks[t], base = job.part_start[t];
+    weights.resize(static_cast<size_t>(nch));
+    for (int64_t h = 0; h < nh; ++h) {
+      const float sum = chunk_weights(job.part_m.data() + base + h, job.part_s.data() + base + h,
+                                      nch, nh, weights.data());
+      float* o = a.out + (t * nh + h) * d;
+      for (int64_t c = 0; c < nch; ++c)
+        merge_into(o, job.part_o.data() + (base + c * nh + h) * d, weights[c], c == 0, d);
+      for (int64_t i = 0; i < d; ++i) o[i] = o[i] / sum;
+    }
+  }
 }
 
 VERISPEC_INLINE void silu_mul_body(const float* gu, int64_t rows, int64_t inter, int64_t ld,
@@ -362,7 +598,7 @@ VERISPEC_INLINE void silu_mul_body(const float* gu, int64_t rows, int64_t inter,
 
 #define VERISPEC_ISA_FNS(suffix, target_attr)                                              \
   target_attr void rope_kv_##suffix(const RopeKvArgs& a) { rope_kv_body(a); }               \
-  target_attr void attend_##suffix(const AttentionJob& j, int64_t item) {                   \
+  target_attr void attend_##suffix(const AttentionJob& j, const AttentionItem& item) {      \
     attend_body<scores_##suffix, values_##suffix>(j, item);                                 \
   }                                                                                         \
   target_attr void silu_mul_##suffix(const float* gu, int64_t rows, int64_t inter,          \
@@ -378,7 +614,7 @@ VERISPEC_ISA_FNS(avx2, __attribute__((target("avx2"))))
 
 struct IsaFns {
   void (*rope_kv)(const RopeKvArgs&);
-  void (*attend)(const AttentionJob&, int64_t);
+  void (*attend)(const AttentionJob&, const AttentionItem&);
   void (*silu_mul)(const float*, int64_t, int64_t, int64_t, float*, int64_t);
 };
 
@@ -408,7 +644,8 @@ std::string isa_error(LinearIsa isa) {
 
 void attend_part(void* ctx, int part) {
   const AttentionJob& job = *static_cast<const AttentionJob*>(ctx);
-  for (int64_t item = part; item < job.items; item += job.parts) job.item_fn(job, item);
+  const int64_t items = static_cast<int64_t>(job.items.size());
+  for (int64_t item = part; item < items; item += job.parts) job.item_fn(job, job.items[item]);
 }
 
 // Below this many multiply-adds (scores and values) an attention call runs on one
@@ -514,10 +751,20 @@ std::string paged_attention_f32(const PagedAttentionArgs& a) {
   AttentionJob job;
   job.a = &a;
   job.token_row.resize(static_cast<size_t>(a.tokens));
+  job.row_slot_start.resize(static_cast<size_t>(a.rows));
   int64_t work = 0;
   for (int64_t b = 0; b < a.rows; ++b) {
     const int64_t n = a.query_start[b + 1] - a.query_start[b];
     const bool skip = a.max_queries > 0 && n > a.max_queries;
+    job.row_slot_start[b] = static_cast<int64_t>(job.row_slots.size());
+    if (!skip) {  // blocks 0..ceil(ctx / bs) - 1 of the row's table (checked against the pools)
+      const int64_t ctx = a.context_lens[b], bs = a.block_size;
+      const int32_t* table = a.block_tables + b * a.table_stride;
+      for (int64_t j0 = 0; j0 < ctx; j0 += bs) {
+        const int64_t base = static_cast<int64_t>(table[j0 / bs]) * bs;
+        for (int64_t j = j0; j < ctx && j < j0 + bs; ++j) job.row_slots.push_back(base + j - j0);
+      }
+    }
     for (int64_t t = a.query_start[b]; t < a.query_start[b + 1]; ++t) {
       job.token_row[t] = skip ? -1 : b;
       const int64_t keys = a.tree_mask != nullptr ? a.context_lens[b] : a.positions[t] + 1;  // >= 0
@@ -525,14 +772,79 @@ std::string paged_attention_f32(const PagedAttentionArgs& a) {
     }
   }
   const int threads = a.num_threads < 1 ? 1 : a.num_threads;
-  const int64_t group = a.num_heads / a.num_kv_heads;
-  // An item is a token's KV head (its query heads share each key read); when that gives
-  // the team too few items, a token's query head.
-  job.heads_per_item = a.tokens * a.num_kv_heads >= 2 * threads ? group : 1;
-  job.items = a.tokens * (a.num_heads / job.heads_per_item);
-  job.parts = work < kMinParallelWork ? 1 : static_cast<int>(std::min<int64_t>(threads, job.items));
+  const int64_t group = a.num_heads / a.num_kv_heads, nkv = a.num_kv_heads;
+  // A chain row of several tokens (no tree mask, no window) is cut into items of a KV
+  // head and a run of its tokens: as few runs as give the team two items a thread, so
+  // each key is read once for the run's tokens and the KV head's query heads. Any other
+  // token makes items of its own: its KV head (the query heads share each key read), or,
+  // when that gives the team fewer items than threads, a query head. (share_keys false:
+  // every token its own items, a query head each below two items a thread, no chunk
+  // cut across items.)
+  auto several = [&](int64_t b) {
+    const int64_t n = a.query_start[b + 1] - a.query_start[b];
+    return a.share_keys && n > 1 && a.tree_mask == nullptr && a.window == 0 &&
+           !(a.max_queries > 0 && n > a.max_queries);
+  };
+  int64_t chain_units = 0;
+  for (int64_t b = 0; b < a.rows; ++b)
+    if (several(b)) chain_units += nkv;
+  const int64_t runs_wanted =
+      chain_units == 0 ? 1 : std::max<int64_t>(1, (2 * threads + chain_units - 1) / chain_units);
+  const int64_t heads_per_item = a.tokens * nkv >= (a.share_keys ? 1 : 2) * threads ? group : 1;
+  for (int64_t b = 0; b < a.rows; ++b) {
+    const int64_t start = a.query_start[b], n = a.query_start[b + 1] - start;
+    if (a.max_queries > 0 && n > a.max_queries) continue;  // skipped: its outputs untouched
+    if (several(b)) {
+      const int64_t runs = std::min(n, runs_wanted);
+      for (int64_t r = 0; r < runs; ++r)
+        for (int64_t h = 0; h < nkv; ++h)
+          job.items.push_back({start + n * r / runs, start + n * (r + 1) / runs, h * group, group});
+    } else {
+      for (int64_t t = start; t < start + n; ++t)
+        for (int64_t h0 = 0; h0 < a.num_heads; h0 += heads_per_item)
+          job.items.push_back({t, t + 1, h0, heads_per_item});
+    }
+  }
+  if (job.items.empty()) return "";
+  // Fewer items than two a thread (a decode token or a few over long contexts): the key
+  // chunks of a chain token are cut across items, as many pieces as that takes.
+  job.part_start.assign(static_cast<size_t>(a.tokens), -1);
+  job.part_chunks.assign(static_cast<size_t>(a.tokens), 0);
+  const int64_t uncut = static_cast<int64_t>(job.items.size());
+  bool any_cut = false;
+  if (a.share_keys && uncut < 2 * threads && work >= kMinParallelWork) {
+    const int64_t pieces_wanted = (2 * threads + uncut - 1) / uncut;
+    std::vector<AttentionItem> items;
+    int64_t total = 0;
+    for (const AttentionItem& it : job.items) {
+      const int64_t t = it.t0;
+      const int64_t nch = it.t1 - it.t0 == 1 && a.tree_mask == nullptr && a.positions[t] >= 0
+                              ? key_chunks(a.positions[t] + 1 - window_first(a.positions[t], a.window))
+                              : 1;
+      const int64_t pieces = std::min(nch, pieces_wanted);
+      if (pieces < 2) {
+        items.push_back(it);
+        continue;
+      }
+      if (job.part_start[t] < 0) {
+        job.part_start[t] = total;
+        job.part_chunks[t] = nch;
+        total += nch * a.num_heads;
+      }
+      for (int64_t piece = 0; piece < pieces; ++piece)
+        items.push_back({t, t + 1, it.h0, it.nq, nch * piece / pieces, nch * (piece + 1) / pieces});
+      any_cut = true;
+    }
+    job.items.swap(items);
+    job.part_o.resize(static_cast<size_t>(total * a.head_dim));
+    job.part_m.resize(static_cast<size_t>(total));
+    job.part_s.resize(static_cast<size_t>(total));
+  }
+  const int64_t items = static_cast<int64_t>(job.items.size());
+  job.parts = work < kMinParallelWork ? 1 : static_cast<int>(std::min<int64_t>(threads, items));
   job.item_fn = fns->attend;
   linear_detail::run_parallel(job.parts, &attend_part, &job, /*own_threads=*/false);
+  if (any_cut) merge_cut_tokens(job);
   return "";
 }
 
