@@ -223,10 +223,13 @@ def test_adaptive_draft_trees_go_deep_with_a_perfect_draft(monkeypatch):
     second level, such a row stayed at one level: 2 tokens per target pass. Exploring
     trees is only for a draft whose siblings could pay (tree_pays with s = 1): once this
     draft's acceptance is measured, no step is a tree (at most the first, on the prior;
-    exploring regardless took kTreeExploreSteps = 4 tree steps)."""
+    exploring regardless took kTreeExploreSteps = 4 tree steps). The target's cost per
+    token (4 ms on 20) keeps a second level of siblings clearly too dear for the
+    acceptance measured after one step: at 2 ms the decision sat at the boundary and the
+    sleeps' jitter made steps 1-2 trees in about one run in six."""
     from test_adaptive_k import Slow
     watch = Watch(monkeypatch)
-    target = Slow(CacheModel(50, seed=1, scale=4.0), 0.02, 0.002)
+    target = Slow(CacheModel(50, seed=1, scale=4.0), 0.02, 0.004)
     twin = Slow(CacheModel(50, seed=1, scale=4.0), 0.002, 0.0)
     dec = SpecDecoder(target, twin, k="auto", max_k=6, num_blocks=64, block_size=4,
                       draft_branches=2)
