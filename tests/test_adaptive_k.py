@@ -88,7 +88,9 @@ def test_the_decoder_speculates_less_for_a_large_batch():
         # the fit sees the growth (its size is left alone: sleeps on a loaded machine
         # overshoot at random, which moves the fitted slope either way)
         assert dec.cost_model()["target_fit"]["slope_s_per_token"] > 0
-    assert mean_k[1] >= 2 and mean_k[24] <= 1, mean_k
+    # one sequence's mean k over its last 10 steps ranged 1.8-3.2 over runs (the
+    # draft's acceptance is sampled noise); the batch's stays ~0
+    assert mean_k[1] >= 1.5 and mean_k[24] <= 1, mean_k
 
 
 def test_cost_model_fits_measured_sizes_and_never_makes_a_longer_pass_cheaper():
