@@ -189,21 +189,25 @@ def test_adaptive_draft_trees_widen_only_where_the_siblings_pay(monkeypatch):
     """k="auto" with draft_branches = 2: a row's depth is chosen as a chain's and it
     proposes the tree (2 children a level) only where its siblings' measured acceptance
     pays their verify rows (adaptive_k.h, tree_pays). Each target row costs 10% of a
-    one-row pass (synthetic sleeps, large next to the toy work). Two drafts whose first choice is
+    one-row pass, on a SyntheticClock: the decoder measures exactly the synthetic costs, so
+    the decisions are the same on every run (on the wall clock, sleep jitter and a
+    stale cost bucket made 1 run in 4-5 fail one side or the other). Two drafts whose first choice is
     wrong at the same half of the contexts: one whose second choice is then right (its
     siblings are accepted: the later steps are trees) and one whose second choice is
     wrong too (s falls as 1 / (n + 2) over n tries: the later steps are chains). Both
     try trees first (kTreeExploreTrials: s is measured before it is judged; with these
     costs a tree would pay if its siblings were always right). Greedy output stays the
     plain greedy tokens in both."""
-    from test_adaptive_k import Slow
+    from test_adaptive_k import Slow, SyntheticClock
     watch = Watch(monkeypatch)
+    clock = SyntheticClock(monkeypatch)
     target, _ = models()
     tail = {}
     for second in (True, False):
         draft = _wrong_first(target, range(0, 17, 2), second)
         watch.verify_passes.clear()
-        dec = SpecDecoder(Slow(target, 0.02, 0.002), Slow(draft, 0.002, 0.0), k="auto",
+        dec = SpecDecoder(Slow(target, 0.02, 0.002, clock), Slow(draft, 0.002, 0.0, clock),
+                          k="auto",
                           max_k=6, num_blocks=64, block_size=4, draft_branches=2)
         (r,) = dec.generate([PROMPTS[0]], max_new_tokens=64, greedy=True)
         assert r.tokens == greedy_reference(target, PROMPTS[0], 64)
@@ -226,11 +230,13 @@ def test_adaptive_draft_trees_go_deep_with_a_perfect_draft(monkeypatch):
     exploring regardless took kTreeExploreSteps = 4 tree steps). The target's cost per
     token (4 ms on 20) keeps a second level of siblings clearly too dear for the
     acceptance measured after one step: at 2 ms the decision sat at the boundary and the
-    sleeps' jitter made steps 1-2 trees in about one run in six."""
-    from test_adaptive_k import Slow
+    sleeps' jitter made steps 1-2 trees in about one run in six (the costs are now on a
+    SyntheticClock as well: the same decisions on every run)."""
+    from test_adaptive_k import Slow, SyntheticClock
     watch = Watch(monkeypatch)
-    target = Slow(CacheModel(50, seed=1, scale=4.0), 0.02, 0.004)
-    twin = Slow(CacheModel(50, seed=1, scale=4.0), 0.002, 0.0)
+    clock = SyntheticClock(monkeypatch)
+    target = Slow(CacheModel(50, seed=1, scale=4.0), 0.02, 0.004, clock)
+    twin = Slow(CacheModel(50, seed=1, scale=4.0), 0.002, 0.0, clock)
     dec = SpecDecoder(target, twin, k="auto", max_k=6, num_blocks=64, block_size=4,
                       draft_branches=2)
     (r,) = dec.generate([[1, 2, 3]], max_new_tokens=60, greedy=True)
