@@ -960,6 +960,23 @@ def test_linear_layers_reading_one_input_share_one_product():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_linear_layer_on_the_kernel_refuses_an_input_of_the_wrong_width():
+    """A wrapped float32 nn.Linear called on an input whose last dimension is not its
+    in_features raises as torch's does (F.linear), instead of the kernel reading past the
+    weight's rows; a strided input of the right width is made dense and gives torch's
+    product."""
+    model = _wrap("llama")
+    o = model.model.model.layers[0].self_attn.o_proj
+    assert "forward" in vars(o)  # on verispec's kernel
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            o(torch.randn(1, 2, o.in_features + 1, generator=g))
+        x = torch.randn(1, 2, 2 * o.in_features, generator=g)[..., ::2]
+        assert not x.is_contiguous()
+        torch.testing.assert_close(o(x), x @ o.weight.t(), rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_kernels_are_installed_and_agree_with_the_modules_own_code(monkeypatch):
     """float32 on CPU: nn.Linear layers and plain RMSNorm modules get verispec's kernels
     (instance-level forwards; weights row-major (matmul_layout), same values); Gemma's (1 + weight)

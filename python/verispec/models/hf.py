@@ -51,7 +51,7 @@ from verispec.models.base import ModelGeometry, PagedBatch, attention_groups, ch
 # Forwards of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS tokens (decoding, verify passes) of a
 # float32 CPU model run their linear layers on verispec's CPU kernel, as LlamaModel's do.
 from verispec.models.llama import (KERNEL_MAX_QUERIES, NATIVE_LINEAR_MAX_ROWS,
-                                   NATIVE_LINEAR_MIN_ROWS, native_linear, native_rms_norm)
+                                   NATIVE_LINEAR_MIN_ROWS, native_rms_norm)
 
 __all__ = ["ATTN_IMPLEMENTATION", "HFModel"]
 
@@ -300,6 +300,7 @@ class _Plan:
         self._batch = batch
         self.native = False
         self._native: Optional[dict[str, Any]] = None
+        self._native_rows: tuple = ()  # the paged kernel's per-forward row arguments
         self._pools: dict[int, tuple] = {}
 
     def masked(self, module, mask) -> None:
@@ -354,6 +355,14 @@ class _Plan:
                     tables=tables if tables.stride(1) == 1 else tables.contiguous(),
                     tree=None if self.tree is None else self.tree.contiguous(),
                     slots=host("slot_mapping").to(torch.int32).contiguous())
+                index = self._native
+                tables, tree = index["tables"], index["tree"]
+                # the kernel's row arguments, the same for every layer of the forward
+                self._native_rows = (
+                    tables.shape[0], index["query_start"].data_ptr(),
+                    index["positions"].data_ptr(), index["context_lens"].data_ptr(),
+                    tables.data_ptr(), tables.stride(0), tables.shape[1],
+                    0 if tree is None else tree.data_ptr(), self.block_size)
         return self._native or None
 
     def _write_attend_native(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -366,33 +375,31 @@ class _Plan:
         here); -> [1, T, H, D]. None (nothing written) when the tensors or pools are not
         laid out for it."""
         entry = self._pools.get(pool)
-        if entry is None:  # the pools' layout, once a forward: (k, v, KV heads, head size)
+        if entry is None:  # the pools' layout, once a forward: (KV heads, head size, the
+            # pool arguments: the slots to write, the pools and their slot count)
             k_pool, v_pool = self.kv.k[pool], self.kv.v[pool]
             ok = (k_pool.dtype == v_pool.dtype == torch.float32 and k_pool.is_cpu
                   and k_pool.dim() == 4 and k_pool.shape == v_pool.shape
                   and k_pool.is_contiguous() and v_pool.is_contiguous())
-            entry = self._pools[pool] = (k_pool, v_pool, *k_pool.shape[2:]) if ok else ()
+            entry = self._pools[pool] = (
+                k_pool.shape[2], k_pool.shape[3],
+                (self._native["slots"].data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                 k_pool.shape[0] * k_pool.shape[1])) if ok else ()
         if not entry:
             return None
-        k_pool, v_pool, kvh, d = entry
+        kvh, d, pools = entry
         _, h, t, _ = query.shape
-        if not (query.dtype == key.dtype == value.dtype == torch.float32 and query.is_cpu
+        if not (query.dtype is key.dtype is value.dtype is torch.float32 and query.is_cpu
                 and query.shape[3] == key.shape[3] == value.shape[3] == d
                 and key.shape[1] == kvh and h % kvh == 0):
             return None
         if query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1:
             query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        index = self._native
-        tables, tree = index["tables"], index["tree"]
         out = torch.empty((1, t, h, d), dtype=torch.float32)
+        qs, ks, vs = query.stride(), key.stride(), value.stride()
         _native()._write_attend_unchecked(
-            query.data_ptr(), query.stride(1), query.stride(2),
-            key.data_ptr(), key.stride(1), key.stride(2),
-            value.data_ptr(), value.stride(1), value.stride(2), index["slots"].data_ptr(),
-            k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0] * k_pool.shape[1], t, h, kvh,
-            d, tables.shape[0], index["query_start"].data_ptr(), index["positions"].data_ptr(),
-            index["context_lens"].data_ptr(), tables.data_ptr(), tables.stride(0),
-            tables.shape[1], 0 if tree is None else tree.data_ptr(), self.block_size, scaling,
+            query.data_ptr(), qs[1], qs[2], key.data_ptr(), ks[1], ks[2],
+            value.data_ptr(), vs[1], vs[2], *pools, t, h, kvh, d, *self._native_rows, scaling,
             out.data_ptr(), torch.get_num_threads(),
             window=window if window is not None and window > 0 else 0)
         return out
@@ -533,25 +540,39 @@ def _product(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
     """x @ w^T + bias for HFModel's float32 CPU linear layers: products of
     NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS rows (decoding, verify passes) on
     verispec's kernel (``verispec.ops.linear``: it streams the weight once for up to 8
-    rows; see verispec.models.llama), anything else through F.linear."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows; see verispec.models.llama), anything else through F.linear. The kernel writes
+    straight into the output's final shape (no reshape or view around it: at a decode
+    step's sizes the Python around a product cost about as much as the product)."""
+    shape = x.shape
+    k = shape[-1]
+    rows = x.numel() // k if k else 0
     if (kernels.linear and NATIVE_LINEAR_MIN_ROWS <= rows <= NATIVE_LINEAR_MAX_ROWS
-            and x.dtype == torch.float32 and x.is_cpu
-            and w.dtype == torch.float32 and w.is_cpu):
-        x2 = x.reshape(rows, x.shape[-1])
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        if w.stride(1) != 1 and w.stride(0) != 1:  # neither of matmul_layout's layouts
+            and x.dtype is torch.float32 and w.dtype is torch.float32 and x.is_cpu
+            and w.is_cpu and w.dim() == 2 and w.shape[1] == k):
+        if not x.is_contiguous():
+            x = x.contiguous()
+        ld_n, ld_k = w.stride()
+        if ld_k != 1 and ld_n != 1:  # neither of matmul_layout's layouts
             w = w.contiguous()
-        out = native_linear(x2, w, torch.get_num_threads())
+            ld_n, ld_k = w.stride()
+        n = w.shape[0]
+        dims = list(shape)  # (a list: torch.empty parses a sliced torch.Size ~2x slower)
+        dims[-1] = n
+        out = torch.empty(dims, dtype=torch.float32)
+        kn = ld_k != 1  # w^T [k, n] row-major: matmul_layout's other layout
+        _native()._linear_unchecked(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k, k,
+                                    ld_k if kn else ld_n, n, torch.get_num_threads(), kn)
         if bias is not None:
             out += bias
-        return out.view(*x.shape[:-1], w.shape[0])
+        return out
     return F.linear(x, w, bias)
 
 
 def _linear_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear.forward of a float32 CPU model wrapped by HFModel (see _product)."""
+    params = self._parameters
+    if "weight" in params and "bias" in params:  # as nn.Linear keeps them
+        return _product(x, params["weight"], params["bias"], self._verispec_kernels)
     return _product(x, self.weight, self.bias, self._verispec_kernels)
 
 
