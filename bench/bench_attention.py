@@ -24,14 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-import verispec
+from kernel_env import cpu_kernel_environment
+
 from verispec import _C
 
 CACHES = {  # name: (layers, query heads, KV heads, head size)
@@ -122,10 +122,7 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "CPU paged attention per pass: shared key reads vs per token",
-        "environment": {"torch": torch.__version__, "verispec": verispec.__version__,
-                        "threads": args.threads, "isa": _C.linear_best_isa(),
-                        "thread_backend": _C.linear_threads(), "machine": platform.machine(),
-                        "processor": platform.processor()},
+        "environment": cpu_kernel_environment(args.threads),
         "caches": {c: dict(zip(("layers", "query_heads", "kv_heads", "head_size"), CACHES[c]))
                    for c in args.caches},
         "block_size": BLOCK, "rounds": args.rounds, "quick": args.quick, "rows": rows,

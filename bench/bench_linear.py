@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from kernel_env import cpu_kernel_environment
 
 import verispec
 from verispec import _C, ops
@@ -167,10 +168,7 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "benchmark": "CPU linear: verispec kernel vs torch.mm, SmolLM2-135M projections",
-        "environment": {"torch": torch.__version__, "verispec": verispec.__version__,
-                        "threads": threads, "isa": _C.linear_best_isa(),
-                        "thread_backend": _C.linear_threads(), "machine": platform.machine(),
-                        "processor": platform.processor()},
+        "environment": cpu_kernel_environment(threads),
         "weight_bytes_per_pass": weight_bytes, "quant_weight_bytes_per_pass": quant_bytes,
         "rounds": args.rounds, "rows": rows,
         "markdown": table}, indent=2) + "\n")

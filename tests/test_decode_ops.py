@@ -10,6 +10,7 @@ sees one key too many, or reads a neighbouring block.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -59,6 +60,14 @@ class Cache:
         self.ctx = torch.tensor(ctx_lens, dtype=torch.int32)
         self.g = g
 
+    def alone(self, row, keys):
+        """The same pools with one row: row `row`'s first `keys` keys (a token of that row
+        decoded alone)."""
+        one = copy.copy(self)
+        one.ctx = torch.tensor([keys], dtype=torch.int32)
+        one.tables = self.tables[row:row + 1].clone()
+        return one
+
     def slots(self, row, keys):
         j = torch.arange(keys)
         return self.tables[row].long()[j // BS] * BS + j % BS
@@ -92,6 +101,25 @@ class Cache:
 
 def _queries(n, seed, hd=HD):
     return torch.randn(n, NH, hd, generator=torch.Generator().manual_seed(seed))
+
+
+def _same_bits_everywhere(cache, q, qs, positions):
+    """The pass on every instruction set, 1-3 threads and both layouts (share_keys):
+    bit for bit the scalar one-thread per-token layout's output, which is returned."""
+    base = cache.attend(q, qs, positions, isa="scalar", threads=1, share_keys=False)
+    for isa in ISAS:
+        for threads in (1, 2, 3):
+            for share in (True, False):
+                got = cache.attend(q, qs, positions, isa=isa, threads=threads, share_keys=share)
+                assert torch.equal(got, base), (isa, threads, share)
+    return base
+
+
+def _worst_against_float64(cache, q, out, rows, positions, tokens):
+    """The largest difference of the `tokens`' outputs from float64 attention over their
+    rows' keys 0..position."""
+    return max((out[t].double() - cache.reference(q[t], rows[t], list(range(positions[t] + 1))))
+               .abs().max().item() for t in tokens)
 
 
 def test_attention_matches_float64_reference_on_ragged_rows():
@@ -150,10 +178,7 @@ def test_attention_is_batch_invariant():
     together = cache.attend(q, [0, 6, 7, 12], list(range(34, 40)) + [19] + list(range(28, 33)),
                             threads=2)
     for t, pos in enumerate(range(34, 40)):  # row 0's verify tokens, each decoded alone
-        alone_cache = Cache([40, 20, 33], seed=5)
-        alone_cache.ctx = torch.tensor([pos + 1], dtype=torch.int32)
-        alone_cache.tables = cache.tables[:1].clone()
-        alone = alone_cache.attend(q[t:t + 1], [0, 1], [pos])
+        alone = cache.alone(0, pos + 1).attend(q[t:t + 1], [0, 1], [pos])
         assert torch.equal(alone[0], together[t]), t
     # row 2 at the front of another batch order
     cache2 = Cache([40, 20, 33], seed=5)
@@ -174,21 +199,13 @@ def test_verify_rows_share_key_reads_with_the_same_bits(hd):
     q = _queries(12, 12, hd)
     qs = [0, 7, 10, 12]
     positions = list(range(196, 203)) + [127, 128, 129] + [62, 63]
-    base = cache.attend(q, qs, positions, isa="scalar", threads=1, share_keys=False)
-    for isa in ISAS:
-        for threads in (1, 2, 3):
-            for share in (True, False):
-                got = cache.attend(q, qs, positions, isa=isa, threads=threads, share_keys=share)
-                assert torch.equal(got, base), (isa, threads, share)
+    base = _same_bits_everywhere(cache, q, qs, positions)
     rows = [0] * 7 + [1] * 3 + [2] * 2
     for t in range(12):  # each token alone, a decode pass of its row's first keys
-        alone = Cache([203, 130, 64], seed=11, num_blocks=112, hd=hd)
-        alone.ctx = torch.tensor([positions[t] + 1], dtype=torch.int32)
-        alone.tables = cache.tables[rows[t]:rows[t] + 1].clone()
+        alone = cache.alone(rows[t], positions[t] + 1)
         assert torch.equal(alone.attend(q[t:t + 1], [0, 1], [positions[t]], threads=2)[0],
                            base[t]), t
-    worst = max((base[t].double() - cache.reference(q[t], rows[t], list(range(positions[t] + 1))))
-                .abs().max().item() for t in (0, 6, 7, 9, 11))
+    worst = _worst_against_float64(cache, q, base, rows, positions, (0, 6, 7, 9, 11))
     assert worst < 2e-6, worst
     # power: token 6 over one key less, token 7 over one key more, are far off
     assert (base[6].double() - cache.reference(q[6], 0, list(range(202)))).abs().max() > 1e-3
@@ -207,22 +224,14 @@ def test_long_contexts_attend_in_key_chunks_with_the_same_bits(hd):
     q = _queries(9, 22, hd)
     qs, positions = [0, 6, 9], list(range(1294, 1300)) + [697, 698, 699]
     rows = [0] * 6 + [1] * 3
-    base = cache.attend(q, qs, positions, isa="scalar", threads=1, share_keys=False)
-    for isa in ISAS:
-        for threads in (1, 2, 3):
-            for share in (True, False):
-                got = cache.attend(q, qs, positions, isa=isa, threads=threads, share_keys=share)
-                assert torch.equal(got, base), (isa, threads, share)
+    base = _same_bits_everywhere(cache, q, qs, positions)
     for t in (0, 5, 6, 8):
-        alone = Cache([1300, 700], seed=21, num_blocks=520, hd=hd)
-        alone.ctx = torch.tensor([positions[t] + 1], dtype=torch.int32)
-        alone.tables = cache.tables[rows[t]:rows[t] + 1].clone()
+        alone = cache.alone(rows[t], positions[t] + 1)
         for isa in ISAS:
             for threads in (1, 2, 3):
                 got = alone.attend(q[t:t + 1], [0, 1], [positions[t]], isa=isa, threads=threads)
                 assert torch.equal(got[0], base[t]), (t, isa, threads)
-    worst = max((base[t].double() - cache.reference(q[t], rows[t], list(range(positions[t] + 1))))
-                .abs().max().item() for t in (0, 5, 6, 8))
+    worst = _worst_against_float64(cache, q, base, rows, positions, (0, 5, 6, 8))
     assert worst < 2e-6, worst
     # power: token 5 (1300 keys) with its chunks' softmaxes averaged unweighted
     s = cache.slots(0, 1300)
@@ -248,9 +257,7 @@ def test_a_sliding_window_past_a_chunk_attends_the_same_alone_and_in_a_row():
         for threads in (1, 2, 3):
             assert torch.equal(cache.attend(q, [0, 3], positions, isa=isa, threads=threads,
                                             window=600), base), (isa, threads)
-            alone = Cache([1300], seed=23, num_blocks=330)
-            alone.ctx = torch.tensor([1300], dtype=torch.int32)
-            got = alone.attend(q[2:3], [0, 1], [1299], isa=isa, threads=threads, window=600)
+            got = cache.alone(0, 1300).attend(q[2:3], [0, 1], [1299], isa=isa, threads=threads, window=600)
             assert torch.equal(got[0], base[2]), (isa, threads)
     ref = cache.reference(q[2], 0, list(range(700, 1300)))
     assert (base[2].double() - ref).abs().max().item() < 2e-6

@@ -1319,6 +1319,37 @@ void test_rms_norm() {
         std::string::npos);
 }
 
+// The arguments of a paged-attention case: pools k and v ([slots, nkv, d]), queries q
+// and out ([tokens, nh d]), the rows' query starts, positions, context lengths and block
+// tables (table_width blocks a row); scale 1 / sqrt(d). The rest keeps its defaults.
+PagedAttentionArgs attention_args(const std::vector<float>& q, const std::vector<float>& k,
+                                  const std::vector<float>& v, std::vector<float>& out,
+                                  int64_t nh, int64_t nkv, int64_t d,
+                                  const std::vector<int64_t>& qs, const std::vector<int64_t>& pos,
+                                  const std::vector<int32_t>& ctx,
+                                  const std::vector<int32_t>& tables, int64_t table_width,
+                                  int64_t bs) {
+  PagedAttentionArgs a;
+  a.q = q.data();
+  a.k_pool = k.data();
+  a.v_pool = v.data();
+  a.num_slots = static_cast<int64_t>(k.size()) / (nkv * d);
+  a.tokens = static_cast<int64_t>(pos.size());
+  a.num_heads = nh;
+  a.num_kv_heads = nkv;
+  a.head_dim = d;
+  a.rows = static_cast<int64_t>(ctx.size());
+  a.query_start = qs.data();
+  a.positions = pos.data();
+  a.context_lens = ctx.data();
+  a.block_tables = tables.data();
+  a.table_stride = a.table_width = table_width;
+  a.block_size = bs;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  a.out = out.data();
+  return a;
+}
+
 // Paged attention of a verify row and a decode row over shuffled blocks, against a
 // double-precision loop; the same bits on every ISA and thread count; a tree node equal
 // to its path as a chain; errors leave the output alone. Under ASan every index is
@@ -1337,25 +1368,8 @@ void test_paged_attention() {
   const int64_t tokens = 4;
   std::vector<float> q(tokens * nh * d), out(tokens * nh * d, kNan);
   for (auto& x : q) x = normal(rng);
-  PagedAttentionArgs a;
-  a.q = q.data();
-  a.k_pool = k.data();
-  a.v_pool = v.data();
-  a.num_slots = slots;
-  a.tokens = tokens;
-  a.num_heads = nh;
-  a.num_kv_heads = nkv;
-  a.head_dim = d;
-  a.rows = 2;
-  a.query_start = qs.data();
-  a.positions = pos.data();
-  a.context_lens = ctx.data();
-  a.block_tables = tables.data();
-  a.table_stride = 4;
-  a.table_width = 4;
-  a.block_size = bs;
-  a.scale = 1.0f / std::sqrt(static_cast<float>(d));
-  a.out = out.data();
+  PagedAttentionArgs a = attention_args(q, k, v, out, nh, nkv, d, qs, pos, ctx, tables, 4, bs);
+  CHECK(a.num_slots == slots && a.tokens == tokens && a.rows == 2);
   auto slot = [&](int64_t row, int64_t j) { return tables[row * 4 + j / bs] * bs + j % bs; };
   auto reference = [&](int64_t t, int64_t row, const std::vector<int64_t>& keys, int64_t h) {
     std::vector<double> s;
@@ -1447,25 +1461,8 @@ void test_paged_attention_long_context() {
   const std::vector<int64_t> qs = {0, 3}, pos = {ctx - 3, ctx - 2, ctx - 1};
   std::vector<float> q(3 * nh * d), out(3 * nh * d, kNan), base;
   for (auto& x : q) x = normal(rng);
-  PagedAttentionArgs a;
-  a.q = q.data();
-  a.k_pool = k.data();
-  a.v_pool = v.data();
-  a.num_slots = blocks * bs;
-  a.tokens = 3;
-  a.num_heads = nh;
-  a.num_kv_heads = nkv;
-  a.head_dim = d;
-  a.rows = 1;
-  a.query_start = qs.data();
-  a.positions = pos.data();
-  a.context_lens = ctx_lens.data();
-  a.block_tables = table.data();
-  a.table_stride = blocks;
-  a.table_width = blocks;
-  a.block_size = bs;
-  a.scale = 0.25f;
-  a.out = out.data();
+  PagedAttentionArgs a =
+      attention_args(q, k, v, out, nh, nkv, d, qs, pos, ctx_lens, table, blocks, bs);
   a.share_keys = false;
   CHECK(paged_attention_f32(a).empty());
   base = out;
