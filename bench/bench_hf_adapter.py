@@ -36,7 +36,8 @@ hf_adapter.md (the table, also printed) into --out. ``--quick`` is the smoke run
 
 ``--profile`` instead breaks one decode forward (1 token) and one n-gram verify forward
 (k + 1 tokens) down, adapter vs native: paired wall times (also of the adapter with
-the model's own RoPE function, native_rope off), and per module kind / function the
+the model's own RoPE function, native_rope off, and of both with the products made
+no-ops: what a forward costs besides them), and per module kind / function the
 exclusive time and the number of aten ops (profile.json).
 
     PYTHONPATH=python python bench/bench_hf_adapter.py              # ~3-5 min on 2 cores
@@ -402,7 +403,8 @@ def profile(args) -> dict:
                 "adapter_over_native_time": statistics.median(
                     a / b for a, b in zip(times["adapter"], times["native"])),
                 "own_rope_minus_native_rope_ms": statistics.median(
-                    (a - b) * 1e3 for a, b in zip(times["adapter, own RoPE"], times["adapter"]))}
+                    (a - b) * 1e3 for a, b in zip(times["adapter, own RoPE"], times["adapter"])),
+                "without_products_ms": _without_products(batches, rounds)}
         for who, (model, batch) in batches.items():
             regions = _Regions()
             if who == "adapter":
@@ -450,13 +452,38 @@ def profile(args) -> dict:
             "environment": env}
 
 
+def _without_products(batches: dict, rounds: int) -> dict[str, float]:
+    """Each model's forward with the float32 products made no-ops (verispec's linear
+    kernel, which both run, returns at once; the outputs are garbage and are not read):
+    what a forward costs besides its products, paired rounds, median ms."""
+    from verispec import _C
+
+    real = _C._linear_unchecked
+    times: dict[str, list[float]] = {w: [] for w in batches}
+    _C._linear_unchecked = lambda *args: None
+    try:
+        for r in range(rounds + 3):
+            for who in (tuple(batches) if r % 2 else tuple(batches)[::-1]):
+                model, batch = batches[who]
+                t0 = time.perf_counter()
+                model.forward(batch)
+                if r >= 3:
+                    times[who].append(time.perf_counter() - t0)
+    finally:
+        _C._linear_unchecked = real
+    return {w: statistics.median(v) * 1e3 for w, v in times.items()}
+
+
 def _profile_text(step: dict) -> str:
     f = step["forward_ms"]
     lines = [f"## forward of {step['tokens']} new token(s) after {step['context']}: adapter "
              f"{f['adapter']:.1f} ms, native {f['native']:.1f} ms (adapter / native time "
              f"{step['adapter_over_native_time']:.2f}, median of {step['rounds']} paired rounds); "
              f"the adapter with the model's own RoPE function {f['adapter, own RoPE']:.1f} ms "
-             f"(paired: {step['own_rope_minus_native_rope_ms']:+.2f} ms against native_rope)"]
+             f"(paired: {step['own_rope_minus_native_rope_ms']:+.2f} ms against native_rope)",
+             f"with the products made no-ops (what a forward costs besides them): adapter "
+             f"{step['without_products_ms']['adapter']:.1f} ms, native "
+             f"{step['without_products_ms']['native']:.1f} ms"]
     for who in ("adapter", "native"):
         s = step[who]
         lines.append(f"{who}: {s['instrumented_forward_ms']:.1f} ms instrumented, "
