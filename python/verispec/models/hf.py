@@ -51,7 +51,7 @@ from verispec.models.base import ModelGeometry, PagedBatch, attention_groups, ch
 # Forwards of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS tokens (decoding, verify passes) of a
 # float32 CPU model run their linear layers on verispec's CPU kernel, as LlamaModel's do.
 from verispec.models.llama import (KERNEL_MAX_QUERIES, NATIVE_LINEAR_MAX_ROWS,
-                                   NATIVE_LINEAR_MIN_ROWS, native_rms_norm)
+                                   NATIVE_LINEAR_MIN_ROWS, native_linear, native_rms_norm)
 
 __all__ = ["ATTN_IMPLEMENTATION", "HFModel"]
 
@@ -540,28 +540,17 @@ def _product(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
     """x @ w^T + bias for HFModel's float32 CPU linear layers: products of
     NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS rows (decoding, verify passes) on
     verispec's kernel (``verispec.ops.linear``: it streams the weight once for up to 8
-    rows; see verispec.models.llama), anything else through F.linear. The kernel writes
-    straight into the output's final shape (no reshape or view around it: at a decode
-    step's sizes the Python around a product cost about as much as the product)."""
-    shape = x.shape
-    k = shape[-1]
+    rows; see verispec.models.llama), anything else through F.linear."""
+    k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if (kernels.linear and NATIVE_LINEAR_MIN_ROWS <= rows <= NATIVE_LINEAR_MAX_ROWS
             and x.dtype is torch.float32 and w.dtype is torch.float32 and x.is_cpu
             and w.is_cpu and w.dim() == 2 and w.shape[1] == k):
         if not x.is_contiguous():
             x = x.contiguous()
-        ld_n, ld_k = w.stride()
-        if ld_k != 1 and ld_n != 1:  # neither of matmul_layout's layouts
+        if w.stride(1) != 1 and w.stride(0) != 1:  # neither of matmul_layout's layouts
             w = w.contiguous()
-            ld_n, ld_k = w.stride()
-        n = w.shape[0]
-        dims = list(shape)  # (a list: torch.empty parses a sliced torch.Size ~2x slower)
-        dims[-1] = n
-        out = torch.empty(dims, dtype=torch.float32)
-        kn = ld_k != 1  # w^T [k, n] row-major: matmul_layout's other layout
-        _native()._linear_unchecked(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, k, k,
-                                    ld_k if kn else ld_n, n, torch.get_num_threads(), kn)
+        out = native_linear(x, w, torch.get_num_threads())
         if bias is not None:
             out += bias
         return out

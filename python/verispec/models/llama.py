@@ -235,15 +235,19 @@ def matmul_layout(w: torch.Tensor) -> torch.Tensor:
 
 
 def native_linear(x: torch.Tensor, w: torch.Tensor, threads: int) -> torch.Tensor:
-    """x @ w^T on verispec's float32 CPU kernel (``_C._linear_unchecked``): x [m, k]
+    """x @ w^T on verispec's float32 CPU kernel (``_C._linear_unchecked``): x [..., k]
     contiguous, w [n, k] row-major or column-major (read as w^T [k, n]; matmul_layout's
-    two layouts), both float32 CPU, checked by the caller -> a new [m, n]."""
-    m, k = x.shape
-    n = w.shape[0]
-    out = torch.empty((m, n), dtype=torch.float32)
-    kn = w.stride(1) != 1
-    _C._linear_unchecked(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, k,
-                         w.stride(1) if kn else w.stride(0), n, threads, kn)
+    two layouts), both float32 CPU, checked by the caller -> a new [..., n], written in
+    its final shape (no view around it: at a decode step's sizes the Python around a
+    product costs about as much as the product)."""
+    dims = list(x.shape)  # (a list: torch.empty parses a sliced torch.Size ~2x slower)
+    k = dims[-1]
+    n = dims[-1] = w.shape[0]
+    out = torch.empty(dims, dtype=torch.float32)
+    ld_n, ld_k = w.stride()
+    kn = ld_k != 1
+    _C._linear_unchecked(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // k, n, k, k,
+                         ld_k if kn else ld_n, n, threads, kn)
     return out
 
 
