@@ -36,9 +36,10 @@ hf_adapter.md (the table, also printed) into --out. ``--quick`` is the smoke run
 
 ``--profile`` instead breaks one decode forward (1 token) and one n-gram verify forward
 (k + 1 tokens) down, adapter vs native: paired wall times (also of the adapter with
-the model's own RoPE function, native_rope off, and of both with the products made
-no-ops: what a forward costs besides them), and per module kind / function the
-exclusive time and the number of aten ops (profile.json).
+the model's own RoPE function, native_rope off, of the adapter with every forward eager,
+capture off, and of both with the products made no-ops: what a forward costs besides
+them), and per module kind / function the exclusive time and the number of aten ops
+(profile.json; the regions' hooks make those forwards eager, as a hook does).
 
     PYTHONPATH=python python bench/bench_hf_adapter.py              # ~3-5 min on 2 cores
     PYTHONPATH=python python bench/bench_hf_adapter.py --quick      # < 1 min
@@ -385,25 +386,29 @@ def profile(args) -> dict:
     steps = []
     for t in (1, (k if isinstance(k := args.ngram_k, int) else 8) + 1):
         batches = {"adapter": (adapter, batch_for(adapter, t)), "native": (native, batch_for(native, t))}
-        # a third arm: the adapter with the model's own RoPE function (native_rope off)
-        arms = ("adapter", "native", "adapter, own RoPE")
+        # more arms: the adapter with the model's own RoPE function (native_rope off), and
+        # with every forward eager (capture off)
+        arms = ("adapter", "native", "adapter, own RoPE", "adapter, eager")
         times: dict[str, list[float]] = {w: [] for w in arms}
         for r in range(rounds + 3):
             for who in (arms if r % 2 else arms[::-1]):
                 model, batch = batches["native" if who == "native" else "adapter"]
                 if who != "native":
-                    adapter.native_rope = who == "adapter"
+                    adapter.native_rope = who != "adapter, own RoPE"
+                    adapter.capture = who != "adapter, eager"
                 t0 = time.perf_counter()
                 model.forward(batch)
                 if r >= 3:
                     times[who].append(time.perf_counter() - t0)
-        adapter.native_rope = True
+        adapter.native_rope = adapter.capture = True
         step = {"tokens": t, "context": len(ids), "rounds": rounds,
                 "forward_ms": {w: statistics.median(v) * 1e3 for w, v in times.items()},
                 "adapter_over_native_time": statistics.median(
                     a / b for a, b in zip(times["adapter"], times["native"])),
                 "own_rope_minus_native_rope_ms": statistics.median(
                     (a - b) * 1e3 for a, b in zip(times["adapter, own RoPE"], times["adapter"])),
+                "eager_adapter_over_native_time": statistics.median(
+                    a / b for a, b in zip(times["adapter, eager"], times["native"])),
                 "without_products_ms": _without_products(batches, rounds)}
         for who, (model, batch) in batches.items():
             regions = _Regions()
@@ -480,7 +485,9 @@ def _profile_text(step: dict) -> str:
              f"{f['adapter']:.1f} ms, native {f['native']:.1f} ms (adapter / native time "
              f"{step['adapter_over_native_time']:.2f}, median of {step['rounds']} paired rounds); "
              f"the adapter with the model's own RoPE function {f['adapter, own RoPE']:.1f} ms "
-             f"(paired: {step['own_rope_minus_native_rope_ms']:+.2f} ms against native_rope)",
+             f"(paired: {step['own_rope_minus_native_rope_ms']:+.2f} ms against native_rope); "
+             f"the adapter with every forward eager (capture off) {f['adapter, eager']:.1f} ms "
+             f"(adapter / native time {step['eager_adapter_over_native_time']:.2f})",
              f"with the products made no-ops (what a forward costs besides them): adapter "
              f"{step['without_products_ms']['adapter']:.1f} ms, native "
              f"{step['without_products_ms']['native']:.1f} ms"]

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _nn_module  # its global hooks (_fast_call)
 
+from verispec.models import hf_capture
 from verispec.models.base import ModelGeometry, PagedBatch, attention_groups, check_batch
 # Forwards of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS tokens (decoding, verify passes) of a
 # float32 CPU model run their linear layers on verispec's CPU kernel, as LlamaModel's do.
@@ -92,6 +93,7 @@ def register_attention() -> None:
 _NOT_PASSED = object()
 
 
+@hf_capture.opaque
 def _paged_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0,
                      sliding_window=_NOT_PASSED, softcap=None, s_aux=None, **kwargs):
     """transformers' attention-function signature: query [1, H, T, Dk], key [1, KvH, T, Dk],
@@ -557,6 +559,7 @@ def _product(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
     return F.linear(x, w, bias)
 
 
+@hf_capture.opaque
 def _linear_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """nn.Linear.forward of a float32 CPU model wrapped by HFModel (see _product)."""
     params = self._parameters
@@ -591,6 +594,7 @@ class _Siblings:
         self.outputs: Optional[tuple[torch.Tensor, ...]] = None  # each sibling's slice
 
 
+@hf_capture.opaque
 def _sibling_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A fused sibling's forward: the first computes every sibling's output for its input;
     the others take their slice when they are called with that same tensor (else, as in
@@ -598,7 +602,8 @@ def _sibling_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     s: _Siblings = self._verispec_siblings
     i = self._verispec_sibling
     if i == 0:
-        s.input, s.outputs = x, _product(x, s.weight, s.bias, s.kernels).split(s.sizes, -1)
+        s.input, s.outputs = x, _product(x, s.weight, s.bias, s.kernels).split_with_sizes(
+            s.sizes, -1)
     elif s.input is not x:
         return _product(x, self.weight, self.bias, s.kernels)
     out = s.outputs[i].contiguous()
@@ -657,6 +662,7 @@ def _sibling_groups(model: torch.nn.Module, calls) -> list[list[torch.nn.Module]
     return out
 
 
+@hf_capture.opaque
 def _norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """An RMSNorm module's forward (checked at wrap time to compute plain RMSNorm) as one
     pass of verispec's CPU kernel for float32 CPU inputs; the module's own otherwise."""
@@ -716,6 +722,7 @@ def _rope_dispatch(original):
     _rope_native takes (q, k, cos, sin; unsqueeze_dim 1); ``original`` otherwise."""
     import functools
 
+    @hf_capture.opaque
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         kernels = getattr(_CONTEXT.get(), "kernels", None)
@@ -873,7 +880,9 @@ def _install_cpu_kernels(model: torch.nn.Module, run) -> _CpuKernels:
 def _uninstall_cpu_kernels(model: torch.nn.Module) -> None:
     """Undoes _install_cpu_kernels (a model wrapped again, e.g. to be cut for tensor
     parallelism): the modules' own forwards back, and each fused sibling's weight its
-    own tensor again (same values), so that cutting one does not leave a stale stack."""
+    own tensor again (same values), so that cutting one does not leave a stale stack.
+    Programs captured over those forwards (hf_capture) are invalidated."""
+    hf_capture.invalidate()
     with torch.no_grad():
         for m in model.modules():
             if "_verispec_class" in vars(m):
@@ -945,10 +954,14 @@ class HFModel:
     ``base_model_tp_plan`` (``verispec.models.hf_tp``; every rank must pass the same model);
     ``geometry`` then reports this rank's KV heads. ``verispec.distributed.shard`` does it
     for a wrapped model.
+    ``capture`` (default True): run decode and verify forwards as captured programs
+    (``HFModel.capture``, ``verispec.models.hf_capture``); off for tensor parallelism and
+    for a model compiled with ``torch.compile``.
     """
 
     def __init__(self, hf_model: Any, *, max_context: Optional[int] = None,
-                 tokenizer: Any = None, cpu_kernels: bool = True, tp: Any = None) -> None:
+                 tokenizer: Any = None, cpu_kernels: bool = True, tp: Any = None,
+                 capture: bool = True) -> None:
         if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "config"):
             raise TypeError(f"HFModel: hf_model must be a loaded transformers model "
                             f"(*ForCausalLM), got {type(hf_model).__name__}")
@@ -987,6 +1000,7 @@ class HFModel:
                 raise _refuse(hf_model, "its attention does not go through transformers' "
                                         "AttentionInterface")
             self.model = hf_model
+            self._captures = None
             probe, logits = self._probe(device)
             layers = probe.layers
             num_layers = getattr(text, "num_hidden_layers", None)
@@ -1070,6 +1084,10 @@ class HFModel:
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32 and (
                 _C.linear_best_isa() != "scalar"):
             self._kernels = _install_cpu_kernels(hf_model, lambda: self._probe(device))
+        #: Captured forwards of decode and verify passes (verispec.models.hf_capture);
+        #: ``capture=False`` (or tensor parallelism) runs every forward eagerly.
+        self._captures = (hf_capture.Captures(hf_model) if capture and tp is None
+                          and getattr(hf_model, "_compiled_call_impl", None) is None else None)
         self.tokenizer_fingerprint: Optional[str] = None
         if tokenizer is not None:
             from verispec.models.tokenizer import vocabulary_fingerprint
@@ -1114,6 +1132,24 @@ class HFModel:
         if self._kernels is not None:
             self._kernels.rope = bool(on) and self._kernels.rope_found
 
+    @property
+    def capture(self) -> bool:
+        """Whether decode and verify forwards (up to ``hf_capture.MAX_TOKENS`` tokens) run
+        as captured programs: each token count's forward recorded once as straight-line
+        code over the same ops and checked bit for bit against the eager forward
+        (``verispec.models.hf_capture``). Set False to run every forward eagerly."""
+        return self._captures is not None and self._captures.enabled
+
+    @capture.setter
+    def capture(self, on: bool) -> None:
+        if on and self._captures is None:
+            if self.tp is not None or self.model is None:
+                raise ValueError("HFModel.capture: a tensor-parallel shard runs eagerly "
+                                 "(its collectives are not torch ops a recording sees)")
+            self._captures = hf_capture.Captures(self.model)
+        if self._captures is not None:
+            self._captures.enabled = bool(on)
+
     def early_exit(self, num_layers: int) -> "HFModel":
         """The first ``num_layers`` decoder layers + the model's final norm and LM head,
         sharing this model's modules (no copy of any weight): a self-speculation draft
@@ -1134,7 +1170,8 @@ class HFModel:
             setattr(parent, name, child)
             parent = child
         full = getattr(parent, path[-1])
-        setattr(parent, path[-1], torch.nn.ModuleList(list(full)[:num_layers]))
+        # in the mode of the list it cuts (a new module starts in train mode)
+        setattr(parent, path[-1], torch.nn.ModuleList(list(full)[:num_layers]).train(full.training))
         draft = HFModel.__new__(HFModel)
         draft.model = clone
         draft.layers = self.layers[:num_layers]
@@ -1147,11 +1184,13 @@ class HFModel:
         draft._kernels = self._kernels
         draft.native_attention = self.native_attention
         draft.tokenizer_fingerprint = self.tokenizer_fingerprint
+        draft._captures = None
         probe, _ = draft._probe(self.geometry.device)
         if [id(r.module) for r in probe.layers] != [id(r.module) for r in draft.layers]:
             raise ValueError(f"early_exit: {type(self.model).__name__} does not run a prefix of "
                              f"its layers (its forward called {len(probe.layers)} attention "
                              f"layers, expected the first {num_layers})")
+        draft._captures = None if self._captures is None else hf_capture.Captures(clone)
         return draft
 
     def _layer_list_path(self) -> list[str]:
@@ -1223,11 +1262,28 @@ class HFModel:
         token = _CONTEXT.set(ctx)
         try:
             with torch.inference_mode():
-                out = self.model(input_ids=ids[None], position_ids=positions[None],
-                                 use_cache=False, logits_to_keep=keep, return_dict=True)
+                captures = self._captures
+                if (captures is None or type(ctx) is not _Plan
+                        or ids.shape[0] > hf_capture.MAX_TOKENS):
+                    return self._eager_call(ids, positions, keep)
+                k = self._kernels
+                key = (ids.shape[0], keep.shape[0], ids.dtype, positions.dtype, keep.dtype,
+                       ids.stride(), positions.stride(), keep.stride(), ids.device,
+                       None if k is None else (k.linear, k.norm, k.rope),
+                       getattr(self.model.config, "_attn_implementation", None))
+                calls = ctx.calls
+
+                def redo() -> None:
+                    ctx.calls = calls
+
+                return captures.forward(key, self._eager_call, ids, positions, keep, redo)
         finally:
             _CONTEXT.reset(token)
-        return out.logits
+
+    def _eager_call(self, ids: torch.Tensor, positions: torch.Tensor,
+                    keep: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                          logits_to_keep=keep, return_dict=True).logits
 
     def __call__(self, batch: PagedBatch) -> torch.Tensor:
         return self.forward(batch)
