@@ -22,6 +22,8 @@ from verispec.models import HFModel, hf_capture
 from verispec.models.testing import PagedRunner
 
 STEPS = 10  # decode + verify pairs after the prompt
+# steps after which each key (decode, verify) has been recorded, checked and replayed once
+WARM = hf_capture.RECORD_AFTER + 3
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -74,9 +76,9 @@ def test_captured_forwards_equal_eager_bit_for_bit(name):
     assert not caps.refused, caps.refused
     # decode (1 token, 1 row kept) and verify (5 tokens, 5 rows) each have a checked program
     assert sorted(k[:2] for k, p in caps.programs.items() if p.checked) == [(1, 1), (5, 5)]
-    # a key's 1st forward runs eagerly, its 2nd is recorded, its 3rd checks the program
-    # against eager; every later one is served by the program
-    assert caps.replays == 2 * (STEPS - 3)
+    # a key's first RECORD_AFTER forwards run eagerly, the next is recorded, the next
+    # checks the program against eager; every later one is served by the program
+    assert caps.replays == 2 * (STEPS - hf_capture.RECORD_AFTER - 2)
     assert pair.eager._captures is None
 
 
@@ -91,12 +93,12 @@ def test_capture_serves_a_draft_cut_by_early_exit():
         toks = list(range(3, 3 + n))
         got, want = (r.model.forward(r.make_batch({s: toks})) for r, s in zip(runners, seqs))
         assert torch.equal(got, want)
-    assert draft._captures.replays == 3
+    assert draft._captures.replays == 6 - hf_capture.RECORD_AFTER - 2
 
 
 def test_a_hook_registered_after_capture_runs():
     pair = _Pair(_reference("llama"))
-    pair.run(5)
+    pair.run(WARM)
     before = pair.cap._captures.replays
     assert before > 0
     calls = []
@@ -113,7 +115,7 @@ def test_a_hook_registered_after_capture_runs():
 
 def test_a_global_hook_registered_after_capture_runs():
     pair = _Pair(_reference("llama"))
-    pair.run(5)
+    pair.run(WARM)
     mine = {id(m) for m in pair.cap.model.modules()}
     calls = []
     handle = torch.nn.modules.module.register_module_forward_hook(
@@ -127,7 +129,7 @@ def test_a_global_hook_registered_after_capture_runs():
 
 def test_a_weight_reassigned_after_capture_is_used():
     pair = _Pair(_reference("llama"))
-    pair.run(5)
+    pair.run(WARM)
     old = pair.cap.model.model.embed_tokens.weight
     for m in (pair.cap.model, pair.eager.model):
         m.model.embed_tokens.weight = torch.nn.Parameter(old.detach() * 1.5)
@@ -142,7 +144,7 @@ def test_a_weight_reassigned_after_capture_is_used():
 
 def test_an_in_place_weight_update_is_seen_by_the_program():
     pair = _Pair(_reference("llama"))
-    pair.run(5)
+    pair.run(WARM)
     replays = pair.cap._captures.replays
     with torch.no_grad():
         for m in (pair.cap.model, pair.eager.model):
@@ -155,7 +157,7 @@ def test_an_in_place_weight_update_is_seen_by_the_program():
 
 def test_train_mode_runs_eagerly():
     pair = _Pair(_reference("llama"))
-    pair.run(5)
+    pair.run(WARM)
     replays = pair.cap._captures.replays
     pair.cap.model.model.layers[0].mlp.train()
     pair.eager.model.model.layers[0].mlp.train()
@@ -173,7 +175,7 @@ def test_a_forward_that_reads_tensor_values_is_not_captured():
     torch.manual_seed(0)
     ref = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     pair = _Pair(ref)
-    pair.run(4)
+    pair.run(WARM)
     caps = pair.cap._captures
     assert caps.replays == 0 and not caps.programs
     assert caps.refused and all("reads tensor values" in why for why in caps.refused.values())
@@ -187,7 +189,7 @@ def test_a_program_that_disagrees_with_eager_is_dropped(monkeypatch):
         real(self, lambda *a: run(*a) + 1, source, calls)
 
     monkeypatch.setattr(hf_capture.Program, "__init__", broken)
-    pair.run(3)  # the wrong logits never reach the caller (equal to eager every step)
+    pair.run(hf_capture.RECORD_AFTER + 2)  # the wrong logits never reach the caller (equal to eager every step)
     caps = pair.cap._captures
     assert caps.replays == 0 and not caps.programs
     assert all("did not give the eager forward's logits" in w for w in caps.refused.values())
@@ -205,7 +207,7 @@ def test_long_forwards_run_eagerly():
 def test_the_capture_switch():
     pair = _Pair(_reference("llama"))
     assert pair.cap.capture and not pair.eager.capture
-    pair.run(5)
+    pair.run(WARM)
     replays = pair.cap._captures.replays
     pair.cap.capture = False
     pair.step(1)
@@ -213,6 +215,21 @@ def test_the_capture_switch():
     pair.cap.capture = True
     pair.step(1)
     assert pair.cap._captures.replays == replays + 1
-    pair.eager.capture = True  # starts capturing now (a key's 4th forward is served)
-    pair.run(4)
+    pair.eager.capture = True  # starts capturing now
+    pair.run(hf_capture.RECORD_AFTER + 3)
     assert pair.eager._captures.replays > 0
+
+
+def test_programs_are_bounded_least_recently_used_first(monkeypatch):
+    monkeypatch.setattr(hf_capture, "MAX_PROGRAMS", 2)
+    pair = _Pair(_reference("llama"))
+    for n in (1, 2, 3):  # three keys, each recorded and checked
+        for _ in range(hf_capture.RECORD_AFTER + 3):
+            pair.step(n, drop=n - 1)
+    caps = pair.cap._captures
+    assert [k[0] for k in caps.programs] == [2, 3]  # 1 was the least recently used
+    pair.step(2, drop=1)  # a replay makes 2 the most recently used
+    assert [k[0] for k in caps.programs] == [3, 2]
+    for _ in range(hf_capture.RECORD_AFTER + 1):  # 1 is recorded again: 3 goes
+        pair.step(1)
+    assert [k[0] for k in caps.programs] == [2, 1]

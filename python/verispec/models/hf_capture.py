@@ -48,10 +48,12 @@ from torch.overrides import TorchFunctionMode
 #: Forwards of at most this many tokens are captured (decode and verify passes); longer
 #: ones (prefill chunks) run eagerly, where the module code is a small part of the time.
 MAX_TOKENS = 64
-#: A key is recorded at its second forward (a one-off shape stays eager).
-RECORD_AFTER = 1
-#: Programs kept per model (the oldest dropped first).
-MAX_PROGRAMS = 16
+#: A key is recorded at its third forward. Recording costs about two eager forwards and
+#: the check another two, and a replay saves a fraction of one, so shapes seen once or
+#: twice (a batch's odd token count) stay eager.
+RECORD_AFTER = 2
+#: Programs kept per model (the least recently used dropped first).
+MAX_PROGRAMS = 32
 #: After this many invalidations (weights or modules reassigned) a model stops capturing.
 MAX_INVALIDATIONS = 4
 
@@ -377,7 +379,7 @@ class Captures:
                 positions: torch.Tensor, keep: torch.Tensor, redo: Callable) -> Any:
         """The logits of one forward: a program's where one serves ``key``, else
         ``run_eager(ids, positions, keep)`` (recorded into a program at the key's
-        RECORD_AFTER + 1-th forward). ``redo()`` resets the forward's context before the
+        RECORD_AFTER + 1-th forward, checked at the next). ``redo()`` resets the forward's context before the
         recorded program's check replays it."""
         if not self.enabled or self.gave_up or key in self.refused or not self._quiet():
             return run_eager(ids, positions, keep)
@@ -391,6 +393,7 @@ class Captures:
                 return run_eager(ids, positions, keep)
             if program.checked:
                 self.replays += 1
+                self.programs[key] = self.programs.pop(key)  # most recently used last
                 return program.run(ids, positions, keep)
             return self._check(key, program, run_eager, ids, positions, keep, redo)
         seen = self.seen.get(key, 0)
