@@ -169,6 +169,19 @@ def test_train_mode_runs_eagerly():
     assert pair.cap._captures.replays == replays + 1
 
 
+def test_autocast_and_a_callers_torch_function_mode_run_eagerly():
+    pair = _Pair(_reference("llama"))
+    pair.run(WARM)
+    replays = pair.cap._captures.replays
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # eager in both: equal bits
+        pair.step(1)
+    with torch.device("cpu"):  # a TorchFunctionMode: it changes what factories make
+        pair.step(1)
+    assert pair.cap._captures.replays == replays
+    pair.step(1)
+    assert pair.cap._captures.replays == replays + 1
+
+
 def test_a_forward_that_reads_tensor_values_is_not_captured():
     # dynamic RoPE scaling compares the largest position with a Python int every forward
     config = _cfg("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})

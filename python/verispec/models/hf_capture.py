@@ -24,7 +24,8 @@ What keeps it exact:
 - A program is replayed only for the same key (token count, kept logits rows, inputs'
   dtypes and strides, the CPU kernels' switches, the attention implementation), with no
   forward hooks anywhere (global or on any of the model's modules), every module in eval
-  mode, no autocast, and no parameter, buffer or submodule (re)assigned since it was
+  mode, no autocast, no torch function mode of the caller's active (``with
+  torch.device(...)``), and no parameter, buffer or submodule (re)assigned since it was
   recorded (torch's registration hooks count those).
 - A tensor the logged calls read but did not make is held by reference only if it is
   not an inference tensor (weights and buffers are not; anything an inference-mode
@@ -325,6 +326,8 @@ class Captures:
     def __init__(self, model: torch.nn.Module) -> None:
         _install_registration_hooks()
         self.model = model
+        params = [p for p in model.parameters()]
+        self.device_type = params[0].device.type if params else "cpu"
         self.programs: dict[tuple, Program] = {}
         self.seen: dict[tuple, int] = {}
         self.refused: dict[tuple, str] = {}
@@ -363,11 +366,15 @@ class Captures:
         self.refused.clear()
 
     def _quiet(self) -> bool:
-        """No forward hooks anywhere, every module in eval mode, no autocast."""
+        """No forward hooks anywhere, every module in eval mode, no autocast, no torch
+        function mode active (a caller's ``with torch.device(...)`` is one: it changes
+        what factory calls make)."""
         from torch.nn.modules import module as nn_module
 
         if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
-                or torch.is_autocast_enabled()):
+                or torch._C._len_torch_function_stack()
+                or torch.is_autocast_enabled("cpu")
+                or torch.is_autocast_enabled(self.device_type)):
             return False
         if self.modules_generation != _generation:
             self._watch()
