@@ -246,3 +246,31 @@ def test_programs_are_bounded_least_recently_used_first(monkeypatch):
     for _ in range(hf_capture.RECORD_AFTER + 1):  # 1 is recorded again: 3 goes
         pair.step(1)
     assert [k[0] for k in caps.programs] == [2, 1]
+
+
+def test_a_forward_that_registers_a_buffer_is_not_captured():
+    pair = _Pair(_reference("llama"))
+    for model in (pair.cap.model, pair.eager.model):
+        rotary = model.model.rotary_emb
+        original = rotary.forward
+
+        def forward(*args, _rotary=rotary, _original=original, **kwargs):
+            _rotary.register_buffer("calls", torch.zeros(1), persistent=False)
+            return _original(*args, **kwargs)
+
+        rotary.forward = forward
+    pair.run(WARM)
+    caps = pair.cap._captures
+    assert caps.replays == 0 and not caps.programs
+    assert set(caps.refused.values()) == {
+        "the forward assigns parameters, buffers or submodules of the model's modules"}
+
+
+def test_numpy_scalars_in_a_call_are_held_as_constants():
+    # a numpy float64 is a float whose repr ("np.float64(8.0)") is no code here
+    import numpy as np
+
+    rec = hf_capture._Recorder([])
+    assert rec._src(np.float64(8.0), []) == "c0" and rec.consts == [8.0]
+    assert rec._src(8.0, []) == "8.0" and rec._src(3, []) == "3"
+    assert rec._src(float("inf"), []) == "c1"

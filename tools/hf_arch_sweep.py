@@ -5,8 +5,9 @@ a generic small config (4 heads of 16, 3 layers, vocabulary 97, 4 experts where 
 are experts, the family's own sliding-window default: a window set where a family has
 none can make transformers' attention functions disagree with each other; the pinned
 tests set windows where families use them), wrapped by HFModel, then a
-prompt of 12 tokens, 4 decode steps and a verify pass of 5 tokens after a rollback of
-2, each row's logits against transformers' own forward of the whole sequence:
+prompt of 12 tokens, 8 decode steps (the last 4 served by the captured one-token forward,
+``HFModel.capture``) and a verify pass of 5 tokens after a rollback of 2, each row's
+logits against transformers' own forward of the whole sequence:
 
     ok        every row's argmax equal, and max |Δ logit| <= 1e-5; or, where float32
               rounding alone exceeds that, the adapter within 1e-5 of transformers' float64
@@ -36,6 +37,7 @@ from pathlib import Path
 import torch
 
 VOCAB = 97
+DECODE_STEPS = 8  # hf_capture records the one-token forward at the 3rd, checks at the 4th
 BLOCK_SIZE = 4
 MAX_PARAMS = 20_000_000   # generic configs that come out bigger (a default vocabulary of a
                           # sub-table, a default expert count) are skipped, not built
@@ -126,7 +128,7 @@ def check(transformers, model_type: str) -> dict:
     randomize_weights(ref, seed=1)
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, VOCAB, (12,), generator=g).tolist()
-    decode = torch.randint(3, VOCAB, (4,), generator=g).tolist()
+    decode = torch.randint(3, VOCAB, (DECODE_STEPS,), generator=g).tolist()
     verify = torch.randint(3, VOCAB, (5,), generator=g).tolist()
     try:
         _logits(ref, prompt + decode)
@@ -148,7 +150,10 @@ def check(transformers, model_type: str) -> dict:
     want32 = torch.cat([_logits(ref, ids), _logits(ref, kept)[-len(verify):]])
     err = float((got - want32).abs().max())
     argmax = int((got.argmax(-1) != want32.argmax(-1)).sum())
-    r = dict(max_abs_diff=err, argmax_mismatches=argmax, layers=model.num_layers)
+    caps = model._captures
+    r = dict(max_abs_diff=err, argmax_mismatches=argmax, layers=model.num_layers,
+             captured_replays=caps.replays,
+             capture_refused=sorted(set(caps.refused.values())))
     ok = argmax == 0 and err <= ATOL
     if argmax == 0 and not ok:  # float32 rounding alone, or a real difference?
         try:
@@ -211,6 +216,8 @@ def main(argv=None) -> int:
             if "max_abs_diff_float64" in r:
                 detail += (f" (from float64 {r['max_abs_diff_float64']:.2g}, transformers' own "
                            f"float32 {r['transformers_float32_vs_float64']:.2g})")
+            detail += (f"; {r['captured_replays']} captured forwards" if r["captured_replays"]
+                       else f"; not captured: {'; '.join(r['capture_refused'])[:100]}")
         print(f"{model_type:28} {r['status']:9} {detail}", flush=True)
     counts = {s: sum(r["status"] == s for r in results.values())
               for s in ("ok", "MISMATCH", "refused", "skipped")}

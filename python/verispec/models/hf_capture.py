@@ -126,7 +126,9 @@ _PROPERTIES = frozenset({
     "is_leaf", "itemsize", "nbytes", "is_xpu", "is_mps", "output_nr", "_base"})
 # calls whose result is their first argument when it is (no copy): not replayed
 _IDENTITY_WHEN_SELF = frozenset({"to", "contiguous", "float", "type_as", "type", "cpu",
-                                 "double", "half", "bfloat16", "cuda"})
+                                 "double", "half", "bfloat16", "cuda", "dropout",
+                                 "alpha_dropout", "feature_alpha_dropout", "dropout1d",
+                                 "dropout2d", "dropout3d"})
 
 
 _FORWARD_HOOKS = operator.attrgetter("_forward_hooks")
@@ -188,9 +190,14 @@ class _Recorder(TorchFunctionMode):
                 return self._const(obj)
             reads.append(name)
             return name
-        if obj is None or obj is Ellipsis or isinstance(obj, (bool, int, str)):
-            return repr(obj) if obj is not Ellipsis else "..."
-        if isinstance(obj, float):
+        # exact types: a subclass (numpy's float64 is a float) reprs as code that would
+        # not run here, so it is held as a constant
+        kind = type(obj)
+        if obj is None or kind is bool or kind is int or kind is str:
+            return repr(obj)
+        if obj is Ellipsis:
+            return "..."
+        if kind is float:
             return repr(obj) if math.isfinite(obj) else self._const(obj)
         if type(obj) is tuple:
             inner = ", ".join(self._src(x, reads) for x in obj)
@@ -215,7 +222,7 @@ class _Recorder(TorchFunctionMode):
         if isinstance(out, torch.Tensor):
             if id(out) in self.var:  # in place, or returned its argument
                 if (args and out is args[0] and _name(func) in _IDENTITY_WHEN_SELF
-                        and not kwargs.get("copy", False)):
+                        and not kwargs.get("copy", False) and not kwargs.get("inplace", False)):
                     return
                 self.lines.append((call, reads, []))
                 return
@@ -408,12 +415,18 @@ class Captures:
         if seen < RECORD_AFTER or _RECORDER.get() is not None:
             return run_eager(ids, positions, keep)
         rec = _Recorder([ids, positions, keep])
+        generation = _generation
         token = _RECORDER.set(rec)
         try:
             with rec:
                 want = run_eager(ids, positions, keep)
         finally:
             _RECORDER.reset(token)
+        if _generation != generation:
+            # e.g. a buffer registered in every forward: a program would be stale at once
+            self.refused[key] = ("the forward assigns parameters, buffers or submodules of "
+                                 "the model's modules")
+            return want
         try:
             program = rec.program(want)
         except Refused as e:
