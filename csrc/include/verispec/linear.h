@@ -5,7 +5,8 @@
 // rows the product is bound by reading w, so 6 rows should cost about what 1 row does;
 // the BLAS CPU path torch uses (MKL sgemm) switches kernels at 4 rows and costs twice as
 // much from there on (measured on SmolLM2's shapes, bench/bench_linear.py). This kernel
-// reads each weight row once for up to kLinearRowBlock rows of x.
+// reads each weight row from memory once for any number of rows of x: a tile of weight
+// rows serves every block of kLinearRowBlock rows of x while it is in L1.
 //
 // The rounding rule (batch invariance): y[m, n] is computed by the same sequence of
 // float operations whatever M, N, the position of the row in the call, the stride of the
@@ -22,7 +23,8 @@ namespace verispec {
 // The instruction set of a linear_f32 call. kAuto picks the best the CPU runs.
 enum class LinearIsa : int32_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 
-// Rows of x that share one read of the weights (larger M is done in blocks of this).
+// Rows of x a tile function takes at once (larger M: blocks of this, each block reading
+// the weight tile the first block brought into cache).
 constexpr int64_t kLinearRowBlock = 8;
 
 // Whether this CPU (and this build) can run `isa`. kAuto and kScalar: always.

@@ -106,7 +106,6 @@ def opaque(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
         return rec.opaque_call(fn, args, kwargs)
 
-    wrapper._verispec_opaque = fn
     return wrapper
 
 
@@ -333,8 +332,8 @@ class Captures:
     def __init__(self, model: torch.nn.Module) -> None:
         _install_registration_hooks()
         self.model = model
-        params = [p for p in model.parameters()]
-        self.device_type = params[0].device.type if params else "cpu"
+        first = next(model.parameters(), None)
+        self.device_type = first.device.type if first is not None else "cpu"
         self.programs: dict[tuple, Program] = {}
         self.seen: dict[tuple, int] = {}
         self.refused: dict[tuple, str] = {}
