@@ -47,10 +47,12 @@ def check_cache_truth(dec: SpecDecoder, seq: int):
 
 # ---- the trie rule -----------------------------------------------------------------
 
-def brute_force_tree(tokens, min_n, max_n, k, branches, max_matches=32):
+def brute_force_tree(tokens, min_n, max_n, k, branches, max_matches=32, shares=False):
     """ngram.h's trie rule, written plainly: the continuations of the longest matching
     suffix's earlier occurrences (most recent first), best first by count, then recency,
-    then creation order, at most `branches` children per node."""
+    then creation order, at most `branches` children per node. shares=True: also each
+    chosen node's count over its parent's children's counts, and the same along the most
+    recent occurrence's continuation (propose(k)'s chain)."""
     L = len(tokens)
     froms = []
     for n in range(min(max_n, L), min_n - 1, -1):
@@ -60,7 +62,7 @@ def brute_force_tree(tokens, min_n, max_n, k, branches, max_matches=32):
             break
     froms = froms[:max_matches]
     if k <= 0 or not froms:
-        return [], []
+        return ([], [], [], []) if shares else ([], [])
     nodes = [dict(token=-1, count=0, recency=0, children={}, parent=None, out=-1, chosen=0)]
     for m, f in enumerate(froms):
         at = 0
@@ -86,7 +88,19 @@ def brute_force_tree(tokens, min_n, max_n, k, branches, max_matches=32):
         out.append(nodes[best]["token"])
         parents.append(parent["out"])
         frontier += list(nodes[best]["children"].values())
-    return out, parents
+    if not shares:
+        return out, parents
+
+    def share(c):
+        return nodes[c]["count"] / sum(nodes[x]["count"]
+                                       for x in nodes[nodes[c]["parent"]]["children"].values())
+    chosen = sorted((n for n in range(1, len(nodes)) if nodes[n]["out"] >= 0),
+                    key=lambda n: nodes[n]["out"])
+    chain, at = [], 0
+    for t in tokens[froms[0]:froms[0] + k]:
+        at = nodes[at]["children"][t]
+        chain.append(share(at))
+    return out, parents, [share(n) for n in chosen], chain
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -103,6 +117,57 @@ def test_trie_matches_brute_force(tokens, min_n, extra, k, branches):
     # siblings distinct
     pairs = list(zip(got[1], got[0]))
     assert len(set(pairs)) == len(pairs)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(tokens=st.lists(st.integers(0, 3), max_size=30), k=st.integers(0, 9),
+       branches=st.integers(1, 4))
+def test_trie_shares_match_brute_force(tokens, k, branches):
+    """A node's share: its continuations over its parent's (ngram.h), for the trie's nodes
+    and along the chain propose(k) gives, which adaptive k scores (expected_trie_tokens)."""
+    index = _C.NGramIndex(1, 2)
+    index.extend(tokens)
+    freqs, chain = index.tree_shares(k, branches)
+    _, _, want, want_chain = brute_force_tree(tokens, 1, 2, k, branches, shares=True)
+    assert freqs == pytest.approx(want, abs=1e-12) and chain == pytest.approx(want_chain, abs=1e-12)
+    assert len(chain) == len(index.propose(k))
+
+
+def test_trie_shares_example():
+    index = _C.NGramIndex(1, 3)
+    index.extend([1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1, 2])
+    # after "1 2": 3 5 1 2, 4 1 2 3, 3 1 2 4 (most recent first); the chain is 3 5 1 2
+    freqs, chain = index.tree_shares(6, 2)
+    assert freqs == pytest.approx([2 / 3, 1 / 2, 1, 1, 1 / 3, 1])
+    assert chain == pytest.approx([2 / 3, 1 / 2, 1, 1])
+
+
+def test_expected_trie_tokens_matches_its_definition():
+    """expected[m - 1] = 1 + sum_{i < m} P(i), P(i) = P(parent) a w(i) (adaptive_k.h);
+    a chain of weights 1 is expected_tokens."""
+    parents, weights, a = [-1, 0, 1, 0, 3, -1], [0.5, 1.0, 0.25, 0.5, 1.0, 0.5], 0.8
+    reach, want = [], []
+    for p, w in zip(parents, weights):
+        reach.append((1.0 if p < 0 else reach[p]) * a * w)
+        want.append(1 + sum(reach))
+    assert _C.expected_trie_tokens(a, parents, weights) == pytest.approx(want, abs=1e-12)
+    assert _C.expected_trie_tokens(a, [-1, 0, 1], [1.0] * 3)[-1] == pytest.approx(
+        _C.expected_tokens(a, 3))
+
+
+def test_trie_node_weights_example():
+    """adaptive_k.h's w: 1 where the continuations agree; where they disagree, r for the
+    most recent continuation's child and (1 - r) f / (1 - f_recent) for the others."""
+    index = _C.NGramIndex(1, 3)
+    index.extend([1, 2, 3, 1, 2, 4, 1, 2, 3, 5, 1, 2])
+    tokens, parents = index.propose_tree(6, 2)
+    freqs, chain_freqs = index.tree_shares(6, 2)
+    w, recent = _C.trie_node_weights(0.8, tokens, parents, freqs, index.propose(6), chain_freqs)
+    # 3 5 1 2 is the most recent continuation; 4 (a third of them) and its child are not
+    assert recent == [True, True, True, True, False, False]
+    assert w == pytest.approx([0.8, 0.8, 1.0, 1.0, 0.2 * (1 / 3) / (1 - 2 / 3), 1.0])
+    w, _ = _C.trie_node_weights(0.8, [3, 5], [-1, 0], [2 / 3, 1 / 2], [], [])
+    assert w == pytest.approx([2 / 3, 1 / 2])  # no recent continuation known: the shares
 
 
 def test_trie_example_and_the_chain_special_case():
@@ -176,6 +241,75 @@ def test_adaptive_k_with_trees_keeps_greedy_output():
     rs = dec.generate(PROMPTS, max_new_tokens=20, greedy=True)
     assert [r.tokens for r in rs] == [greedy_reference(target, p, 20) for p in PROMPTS]
     assert_no_leaks(dec)
+
+
+class ScriptModel(CacheModel):
+    """A target whose greedy text is a fixed script: after a prefix of the script it puts
+    all its mass on the script's next token (elsewhere: CacheModel's table)."""
+
+    def __init__(self, vocab, script):
+        super().__init__(vocab, seed=3, table_rows=17)
+        self.script = list(script)
+
+    def logits_for(self, prefix):
+        n = len(prefix)
+        if n < len(self.script) and list(prefix) == self.script[:n]:
+            return torch.nn.functional.one_hot(torch.tensor(self.script[n]), self.table.shape[1]).float() * 30.0
+        return super().logits_for(prefix)
+
+
+def _phrases(middle, n):
+    """n phrases 1 2 c 5, the j-th c given by middle(j)."""
+    return [t for j in range(n) for t in (1, 2, middle(j), 5)]
+
+
+def test_adaptive_k_runs_an_ngram_trie_only_where_its_branches_pay(monkeypatch):
+    """k="auto" with NGram(1, 1, branches=2): a row runs the trie's first m nodes or the
+    chain of the most recent continuation, whichever the continuations' shares at each node
+    (adaptive_k.h, expected_trie_tokens) and the measured pass costs make the faster step.
+    Scripts of phrases 1 2 c 5. With c drawn from {3, 4} the most recent phrase's c is
+    right half the time and the trie's two branches always: most steady steps are trees
+    (a step whose first disagreement lies deep may still run the chain), and the run
+    emits more tokens per pass than with chains. With a new c in every phrase no
+    branch is ever right (each earlier c is 1 / n of the continuations): the steps are
+    chains. Each target row costs 10% of a one-row pass, on a SyntheticClock (the same
+    decisions on every run). Greedy output is the script either way."""
+    from test_adaptive_k import Slow, SyntheticClock
+    clock = SyntheticClock(monkeypatch)
+    passes = []
+    real_forward = SpecDecoder._forward
+
+    def forward(self, role, p, host, inputs, input_ids=None):
+        if role == _C.ModelRole.target:
+            passes.append(bool(p.get("has_tree_mask")))
+        return real_forward(self, role, p, host, inputs, input_ids)
+
+    monkeypatch.setattr(SpecDecoder, "_forward", forward)
+    coin = torch.randint(2, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    scripts = {"two middles": _phrases(lambda j: 3 + coin[j], 48),
+               "a new middle each time": _phrases(lambda j: 6 + j, 48)}
+    tail, per_pass = {}, {}
+    for name, script in scripts.items():
+        prompt = script[:24]
+        got = {}
+        for branches in (1, 2):
+            target = Slow(ScriptModel(64, script), 0.02, 0.002, clock)
+            passes.clear()
+            dec = SpecDecoder(target, NGram(1, 1, branches=branches), k="auto", max_k=16,
+                              num_blocks=128, block_size=4)
+            (r,) = dec.generate([prompt], max_new_tokens=120, greedy=True)
+            assert r.tokens == script[24:144]
+            assert_no_leaks(dec)
+            got[branches] = r.stats["tokens_per_target_pass"]
+        # the second half of the trie run's passes: past the first steps, where the
+        # acceptance is still near its prior 0.5 and deep nodes are not worth their rows
+        tail[name] = [int(v) for v in passes[len(passes) // 2:-1]]
+        per_pass[name] = got
+    assert len(tail["two middles"]) >= 8 and len(tail["a new middle each time"]) >= 8, tail
+    assert sum(tail["two middles"]) >= 0.5 * len(tail["two middles"]), (tail, per_pass)
+    assert sum(tail["a new middle each time"]) == 0, (tail, per_pass)
+    assert per_pass["two middles"][2] > 1.15 * per_pass["two middles"][1], per_pass
+    assert per_pass["a new middle each time"][2] == per_pass["a new middle each time"][1]
 
 
 def test_trees_with_a_token_budget_chunked_prefill_and_keyed_rows():

@@ -16,6 +16,55 @@ double expected_tree_tokens(double a, double s, int64_t depth) {
   return expected_tokens(a, depth) + (1.0 - std::min(a, 1.0)) * std::max(s, 0.0) * levels;
 }
 
+std::vector<double> expected_trie_tokens(double a, const std::vector<int32_t>& parents,
+                                         const std::vector<double>& weights) {
+  const double ac = std::min(std::max(a, 0.0), 1.0);
+  const size_t n = std::min(parents.size(), weights.size());
+  std::vector<double> reach(n), out(n);
+  double sum = 1.0;
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t p = parents[i];
+    const double above = p < 0 ? 1.0 : reach[static_cast<size_t>(p)];
+    reach[i] = above * ac * std::min(std::max(weights[i], 0.0), 1.0);
+    sum += reach[i];
+    out[i] = sum;
+  }
+  return out;
+}
+
+std::vector<double> trie_node_weights(double r, const std::vector<int32_t>& tokens,
+                                      const std::vector<int32_t>& parents,
+                                      const std::vector<double>& freqs,
+                                      const std::vector<int32_t>& chain,
+                                      const std::vector<double>& chain_freqs,
+                                      std::vector<bool>* recent) {
+  const double rc = std::min(std::max(r, 0.0), 1.0);
+  const size_t n = std::min({tokens.size(), parents.size(), freqs.size()});
+  std::vector<double> w(n);
+  std::vector<bool> on(n, false);
+  std::vector<int64_t> depth(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t p = parents[i];
+    depth[i] = p < 0 ? 0 : depth[static_cast<size_t>(p)] + 1;
+    const bool parent_on = p < 0 || on[static_cast<size_t>(p)];
+    const size_t d = static_cast<size_t>(depth[i]);
+    const bool has_recent = parent_on && d < chain.size() && d < chain_freqs.size();
+    on[i] = has_recent && tokens[i] == chain[d];
+    const double f = freqs[i];
+    if (f >= kAgreedShare) {
+      w[i] = 1.0;
+    } else if (on[i]) {
+      w[i] = rc;
+    } else if (has_recent && chain_freqs[d] < 1.0) {
+      w[i] = (1.0 - rc) * f / (1.0 - chain_freqs[d]);
+    } else {
+      w[i] = f;
+    }
+  }
+  if (recent != nullptr) *recent = std::move(on);
+  return w;
+}
+
 bool tree_pays(double a, double s, int64_t chain_depth, int64_t tree_depth, double expected,
                double draft_chain, double draft_tree, double target_chain, double target_tree) {
   if (tree_depth < 1) return false;

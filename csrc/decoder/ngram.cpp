@@ -94,13 +94,16 @@ std::vector<int32_t> NGramIndex::propose(int64_t k, int64_t* matched_n) const {
 
 std::vector<int32_t> NGramIndex::propose_tree(int64_t k, int64_t branches,
                                               std::vector<int32_t>* parents,
-                                              int64_t* matched_n) const {
+                                              int64_t* matched_n, std::vector<double>* freqs,
+                                              std::vector<double>* chain_freqs) const {
   if (parents == nullptr) throw InvalidArgumentError("NGram.propose_tree: parents must not be null");
   if (branches < 1) {
     throw InvalidArgumentError("NGram.propose_tree: branches must be >= 1, got " +
                                std::to_string(branches));
   }
   parents->clear();
+  if (freqs != nullptr) freqs->clear();
+  if (chain_freqs != nullptr) chain_freqs->clear();
   if (matched_n != nullptr) *matched_n = 0;
   const int64_t len = length();
   if (k <= 0) return {};
@@ -151,6 +154,24 @@ std::vector<int32_t> NGramIndex::propose_tree(int64_t k, int64_t branches,
       at = next;
     }
   }
+  // A node's share among its siblings: its count over theirs (continuations cut short by
+  // the end of the context count for no child).
+  const auto share = [&](int64_t node) {
+    int64_t total = 0;
+    for (int64_t c : trie[static_cast<size_t>(parent_of[static_cast<size_t>(node)])].children)
+      total += trie[static_cast<size_t>(c)].count;
+    return static_cast<double>(trie[static_cast<size_t>(node)].count) / static_cast<double>(total);
+  };
+  if (chain_freqs != nullptr) {  // the most recent occurrence's path: propose(k)'s tokens
+    int64_t at = 0;
+    for (int64_t d = 0; d < k && froms[0] + d < len; ++d) {
+      const int32_t token = tokens_[static_cast<size_t>(froms[0] + d)];
+      for (int64_t c : trie[static_cast<size_t>(at)].children) {
+        if (trie[static_cast<size_t>(c)].token == token) at = c;
+      }
+      chain_freqs->push_back(share(at));
+    }
+  }
   // Best first from the root.
   std::vector<int32_t> tokens;
   std::vector<int64_t> frontier = trie[0].children;
@@ -180,6 +201,7 @@ std::vector<int32_t> NGramIndex::propose_tree(int64_t k, int64_t branches,
     node.out = static_cast<int64_t>(tokens.size());
     tokens.push_back(node.token);
     parents->push_back(static_cast<int32_t>(parent.out));  // the root's out is -1
+    if (freqs != nullptr) freqs->push_back(share(best));
     frontier.insert(frontier.end(), node.children.begin(), node.children.end());
   }
   return tokens;

@@ -34,6 +34,9 @@ struct SpecDecoder::Sequence {
   // how many steps proposed a tree.
   AcceptanceTracker sibling;
   int64_t tree_steps = 0;
+  // n-gram tries under adaptive k: how often the target took the most recent
+  // continuation's token where the continuations disagreed (adaptive_k.h, r).
+  AcceptanceTracker recent;
 
   int64_t committed() const { return static_cast<int64_t>(tokens.size()); }
   int64_t num_generated() const { return committed() - prompt_len; }
@@ -63,6 +66,9 @@ struct SpecDecoder::OpenStep {
   std::vector<int64_t> prefill_chunk, prefill_mark;
   std::vector<std::vector<int32_t>> proposals;  // n-gram proposals (known on the host)
   std::vector<std::vector<int32_t>> parents;    // tree steps: each proposal's parent node
+  std::vector<std::vector<double>> freqs;       // n-gram trie rows under adaptive k: each
+                                                // proposal's share (NGramIndex::propose_tree)
+  std::vector<std::vector<bool>> recent;        // and whether it is on the most recent continuation
   bool tree = false;                  // verified as trees (ops.verify_tree)
   bool draft_tree = false;            // a draft model proposes trees (draft_branches > 1)
   std::vector<int64_t> fanout;        // draft trees: children per expanded node (1: a chain row)
@@ -224,6 +230,7 @@ int64_t SpecDecoder::add(const std::vector<int32_t>& prompt, const SamplingParam
   }
   for (const AcceptanceTracker& pop : population_) s->trackers.push_back(AcceptanceTracker::seeded_by(pop));
   s->sibling = AcceptanceTracker::seeded_by(population_sibling_);
+  s->recent = AcceptanceTracker::seeded_by(population_recent_);
   // Reserve the id slot and the running entry before touching the allocators, so that
   // nothing below can fail after an allocator sequence exists.
   if (free_ids_.empty()) seqs_.emplace_back();
@@ -507,6 +514,12 @@ struct SpecDecoder::Choice {
   std::vector<int32_t> proposals;
   std::vector<int32_t> parents;           // tree steps: each proposal's parent (-1: root)
   int64_t fanout = 1;                     // draft trees: children per expanded node (1: a chain)
+  // an n-gram trie row under adaptive k: its nodes' shares, and the chain (the most
+  // recent continuation) it may run instead, with its shares
+  std::vector<double> freqs;
+  std::vector<int32_t> chain;
+  std::vector<double> chain_freqs;
+  std::vector<bool> recent;  // the proposals run: on the most recent continuation
   size_t order = 0;                       // index in running_ (rank order)
   std::vector<AcceptanceTracker> mark;    // the trackers before the step
 };
@@ -516,9 +529,14 @@ int64_t SpecDecoder::draft_fanout(const Sequence& s, bool chain) const {
 }
 
 int64_t SpecDecoder::draft_cap(Sequence& s, std::vector<int32_t>* ngram_proposals,
-                               std::vector<int32_t>* parents, bool chain) {
+                               std::vector<int32_t>* parents, bool chain, Choice* trie) {
   ngram_proposals->clear();
   parents->clear();
+  if (trie != nullptr) {
+    trie->freqs.clear();
+    trie->chain.clear();
+    trie->chain_freqs.clear();
+  }
   s.tracker = 0;
   if (!config_.has_draft_model && !s.ngram) return 0;
   // Never propose what could not be emitted: a step emits at most k + 1 tokens, and
@@ -540,7 +558,11 @@ int64_t SpecDecoder::draft_cap(Sequence& s, std::vector<int32_t>* ngram_proposal
   if (s.ngram && cap > 0) {  // deterministic proposals: at most what the lookup found
     int64_t matched_n = 0;
     if (config_.ngram_branches > 1 && !chain && !s.sampling.keyed) {
-      *ngram_proposals = s.ngram->propose_tree(cap, config_.ngram_branches, parents, &matched_n);
+      const bool shares = trie != nullptr && config_.adaptive_k;
+      *ngram_proposals = s.ngram->propose_tree(cap, config_.ngram_branches, parents, &matched_n,
+                                               shares ? &trie->freqs : nullptr,
+                                               shares ? &trie->chain_freqs : nullptr);
+      if (shares && !ngram_proposals->empty()) trie->chain = s.ngram->propose(cap);
     } else {
       *ngram_proposals = s.ngram->propose(cap, &matched_n);
       for (size_t i = 0; i < ngram_proposals->size(); ++i) parents->push_back(static_cast<int32_t>(i) - 1);
@@ -575,7 +597,9 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
     } else {
       free.push_back(c);
       rate.push_back(acc.rate);
-      cap.push_back(c->cap);  // a draft tree row: its chain depth (widened below if it pays)
+      // a draft tree row: its chain depth (widened below if it pays); an n-gram trie
+      // row: its chain's length (the trie below if it pays)
+      cap.push_back(c->chain.empty() ? c->cap : static_cast<int64_t>(c->chain.size()));
       continue;
     }
     rest.expected += expected_tokens(acc.rate, c->k);
@@ -629,6 +653,48 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
       }
       c.fanout = 1;  // a chain row: node i's parent is node i - 1
       for (size_t j = 0; j < c.parents.size(); ++j) c.parents[j] = static_cast<int32_t>(j) - 1;
+    }
+    // n-gram trie rows: the chain of the most recent continuation, or the trie's first m
+    // nodes, whichever of all those prefixes gives the step the most expected tokens per
+    // second (adaptive_k.h, expected_trie_tokens: the continuations' shares at each node).
+    for (size_t i = 0; i < free.size(); ++i) {
+      Choice& c = *free[i];
+      if (c.chain.empty()) continue;  // not an n-gram trie row
+      const double base = expected - expected_tokens(rate[i], k[i]);
+      const int64_t base_tokens = tokens - (k[i] + 1);
+      std::vector<int32_t> chain_parents(c.chain.size());
+      for (size_t j = 0; j < chain_parents.size(); ++j) chain_parents[j] = static_cast<int32_t>(j) - 1;
+      const double r = c.s->recent.rate;
+      std::vector<bool> trie_recent, chain_recent;
+      const std::vector<double> e_trie = expected_trie_tokens(
+          rate[i], c.parents,
+          trie_node_weights(r, c.proposals, c.parents, c.freqs, c.chain, c.chain_freqs, &trie_recent));
+      const std::vector<double> e_chain = expected_trie_tokens(
+          rate[i], chain_parents,
+          trie_node_weights(r, c.chain, chain_parents, c.chain_freqs, c.chain, c.chain_freqs,
+                            &chain_recent));
+      double best = (base + 1.0) / std::max(cost_.target_pass(base_tokens + 1), 1e-12);
+      int64_t best_m = 0;
+      bool tree = false;
+      for (int which = 0; which < 2; ++which) {
+        const std::vector<double>& e = which == 0 ? e_chain : e_trie;
+        for (size_t m = 1; m <= e.size(); ++m) {
+          const double r = (base + e[m - 1]) /
+                           std::max(cost_.target_pass(base_tokens + static_cast<int64_t>(m) + 1), 1e-12);
+          if (r > best * (1.0 + 1e-9)) best = r, best_m = static_cast<int64_t>(m), tree = which == 1;
+        }
+      }
+      expected = base + (best_m == 0 ? 1.0 : (tree ? e_trie : e_chain)[static_cast<size_t>(best_m - 1)]);
+      tokens = base_tokens + best_m + 1;
+      k[i] = best_m;
+      if (tree) {
+        c.recent = std::move(trie_recent);
+      } else {  // the chain row: node i's parent is node i - 1
+        c.proposals = std::move(c.chain);
+        c.parents = std::move(chain_parents);
+        c.freqs = std::move(c.chain_freqs);
+        c.recent = std::move(chain_recent);
+      }
     }
     for (size_t i = 0; i < free.size(); ++i) {
       Choice& c = *free[i];
@@ -967,7 +1033,7 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
   // with every decoding row at k = 0).
   std::vector<Choice*> verify;
   for (Choice& c : decode) {
-    c.cap = draft_cap(*c.s, &c.proposals, &c.parents, c.pending > kTreeMaxUncached);
+    c.cap = draft_cap(*c.s, &c.proposals, &c.parents, c.pending > kTreeMaxUncached, &c);
     c.fanout = config_.has_draft_model ? draft_fanout(*c.s, c.pending > kTreeMaxUncached) : 1;
     verify.push_back(&c);
   }
@@ -1006,7 +1072,7 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
   for (Choice& c : prefill) {
     if (left == 0) break;
     if (c.pending <= left) {
-      c.cap = draft_cap(*c.s, &c.proposals, &c.parents, c.pending > kTreeMaxUncached);
+      c.cap = draft_cap(*c.s, &c.proposals, &c.parents, c.pending > kTreeMaxUncached, &c);
       c.fanout = config_.has_draft_model ? draft_fanout(*c.s, c.pending > kTreeMaxUncached) : 1;
       choose_ks({&c}, sofar);
       c.k = std::min(c.k, left - c.pending);
@@ -1030,6 +1096,8 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
   st->draft_mark.resize(B);
   st->proposals.resize(B);
   st->parents.resize(B);
+  st->freqs.resize(B);
+  st->recent.resize(B);
   st->draft_tree = config_.has_draft_model && config_.draft_branches > 1;
   st->tree = config_.ngram_branches > 1 || st->draft_tree;
   st->fanout.assign(B, 1);
@@ -1042,9 +1110,13 @@ bool SpecDecoder::plan_step(StepPlan* out, const std::vector<int64_t>& admitted)
     // Cut to k: the first k nodes of a tree are a tree (parents[i] < i).
     if (s.ngram) c.proposals.resize(static_cast<size_t>(c.k));
     if (s.ngram || st->draft_tree) c.parents.resize(static_cast<size_t>(c.k));
+    if (!c.freqs.empty()) c.freqs.resize(static_cast<size_t>(c.k));
+    if (!c.recent.empty()) c.recent.resize(static_cast<size_t>(c.k));
     if (st->draft_tree) st->fanout[b] = c.fanout;
     st->proposals[b] = std::move(c.proposals);
     st->parents[b] = std::move(c.parents);
+    st->freqs[b] = std::move(c.freqs);
+    st->recent[b] = std::move(c.recent);
     st->target_mark[b] = target_alloc_.length(s.target_seq);
     st->draft_mark[b] = draft_alloc_ ? draft_alloc_->length(s.draft_seq) : st->target_mark[b];
     st->tracker_mark.push_back(std::move(c.mark));
@@ -1231,10 +1303,61 @@ CommitOutput SpecDecoder::commit_row(OpenStep& st, int64_t b, const VerifyOutput
       population_sibling_.update(1, on_sibling ? 1 : 0);
     }
   } else {
-    // A tree of kb nodes (an n-gram trie) counts as kb proposals of which the accepted
-    // depth a were accepted: a conservative estimate of the chain acceptance rate.
-    s.trackers[static_cast<size_t>(s.tracker)].update(kb, a);
-    population_[static_cast<size_t>(s.tracker)].update(kb, a);
+    const std::vector<double>& shares = st.freqs[static_cast<size_t>(b)];
+    AcceptanceTracker& own = s.trackers[static_cast<size_t>(s.tracker)];
+    AcceptanceTracker& all = population_[static_cast<size_t>(s.tracker)];
+    const std::vector<bool>& recent = st.recent[static_cast<size_t>(b)];
+    if (!shares.empty() && static_cast<int64_t>(shares.size()) >= kb &&
+        static_cast<int64_t>(recent.size()) >= kb) {
+      // An n-gram trie row under adaptive k (adaptive_k.h, expected_trie_tokens). a: a
+      // trial at each level where the continuations agreed (share 1), accepted on the
+      // path, rejected below it (the level's one node proposed). r: a trial at each
+      // level where they disagreed below the most recent continuation with its node
+      // proposed: accepted there, or not.
+      const std::vector<int32_t>& par = st.parents[static_cast<size_t>(b)];
+      const bool tree = st.tree && out.accepted_nodes != nullptr;
+      const auto node = [&](int64_t j) {
+        return tree ? static_cast<int64_t>(out.accepted_nodes[b * K + j]) : j;
+      };
+      // the proposed child of `parent` on the most recent continuation where the
+      // continuations disagree there, else -1
+      const auto recent_child = [&](int64_t parent) {
+        if (parent >= 0 && !recent[static_cast<size_t>(parent)]) return int64_t{-1};
+        for (int64_t i = 0; i < kb; ++i) {
+          if (par[static_cast<size_t>(i)] == parent && recent[static_cast<size_t>(i)] &&
+              shares[static_cast<size_t>(i)] < kAgreedShare)
+            return i;
+        }
+        return int64_t{-1};
+      };
+      for (int64_t j = 0; j <= a; ++j) {
+        const int64_t parent = j == 0 ? -1 : node(j - 1);
+        if (j < a) {
+          const int64_t at = node(j);
+          if (shares[static_cast<size_t>(at)] >= kAgreedShare) {
+            own.update(1, 1), all.update(1, 1);
+          } else if (recent_child(parent) >= 0) {
+            const int64_t hit = recent[static_cast<size_t>(at)] ? 1 : 0;
+            s.recent.update(1, hit), population_recent_.update(1, hit);
+          }
+          continue;
+        }
+        int64_t below = 0, only = -1;  // the rejection level
+        for (int64_t i = 0; i < kb; ++i) {
+          if (par[static_cast<size_t>(i)] == parent) ++below, only = i;
+        }
+        if (below == 1 && shares[static_cast<size_t>(only)] >= kAgreedShare) {
+          own.update(1, 0), all.update(1, 0);
+        } else if (below > 0 && recent_child(parent) >= 0) {
+          s.recent.update(1, 0), population_recent_.update(1, 0);
+        }
+      }
+    } else {
+      // a chain of kb proposals of which a were accepted (or a trie under a fixed k,
+      // counted as one: a conservative estimate of the chain acceptance rate)
+      own.update(kb, a);
+      all.update(kb, a);
+    }
   }
   stats.acceptance_estimate.resize(s.trackers.size());
   for (size_t i = 0; i < s.trackers.size(); ++i) stats.acceptance_estimate[i] = s.trackers[i].rate;

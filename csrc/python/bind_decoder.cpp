@@ -304,8 +304,29 @@ void register_decoder(py::module_& m) {
         std::vector<int32_t> tokens = g.propose_tree(k, branches, &parents);
         return py::make_tuple(tokens, parents);
       }, py::arg("k"), py::arg("branches"),
-         "(tokens, parents) of the n-gram trie (ngram.h): at most k nodes, `branches` children each.");
+         "(tokens, parents) of the n-gram trie (ngram.h): at most k nodes, `branches` children each.")
+      .def("tree_shares", [](const NGramIndex& g, int64_t k, int64_t branches) {
+        std::vector<int32_t> parents;
+        std::vector<double> freqs, chain_freqs;
+        g.propose_tree(k, branches, &parents, nullptr, &freqs, &chain_freqs);
+        return py::make_tuple(freqs, chain_freqs);
+      }, py::arg("k"), py::arg("branches"),
+         "(shares of propose_tree's nodes, shares along propose(k)'s chain) (ngram.h).");
 
+  m.def("expected_trie_tokens", &expected_trie_tokens, py::arg("a"), py::arg("parents"),
+        py::arg("weights"),
+        "Expected tokens a step emits with the first m nodes of an n-gram trie, m = 1..n "
+        "(adaptive_k.h).");
+  m.def("trie_node_weights", [](double r, const std::vector<int32_t>& tokens,
+                                const std::vector<int32_t>& parents, const std::vector<double>& freqs,
+                                const std::vector<int32_t>& chain,
+                                const std::vector<double>& chain_freqs) {
+          std::vector<bool> recent;
+          std::vector<double> w = trie_node_weights(r, tokens, parents, freqs, chain, chain_freqs, &recent);
+          return py::make_tuple(w, std::vector<bool>(recent));
+        }, py::arg("r"), py::arg("tokens"), py::arg("parents"), py::arg("freqs"), py::arg("chain"),
+        py::arg("chain_freqs"),
+        "(w(i) per node, whether it is on the most recent continuation) (adaptive_k.h).");
   m.def("expected_tokens", &expected_tokens, py::arg("a"), py::arg("k"),
         "(1 - a^(k+1)) / (1 - a): mean tokens per verify step at acceptance rate a.");
   m.def("best_k", &best_k, py::arg("a"), py::arg("draft_pass"), py::arg("target_pass"),

@@ -114,6 +114,32 @@ double expected_tree_tokens(double a, double s, int64_t depth);
 // target pass with the row as a chain / tree).
 bool tree_pays(double a, double s, int64_t chain_depth, int64_t tree_depth, double expected,
                double draft_chain, double draft_tree, double target_chain, double target_tree);
+// n-gram tries under adaptive k (spec_decoder.h "Trees"). The lookup's earlier
+// occurrences of the matched suffix say how the text went on there: a node's share f of
+// the continuations through its parent (NGramIndex::propose_tree's freqs). A row's
+// trackers measure a, how often the target follows the continuations where they all
+// agree (levels with f = 1), and r, how often it takes the most recent continuation's
+// token where they disagree (a language model often repeats the latest occurrence).
+// Given the target follows the continuations at a node (chance a), it takes child x with
+// chance w(x) (trie_node_weights): 1 where they agree; where they disagree, r for the
+// most recent continuation's child, (1 - r) f(x) / (1 - f_recent) for the others, f(x)
+// below a node off the most recent path. Node i is on the accepted path with chance
+// P(i) = P(parent) a w(i) (P(root) = 1), and the first m nodes (best-first order: a
+// trie; a chain: parents i - 1) emit 1 + sum_{i < m} P(i) tokens in expectation:
+// expected[m - 1], m = 1..n.
+std::vector<double> expected_trie_tokens(double a, const std::vector<int32_t>& parents,
+                                         const std::vector<double>& weights);
+// w(i) for a trie's nodes (tokens, parents, freqs) given the most recent continuation
+// (chain, with its shares chain_freqs); *recent (if given) gets whether each node is on
+// that continuation.
+std::vector<double> trie_node_weights(double r, const std::vector<int32_t>& tokens,
+                                      const std::vector<int32_t>& parents,
+                                      const std::vector<double>& freqs,
+                                      const std::vector<int32_t>& chain,
+                                      const std::vector<double>& chain_freqs,
+                                      std::vector<bool>* recent = nullptr);
+// A share this close to 1 is a level where the continuations agree.
+constexpr double kAgreedShare = 1.0 - 1e-9;
 // s is only measured where trees are proposed: a row whose sibling tracker holds fewer
 // than kTreeExploreTrials (discounted) trials proposes the tree whatever tree_pays says
 // in its first kTreeExploreSteps tree steps, so that a draft whose siblings would pay is

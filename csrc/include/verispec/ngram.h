@@ -46,9 +46,14 @@ class NGramIndex {
   // the matched suffix, 0 when nothing matched.
   std::vector<int32_t> propose(int64_t k, int64_t* matched_n = nullptr) const;
   // Up to k tree nodes (tokens; *parents gets each node's parent, -1 for the root)
-  // with at most `branches` (>= 1) children per node; the rule above.
+  // with at most `branches` (>= 1) children per node; the rule above. *freqs (if given)
+  // gets each node's share of the continuations through its parent (its count over the
+  // sum of its parent's children's counts, all of them, selected or not), and
+  // *chain_freqs the same along the most recent continuation (propose(k)'s tokens).
   std::vector<int32_t> propose_tree(int64_t k, int64_t branches, std::vector<int32_t>* parents,
-                                    int64_t* matched_n = nullptr) const;
+                                    int64_t* matched_n = nullptr,
+                                    std::vector<double>* freqs = nullptr,
+                                    std::vector<double>* chain_freqs = nullptr) const;
 
   // The most occurrences a tree is built from.
   static constexpr int64_t kMaxTreeMatches = 32;

@@ -68,7 +68,9 @@
 // in increasing j; python/verispec/decoder.py _move_accepted is the one place), and
 // commit rolls the target back to C + a as for a chain. Rows with more than
 // kTreeMaxUncached uncached tokens (a long prompt, a recompute) and keyed rows propose
-// chains (parents i - 1) in the same pass.
+// chains (parents i - 1) in the same pass. With adaptive k a trie row runs the first m
+// nodes of either its trie or the chain of the most recent continuation, whichever the
+// continuations' shares make faster (adaptive_k.h, expected_trie_tokens).
 //
 // Draft trees (DecoderConfig::draft_branches = f > 1, a draft model): a row's k nodes
 // have a fixed shape, level by level: node i is child i % f of level i / f; the f
@@ -412,8 +414,10 @@ class SpecDecoder {
   struct Choice;
   // `chain`: the row proposes a chain even in tree steps (see kTreeMaxUncached).
   int64_t draft_fanout(const Sequence& s, bool chain) const;
+  // trie (may be null): for an n-gram trie row under adaptive k, gets the trie's shares
+  // and the chain the row may run instead (Choice::freqs, chain, chain_freqs).
   int64_t draft_cap(Sequence& s, std::vector<int32_t>* ngram_proposals,
-                    std::vector<int32_t>* parents, bool chain);
+                    std::vector<int32_t>* parents, bool chain, Choice* trie = nullptr);
   void choose_ks(const std::vector<Choice*>& rows, BatchRest rest);
   void plan_draft_passes(OpenStep& st);
   void plan_verify_pass(OpenStep& st);
@@ -455,6 +459,8 @@ class SpecDecoder {
   std::vector<AcceptanceTracker> population_;
   // Draft trees: the population's sibling acceptance (Sequence::sibling starts from it).
   AcceptanceTracker population_sibling_;
+  // n-gram tries: the population's recency rate (Sequence::recent starts from it).
+  AcceptanceTracker population_recent_;
 };
 
 }  // namespace verispec
