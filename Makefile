@@ -83,10 +83,11 @@ wheel-test: $(STAMP)
 # image (click, einops, ninja, numpy, nvidia-ml-py, packaging, requests, tabulate, tqdm,
 # torch) or not used by its sampling module (nvidia-cudnn-frontend, nvidia-cutlass-dsl:
 # imported only by other modules), so the wheels come without them (--no-deps) and
-# gpu_check.sh installs them the same way. 0.5.3: 7 MB; newer wheels bundle far more
-# sources (0.6.18: 18 MB, 0.7.4: 101 MB). About 10.4 MB in all.
+# gpu_check.sh installs them the same way. 0.6.18.post1 (18 MB; its "top-k first" path
+# from logits and radix top-k/top-p renorms) imports on the H200's image with these alone;
+# the 0.7.x wheels are 34-101 MB with heavier requirements. About 21 MB in all.
 GPU_WHEELHOUSE := build/wheelhouse
-GPU_WHEELS := flashinfer-python==0.5.3 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0
+GPU_WHEELS := flashinfer-python==0.6.18.post1 apache-tvm-ffi==0.1.15.post2 gguf==0.19.0
 GPU_WHEEL_TAGS := --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 

@@ -91,6 +91,11 @@ def flashinfer_warm_up(fi, device: torch.device) -> list[str]:
     if hasattr(s, "softmax"):
         s.softmax(flat)
         used.append("softmax")
+    if hasattr(s, "top_k_top_p_sampling_from_logits"):
+        logits = torch.randn(6, 64, device=device)
+        s.top_k_top_p_sampling_from_logits(logits, 5, 0.9)
+        s.sampling_from_logits(logits)
+        used += ["top_k_top_p_sampling_from_logits", "sampling_from_logits"]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return used
@@ -410,6 +415,10 @@ class Bench:
                 gen = generator(dev, 7)
                 impls["flashinfer"] = self.measure(lambda i: fi_sample(fi, logits, policy, gen),
                                                    nbytes)
+                if hasattr(fi.sampling, "top_k_top_p_sampling_from_logits"):
+                    # FlashInfer's logits path ("top-k first" at top-k/top-p): its fastest route
+                    impls["flashinfer_logits"] = self.measure(
+                        lambda i: fi_sample_logits(fi, logits, policy, gen), nbytes)
 
 
 def torch_policy(bench: Bench, logits, policy):
@@ -433,6 +442,15 @@ def fi_policy(fi, logits, policy):
     if "top_p" in policy:
         probs = fi.sampling.top_p_renorm_probs(probs, policy["top_p"])
     return probs
+
+
+def fi_sample_logits(fi, logits, policy, gen):
+    """FlashInfer from logits directly (no probabilities written first)."""
+    scaled = logits if policy["temperature"] == 1.0 else logits / policy["temperature"]
+    if "top_k" in policy:
+        return fi.sampling.top_k_top_p_sampling_from_logits(scaled, policy["top_k"],
+                                                            policy["top_p"], generator=gen)
+    return fi.sampling.sampling_from_logits(scaled, generator=gen)
 
 
 def fi_sample(fi, logits, policy, gen):

@@ -5,8 +5,8 @@
 # How a session runs it (the `run` tool of the device machine; the working tree travels,
 # build/ does not unless carried):
 #
-#   here, once:  make gpu-wheelhouse      # build/wheelhouse: flashinfer-python 0.5.3,
-#                                         # apache-tvm-ffi, gguf (~10.4 MB, --no-deps)
+#   here, once:  make gpu-wheelhouse      # build/wheelhouse: flashinfer-python 0.6.18.post1,
+#                                         # apache-tvm-ffi, gguf (~21 MB, --no-deps)
 #   then:        run(command="WHEELHOUSE=build/wheelhouse OUT=$OUT bash bench/gpu_check.sh",
 #                    carry=["build/wheelhouse"], timeout_s=540)
 #
