@@ -204,16 +204,55 @@ void test_acceptance_math() {
   CHECK(residual_weight(0.3f, 0.1f) == 0.3f - 0.1f);
   CHECK(residual_weight(0.1f, 0.3f) == 0.0f);
   CHECK(!residual_usable(5e-7f) && residual_usable(2e-6f));
-  const float w[] = {0.0f, 1.0f, 0.0f, 2.0f, 1.0f, 0.0f};
+  // The exact inverse CDF: weights 0, 1, 0, 2, 1, 0 (units); the target is floor(c * 4 / 2^64).
+  const uint64_t w[] = {0, 1, 0, 2, 1, 0};
   auto fw = [&](int64_t i) { return w[i]; };
-  CHECK(pick_inverse_cdf<double>(fw, 6, 0.0f, 4.0) == 1);
-  CHECK(pick_inverse_cdf<double>(fw, 6, 0.2499f, 4.0) == 1);
-  CHECK(pick_inverse_cdf<double>(fw, 6, 0.25f, 4.0) == 3);
-  CHECK(pick_inverse_cdf<double>(fw, 6, 0.74f, 4.0) == 3);
-  CHECK(pick_inverse_cdf<double>(fw, 6, 0.75f, 4.0) == 4);
-  CHECK(pick_inverse_cdf<double>(fw, 6, 0.75f, 8.0) == 4);  // total too large: last positive
-  const float z[] = {0.0f, 0.0f};
-  CHECK(pick_inverse_cdf<double>([&](int64_t i) { return z[i]; }, 2, 0.5f, 0.0) == -1);
+  CHECK(draw_target(0, 4) == 0 && pick_fixed(fw, 6, draw_target(0, 4)) == 1);
+  CHECK(draw_target(~uint64_t{0}, 4) == 3 && pick_fixed(fw, 6, 3) == 4);
+  CHECK(draw_target(uint64_t{1} << 62, 4) == 1 && pick_fixed(fw, 6, 1) == 3);  // c / 2^64 = 1/4
+  CHECK(draw_target((uint64_t{1} << 62) - 1, 4) == 0);                          // just below: token 1
+  CHECK(pick_fixed(fw, 6, 2) == 3 && pick_fixed(fw, 6, 4) == -1);  // target >= total: none
+  // Fixed-point weights are exact: floor(w * 2^40), and back to float rounds once.
+  CHECK(fixed_weight(1.0f) == uint64_t{1} << 40 && fixed_weight(0.0f) == 0);
+  CHECK(fixed_weight(0.75f) == uint64_t{3} << 38);
+  CHECK(fixed_weight(std::ldexp(1.0f, -41)) == 0 && fixed_weight(std::ldexp(3.0f, -40)) == 3);
+  CHECK(fixed_weight(100.0f) == uint64_t{8} << 40);  // saturates: sums of 2^20 stay below 2^63
+  CHECK(fixed_to_float(uint64_t{1} << 40) == 1.0f && fixed_to_float(uint64_t{3} << 38) == 0.75f);
+  // Scaled weights (sample): the row maximum's power of two maps every weight below 2^41.
+  CHECK(fixed_scale_for(1.0f) == std::ldexp(1.0, 40) && fixed_scale_for(1.5f) == std::ldexp(1.0, 40));
+  CHECK(fixed_scale_for(1e30f) * 1e30 < std::ldexp(1.0, 41));
+  CHECK(fixed_scale_for(1e-40f) * 1e-40 < std::ldexp(1.0, 41));  // subnormal maximum
+  CHECK(fixed_scale_for(1e-40f) * 1e-40 >= std::ldexp(1.0, 40));
+  CHECK(fixed_scaled(3.0f, std::ldexp(1.0, 39)) == uint64_t{3} << 39);
+  // top-p's test on masses: both sides exact in double, one rounding in the product.
+  CHECK(mass_at_least(90, 0.9f, 100) == (90.0 >= static_cast<double>(0.9f) * 100.0));
+  CHECK(mass_at_least(91, 0.9f, 100) && !mass_at_least(89, 0.9f, 100));
+}
+
+// log_reduced: about 1 ulp of log, and monotone on the keyed stream's 2^23 values of u (the
+// bound race_min_exponential that keyed sampling skips by rests on it).
+void test_log_reduced() {
+  double worst = 0.0;
+  float previous = -INFINITY;
+  bool monotone = true;
+  for (uint32_t k = 0; k < (1u << 23); ++k) {
+    const float u = (static_cast<float>(k) + 0.5f) * (1.0f / 8388608.0f);
+    const float got = log_reduced(u);
+    monotone &= got >= previous;
+    previous = got;
+    const double want = std::log(static_cast<double>(u));
+    const double ulp = std::ldexp(1.0, std::ilogb(want) - 23);
+    worst = std::max(worst, std::fabs(got - want) / ulp);
+  }
+  CHECK(monotone);
+  CHECK(worst <= 2.0);
+  for (float x : {1e-40f, 1e-30f, 0.1f, 1.0f, 2.0f, 123.0f, 3e38f}) {
+    CHECK(std::fabs(log_reduced(x) - std::log(static_cast<double>(x))) <=
+          2e-7 * std::max(1.0, std::fabs(std::log(static_cast<double>(x)))));
+  }
+  CHECK(race_min_exponential() > 0.0f);
+  CHECK(race_exponential(0xffffffffu) == race_min_exponential());
+  CHECK(race_exponential(0u) > 16.0f && race_exponential(0u) < 17.0f);
 }
 
 void test_weighted_threshold_against_sort() {
@@ -225,20 +264,22 @@ void test_weighted_threshold_against_sort() {
     for (auto& x : a) x = static_cast<float>(1 + rng() % distinct) / 8.0f;
     std::vector<float> sorted = a;
     std::sort(sorted.begin(), sorted.end(), std::greater<float>());
-    const double total = std::accumulate(a.begin(), a.end(), 0.0);
-    const double target = total * (static_cast<double>(rng() % 1001) / 1000.0);
-    // Brute force: largest value t with mass{>= t} >= target.
+    uint64_t total = 0;
+    for (float v : a) total += fixed_weight(v);
+    const float fraction = static_cast<float>(rng() % 1001) / 1000.0f;
+    auto enough = [&](uint64_t mass) { return mass_at_least(mass, fraction, total); };
+    // Brute force: largest value t with enough(mass{>= t}), masses in fixed point.
     float expected = sorted.back();
     for (float t : sorted) {
-      double m = 0.0;
-      for (float v : a) if (v >= t) m += v;
-      if (m >= target) {
+      uint64_t m = 0;
+      for (float v : a) if (v >= t) m += fixed_weight(v);
+      if (enough(m)) {
         expected = t;
         break;
       }
     }
     std::vector<float> work = a;
-    CHECK(kernels::cpu::weighted_threshold(work.data(), n, target) == expected);
+    CHECK(kernels::cpu::weighted_threshold(work.data(), n, 0, enough) == expected);
   }
 }
 
@@ -483,24 +524,36 @@ void test_row_sums() {
     std::vector<float> p(static_cast<size_t>(n)), q(static_cast<size_t>(n));
     for (auto& v : p) v = unit(rng) / static_cast<float>(n);
     for (auto& v : q) v = unit(rng) / static_cast<float>(n);
-    double sum = 0.0, residual = 0.0;
-    for (int64_t i = 0; i < n; ++i) {
-      sum += p[i];
-      residual += residual_weight(p[i], q[i]);
+    uint64_t sum = 0, residual = 0;
+    float max = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {  // the sums any order gives: integers
+      sum += fixed_weight(p[i]);
+      residual += fixed_weight(residual_weight(p[i], q[i]));
+      max = std::max(max, p[i]);
     }
-    CHECK_NEAR(kernels::cpu::row_sum(p.data(), n), sum, 1e-12);
-    const kernels::cpu::ProbSum ps = kernels::cpu::prob_sum(p.data(), n);
-    CHECK(ps.valid);
-    CHECK_NEAR(ps.total, sum, 1e-12);
+    CHECK(kernels::cpu::fixed_sum(p.data(), n) == sum);
+    const kernels::cpu::ProbCheck pc = kernels::cpu::prob_check(p.data(), n);
+    CHECK(pc.valid && pc.max == max);
+    const double scale = fixed_scale_for(max);
+    uint64_t scaled = 0;
+    for (float v : p) scaled += fixed_scaled(v, scale);
+    CHECK(kernels::cpu::fixed_sum_scaled(p.data(), n, scale) == scaled);
     const kernels::cpu::ResidualMass r = kernels::cpu::residual_mass(p.data(), q.data(), n);
-    CHECK(r.q_valid);
-    CHECK_NEAR(r.mass, residual, 1e-6 * residual);  // float lanes within blocks of 1024
+    CHECK(r.q_valid && r.mass == residual);
+    const kernels::cpu::Tally t = kernels::cpu::tally_at_least(p.data(), n, 0.5f / static_cast<float>(n));
+    int64_t count = 0;
+    uint64_t mass = 0;
+    for (float v : p) {
+      count += v >= 0.5f / static_cast<float>(n);
+      mass += v >= 0.5f / static_cast<float>(n) ? fixed_weight(v) : 0;
+    }
+    CHECK(t.count == count && t.mass == mass);
     if (n == 0) continue;
     for (float bad : {-1e-9f, kNan, kInf}) {  // any q that is not a probability
       std::vector<float> qb = q;
       qb[static_cast<size_t>(rng() % static_cast<uint32_t>(n))] = bad;
       CHECK(!kernels::cpu::residual_mass(p.data(), qb.data(), n).q_valid);
-      CHECK(!kernels::cpu::prob_sum(qb.data(), n).valid);
+      CHECK(!kernels::cpu::prob_check(qb.data(), n).valid);
     }
   }
 }
@@ -1518,6 +1571,7 @@ int main() {
   test_half_conversions();
   test_exp_nonpositive();
   test_acceptance_math();
+  test_log_reduced();
   test_weighted_threshold_against_sort();
   test_search_candidates();
   test_search_largest_enough();

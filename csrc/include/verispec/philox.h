@@ -12,6 +12,12 @@
 //               lo32(offset),                                 ctr[2]
 //               (hi32(offset) & 0x0fffffff) | purpose << 28 } ctr[3]
 //   coin    = uniform24(philox4x32_10(counter, key)[0])       in [0, 1)
+//   draw    = word 1 << 32 | word 0 of the same block           a 64-bit coin
+//
+// A coin u is an acceptance test's (u * q(y) < p(y); block verification's keep test).
+// A draw picks a token by the exact inverse CDF over fixed-point weights
+// (sampling_math.h draw_target: target = floor(draw * total / 2^64)): the correction or
+// bonus of verify (kCorrection), sample (kSample), a tree node's token (kTreeEmit).
 //
 // Philox is a bijection of the counter for a fixed key, so distinct counters give
 // independent coins. The layout is collision-free for offset < 2^60, row < 2^32,
@@ -22,7 +28,8 @@
 // purpose); the caller gives each call its own offset (SpecDecoder: verify at the step's
 // base offset, draft pass j at base + 1 + j, the next step at base + K + 1), so a
 // stream never repeats and every rank of a sharded run draws the same coins without
-// communication. Only word 0 of each Philox block is used; words 1..3 are reserved.
+// communication. A coin uses word 0 of its block, a draw words 0 and 1; words 2..3 are
+// reserved.
 //
 // Tree verification (verify_tree) addresses its coins by node: position = i for the
 // acceptance coin of draft node i (Purpose::kTreeAccept), and position = the node's row in
@@ -41,6 +48,7 @@
 //   key     = { lo32(request seed), hi32(request seed) }
 //   counter = { lo32(position), token / 4, hi32(position), kRace << 28 }
 //   E(seed, position, token) = -log(((word[token % 4] >> 9) + 0.5) * 2^-23)   in (0, 16.7]
+//   (log: sampling_math.h log_reduced, the same bits on both backends)
 //
 // one exponential per vocabulary entry, four to a Philox block (all four words used).
 // The purpose bits keep it apart from the offset-addressed stream.
@@ -118,6 +126,16 @@ VERISPEC_HD inline Philox4x32 philox_counter(uint64_t offset, uint32_t row, uint
                      hi | (static_cast<uint32_t>(purpose) << 28)}};
 }
 
+// The 64-bit coin of a draw (an inverse-CDF pick, sampling_math.h draw_target): words 1
+// and 0 of the block, so c / 2^64 is uniform on [0, 1) in steps of 2^-64.
+VERISPEC_HD inline uint64_t uniform64(uint64_t seed, uint64_t offset, uint32_t row,
+                                      uint32_t position, Purpose purpose) {
+  const Philox4x32 out =
+      philox4x32_10(philox_counter(offset, row, position, purpose),
+                    static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  return (static_cast<uint64_t>(out.v[1]) << 32) | out.v[0];
+}
+
 // Top 24 bits of x as a float in [0, 1): every value is exact and 1.0f is never returned.
 VERISPEC_HD inline float uniform24(uint32_t x) {
   return static_cast<float>(x >> 8) * (1.0f / 16777216.0f);
@@ -139,17 +157,5 @@ VERISPEC_HD inline Philox4x32 race_block(uint64_t seed, uint64_t position, uint3
                             static_cast<uint32_t>(Purpose::kRace) << 28}};
   return philox4x32_10(counter, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
 }
-
-// The Exp(1) variate of one keyed-stream word: -log(u), u = (top 23 bits + 1/2) / 2^23,
-// exact in float32 and in [2^-24, 1 - 2^-24]: never 0 or 1, so E is in
-// [5.96e-8, 16.7], never 0 or infinite.
-VERISPEC_HD inline float race_exponential(uint32_t word) {
-  const float u = (static_cast<float>(word >> 9) + 0.5f) * (1.0f / 8388608.0f);
-  return -logf(u);
-}
-
-// The smallest value race_exponential returns (the word 0xffffffff): every keyed-stream
-// exponential is >= it, which bounds the score a token can reach in a race.
-VERISPEC_HD inline float race_min_exponential() { return race_exponential(0xffffffffu); }
 
 }  // namespace verispec

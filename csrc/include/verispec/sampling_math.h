@@ -11,9 +11,20 @@
 //   roundoff: if sum_i r_i < kResidualEps although a rejection happened (p and q
 //             equal up to rounding), sample from p instead of the residual.
 //
-// Inverse-CDF rule (both backends): with target t = u * total, pick the smallest i
-// with w_i > 0 and w_0 + ... + w_i > t; if rounding leaves no such i (the running sum
-// never exceeds t), pick the largest i with w_i > 0.
+// One rule for every random choice, the same bits on both backends. Every sum that a
+// decision depends on (a softmax normaliser, a kept mass, a residual mass, the masses of a
+// draw) is a sum of fixed-point integers: each weight w in [0, 8) counts
+// fixed_weight(w) = floor(w * 2^40), and integer addition gives the same total in any
+// order, so a CUDA block tree, a CPU loop or any split of a row across blocks agree to
+// the bit. Per-element float math is written once below and never contracted into FMAs
+// (fp_mul/fp_add: the round-to-nearest intrinsics on the device; host files are built
+// with -ffp-contract=off), so a weight or probability is one float sequence everywhere.
+//
+// Inverse-CDF rule (both backends): with the 64-bit coin c (philox.h uniform64) and the
+// fixed-point weights W_i of a row, total = sum W_i, the target is
+// t = floor(c * total / 2^64) < total (draw_target), and the pick is the smallest i with
+// W_0 + ... + W_i > t. Exact: P(i) = W_i / total up to the coin's 2^-64 steps; a token
+// of weight zero is never picked, and no rounding case remains.
 #pragma once
 
 #include <cmath>
@@ -49,6 +60,18 @@ VERISPEC_HD inline float bits_float(uint32_t u) {
 #endif
 }
 
+// 2^e as a double, for e in [-1022, 1023].
+VERISPEC_HD inline double bits_double_pow2(int e) {
+  const uint64_t u = static_cast<uint64_t>(e + 1023) << 52;
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(static_cast<long long>(u));
+#else
+  double x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+#endif
+}
+
 // True for every value except +-Inf and NaN; immune to -ffast-math.
 VERISPEC_HD inline bool is_finite(float x) {
   return (float_bits(x) & 0x7f800000u) != 0x7f800000u;
@@ -59,6 +82,100 @@ VERISPEC_HD inline bool is_finite(float x) {
 VERISPEC_HD inline bool logit_valid(float x) {
   const uint32_t b = float_bits(x);
   return (b & 0x7fffffffu) <= 0x7f800000u && b != 0x7f800000u;
+}
+
+// ---- float arithmetic without contraction ---------------------------------------------
+// nvcc fuses a * b + c into an FMA by default, which rounds once where the host rounds
+// twice; these never fuse, so the device computes the host's bits.
+VERISPEC_HD inline float fp_mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+VERISPEC_HD inline float fp_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+VERISPEC_HD inline float fp_sub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+// ---- fixed-point weights ----------------------------------------------------------------
+// A weight w in [0, 8) counts floor(w * 2^kFixedBits) units: below 2^43, so the sum of a
+// row of up to kMaxVocab = 2^20 weights stays below 2^63. Conversions are exact (a
+// power-of-two scaling, then truncation), so both backends get the same integers. The
+// weights summed are probabilities, weights relative to a maximum, or residuals: in
+// [0, 1] up to rounding (a normalised residual below 2); larger values saturate.
+constexpr int kFixedBits = 40;
+constexpr int64_t kMaxVocab = int64_t{1} << 20;  // vocab must be at most this (ops check it)
+
+VERISPEC_HD inline uint64_t fixed_weight(float w) {
+  const float scaled = (w < 8.0f ? w : 8.0f) * 1099511627776.0f;  // 2^40: exact
+#if defined(__CUDA_ARCH__)
+  return __float2ull_rz(scaled);
+#else
+  return static_cast<uint64_t>(scaled);
+#endif
+}
+
+// floor(w * scale) for a weight w >= 0 of a row whose weights are all below
+// 2^(kFixedBits + 1) / scale (sample: unnormalised weights, scaled by their maximum's
+// power of two, fixed_scale_for). In double: exact for any float and power of two.
+VERISPEC_HD inline uint64_t fixed_scaled(float w, double scale) {
+  const double scaled = static_cast<double>(w) * scale;
+#if defined(__CUDA_ARCH__)
+  return __double2ull_rz(scaled);
+#else
+  return static_cast<uint64_t>(scaled);
+#endif
+}
+
+// The power of two that maps a row's weights, largest w_max > 0 (finite), below 2^41:
+// 2^(kFixedBits - e) with 2^e <= w_max < 2^(e + 1).
+VERISPEC_HD inline double fixed_scale_for(float w_max) {
+  const uint32_t b = float_bits(w_max) & 0x7fffffffu;
+  if (b == 0) return 1.0;  // no weight: any scale
+  int e = static_cast<int>(b >> 23) - 127;
+  if ((b >> 23) == 0) {  // subnormal: 2^e <= w_max with e from the highest set bit
+    e = -127;
+    for (uint32_t m = b & 0x7fffffu; (m & 0x400000u) == 0; m <<= 1) --e;
+  }
+  const int shift = kFixedBits - e;  // in [-87, 189]: a normal double
+  return bits_double_pow2(shift);
+}
+
+// Units of `fixed` as a float: the one conversion of an integer mass back to a float
+// (round to nearest, then an exact scaling).
+VERISPEC_HD inline float fixed_to_float(uint64_t fixed) {
+#if defined(__CUDA_ARCH__)
+  return __ull2float_rn(fixed) * 9.09494701772928238e-13f;  // 2^-40: exact
+#else
+  return static_cast<float>(fixed) * 9.09494701772928238e-13f;
+#endif
+}
+
+// floor(c * total / 2^64): the inverse-CDF target of a 64-bit coin, always < total.
+VERISPEC_HD inline uint64_t draw_target(uint64_t coin, uint64_t total) {
+#if defined(__CUDA_ARCH__)
+  return __umul64hi(coin, total);
+#else
+  return static_cast<uint64_t>((static_cast<unsigned __int128>(coin) * total) >> 64);
+#endif
+}
+
+// Whether mass >= fraction * of (top-p's test): both converted to double exactly (masses
+// stay below 2^53), one rounding in the product.
+VERISPEC_HD inline bool mass_at_least(uint64_t mass, float fraction, uint64_t of) {
+  return static_cast<double>(mass) >= static_cast<double>(fraction) * static_cast<double>(of);
 }
 
 // ---- 16-bit floats -----------------------------------------------------------------
@@ -111,16 +228,56 @@ VERISPEC_HD inline float to_float(Float16 x) { return fp16_to_float(x.bits); }
 // exp(x) for x in [-110, 0], about 1 ulp (Cephes expf: Cody-Waite reduction, degree-6
 // polynomial), subnormal results included, 0 below -104. Branch-free so that CPU loops
 // vectorise; the same function on both backends.
+// Every multiply and add is its own rounding (fp_mul / fp_add), on both backends.
 VERISPEC_HD inline float exp_reduced(float x) {
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;             // x - n ln 2
-  const float y =
-      (((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r +
-         4.1665795894e-2f) * r + 1.6666665459e-1f) * r + 5.0000001201e-1f) * (r * r) + r + 1.0f;
+  // round(x / ln 2)
+  const float n = fp_sub(fp_add(fp_mul(x, 1.44269504088896341f), 12582912.0f), 12582912.0f);
+  // x - n ln 2, in two parts
+  const float r = fp_add(fp_sub(x, fp_mul(n, 0.693359375f)), fp_mul(n, 2.12194440e-4f));
+  float poly = 1.9875691500e-4f;
+  poly = fp_add(fp_mul(poly, r), 1.3981999507e-3f);
+  poly = fp_add(fp_mul(poly, r), 8.3334519073e-3f);
+  poly = fp_add(fp_mul(poly, r), 4.1665795894e-2f);
+  poly = fp_add(fp_mul(poly, r), 1.6666665459e-1f);
+  poly = fp_add(fp_mul(poly, r), 5.0000001201e-1f);
+  const float y = fp_add(fp_add(fp_mul(poly, fp_mul(r, r)), r), 1.0f);
   const int32_t e = static_cast<int32_t>(n);  // in [-159, 0]
   const int32_t e1 = e > -125 ? e : -125;     // y * 2^e1 stays normal: exact
-  return (y * bits_float(static_cast<uint32_t>(e1 + 127) << 23)) *
-         bits_float(static_cast<uint32_t>(e - e1 + 127) << 23);  // one rounding if subnormal
+  return fp_mul(fp_mul(y, bits_float(static_cast<uint32_t>(e1 + 127) << 23)),
+                bits_float(static_cast<uint32_t>(e - e1 + 127) << 23));  // one rounding if subnormal
+}
+
+// log(x) for x > 0 finite, about 1 ulp (Cephes logf: x = m 2^e with m in [sqrt(1/2),
+// sqrt(2)), a degree-9 polynomial in m - 1), without contraction: the same bits on both
+// backends (the keyed stream's exponentials use it).
+VERISPEC_HD inline float log_reduced(float x) {
+  uint32_t b = float_bits(x);
+  int32_t e = static_cast<int32_t>(b >> 23) - 126;  // x = m 2^e, m in [0.5, 1)
+  if ((b >> 23) == 0) {                              // subnormal: normalise first
+    b = float_bits(fp_mul(x, 16777216.0f));          // * 2^24: exact
+    e = static_cast<int32_t>(b >> 23) - 126 - 24;
+  }
+  float m = bits_float((b & 0x007fffffu) | 0x3f000000u);
+  if (m < 0.707106781186547524f) {
+    m = fp_add(m, m);  // exact
+    e -= 1;
+  }
+  const float f = fp_sub(m, 1.0f);  // exact (Sterbenz)
+  const float z = fp_mul(f, f);
+  float poly = 7.0376836292e-2f;
+  poly = fp_add(fp_mul(poly, f), -1.1514610310e-1f);
+  poly = fp_add(fp_mul(poly, f), 1.1676998740e-1f);
+  poly = fp_add(fp_mul(poly, f), -1.2420140846e-1f);
+  poly = fp_add(fp_mul(poly, f), 1.4249322787e-1f);
+  poly = fp_add(fp_mul(poly, f), -1.6668057665e-1f);
+  poly = fp_add(fp_mul(poly, f), 2.0000714765e-1f);
+  poly = fp_add(fp_mul(poly, f), -2.4999993993e-1f);
+  poly = fp_add(fp_mul(poly, f), 3.3333331174e-1f);
+  const float fe = static_cast<float>(e);
+  float y = fp_mul(fp_mul(poly, f), z);
+  y = fp_add(y, fp_mul(fe, -2.12194440e-4f));
+  y = fp_sub(y, fp_mul(0.5f, z));
+  return fp_add(fp_add(f, y), fp_mul(fe, 0.693359375f));
 }
 
 // The softmax exponent (l - max) / T of logit l (T > 0), clamped to [-110, 0]: the
@@ -138,11 +295,8 @@ VERISPEC_HD inline float softmax_weight(float l, float row_max, float temperatur
   return exp_reduced(softmax_exponent(l, row_max, temperature));
 }
 
-// top-p keeps the largest threshold t with mass{p >= t} >= top_p * survivor_mass.
-template <typename Acc>
-VERISPEC_HD inline Acc top_p_target_mass(float top_p, Acc survivor_mass) {
-  return static_cast<Acc>(top_p) * survivor_mass;
-}
+// top-p keeps the largest threshold t with mass{p >= t} >= top_p * survivor_mass, masses
+// in fixed point: mass_at_least(mass, top_p, survivor_mass).
 
 // min-p keeps p >= min_p * max p.
 VERISPEC_HD inline float min_p_threshold(float min_p, float max_prob) { return min_p * max_prob; }
@@ -189,6 +343,19 @@ VERISPEC_HD inline bool argmax_before(float a, int64_t ia, float b, int64_t ib) 
 // variation distance (Gumbel-max coupling): the drafter-invariant acceptance rule of
 // keyed verification rests on it. `scaled_w` is w_i / max w, in (0, 1].
 VERISPEC_HD inline float race_score(float scaled_w, float e) { return scaled_w / e; }
+
+// The Exp(1) variate of one keyed-stream word (philox.h): -log(u), u = (top 23 bits + 1/2)
+// / 2^23, exact in float32 and in [2^-24, 1 - 2^-24]: never 0 or 1, so E is in
+// [5.96e-8, 16.7], never 0 or infinite. log_reduced: the same bits on both backends.
+VERISPEC_HD inline float race_exponential(uint32_t word) {
+  const float u = (static_cast<float>(word >> 9) + 0.5f) * (1.0f / 8388608.0f);
+  return -log_reduced(u);
+}
+
+// The smallest value race_exponential returns (the word 0xffffffff): every keyed-stream
+// exponential is >= it (log_reduced is monotone on the 2^23 values u takes), which bounds
+// the score a token can reach in a race.
+VERISPEC_HD inline float race_min_exponential() { return race_exponential(0xffffffffu); }
 
 // ---- speculative acceptance -------------------------------------------------------
 
@@ -256,28 +423,17 @@ VERISPEC_HD inline bool block_keep(float eta, float h) { return eta < h; }
 
 // ---- inverse CDF ------------------------------------------------------------------------
 
-// Target of the inverse-CDF walk; the picked i is the first whose running sum exceeds it.
-template <typename Acc>
-VERISPEC_HD inline Acc inverse_cdf_target(float u, Acc total) {
-  return static_cast<Acc>(u) * total;
-}
-
-// Sequential inverse-CDF pick over n weights w(i) >= 0 (w: callable int64_t -> float),
-// accumulating in Acc (double on the CPU). Returns -1 only if every weight is zero.
-template <typename Acc, typename WeightFn>
-VERISPEC_HD inline int64_t pick_inverse_cdf(const WeightFn& w, int64_t n, float u, Acc total) {
-  const Acc target = inverse_cdf_target(u, total);
-  Acc running = 0;
-  int64_t last_positive = -1;
+// The exact inverse-CDF pick over n fixed-point weights W(i) (W: callable int64_t ->
+// uint64_t) given target < sum W (draw_target): the smallest i whose running sum passes
+// the target. Returns -1 only if target >= the sum (no weight: the caller's zero-mass case).
+template <typename WeightFn>
+VERISPEC_HD inline int64_t pick_fixed(const WeightFn& w, int64_t n, uint64_t target) {
+  uint64_t running = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const float wi = w(i);
-    if (wi > 0.0f) {
-      running += static_cast<Acc>(wi);
-      last_positive = i;
-      if (running > target) return i;
-    }
+    running += w(i);
+    if (running > target) return i;
   }
-  return last_positive;  // rounding: the running sum never exceeded the target
+  return -1;
 }
 
 }  // namespace verispec

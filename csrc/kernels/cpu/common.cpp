@@ -9,7 +9,6 @@ namespace kernels {
 namespace {
 
 constexpr int64_t kMaxRows = (int64_t{1} << 31) - 1;   // grid and Philox row limits
-constexpr int64_t kMaxVocab = (int64_t{1} << 31) - 1;  // int32 token ids
 
 bool valid_dtype(LogitsDType d) {
   return d == LogitsDType::kFloat32 || d == LogitsDType::kBFloat16 || d == LogitsDType::kFloat16;
@@ -95,10 +94,18 @@ OpStatus check_policy_scalars(const PolicyParams& p) {
   return s;
 }
 
+// The exact fixed-point sums (sampling_math.h) hold rows of up to kMaxVocab values.
+static OpStatus vocab_out_of_range(int64_t vocab) {
+  OpStatus s = invalid_argument("vocab (the last dimension) must be in [1, 2^20 = 1048576]");
+  s.has_value = true;
+  s.value = static_cast<double>(vocab);
+  return s;
+}
+
 OpStatus check_apply_policy_args(const ApplyPolicyArgs& a) {
   if (a.rows < 0 || a.rows > kMaxRows) return invalid_argument("rows must be in [0, 2^31)");
   if (a.rows == 0) return OpStatus{};
-  if (a.vocab < 1 || a.vocab > kMaxVocab) return invalid_argument("vocab must be in [1, 2^31)");
+  if (a.vocab < 1 || a.vocab > kMaxVocab) return vocab_out_of_range(a.vocab);
   if (!valid_dtype(a.logits_dtype)) return invalid_argument("logits dtype must be float32, bfloat16 or float16");
   if (!a.logits || !a.probs) return invalid_argument("logits and probs must not be null");
   if (a.logits_row_stride < 0) return invalid_argument("logits row stride must be >= 0");
@@ -111,7 +118,7 @@ OpStatus check_apply_policy_args(const ApplyPolicyArgs& a) {
 OpStatus check_sample_args(const SampleArgs& a) {
   if (a.rows < 0 || a.rows > kMaxRows) return invalid_argument("rows must be in [0, 2^31)");
   if (a.rows == 0) return OpStatus{};
-  if (a.vocab < 1 || a.vocab > kMaxVocab) return invalid_argument("vocab must be in [1, 2^31)");
+  if (a.vocab < 1 || a.vocab > kMaxVocab) return vocab_out_of_range(a.vocab);
   if (!a.probs || !a.tokens) return invalid_argument("probs and tokens must not be null");
   if (a.probs_row_stride < 0) return invalid_argument("probs row stride must be >= 0");
   if ((a.row_seeds == nullptr) != (a.row_positions == nullptr)) {
@@ -126,7 +133,7 @@ OpStatus check_verify_args(const VerifyArgs& a) {
     return invalid_argument("K must be in [0, 2^31 - 1)");
   }
   if (a.batch == 0) return OpStatus{};
-  if (a.vocab < 1 || a.vocab > kMaxVocab) return invalid_argument("vocab must be in [1, 2^31)");
+  if (a.vocab < 1 || a.vocab > kMaxVocab) return vocab_out_of_range(a.vocab);
   if (!valid_dtype(a.target_logits_dtype)) {
     return invalid_argument("target_logits dtype must be float32, bfloat16 or float16");
   }
@@ -155,7 +162,7 @@ OpStatus check_verify_tree_args(const VerifyTreeArgs& a) {
     return invalid_argument("N must be in [0, 2^31 - 1)");
   }
   if (a.batch == 0) return OpStatus{};
-  if (a.vocab < 1 || a.vocab > kMaxVocab) return invalid_argument("vocab must be in [1, 2^31)");
+  if (a.vocab < 1 || a.vocab > kMaxVocab) return vocab_out_of_range(a.vocab);
   if (!valid_dtype(a.target_logits_dtype)) {
     return invalid_argument("target_logits dtype must be float32, bfloat16 or float16");
   }

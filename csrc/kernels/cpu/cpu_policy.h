@@ -1,5 +1,6 @@
 // The policy of one row on the CPU, shared by apply_policy (policy.cpp) and verify
-// (verify.cpp). No sorting. A threshold search brackets the top-k / top-p threshold
+// (verify.cpp). No sorting. Every mass is a fixed-point sum (sampling_math.h), so each
+// threshold and normaliser is the integer the CUDA kernels reduce to. A threshold search brackets the top-k / top-p threshold
 // with whole-row count+mass passes (vectorised): geometric steps p_max * 2^-4, 2^-8,
 // ..., then bisection on the float bits until at most kBracket values lie inside; the
 // exact threshold is then selected among those few (std::nth_element for top-k, a
@@ -112,35 +113,37 @@ int64_t argmax_row(const T* x, int64_t n) {
   return arg;
 }
 
-// How many of v[0, n) are >= a threshold, and their sum: 16 float lanes over blocks of 1024
-// values, the block sums in double (a few ulp of the total).
+// How many of v[0, n) are >= a threshold, and their fixed-point mass (sampling_math.h
+// fixed_weight: exact, so the same integer as any CUDA reduction).
 struct Tally {
   int64_t count;
-  double mass;
+  uint64_t mass;
 };
 Tally tally_at_least(const float* v, int64_t n, float threshold);
 
-// sum of v[0, n) in double: 8 double lanes, then the lanes in order.
-double row_sum(const float* v, int64_t n);
+// The fixed-point sum of v[0, n) (fixed_weight).
+uint64_t fixed_sum(const float* v, int64_t n);
 
-// The sum of probabilities w[0, n) in double (8 lanes, as row_sum), and whether every
-// w[i] is a probability (>= 0 and finite); total is 0 if not.
-struct ProbSum {
-  double total;
+// Whether every w[0, n) is a probability (>= 0 and finite), and their maximum.
+struct ProbCheck {
+  float max;
   bool valid;
 };
-ProbSum prob_sum(const float* w, int64_t n);
+ProbCheck prob_check(const float* w, int64_t n);
 
-// The residual of verify: the sum of max(p[i] - q[i], 0) (lanes as tally_at_least), and
-// whether every q[i] is a probability (>= 0 and finite); mass is 0 if not.
+// The fixed-point sum of weights w[0, n) scaled by `scale` (fixed_scaled).
+uint64_t fixed_sum_scaled(const float* w, int64_t n, double scale);
+
+// The residual of verify: the fixed-point sum of max(p[i] - q[i], 0), and whether every
+// q[i] is a probability (>= 0 and finite); mass is 0 if not.
 struct ResidualMass {
-  double mass;
+  uint64_t mass;
   bool q_valid;
 };
 ResidualMass residual_mass(const float* p, const float* q, int64_t n);
 
-// v[i] = softmax_weight(v[i], row_max, temperature); returns their sum.
-double softmax_weights_inplace(float* v, int64_t n, float row_max, float temperature);
+// v[i] = softmax_weight(v[i], row_max, temperature); returns their fixed-point sum.
+uint64_t softmax_weights_inplace(float* v, int64_t n, float row_max, float temperature);
 
 // v[i] = v[i] / norm.
 void divide_row(float* v, int64_t n, float norm);
@@ -153,11 +156,12 @@ int64_t gather_range(const float* v, int64_t n, float lo, float hi, float* out);
 
 // ---- selection ------------------------------------------------------------------------
 
-// The largest value t of a[0, n) (n >= 1, values >= 0) with sum{a_i >= t} >= target:
-// a quickselect that partitions by value (descending, three-way) and recurses into the
-// side holding the threshold, carrying the mass of everything above. Reorders a.
-inline float weighted_threshold(float* a, int64_t n, double target) {
-  double above = 0.0;  // mass of the values known to lie above a[lo, hi)
+// The largest value t of a[0, n) (n >= 1, values >= 0) with enough(mass{a_i >= t}) (masses
+// in fixed point, `above` the mass of the values above a[0, n)): a quickselect that
+// partitions by value (descending, three-way) and recurses into the side holding the
+// threshold, carrying the mass of everything above. Reorders a. enough is monotone.
+template <typename Enough>
+inline float weighted_threshold(float* a, int64_t n, uint64_t above, const Enough& enough) {
   int64_t lo = 0, hi = n;
   float last_pivot = a[0];
   while (lo < hi) {
@@ -168,22 +172,22 @@ inline float weighted_threshold(float* a, int64_t n, double target) {
     const float pivot = y;
     // Partition a[lo, hi) into [lo, gt) > pivot, [gt, lt) == pivot, [lt, hi) < pivot.
     int64_t gt = lo, i = lo, lt = hi;
-    double mass_gt = 0.0, mass_eq = 0.0;
+    uint64_t mass_gt = 0, mass_eq = 0;
     while (i < lt) {
       const float v = a[i];
       if (v > pivot) {
-        mass_gt += v;
+        mass_gt += fixed_weight(v);
         std::swap(a[i++], a[gt++]);
       } else if (v < pivot) {
         std::swap(a[i], a[--lt]);
       } else {
-        mass_eq += v;
+        mass_eq += fixed_weight(v);
         ++i;
       }
     }
-    if (above + mass_gt >= target) {  // enough above the pivot: t is among [lo, gt)
+    if (enough(above + mass_gt)) {  // enough above the pivot: t is among [lo, gt)
       hi = gt;
-    } else if (above + mass_gt + mass_eq >= target) {
+    } else if (enough(above + mass_gt + mass_eq)) {
       return pivot;
     } else {
       above += mass_gt + mass_eq;
@@ -191,7 +195,7 @@ inline float weighted_threshold(float* a, int64_t n, double target) {
       lo = lt;
     }
   }
-  // Rounding left the whole mass short of the target: keep everything.
+  // Not reached for a bracket that holds the threshold; keep everything.
   return last_pivot;
 }
 
@@ -209,7 +213,7 @@ constexpr int64_t kBracket = 1024;  // values in the final bracket, at most (unl
 template <typename Enough>
 Bracket bracket_threshold(const float* p, int64_t n, float floor, const Tally& at_floor,
                           float p_max, const Enough& enough) {
-  Bracket b{float_bits(floor), float_bits(p_max) + 1, at_floor, Tally{0, 0.0}};
+  Bracket b{float_bits(floor), float_bits(p_max) + 1, at_floor, Tally{0, 0}};
   for (int shift = 4; shift <= 64; shift *= 2) {  // geometric steps down from p_max
     const float c = std::ldexp(p_max, -shift);
     if (c <= floor) break;
@@ -249,7 +253,7 @@ struct PolicyScratch {
 
 // The k-th largest of p[0, n) (0 < k < n; 0 <= p <= p_max).
 inline float kth_largest(const float* p, int64_t n, int64_t k, float p_max, PolicyScratch& s) {
-  const Bracket b = bracket_threshold(p, n, 0.0f, Tally{n, 0.0}, p_max,
+  const Bracket b = bracket_threshold(p, n, 0.0f, Tally{n, 0}, p_max,
                                       [k](const Tally& t) { return t.count >= k; });
   float* vals = s.values.data();
   const int64_t m = gather_bracket(p, n, b, vals);
@@ -263,12 +267,13 @@ inline float kth_largest(const float* p, int64_t n, int64_t k, float p_max, Poli
 inline float top_p_threshold(const float* p, int64_t n, float top_p, float floor, float p_max,
                              PolicyScratch& s) {
   const Tally at_floor = tally_at_least(p, n, floor);
-  const double target = top_p_target_mass(top_p, at_floor.mass);
+  const uint64_t survivors = at_floor.mass;
+  auto enough = [top_p, survivors](uint64_t mass) { return mass_at_least(mass, top_p, survivors); };
   const Bracket b = bracket_threshold(p, n, floor, at_floor, p_max,
-                                      [target](const Tally& t) { return t.mass >= target; });
+                                      [&enough](const Tally& t) { return enough(t.mass); });
   float* vals = s.values.data();
   const int64_t m = gather_bracket(p, n, b, vals);  // >= 1: the bracket holds the threshold
-  return weighted_threshold(vals, m, target - b.at_hi.mass);
+  return weighted_threshold(vals, m, b.at_hi.mass, enough);
 }
 
 // ---- the policy of a row ------------------------------------------------------------
@@ -287,7 +292,7 @@ int64_t policy_row(const T* x, int64_t n, const RowPolicy& pol, float* out, Poli
     out[arg] = 1.0f;
     return kLogitsOk;
   }
-  const float norm = static_cast<float>(softmax_weights_inplace(out, n, m, pol.temperature));
+  const float norm = fixed_to_float(softmax_weights_inplace(out, n, m, pol.temperature));
   divide_row(out, n, norm);
   const float p_max = 1.0f / norm;  // the maximum has weight exp(0) = 1
 
@@ -299,7 +304,7 @@ int64_t policy_row(const T* x, int64_t n, const RowPolicy& pol, float* out, Poli
     threshold = std::max(threshold, min_p_threshold(pol.min_p, p_max));
   }
   if (threshold > 0.0f) {
-    renormalise_row(out, n, threshold, static_cast<float>(tally_at_least(out, n, threshold).mass));
+    renormalise_row(out, n, threshold, fixed_to_float(tally_at_least(out, n, threshold).mass));
   }
   return kLogitsOk;
 }

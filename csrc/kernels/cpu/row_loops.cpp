@@ -27,8 +27,7 @@ namespace kernels {
 namespace cpu {
 
 namespace {
-constexpr int64_t kLanes = 16;  // float lanes of the sums: one AVX-512 register
-constexpr int64_t kBlock = 1024;
+constexpr int64_t kLanes = 16;  // float lanes of the maximum: one AVX-512 register
 }  // namespace
 
 VERISPEC_CPU_CLONES void to_float_row(const float* x, int64_t n, float* out) {
@@ -89,50 +88,22 @@ VERISPEC_CPU_CLONES float row_max(const float* v, int64_t n) {
 
 // The count and the mass in separate loops: each vectorises cleanly.
 VERISPEC_CPU_CLONES Tally tally_at_least(const float* v, int64_t n, float threshold) {
-  Tally t{0, 0.0};
-  for (int64_t start = 0; start < n; start += kBlock) {
-    const int64_t len = std::min(kBlock, n - start);
-    const float* b = v + start;
-    int32_t count = 0;
-    for (int64_t i = 0; i < len; ++i) count += b[i] >= threshold;
-    float m[kLanes] = {};
-    const int64_t body = len - len % kLanes;
-    for (int64_t i = 0; i < body; i += kLanes) {
-      for (int64_t l = 0; l < kLanes; ++l) {
-        const float x = b[i + l];
-        m[l] += x >= threshold ? x : 0.0f;
-      }
-    }
-    for (int64_t i = body; i < len; ++i) m[0] += b[i] >= threshold ? b[i] : 0.0f;
-    t.count += count;
-    for (int64_t l = 0; l < kLanes; ++l) t.mass += m[l];
-  }
-  return t;
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) count += v[i] >= threshold;
+  uint64_t mass = 0;
+  for (int64_t i = 0; i < n; ++i) mass += v[i] >= threshold ? fixed_weight(v[i]) : 0;
+  return Tally{count, mass};
 }
 
-namespace {
-constexpr int64_t kDoubleLanes = 8;  // one AVX-512 register of doubles
-
-double sum_lanes(const double* lanes) {
-  double r = 0.0;
-  for (int64_t l = 0; l < kDoubleLanes; ++l) r += lanes[l];
-  return r;
-}
-}  // namespace
-
-VERISPEC_CPU_CLONES double row_sum(const float* v, int64_t n) {
-  double lanes[kDoubleLanes] = {};
-  const int64_t body = n - n % kDoubleLanes;
-  for (int64_t i = 0; i < body; i += kDoubleLanes) {
-    for (int64_t l = 0; l < kDoubleLanes; ++l) lanes[l] += v[i + l];
-  }
-  for (int64_t i = body; i < n; ++i) lanes[i - body] += v[i];
-  return sum_lanes(lanes);
+VERISPEC_CPU_CLONES uint64_t fixed_sum(const float* v, int64_t n) {
+  uint64_t sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += fixed_weight(v[i]);
+  return sum;
 }
 
 namespace {
 // Whether every c[0, n) is a probability (>= 0 and finite). Inlined into the clones below;
-// a loop of its own, so that it and the double sums each vectorise.
+// a loop of its own, so that it and the sums each vectorise.
 __attribute__((always_inline)) inline bool all_probabilities(const float* c, int64_t n) {
   uint32_t bad = 0;
   for (int64_t i = 0; i < n; ++i) bad |= !(c[i] >= 0.0f) | !is_finite(c[i]);
@@ -140,37 +111,32 @@ __attribute__((always_inline)) inline bool all_probabilities(const float* c, int
 }
 }  // namespace
 
-VERISPEC_CPU_CLONES ProbSum prob_sum(const float* w, int64_t n) {
-  if (!all_probabilities(w, n)) return ProbSum{0.0, false};
-  return ProbSum{row_sum(w, n), true};
+VERISPEC_CPU_CLONES ProbCheck prob_check(const float* w, int64_t n) {
+  if (!all_probabilities(w, n)) return ProbCheck{0.0f, false};
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) m = w[i] > m ? w[i] : m;
+  return ProbCheck{m, true};
 }
 
-// 16 float lanes over blocks of 1024, the block sums in double, as tally_at_least: the
-// clamp at 0 keeps a loop with double lanes from vectorising.
+VERISPEC_CPU_CLONES uint64_t fixed_sum_scaled(const float* w, int64_t n, double scale) {
+  uint64_t sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += fixed_scaled(w[i], scale);
+  return sum;
+}
+
 VERISPEC_CPU_CLONES ResidualMass residual_mass(const float* p, const float* q, int64_t n) {
-  if (!all_probabilities(q, n)) return ResidualMass{0.0, false};
-  double mass = 0.0;
-  for (int64_t start = 0; start < n; start += kBlock) {
-    const int64_t len = std::min(kBlock, n - start);
-    const float* pb = p + start;
-    const float* qb = q + start;
-    float m[kLanes] = {};
-    const int64_t body = len - len % kLanes;
-    for (int64_t i = 0; i < body; i += kLanes) {
-      for (int64_t l = 0; l < kLanes; ++l) m[l] += residual_weight(pb[i + l], qb[i + l]);
-    }
-    for (int64_t i = body; i < len; ++i) m[0] += residual_weight(pb[i], qb[i]);
-    for (int64_t l = 0; l < kLanes; ++l) mass += m[l];
-  }
+  if (!all_probabilities(q, n)) return ResidualMass{0, false};
+  uint64_t mass = 0;
+  for (int64_t i = 0; i < n; ++i) mass += fixed_weight(residual_weight(p[i], q[i]));
   return ResidualMass{mass, true};
 }
 
 // Two loops, so that the clamp in softmax_exponent stays branch-free and both vectorise.
-VERISPEC_CPU_CLONES double softmax_weights_inplace(float* v, int64_t n, float row_max,
-                                                   float temperature) {
+VERISPEC_CPU_CLONES uint64_t softmax_weights_inplace(float* v, int64_t n, float row_max,
+                                                     float temperature) {
   for (int64_t i = 0; i < n; ++i) v[i] = softmax_exponent(v[i], row_max, temperature);
   for (int64_t i = 0; i < n; ++i) v[i] = exp_reduced(v[i]);
-  return tally_at_least(v, n, 0.0f).mass;
+  return fixed_sum(v, n);
 }
 
 VERISPEC_CPU_CLONES void divide_row(float* v, int64_t n, float norm) {

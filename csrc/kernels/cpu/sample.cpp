@@ -1,5 +1,6 @@
-// sample on the CPU: validate and sum a row (one vectorised pass, double lanes), then one
-// inverse-CDF walk, or (keyed) one exponential race over the row.
+// sample on the CPU: validate a row and find its maximum (one vectorised pass), sum its
+// fixed-point weights, then one exact inverse-CDF walk; or (keyed) one exponential race
+// over the row.
 #include <algorithm>
 
 #include "cpu_policy.h"
@@ -51,13 +52,12 @@ OpStatus sample_cpu(const SampleArgs& a) {
   const uint64_t offset = resolve_offset(a.rng);
   for (int64_t r = 0; r < a.rows; ++r) {
     const float* w = a.probs + r * a.probs_row_stride;  // [vocab]
-    const cpu::ProbSum sum = cpu::prob_sum(w, a.vocab);
+    const cpu::ProbCheck check = cpu::prob_check(w, a.vocab);
     int64_t bad = -1;
-    if (!sum.valid) {  // the first negative, NaN or Inf
+    if (!check.valid) {  // the first negative, NaN or Inf
       bad = std::find_if(w, w + a.vocab, [](float v) { return !(v >= 0.0f) || !is_finite(v); }) - w;
     }
-    const double total = sum.total;
-    if (bad >= 0 || total <= 0.0) {
+    if (bad >= 0 || !(check.max > 0.0f)) {
       OpStatus s = make_status(OpKind::kSample, StatusCode::kInvalidProbs, r, bad);
       if (bad >= 0) {
         s.has_value = true;
@@ -72,9 +72,14 @@ OpStatus sample_cpu(const SampleArgs& a) {
                                static_cast<uint64_t>(a.row_positions[r]));
       continue;
     }
-    const float u = uniform(seed, offset, static_cast<uint32_t>(r), 0, Purpose::kSample);
-    a.tokens[r] = static_cast<int32_t>(
-        pick_inverse_cdf<double>([w](int64_t i) { return w[i]; }, a.vocab, u, total));
+    // The exact inverse CDF over the weights in fixed point, scaled by the power of two
+    // of their maximum (sampling_math.h): the same integers as the CUDA block sums.
+    const double scale = fixed_scale_for(check.max);
+    const uint64_t total = cpu::fixed_sum_scaled(w, a.vocab, scale);
+    const uint64_t draw = uniform64(seed, offset, static_cast<uint32_t>(r), 0, Purpose::kSample);
+    a.tokens[r] = static_cast<int32_t>(pick_fixed(
+        [w, scale](int64_t i) { return fixed_scaled(w[i], scale); }, a.vocab,
+        draw_target(draw, total)));
   }
   return first;
 }

@@ -30,14 +30,21 @@ struct VerifyRow {
   float coin(int64_t b, int64_t j, Purpose purpose) const {
     return uniform(seed, offset, static_cast<uint32_t>(b), static_cast<uint32_t>(j), purpose);
   }
+  // The correction or bonus at position j: the exact inverse CDF over fixed-point weights
+  // w(i) (fixed_weight of floats) of total mass `total` > 0.
+  template <typename WeightFn>
+  int32_t draw(int64_t b, int64_t j, const WeightFn& w, uint64_t total) const {
+    const uint64_t coin64 = uniform64(seed, offset, static_cast<uint32_t>(b),
+                                      static_cast<uint32_t>(j), Purpose::kCorrection);
+    return static_cast<int32_t>(pick_fixed([&w](int64_t i) { return fixed_weight(w(i)); },
+                                           a.vocab, draw_target(coin64, total)));
+  }
   const int32_t* draft_row(int64_t b) const {  // [K]; null when K == 0
     return a.draft_tokens ? a.draft_tokens + b * a.draft_tokens_stride_b : nullptr;
   }
   int32_t pick_from_p(int64_t b, int64_t j) const {
     const float* pp = p;
-    const double total = cpu::row_sum(pp, a.vocab);
-    return static_cast<int32_t>(pick_inverse_cdf<double>(
-        [pp](int64_t i) { return pp[i]; }, a.vocab, coin(b, j, Purpose::kCorrection), total));
+    return draw(b, j, [pp](int64_t i) { return pp[i]; }, cpu::fixed_sum(pp, a.vocab));
   }
 
   // Everything the walk of row b may read; returns the first fault.
@@ -118,9 +125,9 @@ struct VerifyRow {
       const float* q = q_at(b, j);
       if (j >= 1) {
         const float* pp = p;
-        double mass = 0.0;
-        for (int64_t i = 0; i < a.vocab; ++i) mass += block_residual_weight(w, pp[i], q[i]);
-        const float h = block_keep_probability(static_cast<float>(mass), w);
+        uint64_t mass = 0;
+        for (int64_t i = 0; i < a.vocab; ++i) mass += fixed_weight(block_residual_weight(w, pp[i], q[i]));
+        const float h = block_keep_probability(fixed_to_float(mass), w);
         if (block_keep(coin(b, j - 1, Purpose::kAccept), h)) {
           tau = j;
           w_tau = w;
@@ -135,12 +142,11 @@ struct VerifyRow {
     if (tau < n) {
       const float* pp = p;
       const float* q = q_at(b, tau);
-      double mass = 0.0;
-      for (int64_t i = 0; i < a.vocab; ++i) mass += block_residual_weight(w_tau, pp[i], q[i]);
-      if (residual_usable(static_cast<float>(mass))) {
-        out[tau] = static_cast<int32_t>(pick_inverse_cdf<double>(
-            [pp, q, w_tau](int64_t i) { return block_residual_weight(w_tau, pp[i], q[i]); },
-            a.vocab, coin(b, tau, Purpose::kCorrection), mass));
+      auto r = [pp, q, w_tau](int64_t i) { return block_residual_weight(w_tau, pp[i], q[i]); };
+      uint64_t mass = 0;
+      for (int64_t i = 0; i < a.vocab; ++i) mass += fixed_weight(r(i));
+      if (residual_usable(fixed_to_float(mass))) {
+        out[tau] = draw(b, tau, r, mass);
         return OpStatus{};
       }
     }
@@ -182,20 +188,15 @@ struct VerifyRow {
           s.value = *bad;
           return s;
         }
-        const double residual = r.mass;
-        if (residual_usable(static_cast<float>(residual))) {
-          out[j] = static_cast<int32_t>(pick_inverse_cdf<double>(
-              [pp, q](int64_t i) { return residual_weight(pp[i], q[i]); }, a.vocab,
-              coin(b, j, Purpose::kCorrection), residual));
+        if (residual_usable(fixed_to_float(r.mass))) {
+          out[j] = draw(b, j, [pp, q](int64_t i) { return residual_weight(pp[i], q[i]); }, r.mass);
           return OpStatus{};
         }
       } else {
-        const int64_t yj = y[j];  // p without y: the sums before and after it
-        const double residual = cpu::row_sum(pp, yj) + cpu::row_sum(pp + yj + 1, a.vocab - yj - 1);
-        if (residual_usable(static_cast<float>(residual))) {
-          out[j] = static_cast<int32_t>(pick_inverse_cdf<double>(
-              [pp, yj](int64_t i) { return i == yj ? 0.0f : pp[i]; }, a.vocab,
-              coin(b, j, Purpose::kCorrection), residual));
+        const int64_t yj = y[j];  // p without y
+        const uint64_t residual = cpu::fixed_sum(pp, a.vocab) - fixed_weight(pp[yj]);
+        if (residual_usable(fixed_to_float(residual))) {
+          out[j] = draw(b, j, [pp, yj](int64_t i) { return i == yj ? 0.0f : pp[i]; }, residual);
           return OpStatus{};
         }
       }

@@ -43,10 +43,13 @@ struct TreeRow {
     return uniform(seed, offset, static_cast<uint32_t>(b), static_cast<uint32_t>(position),
                    purpose);
   }
+  // The token drawn at the node of target row `row`: the exact inverse CDF over the
+  // fixed-point weights of w (a distribution: p or a normalised residual).
   int32_t pick(const float* w, int64_t b, int64_t row) const {
-    return static_cast<int32_t>(pick_inverse_cdf<double>(
-        [w](int64_t i) { return w[i]; }, a.vocab, coin(b, row, Purpose::kTreeEmit),
-        cpu::row_sum(w, a.vocab)));
+    const uint64_t draw = uniform64(seed, offset, static_cast<uint32_t>(b),
+                                    static_cast<uint32_t>(row), Purpose::kTreeEmit);
+    return static_cast<int32_t>(pick_fixed([w](int64_t i) { return fixed_weight(w[i]); },
+                                           a.vocab, draw_target(draw, cpu::fixed_sum(w, a.vocab))));
   }
 
   OpStatus check(int64_t b, const RowPolicy& pol, int64_t n, const int32_t* tok,
@@ -139,15 +142,15 @@ struct TreeRow {
           const float* qs = a.replacement ? q : qbuf.data();
           const float denom = a.replacement ? 1.0f : remaining;
           float* rr = r.data();
-          double mass = 0.0;
+          uint64_t mass = 0;
           for (int64_t i = 0; i < V; ++i) {
             const float qi = a.replacement ? qs[i] : renormalised_q(qs[i], denom);
             const float v = residual_weight(rcur[i], qi);
             rr[i] = v;
-            mass += v;
+            mass += fixed_weight(v);
           }
-          if (residual_usable(static_cast<float>(mass))) {
-            cpu::divide_row(rr, V, static_cast<float>(mass));
+          if (residual_usable(fixed_to_float(mass))) {
+            cpu::divide_row(rr, V, fixed_to_float(mass));
           } else {
             std::copy(p.begin(), p.end(), r.begin());
           }

@@ -16,6 +16,9 @@ namespace verispec {
 namespace kernels {
 namespace cuda {
 
+struct MaxFloat {
+  __device__ float operator()(float a, float b) const { return a > b ? a : b; }
+};
 struct MinInt {
   __device__ int operator()(int a, int b) const { return a < b ? a : b; }
 };
@@ -38,33 +41,40 @@ template <int BLOCK>
 struct BlockOps {
   using ReduceF = cub::BlockReduce<float, BLOCK>;
   using ReduceI = cub::BlockReduce<int, BLOCK>;
+  using ReduceU = cub::BlockReduce<unsigned long long, BLOCK>;
   using ReduceA = cub::BlockReduce<ArgMax, BLOCK>;
-  using ScanF = cub::BlockScan<float, BLOCK>;
+  using ScanU = cub::BlockScan<unsigned long long, BLOCK>;
   union Temp {
     typename ReduceF::TempStorage f;
     typename ReduceI::TempStorage i;
+    typename ReduceU::TempStorage u;
     typename ReduceA::TempStorage a;
-    typename ScanF::TempStorage s;
+    typename ScanU::TempStorage s;
   };
   static_assert(BLOCK % 32 == 0, "whole warps");
   static constexpr int kWarps = BLOCK / 32;
   Temp temp;
   float bcast_f;
   int bcast_i;
+  unsigned long long bcast_u;
   ArgMax bcast_a;
   // sum_each: per-warp partial sums, then the block's sums.
-  float warp_f[kWarps * kSearchCandidates];
+  unsigned long long warp_u[kWarps * kSearchCandidates];
   int warp_i[kWarps * kSearchCandidates];
-  float each_f[kSearchCandidates];
+  unsigned long long each_u[kSearchCandidates];
   int each_i[kSearchCandidates];
-  __device__ float* warp_sums(float) { return warp_f; }
+  __device__ unsigned long long* warp_sums(unsigned long long) { return warp_u; }
   __device__ int* warp_sums(int) { return warp_i; }
-  __device__ float* each_sums(float) { return each_f; }
+  __device__ unsigned long long* each_sums(unsigned long long) { return each_u; }
   __device__ int* each_sums(int) { return each_i; }
 
   // Each reduction ends with the result in every thread and `temp` free for reuse.
-  __device__ float sum(float v) { return broadcast(ReduceF(temp.f).Sum(v), bcast_f); }
+  // Sums are of integers only (counts, fixed-point masses): exact in any order.
+  __device__ float max(float v) { return broadcast(ReduceF(temp.f).Reduce(v, MaxFloat()), bcast_f); }
   __device__ int sum_int(int v) { return broadcast(ReduceI(temp.i).Sum(v), bcast_i); }
+  __device__ unsigned long long sum_fixed(unsigned long long v) {
+    return broadcast(ReduceU(temp.u).Sum(v), bcast_u);
+  }
   template <typename Op>
   __device__ int reduce_int(int v, Op op) {
     return broadcast(ReduceI(temp.i).Reduce(v, op), bcast_i);
@@ -183,9 +193,11 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
     return static_cast<int>(kLogitsOk);
   }
   const float temperature = pol.temperature;
-  float acc = 0.0f;
-  for (int i = tid; i < V; i += BLOCK) acc += softmax_weight(to_float(x[i]), s.row_max, temperature);
-  s.norm = ops.sum(acc);
+  unsigned long long acc = 0;
+  for (int i = tid; i < V; i += BLOCK) {
+    acc += fixed_weight(softmax_weight(to_float(x[i]), s.row_max, temperature));
+  }
+  s.norm = fixed_to_float(ops.sum_fixed(acc));
   if constexpr (!FILTER) {
     *stats = s;
     return static_cast<int>(kLogitsOk);
@@ -199,12 +211,12 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
     return ops.sum_int(c);
   };
   auto mass_ge = [&](float t) {
-    float m = 0.0f;
+    unsigned long long m = 0;
     for (int i = tid; i < V; i += BLOCK) {
       const float p = p_raw(i);
-      if (p >= t) m += p;
+      if (p >= t) m += fixed_weight(p);
     }
-    return ops.sum(m);
+    return ops.sum_fixed(m);
   };
   // One pass for the threshold search: acc[c] = the block's sum of weigh(p) over the p >=
   // candidate c of [lo, hi) (weigh 1: a count; weigh p: a mass).
@@ -249,18 +261,20 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
     }
   }
   if (top_p_active(pol.top_p)) {
-    // Largest t >= threshold with mass{p >= t} >= top_p * mass{p >= threshold}.
-    const float target = top_p_target_mass(pol.top_p, mass_ge(threshold));
-    if (mass_ge(p_max) >= target) {
+    // Largest t >= threshold with mass{p >= t} >= top_p * mass{p >= threshold}, masses in
+    // fixed point (sampling_math.h mass_at_least: the CPU's test on the same integers).
+    const float top_p = pol.top_p;
+    const unsigned long long survivors = mass_ge(threshold);
+    if (mass_at_least(mass_ge(p_max), top_p, survivors)) {
       threshold = p_max;
     } else {
       auto tally = [&](uint32_t lo, uint32_t hi) {
-        float mass[kSearchCandidates];
-        tally_pass(lo, hi, mass, [](float p) { return p; });
+        unsigned long long mass[kSearchCandidates];
+        tally_pass(lo, hi, mass, [](float p) { return static_cast<unsigned long long>(fixed_weight(p)); });
         SearchVerdicts v{0u, 0u};
         VERISPEC_UNROLL
         for (int c = 0; c < kSearchCandidates; ++c) {
-          v.enough |= static_cast<uint32_t>(mass[c] >= target) << c;
+          v.enough |= static_cast<uint32_t>(mass_at_least(mass[c], top_p, survivors)) << c;
         }
         return v;
       };
@@ -271,7 +285,7 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
   if (min_p_active(pol.min_p)) threshold = fmaxf(threshold, min_p_threshold(pol.min_p, p_max));
   if (threshold > 0.0f) {
     s.threshold = threshold;
-    s.kept = mass_ge(threshold);
+    s.kept = fixed_to_float(mass_ge(threshold));
   }
   *stats = s;
   return static_cast<int>(kLogitsOk);
@@ -279,77 +293,55 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
 
 // ---- inverse CDF --------------------------------------------------------------------
 // Thread t owns the contiguous chunk [t * C, (t + 1) * C) of the row, C = ceil(V / BLOCK).
-// A pick is one pass that sums every chunk, one block scan over the chunk sums, and a
-// walk along the one chunk that holds the target, by its owner: the running sum of the
-// sampling_math.h rule, taken chunk by chunk instead of index by index.
+// A pick is one pass that sums every chunk's fixed-point weights, one block scan over the
+// chunk sums, and a walk along the one chunk that holds the target, by its owner: the
+// exact rule of sampling_math.h (pick_fixed), whose integer sums do not depend on the
+// chunking, so the CPU's sequential walk picks the same token.
 
 // This thread's chunk [*begin, *end) of [0, V).
 template <int BLOCK>
 __device__ inline void thread_chunk(int V, int* begin, int* end) {
-  const int size = (V + BLOCK - 1) / BLOCK;  // V < 2^31: threadIdx.x * size stays an int
+  const int size = (V + BLOCK - 1) / BLOCK;  // V <= 2^20: threadIdx.x * size stays an int
   *begin = min(static_cast<int>(threadIdx.x) * size, V);
   *end = min(*begin + size, V);
 }
 
 struct WeightTotal {
-  float total;     // sum of the weights
-  int last;        // largest index with a positive weight, -1 if none
-  float chunk;     // this thread's chunk: sum of its weights
-  int chunk_last;  // this thread's chunk: largest index with a positive weight, -1 if none
+  unsigned long long total;  // fixed-point sum of the weights
+  unsigned long long chunk;  // this thread's chunk: its fixed-point sum
 };
 
-// Total and last positive index of weights w(i) >= 0, i < V (and this thread's share).
-template <int BLOCK, typename WeightFn>
-__device__ WeightTotal block_total(const WeightFn& w, int V, BlockOps<BLOCK>& ops) {
+// The total of fixed-point weights W(i) (uint64, e.g. fixed_weight of a probability) over
+// i < V, and this thread's share.
+template <int BLOCK, typename FixedFn>
+__device__ WeightTotal block_total(const FixedFn& w, int V, BlockOps<BLOCK>& ops) {
   int begin, end;
   thread_chunk<BLOCK>(V, &begin, &end);
   WeightTotal t;
-  t.chunk = 0.0f;
-  t.chunk_last = -1;
-  for (int i = begin; i < end; ++i) {
-    const float wi = w(i);
-    if (wi > 0.0f) {
-      t.chunk += wi;
-      t.chunk_last = i;
-    }
-  }
-  t.total = ops.sum(t.chunk);
-  t.last = ops.max_int(t.chunk_last);
+  t.chunk = 0;
+  for (int i = begin; i < end; ++i) t.chunk += w(i);
+  t.total = ops.sum_fixed(t.chunk);
   return t;
 }
 
-// Inverse-CDF pick (sampling_math.h rule) over weights w(i) >= 0 with coin u, given
-// their block_total. Returns -1 if all weights are zero. Rounding (a running sum that
-// never passes the target) picks the last positive weight of the chunk that should hold
-// the target, or of the row.
-template <int BLOCK, typename WeightFn>
-__device__ int block_pick(const WeightFn& w, int V, float u, const WeightTotal& t,
+// The exact inverse-CDF pick over fixed-point weights W(i) with the 64-bit coin `draw`,
+// given their block_total. Returns -1 if the total is zero.
+template <int BLOCK, typename FixedFn>
+__device__ int block_pick(const FixedFn& w, int V, uint64_t draw, const WeightTotal& t,
                           BlockOps<BLOCK>& ops) {
-  if (t.last < 0) return -1;
-  const float target = inverse_cdf_target(u, t.total);
-  float before, all;
-  typename BlockOps<BLOCK>::ScanF(ops.temp.s).ExclusiveSum(t.chunk, before, all);
+  if (t.total == 0) return -1;
+  const unsigned long long target = draw_target(draw, t.total);  // < total
+  unsigned long long before, all;
+  typename BlockOps<BLOCK>::ScanU(ops.temp.s).ExclusiveSum(t.chunk, before, all);
   __syncthreads();  // temp is reused by the reduction below
-  // The first chunk with mass whose end passes the target holds the pick.
-  const bool holds = t.chunk > 0.0f && before + t.chunk > target;
-  const int owner = ops.min_int(holds ? static_cast<int>(threadIdx.x) : INT_MAX);
-  if (owner == INT_MAX) return t.last;  // rounding: no chunk end passed the target
-  if (static_cast<int>(threadIdx.x) == owner) {
+  // Exactly one chunk holds the target: before <= target < before + chunk.
+  const bool holds = before <= target && target - before < t.chunk;
+  if (holds) {
     int begin, end;
     thread_chunk<BLOCK>(V, &begin, &end);
-    float running = before;
-    int pick = t.chunk_last;  // rounding inside the chunk
-    for (int i = begin; i < end; ++i) {
-      const float wi = w(i);
-      if (wi > 0.0f) {
-        running += wi;
-        if (running > target) {
-          pick = i;
-          break;
-        }
-      }
-    }
-    ops.bcast_i = pick;  // min_int's last barrier: every thread has read bcast_i
+    ops.bcast_i = begin + static_cast<int>(pick_fixed(
+                              [&w, begin](int64_t i) { return w(begin + static_cast<int>(i)); },
+                              end - begin, target - before));
   }
   __syncthreads();
   const int out = ops.bcast_i;
@@ -357,9 +349,9 @@ __device__ int block_pick(const WeightFn& w, int V, float u, const WeightTotal& 
   return out;
 }
 
-template <int BLOCK, typename WeightFn>
-__device__ int block_pick(const WeightFn& w, int V, float u, BlockOps<BLOCK>& ops) {
-  return block_pick<BLOCK>(w, V, u, block_total<BLOCK>(w, V, ops), ops);
+template <int BLOCK, typename FixedFn>
+__device__ int block_pick(const FixedFn& w, int V, uint64_t draw, BlockOps<BLOCK>& ops) {
+  return block_pick<BLOCK>(w, V, draw, block_total<BLOCK>(w, V, ops), ops);
 }
 
 }  // namespace cuda

@@ -88,9 +88,11 @@ __device__ int keyed_block_pick(const float* w, int V, uint64_t seed, uint64_t p
   return ops.argmax(local).index;
 }
 
-// grid: rows blocks. A validation pass, then block_pick (a pass of per-thread chunk sums,
-// a block scan over them, a walk along the chunk that holds the target), or the keyed
-// race (keyed_block_pick). Rows at fault: -1.
+// grid: rows blocks. A validation pass that also finds the row's largest weight, then
+// block_pick over the weights in fixed point scaled by its power of two (a pass of
+// per-thread chunk sums, a block scan over them, a walk along the chunk that holds the
+// target: the CPU's integers and pick), or the keyed race (keyed_block_pick). Rows at
+// fault: -1.
 template <int BLOCK>
 __global__ void __launch_bounds__(BLOCK) sample_kernel(SampleArgs a, unsigned long long* record) {
   __shared__ BlockOps<BLOCK> ops;
@@ -98,14 +100,17 @@ __global__ void __launch_bounds__(BLOCK) sample_kernel(SampleArgs a, unsigned lo
   const int V = static_cast<int>(a.vocab);
   const float* w = a.probs + row * a.probs_row_stride;  // [V]
   int bad = INT_MAX;
+  float local_max = 0.0f;
   for (int i = threadIdx.x; i < V; i += BLOCK) {
     const float v = w[i];
     if (!(v >= 0.0f) || !is_finite(v)) bad = min(bad, i);  // negative, NaN or Inf
+    local_max = v > local_max ? v : local_max;
   }
   bad = ops.min_int(bad);
-  if (bad != INT_MAX) {
+  const float w_max = ops.max(local_max);
+  if (bad != INT_MAX || !(w_max > 0.0f)) {  // a bad value, or zero mass (col -1)
     if (threadIdx.x == 0) {
-      report_error(record, row, StatusCode::kInvalidProbs, bad);
+      report_error(record, row, StatusCode::kInvalidProbs, bad != INT_MAX ? bad : -1);
       a.tokens[row] = -1;
     }
     return;
@@ -115,14 +120,12 @@ __global__ void __launch_bounds__(BLOCK) sample_kernel(SampleArgs a, unsigned lo
     token = keyed_block_pick<BLOCK>(w, V, static_cast<uint64_t>(a.row_seeds[row]),
                                     static_cast<uint64_t>(a.row_positions[row]), ops);
   } else {
-    const float u = uniform(resolve_seed(a.rng), resolve_offset(a.rng), static_cast<uint32_t>(row),
-                            0, Purpose::kSample);
-    token = block_pick<BLOCK>([w](int i) { return w[i]; }, V, u, ops);
+    const uint64_t draw = uniform64(resolve_seed(a.rng), resolve_offset(a.rng),
+                                    static_cast<uint32_t>(row), 0, Purpose::kSample);
+    const double scale = fixed_scale_for(w_max);
+    token = block_pick<BLOCK>([w, scale](int i) { return fixed_scaled(w[i], scale); }, V, draw, ops);
   }
-  if (threadIdx.x == 0) {
-    if (token < 0) report_error(record, row, StatusCode::kInvalidProbs, -1);  // zero mass
-    a.tokens[row] = token;
-  }
+  if (threadIdx.x == 0) a.tokens[row] = token;
 }
 
 // ---- verify ------------------------------------------------------------------------
@@ -250,12 +253,12 @@ __global__ void __launch_bounds__(BLOCK)
       if (j >= 1) {
         const T* x = logits_at<T>(a, b, j);
         const RowStats sj = rs[j];
-        float part = 0.0f;
+        unsigned long long part = 0;
         for (int i = tid; i < V; i += BLOCK) {
-          part += block_residual_weight(
-              w, policy_prob(to_float(x[i]), i, sj, pol.temperature, false), q[i]);
+          part += fixed_weight(block_residual_weight(
+              w, policy_prob(to_float(x[i]), i, sj, pol.temperature, false), q[i]));
         }
-        const float h = block_keep_probability(ops.sum(part), w);
+        const float h = block_keep_probability(fixed_to_float(ops.sum_fixed(part)), w);
         if (block_keep(uniform(seed, offset, row32, static_cast<uint32_t>(j - 1), Purpose::kAccept),
                        h)) {
           tau = static_cast<int>(j);
@@ -294,7 +297,8 @@ __global__ void __launch_bounds__(BLOCK)
       const T* x = logits_at<T>(a, b, acc);  // [V]
       const float temperature = pol.temperature;
       auto p_at = [&](int i) { return policy_prob(to_float(x[i]), i, st, temperature, false); };
-      const float u = uniform(seed, offset, row32, static_cast<uint32_t>(acc), Purpose::kCorrection);
+      auto p_fixed = [&](int i) { return static_cast<unsigned long long>(fixed_weight(p_at(i))); };
+      const uint64_t u = uniform64(seed, offset, row32, static_cast<uint32_t>(acc), Purpose::kCorrection);
       bool use_p = true;
       if (acc < n && a.draft_probs) {  // rejected: the residual max(p - q, 0)
         const float* q = a.draft_probs + b * a.draft_probs_stride_b + acc * a.draft_probs_stride_k;
@@ -304,23 +308,25 @@ __global__ void __launch_bounds__(BLOCK)
           if (tid == 0) report_error(record, b, StatusCode::kInvalidProbs, acc);
           fault = true;
         } else {
-          auto r = [&](int i) { return block_residual_weight(w_tau, p_at(i), q[i]); };
+          auto r = [&](int i) {
+            return static_cast<unsigned long long>(fixed_weight(block_residual_weight(w_tau, p_at(i), q[i])));
+          };
           const WeightTotal t = block_total<BLOCK>(r, V, ops);
-          if (residual_usable(t.total)) {
+          if (residual_usable(fixed_to_float(t.total))) {
             token = block_pick<BLOCK>(r, V, u, t, ops);
             use_p = false;
           }
         }
       } else if (acc < n) {  // rejected one-hot proposal: p without y
         const int yj = y[acc];
-        auto r = [&](int i) { return i == yj ? 0.0f : p_at(i); };
+        auto r = [&](int i) { return i == yj ? 0ull : p_fixed(i); };
         const WeightTotal t = block_total<BLOCK>(r, V, ops);
-        if (residual_usable(t.total)) {
+        if (residual_usable(fixed_to_float(t.total))) {
           token = block_pick<BLOCK>(r, V, u, t, ops);
           use_p = false;
         }
       }
-      if (!fault && use_p) token = block_pick<BLOCK>(p_at, V, u, ops);  // bonus, or roundoff
+      if (!fault && use_p) token = block_pick<BLOCK>(p_fixed, V, u, ops);  // bonus, or roundoff
     }
     if (!fault) {
       __syncthreads();  // every thread has read accepted_shared
@@ -437,15 +443,13 @@ __global__ void __launch_bounds__(BLOCK)
     compute_row_stats<T, BLOCK, FILTER>(x, V, pol, greedy, ops, &st);  // checked above
     const float temperature = pol.temperature;
     auto p_at = [&](int i) { return policy_prob(to_float(x[i]), i, st, temperature, greedy); };
+    auto p_fixed = [&](int i) { return static_cast<unsigned long long>(fixed_weight(p_at(i))); };
+    const uint64_t draw =
+        uniform64(seed, offset, row32, static_cast<uint32_t>(row), Purpose::kTreeEmit);
     int64_t next = -1;
     int emit = -1;
     if (greedy || !a.draft_probs) {
-      const int xt = greedy ? st.argmax
-                            : block_pick<BLOCK>(p_at, V,
-                                                uniform(seed, offset, row32,
-                                                        static_cast<uint32_t>(row),
-                                                        Purpose::kTreeEmit),
-                                                ops);
+      const int xt = greedy ? st.argmax : block_pick<BLOCK>(p_fixed, V, draw, ops);
       for (int64_t c = cur + 1; c < n; ++c) {
         if (par[c] == cur && tok[c] == xt) {
           next = c;
@@ -490,14 +494,14 @@ __global__ void __launch_bounds__(BLOCK)
         }
         const float* qs = a.replacement ? q : qbuf;
         const float denom = a.replacement ? 1.0f : remaining;
-        float part = 0.0f;
+        unsigned long long part = 0;
         for (int i = tid; i < V; i += BLOCK) {
           const float qi = a.replacement ? qs[i] : renormalised_q(qs[i], denom);
           const float v = residual_weight(use_r ? r[i] : p_at(i), qi);
           r[i] = v;
-          part += v;
+          part += fixed_weight(v);
         }
-        const float mass = ops.sum(part);
+        const float mass = fixed_to_float(ops.sum_fixed(part));
         if (residual_usable(mass)) {
           for (int i = tid; i < V; i += BLOCK) r[i] = r[i] / mass;
         } else {
@@ -512,9 +516,10 @@ __global__ void __launch_bounds__(BLOCK)
         __syncthreads();
       }
       if (!fault && next < 0) {  // all rejected, or a leaf
-        const float u = uniform(seed, offset, row32, static_cast<uint32_t>(row), Purpose::kTreeEmit);
-        emit = use_r ? block_pick<BLOCK>([r](int i) { return r[i]; }, V, u, ops)
-                     : block_pick<BLOCK>(p_at, V, u, ops);
+        emit = use_r ? block_pick<BLOCK>(
+                           [r](int i) { return static_cast<unsigned long long>(fixed_weight(r[i])); },
+                           V, draw, ops)
+                     : block_pick<BLOCK>(p_fixed, V, draw, ops);
       }
     }
     if (fault) break;
