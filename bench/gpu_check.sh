@@ -46,25 +46,32 @@
 #                tools/pytest_isolated.py (a crash does not hide the later tests); then
 #                tools/wheel_smoke.py --device cuda (ops vs CPU, a tiny Llama decoded
 #                with plain, n-gram and early-exit drafts; build_info incl. nvtx)
-#    5. kernels  bench/bench_gpu_kernels.py: verify, apply_policy, sample at B 1/32/256,
+#    5. equality bench/gpu_equality.py: CPU against CUDA on the same inputs, seed and
+#                offset over the kernel shapes, dtypes and policies: how many tokens
+#                (and probability bits) differ; must be 0 (equality_gpu.json)
+#    6. kernels  bench/bench_gpu_kernels.py: verify, apply_policy, sample at B 1/32/256,
 #                K 4/8, V 32000/128256/151936, two policies, eager and CUDA graph, GB/s
 #                vs the copy bandwidth, side by side with FlashInfer (else torch)
-#    6. ncu      Nsight Compute (--set full; basic when time is short or full failed)
+#    7. ncu      Nsight Compute (--set full; basic when time is short or full failed)
 #                of verify's kernels at B=32, K=8, V=128256 (bench/ncu_verify.py)
-#    7. e2e      bench/bench_gpu_e2e.py: a random bf16 1B Llama and SmolLM2 (when
+#    8. e2e      bench/bench_gpu_e2e.py: a random bf16 1B Llama and SmolLM2 (when
 #                carried), plain / n-gram / early-exit draft vs transformers' generate /
 #                prompt lookup / assisted generation, batch 1 and 16: tokens/s, the time
 #                split and share outside the forwards, syncs per step, greedy outputs
-#    8. step     bench/bench_step.py --device cuda, if that file exists ("absent" if not)
-#    9. bench    bench/bench_kernels.py --device cuda (verify vs the PyTorch reference,
+#    9. step     bench/bench_step.py --device cuda, if that file exists ("absent" if not)
+#   10. bench    bench/bench_kernels.py --device cuda (verify vs the PyTorch reference,
 #                the series of the first GPU run), if at least 40 s are left
+#
+# GPU_CHECK_ONLY="tests equality kernels" (any of tests smoke equality kernels ncu e2e
+# step bench) runs info, deps and the build, then only the phases named: a targeted rerun.
 #
 # What comes back ($OUT_DIR, 8 files at most, as the device tool returns): summary.txt
 # (this log), gpu_check.json (each phase: status, seconds, limit; rewritten after each),
 # gpu_check.tar.gz (every phase log, pytest's junit XML, the FlashInfer prebuild status,
 # bench_kernels' JSON; repacked after each phase), kernels_gpu.json, e2e_gpu.json (each
-# rewritten after every case), verify.ncu-rep + ncu_verify.txt (its summary and details
-# pages), step.json.
+# rewritten after every case), equality_gpu.json, ncu_verify.txt (the summary and details
+# pages of the Nsight Compute report, which stays in WORK_DIR: over what comes back),
+# step.json.
 #
 # Environment: OUT (default bench/out/gpu), PYTHON (default python3), WHEELHOUSE,
 # WORK_DIR (scratch; default a fresh /tmp dir), TOTAL_BUDGET_S, CUDA_ARCH (default
@@ -186,6 +193,12 @@ skip() {  # skip NAME MESSAGE: a phase not run for a reason that is not a failur
   log "phase $1: $2"
   PHASES+=("{\"name\": $(json_escape "$1"), \"status\": \"skipped\", \"message\": $(json_escape "$2")}")
   save_state
+}
+
+# wanted NAME: whether a later phase runs (GPU_CHECK_ONLY: the names to run, e.g.
+# "tests equality kernels" for a targeted rerun; empty: every phase). The build always runs.
+wanted() {
+  [[ -z ${GPU_CHECK_ONLY:-} || " $GPU_CHECK_ONLY " == *" $1 "* ]]
 }
 
 have_module() {
@@ -360,7 +373,7 @@ fi
 # the background, so that it overlaps verispec's build and the tests.
 FI_STATUS=""
 FI_PID=""
-if have_module flashinfer && ! failed gpu && ! failed torch; then
+if wanted kernels && have_module flashinfer && ! failed gpu && ! failed torch; then
   FI_STATUS=$WORK/flashinfer_status.json
   timeout --kill-after=10 400 "$PY" bench/bench_gpu_kernels.py --flashinfer-prebuild "$FI_STATUS" \
     >"$LOGS/flashinfer_prebuild.log" 2>&1 &
@@ -472,7 +485,9 @@ fi
 
 # --- 4. tests ---------------------------------------------------------------------------
 
-if ((built)) && have_module pytest; then
+if ! wanted tests; then
+  skip tests "not selected (GPU_CHECK_ONLY)"
+elif ((built)) && have_module pytest; then
   mapfile -t cuda_test_files < <(grep -l "pytest.mark.cuda" tests/test_*.py)
   log "cuda-marked tests in: ${cuda_test_files[*]}"
   # pytest_isolated: if a test kills the process, the tests after it still run, each in
@@ -485,14 +500,25 @@ else
   fail tests "not run (no CUDA build of verispec, or no pytest)"
 fi
 
-if ((built)); then
+if ((built)) && wanted smoke; then
   phase smoke 60 140 "$PY" -W error tools/wheel_smoke.py --device cuda || true
   tail -c 2000 "$LOGS/smoke.log"; echo
 fi
 
-# --- 5. kernels: verispec vs FlashInfer / torch ----------------------------------------
+# --- 5. CPU against CUDA: the same tokens (bench/gpu_equality.py) ----------------------
 
-if ((built)); then
+if ((built)) && wanted equality; then
+  seconds=$(limit 120 150)
+  phase equality "$seconds" 0 "$PY" bench/gpu_equality.py --device cuda \
+    --out "$OUT_DIR/equality_gpu.json" --budget-s $((seconds - 40)) || true
+  tail -n 12 "$LOGS/equality.log"
+fi
+
+# --- 6. kernels: verispec vs FlashInfer / torch ----------------------------------------
+
+if ! wanted kernels; then
+  skip kernels "not selected (GPU_CHECK_ONLY)"
+elif ((built)); then
   seconds=$(limit 150 110)
   kernel_args=(--device cuda --out "$OUT_DIR/kernels_gpu.json" --budget-s $((seconds - 30)))
   if [[ -n $FI_STATUS ]]; then
@@ -517,39 +543,43 @@ print("ok, %s, %.0f s" % (d.get("version"), d["seconds"]) if d["ok"] else "FAILE
   fi
 fi
 
-# --- 6. Nsight Compute profile of verify's kernels -------------------------------------
+# --- 7. Nsight Compute profile of verify's kernels -------------------------------------
 
-if ((built)) && [[ -n $NCU ]]; then
+if ! wanted ncu; then
+  skip ncu "not selected (GPU_CHECK_ONLY)"
+elif ((built)) && [[ -n $NCU ]]; then
   set_name=${NCU_SET:-}
   if [[ -z $set_name ]]; then
     if ((DEADLINE - SECONDS > 150)); then set_name=full; else set_name=basic; fi
   fi
-  ncu_run() {  # ncu_run SET: profile bench/ncu_verify.py into $OUT_DIR/verify.ncu-rep
+  ncu_run() {  # ncu_run SET: profile bench/ncu_verify.py into $WORK/verify.ncu-rep
     phase "ncu_$1" 90 120 "$NCU" --clock-control none --profile-from-start off \
       --target-processes all --kernel-name regex:verify_ --set "$1" --import-source no \
-      -f -o "$OUT_DIR/verify" "$PY" bench/ncu_verify.py --device cuda
+      -f -o "$WORK/verify" "$PY" bench/ncu_verify.py --device cuda
   }
   if ! ncu_run "$set_name" && [[ $set_name != basic ]] && ((DEADLINE - SECONDS > 100)); then
     log "ncu: retrying with --set basic"
     ncu_run basic || true
   fi
-  if [[ -f $OUT_DIR/verify.ncu-rep ]]; then
+  if [[ -f $WORK/verify.ncu-rep ]]; then
     {
       echo "== ncu --print-summary per-kernel"
-      timeout 60 "$NCU" --import "$OUT_DIR/verify.ncu-rep" --print-summary per-kernel || true
+      timeout 60 "$NCU" --import "$WORK/verify.ncu-rep" --print-summary per-kernel || true
       echo; echo "== ncu --page details"
-      timeout 60 "$NCU" --import "$OUT_DIR/verify.ncu-rep" --page details || true
+      timeout 60 "$NCU" --import "$WORK/verify.ncu-rep" --page details || true
     } >"$OUT_DIR/ncu_verify.txt" 2>&1
-    log "ncu: $OUT_DIR/verify.ncu-rep, text in ncu_verify.txt ($(wc -l <"$OUT_DIR/ncu_verify.txt") lines)"
+    log "ncu: $WORK/verify.ncu-rep, text in ncu_verify.txt ($(wc -l <"$OUT_DIR/ncu_verify.txt") lines)"
     head -n 40 "$OUT_DIR/ncu_verify.txt"
   fi
 elif ((built)); then
   fail ncu "no ncu (PATH, /usr/local/cuda/bin, /opt/nvidia/nsight-compute/*)"
 fi
 
-# --- 7. end to end: SpecDecoder vs transformers -----------------------------------------
+# --- 8. end to end: SpecDecoder vs transformers -----------------------------------------
 
-if ((built)); then
+if ! wanted e2e; then
+  skip e2e "not selected (GPU_CHECK_ONLY)"
+elif ((built)); then
   # what stays for the step benchmark, when there is one
   seconds=$(limit 240 "$([[ -f bench/bench_step.py ]] && echo 60 || echo 20)")
   e2e_args=(--device cuda --out "$OUT_DIR/e2e_gpu.json" --work-dir "$WORK/e2e"
@@ -562,9 +592,11 @@ else
   fail e2e "not run (no CUDA build of verispec)"
 fi
 
-# --- 8. the decode-step benchmark (bench/bench_step.py) ----------------------------------
+# --- 9. the decode-step benchmark (bench/bench_step.py) ----------------------------------
 
-if [[ ! -f bench/bench_step.py ]]; then
+if ! wanted step; then
+  skip step "not selected (GPU_CHECK_ONLY)"
+elif [[ ! -f bench/bench_step.py ]]; then
   skip step "bench/bench_step.py absent (not run)"
 elif ((built)); then
   phase step 60 0 "$PY" bench/bench_step.py --device cuda --out "$OUT_DIR/step.json" || true
@@ -573,9 +605,11 @@ else
   fail step "not run (no CUDA build of verispec)"
 fi
 
-# --- 9. the first GPU run's series: bench_kernels.py -----------------------------------
+# --- 10. the first GPU run's series: bench_kernels.py ----------------------------------
 
-if ((built)) && ((DEADLINE - SECONDS >= 40)); then
+if ! wanted bench; then
+  skip bench "not selected (GPU_CHECK_ONLY)"
+elif ((built)) && ((DEADLINE - SECONDS >= 40)); then
   phase bench 90 0 "$PY" bench/bench_kernels.py --device cuda --out "$LOGS/kernels.json" || true
   tail -n 20 "$LOGS/bench.log"
 elif ((built)); then

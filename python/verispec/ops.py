@@ -7,8 +7,10 @@ vocabulary. What differs from the reference:
 
 - Randomness is counter-based (Philox4x32-10): each coin is addressed by
   ``(seed, offset, row, position, purpose)``, so a call is a pure function of its
-  inputs, the CPU and CUDA paths draw the same coins, and ranks of a sharded run agree
-  without communication. Advance ``offset`` by one per call (per decoding step);
+  inputs and ranks of a sharded run agree without communication. Every sum a decision
+  depends on is an exact fixed-point sum and every float is computed alike on both
+  devices, so for the same inputs the CPU and CUDA paths return the same probabilities
+  and the same tokens, bit for bit. Rows have at most 2**20 entries (the vocabulary). Advance ``offset`` by one per call (per decoding step);
   ``offset`` must be in ``[0, 2**60)``, ``seed`` in ``[0, 2**64)``. Either may be a
   one-element int64 tensor, which a CUDA graph can replay with new values.
 - Every op is a ``torch.library`` custom op (``torch.ops.verispec.*``) with a fake
@@ -65,8 +67,9 @@ def apply_policy(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
 def sample(probs, seed=0, offset=0, *, seeds=None, positions=None):
     """One token per row of probs [N, V] (need not be normalised): int32 [N].
 
-    Inverse CDF with the Philox coin (seed, offset, row, position 0, SAMPLE): the same
-    seed and offset give the same tokens.
+    The exact inverse CDF over the weights in fixed point (floor(w * 2^40 / 2^e), 2^e the
+    largest weight's power of two) with the 64-bit draw (seed, offset, row, position 0,
+    SAMPLE): the same seed and offset give the same tokens, on either device.
 
     Keyed (``seeds`` and ``positions``: [N] integer tensors or sequences of ints, seeds
     in [0, 2**64) and positions >= 0): row n's token is the exponential race of probs[n]
@@ -200,8 +203,9 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
 
     Proposal j of row b is accepted iff u * q(d) < p(d), u the coin (seed, offset, b, j,
     ACCEPT); at the first rejection a correction is drawn from norm(max(p - q, 0)) (from
-    p if that mass is < 1e-6), after K accepted proposals a bonus from p, with the coin
-    (seed, offset, b, position, CORRECTION).
+    p if that mass is < 1e-6), after K accepted proposals a bonus from p, with the 64-bit
+    draw (seed, offset, b, position, CORRECTION) (an exact inverse CDF over fixed-point
+    weights).
 
     method="block": block verification (Sun et al., arXiv 2403.10444) for sampled drafts
     (draft_probs given; greedy rows and draft_probs None stay token-wise): exact, and its
@@ -253,9 +257,9 @@ def verify_tree(target_logits, tree_tokens, parents, draft_probs=None, *, num_no
     is emitted; a leaf emits a bonus token from its p. Exact (SpecInfer, arXiv 2305.09781;
     without replacement: recursive rejection sampling, arXiv 2402.14160).
 
-    Coins (csrc/include/verispec/philox.h): node i's test uses (seed, offset, b, i,
-    TREE_ACCEPT); the token drawn at the node with target row j uses (seed, offset, b, j,
-    TREE_EMIT).
+    Coins (csrc/include/verispec/philox.h): node i's test uses the coin (seed, offset, b,
+    i, TREE_ACCEPT); the token drawn at the node with target row j uses the 64-bit draw
+    (seed, offset, b, j, TREE_EMIT).
 
     Returns (tokens [B, N+1] int32: the accepted path's tokens then the emitted one, -1
     after; num_emitted [B] int32 = accepted depth + 1; accepted_nodes [B, N] int32: the
