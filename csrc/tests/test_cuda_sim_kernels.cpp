@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -748,6 +749,125 @@ void test_launch_block_size_at_a_large_vocabulary() {
   CHECK(kept >= 1 && kept <= 50);  // top-k 50, then top-p 0.9
 }
 
+// ---- memory traffic and parallelism, the stand-ins for speed -------------------------
+
+struct Traffic {
+  double logit_passes;  // the most bytes read of one logits row / its size
+  double q_passes;      // the same for q (verify with sampled drafts)
+  double write_passes;  // probabilities written (apply_policy)
+  size_t blocks;        // the most blocks of one launch that touched one logits row
+};
+
+// One op at the launchers' configuration (kLaunchBlock threads, their grids) on B = 1 row
+// (verify: K = 4 positions, drafts from q, a rejection at position 0) of a Llama-3
+// vocabulary, counted by the simulation (cuda_sim.h Traffic).
+Traffic measure(const std::string& op, const PolicyParams& policy) {
+  const int64_t V = 128256;
+  std::mt19937 rng(42);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  cuda_sim::traffic.clear();
+  Traffic t{0.0, 0.0, 0.0, 0};
+  if (op == "apply_policy" || op == "sample") {
+    std::vector<float> logits(static_cast<size_t>(V)), probs(static_cast<size_t>(V));
+    for (auto& x : logits) x = normal(rng);
+    ApplyPolicyArgs a;
+    a.logits = logits.data();
+    a.logits_row_stride = V;
+    a.rows = 1;
+    a.vocab = V;
+    a.policy = policy;
+    a.probs = probs.data();
+    a.probs_row_stride = V;
+    if (op == "apply_policy") {
+      cuda_sim::traffic.watch("logits", logits.data(), 1, V * sizeof(float));
+      cuda_sim::traffic.watch("probs", probs.data(), 1, V * sizeof(float));
+      CHECK((sim_apply_policy<float, kLaunchBlock>(a).ok()));
+      t.logit_passes = cuda_sim::traffic.max_read_passes("logits");
+      t.write_passes = cuda_sim::traffic.max_write_passes("probs");
+      t.blocks = cuda_sim::traffic.max_blocks_per_row("logits");
+      return t;
+    }
+    CHECK(apply_policy_cpu(a).ok());
+    SampleArgs s;
+    s.probs = probs.data();
+    s.probs_row_stride = V;
+    s.rows = 1;
+    s.vocab = V;
+    int32_t token = -1;
+    s.tokens = &token;
+    cuda_sim::traffic.watch("probs", probs.data(), 1, V * sizeof(float));
+    unsigned long long record = kNoDeviceError;
+    cuda_sim::run_grid(1, kLaunchBlock, [&] { sample_kernel<kLaunchBlock>(s, &record); });
+    CHECK(record == kNoDeviceError && token >= 0);
+    t.logit_passes = cuda_sim::traffic.max_read_passes("probs");
+    t.blocks = cuda_sim::traffic.max_blocks_per_row("probs");
+    return t;
+  }
+  VerifyCase c;
+  c.batch = 1;
+  c.k = 4;
+  c.vocab = V;
+  c.logits.resize(static_cast<size_t>(5 * V));
+  for (auto& x : c.logits) x = normal(rng);
+  // q puts 0.99 on the proposal y_j = j and spreads the rest: the target gives y_0 little
+  // mass (none under top-k), so position 0 is rejected and its residual drawn.
+  c.draft_probs.assign(static_cast<size_t>(4 * V), 0.01f / static_cast<float>(V - 1));
+  for (int64_t j = 0; j < 4; ++j) c.draft_probs[static_cast<size_t>(j * V + j)] = 0.99f;
+  c.drafts = {0, 1, 2, 3};
+  c.policy = policy;
+  VerifyOut out;
+  const VerifyArgs a = c.args(&out);
+  cuda_sim::traffic.watch("logits", c.logits.data(), 5, V * sizeof(float));
+  cuda_sim::traffic.watch("q", c.draft_probs.data(), 4, V * sizeof(float));
+  CHECK(sim_verify<kLaunchBlock>(a).ok());
+  t.logit_passes = cuda_sim::traffic.max_read_passes("logits");
+  t.q_passes = cuda_sim::traffic.max_read_passes("q");
+  t.blocks = cuda_sim::traffic.max_blocks_per_row("logits");
+  return t;
+}
+
+// The pins: what the kernels cost now, per row, at B = 1, V = 128256. A change that reads
+// the logits more often, or spreads a row over fewer blocks, fails here. The target of
+// the GPU work (issue: at most two reads of each logit at temperature 1, a row split over
+// several blocks when there are fewer rows than SMs) moves these numbers down (passes)
+// and up (blocks); update the pins with it.
+void test_memory_traffic() {
+  PolicyParams plain;  // temperature 1
+  PolicyParams knobs;
+  knobs.top_k = 50;
+  knobs.top_p = 0.9f;
+  struct Pin {
+    const char* op;
+    const PolicyParams* policy;
+    double logit_passes;  // at most
+    double q_passes;      // at most
+    size_t blocks;        // exactly
+  };
+  // Measured at the commit that added them: apply_policy 3 / 20 passes, sample 2.002,
+  // verify 3.002 / 21.002 (q 2.002): max, softmax sum; the threshold searches (8-way, up
+  // to 10 passes each); the write pass; a draw's chunk sums and one chunk's walk.
+  const Pin pins[] = {
+      {"apply_policy", &plain, 3.0, 0.0, 1},
+      {"apply_policy", &knobs, 20.0, 0.0, 1},
+      {"sample", &plain, 2.01, 0.0, 1},
+      {"verify", &plain, 3.01, 2.01, 1},
+      {"verify", &knobs, 21.01, 2.01, 1},
+  };
+  for (const Pin& pin : pins) {
+    const Traffic t = measure(pin.op, *pin.policy);
+    std::printf("traffic: %-12s %-13s logits %.3f passes, q %.3f, written %.3f, %zu block(s) a row\n",
+                pin.op, pin.policy == &plain ? "temperature 1" : "top-k + top-p", t.logit_passes,
+                t.q_passes, t.write_passes, t.blocks);
+    CHECK(t.logit_passes <= pin.logit_passes);
+    CHECK(t.q_passes <= pin.q_passes);
+    CHECK(t.logit_passes >= 1.0);  // every op reads its rows
+    if (std::string(pin.op) == "verify") CHECK(t.q_passes > 1.0);  // the rejection read q's row
+    CHECK(t.blocks == pin.blocks);
+    if (std::string(pin.op) == "apply_policy") CHECK(t.write_passes == 1.0);
+  }
+  cuda_sim::traffic.clear();
+}
+
 }  // namespace
 
 int main() {
@@ -761,5 +881,6 @@ int main() {
   test_verify_tree_matches_the_cpu();
   test_verify_tree_faults();
   test_launch_block_size_at_a_large_vocabulary();
+  test_memory_traffic();
   return native_check::check_summary("test_cuda_sim_kernels");
 }

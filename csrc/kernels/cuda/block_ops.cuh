@@ -125,6 +125,28 @@ struct BlockOps {
   }
 };
 
+// Global-memory accesses to the ops' inputs and outputs (logits, probabilities, q, the
+// probabilities written): plain loads and stores on the device; the host simulation
+// counts them per row (csrc/tests/cuda_sim/cuda_sim.h, Traffic), the stand-in for speed
+// that native tests pin without a GPU. Workspace scratch is not counted.
+template <typename T>
+__device__ __forceinline__ T ld(const T* p) {
+#if defined(CUDA_SIM_TRAFFIC)
+  cuda_sim::traffic.read(p, sizeof(T));
+#endif
+  return *p;
+}
+template <typename T>
+__device__ __forceinline__ void st(T* p, T v) {
+#if defined(CUDA_SIM_TRAFFIC)
+  cuda_sim::traffic.write(p, sizeof(T));
+#endif
+  *p = v;
+}
+
+// A q or probs value that is negative, NaN or infinite.
+__device__ inline bool not_a_probability(float v) { return !(v >= 0.0f) || !is_finite(v); }
+
 // Reports a value error into the record (lowest record wins; see ops.h). Any thread.
 __device__ inline void report_error(unsigned long long* record, int64_t row, StatusCode code,
                                     int64_t col) {
@@ -171,7 +193,7 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
   ArgMax local{-INFINITY, INT_MAX};
   int bad = INT_MAX;
   for (int i = tid; i < V; i += BLOCK) {
-    const float v = to_float(x[i]);
+    const float v = to_float(ld(x + i));
     if (!logit_valid(v)) {
       bad = min(bad, i);
     } else if (argmax_before(v, i, local.value, local.index)) {
@@ -195,7 +217,7 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
   const float temperature = pol.temperature;
   unsigned long long acc = 0;
   for (int i = tid; i < V; i += BLOCK) {
-    acc += fixed_weight(softmax_weight(to_float(x[i]), s.row_max, temperature));
+    acc += fixed_weight(softmax_weight(to_float(ld(x + i)), s.row_max, temperature));
   }
   s.norm = fixed_to_float(ops.sum_fixed(acc));
   if constexpr (!FILTER) {
@@ -204,7 +226,7 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
   }
   const float norm = s.norm;
   const float row_max = s.row_max;
-  auto p_raw = [&](int i) { return softmax_weight(to_float(x[i]), row_max, temperature) / norm; };
+  auto p_raw = [&](int i) { return softmax_weight(to_float(ld(x + i)), row_max, temperature) / norm; };
   auto count_ge = [&](float t) {
     int c = 0;
     for (int i = tid; i < V; i += BLOCK) c += p_raw(i) >= t;

@@ -38,14 +38,14 @@ __global__ void __launch_bounds__(BLOCK)
     const int bad = compute_row_stats<T, BLOCK, FILTER>(x, V, pol, pol.greedy(), ops, &s);
     if (bad == kLogitsOk) {
       for (int i = threadIdx.x; i < V; i += BLOCK) {
-        out[i] = policy_prob(to_float(x[i]), i, s, pol.temperature, pol.greedy());
+        st(out + i, policy_prob(to_float(ld(x + i)), i, s, pol.temperature, pol.greedy()));
       }
       return;
     }
     // A NaN / +Inf at `bad`, or all -Inf (col -1).
     if (threadIdx.x == 0) report_error(record, row, StatusCode::kNanOrInfLogits, bad >= 0 ? bad : -1);
   }
-  for (int i = threadIdx.x; i < V; i += BLOCK) out[i] = 0.0f;  // the row is at fault
+  for (int i = threadIdx.x; i < V; i += BLOCK) st(out + i, 0.0f);  // the row is at fault
 }
 
 // ---- sample ------------------------------------------------------------------------
@@ -60,7 +60,8 @@ __device__ int keyed_block_pick(const float* w, int V, uint64_t seed, uint64_t p
                                 BlockOps<BLOCK>& ops) {
   ArgMax local{-1.0f, -1};
   for (int i = threadIdx.x; i < V; i += BLOCK) {
-    if (argmax_before(w[i], i, local.value, local.index)) local = ArgMax{w[i], i};
+    const float wi = ld(w + i);
+    if (argmax_before(wi, i, local.value, local.index)) local = ArgMax{wi, i};
   }
   const ArgMax heaviest = ops.argmax(local);
   if (!(heaviest.value > 0.0f)) return -1;
@@ -73,15 +74,18 @@ __device__ int keyed_block_pick(const float* w, int V, uint64_t seed, uint64_t p
   const int quads = (V + 3) / 4;
   for (int q = threadIdx.x; q < quads; q += BLOCK) {
     const int base = 4 * q, end = min(base + 4, V);
+    float wq[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     bool contender = false;
     for (int i = base; i < end; ++i) {
-      contender = contender || (w[i] > 0.0f && !(race_score(w[i] / w_max, e_min) < local.value));
+      wq[i - base] = ld(w + i);
+      contender = contender || (wq[i - base] > 0.0f &&
+                                !(race_score(wq[i - base] / w_max, e_min) < local.value));
     }
     if (!contender) continue;
     const Philox4x32 block = race_block(seed, position, static_cast<uint32_t>(q));
     for (int i = base; i < end; ++i) {
-      if (!(w[i] > 0.0f)) continue;
-      const float score = race_score(w[i] / w_max, race_exponential(block.v[i - base]));
+      if (!(wq[i - base] > 0.0f)) continue;
+      const float score = race_score(wq[i - base] / w_max, race_exponential(block.v[i - base]));
       if (argmax_before(score, i, local.value, local.index)) local = ArgMax{score, i};
     }
   }
@@ -102,7 +106,7 @@ __global__ void __launch_bounds__(BLOCK) sample_kernel(SampleArgs a, unsigned lo
   int bad = INT_MAX;
   float local_max = 0.0f;
   for (int i = threadIdx.x; i < V; i += BLOCK) {
-    const float v = w[i];
+    const float v = ld(w + i);
     if (!(v >= 0.0f) || !is_finite(v)) bad = min(bad, i);  // negative, NaN or Inf
     local_max = v > local_max ? v : local_max;
   }
@@ -123,7 +127,7 @@ __global__ void __launch_bounds__(BLOCK) sample_kernel(SampleArgs a, unsigned lo
     const uint64_t draw = uniform64(resolve_seed(a.rng), resolve_offset(a.rng),
                                     static_cast<uint32_t>(row), 0, Purpose::kSample);
     const double scale = fixed_scale_for(w_max);
-    token = block_pick<BLOCK>([w, scale](int i) { return fixed_scaled(w[i], scale); }, V, draw, ops);
+    token = block_pick<BLOCK>([w, scale](int i) { return fixed_scaled(ld(w + i), scale); }, V, draw, ops);
   }
   if (threadIdx.x == 0) a.tokens[row] = token;
 }
@@ -181,7 +185,7 @@ __global__ void __launch_bounds__(BLOCK)
   s.p_y = 0.0f;
   s.q_y = 1.0f;  // one-hot proposal
   if (ok && j < n) {
-    s.p_y = policy_prob(to_float(x[y]), y, s, pol.temperature, greedy);
+    s.p_y = policy_prob(to_float(ld(x + y)), y, s, pol.temperature, greedy);
     if (a.draft_probs) {
       s.q_y = a.draft_probs[b * a.draft_probs_stride_b + j * a.draft_probs_stride_k + y];
       if (!(s.q_y >= 0.0f) || !is_finite(s.q_y)) {
@@ -244,7 +248,7 @@ __global__ void __launch_bounds__(BLOCK)
       }
       const float* q = a.draft_probs + b * a.draft_probs_stride_b + j * a.draft_probs_stride_k;
       int bad = 0;
-      for (int i = tid; i < V; i += BLOCK) bad |= !(q[i] >= 0.0f) || !is_finite(q[i]);
+      for (int i = tid; i < V; i += BLOCK) bad |= not_a_probability(ld(q + i));
       if (__syncthreads_or(bad)) {
         if (tid == 0) report_error(record, b, StatusCode::kInvalidProbs, j);
         fault = true;
@@ -256,7 +260,7 @@ __global__ void __launch_bounds__(BLOCK)
         unsigned long long part = 0;
         for (int i = tid; i < V; i += BLOCK) {
           part += fixed_weight(block_residual_weight(
-              w, policy_prob(to_float(x[i]), i, sj, pol.temperature, false), q[i]));
+              w, policy_prob(to_float(ld(x + i)), i, sj, pol.temperature, false), ld(q + i)));
         }
         const float h = block_keep_probability(fixed_to_float(ops.sum_fixed(part)), w);
         if (block_keep(uniform(seed, offset, row32, static_cast<uint32_t>(j - 1), Purpose::kAccept),
@@ -296,20 +300,21 @@ __global__ void __launch_bounds__(BLOCK)
     } else {
       const T* x = logits_at<T>(a, b, acc);  // [V]
       const float temperature = pol.temperature;
-      auto p_at = [&](int i) { return policy_prob(to_float(x[i]), i, st, temperature, false); };
+      auto p_at = [&](int i) { return policy_prob(to_float(ld(x + i)), i, st, temperature, false); };
       auto p_fixed = [&](int i) { return static_cast<unsigned long long>(fixed_weight(p_at(i))); };
       const uint64_t u = uniform64(seed, offset, row32, static_cast<uint32_t>(acc), Purpose::kCorrection);
       bool use_p = true;
       if (acc < n && a.draft_probs) {  // rejected: the residual max(p - q, 0)
         const float* q = a.draft_probs + b * a.draft_probs_stride_b + acc * a.draft_probs_stride_k;
         int bad = 0;
-        for (int i = tid; i < V; i += BLOCK) bad |= !(q[i] >= 0.0f) || !is_finite(q[i]);
+        for (int i = tid; i < V; i += BLOCK) bad |= not_a_probability(ld(q + i));
         if (__syncthreads_or(bad)) {
           if (tid == 0) report_error(record, b, StatusCode::kInvalidProbs, acc);
           fault = true;
         } else {
           auto r = [&](int i) {
-            return static_cast<unsigned long long>(fixed_weight(block_residual_weight(w_tau, p_at(i), q[i])));
+            return static_cast<unsigned long long>(
+                fixed_weight(block_residual_weight(w_tau, p_at(i), ld(q + i))));
           };
           const WeightTotal t = block_total<BLOCK>(r, V, ops);
           if (residual_usable(fixed_to_float(t.total))) {
@@ -358,8 +363,6 @@ __device__ inline const T* tree_logits_at(const VerifyTreeArgs& a, int64_t b, in
   return static_cast<const T*>(a.target_logits) + b * a.target_logits_stride_b +
          j * a.target_logits_stride_n;
 }
-
-__device__ inline bool tree_bad_prob(float v) { return !(v >= 0.0f) || !is_finite(v); }
 
 // The first fault of node i (kOk if none), with the CPU's order: parent, token, sibling.
 __device__ inline StatusCode tree_node_fault(const VerifyTreeArgs& a, const int32_t* tok,
@@ -417,7 +420,7 @@ __global__ void __launch_bounds__(BLOCK)
       const T* x = tree_logits_at<T>(a, b, j);
       int bad = 0, finite = 0;
       for (int i = tid; i < V; i += BLOCK) {
-        const float v = to_float(x[i]);
+        const float v = to_float(ld(x + i));
         bad |= !logit_valid(v);
         finite |= is_finite(v);
       }
@@ -442,7 +445,7 @@ __global__ void __launch_bounds__(BLOCK)
     RowStats st;
     compute_row_stats<T, BLOCK, FILTER>(x, V, pol, greedy, ops, &st);  // checked above
     const float temperature = pol.temperature;
-    auto p_at = [&](int i) { return policy_prob(to_float(x[i]), i, st, temperature, greedy); };
+    auto p_at = [&](int i) { return policy_prob(to_float(ld(x + i)), i, st, temperature, greedy); };
     auto p_fixed = [&](int i) { return static_cast<unsigned long long>(fixed_weight(p_at(i))); };
     const uint64_t draw =
         uniform64(seed, offset, row32, static_cast<uint32_t>(row), Purpose::kTreeEmit);
@@ -465,8 +468,8 @@ __global__ void __launch_bounds__(BLOCK)
       for (int64_t c = cur + 1; c < n; ++c) {
         if (par[c] != cur) continue;
         const int xt = tok[c];
-        const float q_x = q[xt];
-        if (tree_bad_prob(q_x)) {
+        const float q_x = ld(q + xt);
+        if (not_a_probability(q_x)) {
           if (tid == 0) report_error(record, b, StatusCode::kInvalidProbs, row);
           fault = true;
           break;
@@ -481,7 +484,7 @@ __global__ void __launch_bounds__(BLOCK)
         }
         if (!row_checked) {
           int bad = 0;
-          for (int i = tid; i < V; i += BLOCK) bad |= tree_bad_prob(q[i]);
+          for (int i = tid; i < V; i += BLOCK) bad |= not_a_probability(ld(q + i));
           if (__syncthreads_or(bad)) {
             if (tid == 0) report_error(record, b, StatusCode::kInvalidProbs, row);
             fault = true;
@@ -489,14 +492,14 @@ __global__ void __launch_bounds__(BLOCK)
           }
           row_checked = true;
           if (!a.replacement) {
-            for (int i = tid; i < V; i += BLOCK) qbuf[i] = q[i];
+            for (int i = tid; i < V; i += BLOCK) qbuf[i] = ld(q + i);
           }
         }
         const float* qs = a.replacement ? q : qbuf;
         const float denom = a.replacement ? 1.0f : remaining;
         unsigned long long part = 0;
         for (int i = tid; i < V; i += BLOCK) {
-          const float qi = a.replacement ? qs[i] : renormalised_q(qs[i], denom);
+          const float qi = a.replacement ? ld(qs + i) : renormalised_q(qs[i], denom);
           const float v = residual_weight(use_r ? r[i] : p_at(i), qi);
           r[i] = v;
           part += fixed_weight(v);

@@ -20,6 +20,9 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <set>
+#include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -207,6 +210,98 @@ inline void run_grid(unsigned grid, int threads, const std::function<void()>& fn
 inline cuda_sim::Dim3 threadIdx;
 inline cuda_sim::Dim3 blockIdx;
 
+namespace cuda_sim {
+
+// Global-memory traffic of the buffers a test watches, per row of each buffer: the bytes
+// read and written, and the blocks of each launch that touched the row. Device code
+// counts through ld / st (cuda/block_ops.cuh), which call read / write here because this
+// header defines CUDA_SIM_TRAFFIC; on a GPU they are plain accesses. The counts stand in
+// for speed where there is no GPU: passes over the logits, blocks a row is spread over.
+class Traffic {
+ public:
+  struct Row {
+    uint64_t read = 0, written = 0;
+    std::set<std::pair<unsigned, unsigned>> blocks;  // (launch, blockIdx.x)
+  };
+  struct Buffer {
+    std::string name;
+    uintptr_t begin = 0, end = 0;
+    size_t row_bytes = 0;
+    std::vector<Row> rows;
+  };
+
+  // Counts accesses to [base, base + rows * row_bytes) from now on, row by row.
+  void watch(const std::string& name, const void* base, size_t rows, size_t row_bytes) {
+    Buffer b;
+    b.name = name;
+    b.begin = reinterpret_cast<uintptr_t>(base);
+    b.end = b.begin + rows * row_bytes;
+    b.row_bytes = row_bytes;
+    b.rows.resize(rows);
+    buffers_.push_back(std::move(b));
+  }
+  void clear() { buffers_.clear(); }
+  const Buffer& buffer(const std::string& name) const {
+    for (const Buffer& b : buffers_) {
+      if (b.name == name) return b;
+    }
+    std::fprintf(stderr, "cuda_sim: no watched buffer %s\n", name.c_str());
+    std::abort();
+  }
+  // A launch begins (run_grid): the blocks of different launches are told apart.
+  void next_launch() { ++launch_; }
+
+  void read(const void* p, size_t bytes) { note(p, bytes, false); }
+  void write(const void* p, size_t bytes) { note(p, bytes, true); }
+
+  // What one buffer saw: the most bytes read (written) of any row over its row size (the
+  // passes over that row), and the most blocks of one launch that touched any row.
+  double max_read_passes(const std::string& name) const { return max_passes(name, false); }
+  double max_write_passes(const std::string& name) const { return max_passes(name, true); }
+  size_t max_blocks_per_row(const std::string& name) const {
+    size_t most = 0;
+    for (const Row& r : buffer(name).rows) {
+      std::set<unsigned> launches;
+      for (const auto& lb : r.blocks) launches.insert(lb.first);
+      for (unsigned l : launches) {
+        size_t n = 0;
+        for (const auto& lb : r.blocks) n += lb.first == l;
+        most = std::max(most, n);
+      }
+    }
+    return most;
+  }
+
+ private:
+  double max_passes(const std::string& name, bool written) const {
+    const Buffer& b = buffer(name);
+    uint64_t most = 0;
+    for (const Row& r : b.rows) most = std::max(most, written ? r.written : r.read);
+    return static_cast<double>(most) / static_cast<double>(b.row_bytes);
+  }
+  void note(const void* p, size_t bytes, bool written);
+
+  std::vector<Buffer> buffers_;
+  unsigned launch_ = 0;
+};
+
+inline Traffic traffic;
+
+}  // namespace cuda_sim
+
+#define CUDA_SIM_TRAFFIC 1
+
+inline void cuda_sim::Traffic::note(const void* p, size_t bytes, bool written) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  for (Buffer& b : buffers_) {
+    if (a < b.begin || a >= b.end) continue;
+    Row& r = b.rows[(a - b.begin) / b.row_bytes];
+    (written ? r.written : r.read) += bytes;
+    r.blocks.insert({launch_, blockIdx.x});
+    return;
+  }
+}
+
 inline void __syncthreads() { cuda_sim::current_block->wait_block(); }
 
 inline int __syncthreads_or(int predicate) {
@@ -349,6 +444,7 @@ inline void run_block(int threads, const std::function<void()>& fn, unsigned blo
 }
 
 inline void run_grid(unsigned grid, int threads, const std::function<void()>& fn) {
+  traffic.next_launch();
   Block block(threads);  // stacks allocated once for the grid
   for (unsigned b = 0; b < grid; ++b) block.run(fn, b);
 }
