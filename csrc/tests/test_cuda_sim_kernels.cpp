@@ -18,7 +18,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../kernels/cuda/row_kernels.cuh"
+#include "../kernels/cuda/split_kernels.cuh"
 #include "native_check.h"
 #include "verify_case.h"
 
@@ -67,11 +67,32 @@ bool same_fault(const OpStatus& a, const OpStatus& b) {
 }
 
 // ---- launches in the simulation, with the launchers' kernel choice -------------------
+// The SM count the launchers' split plan sees (split_kernels.cuh): an H200's by default;
+// 0 turns the split off (every row one block).
+int g_sim_sms = 132;
+constexpr int kSimSplitBlock = 64;  // the split kernels' block in the simulation (ops.cu: 256)
 
 template <typename T, int BLOCK = kSimBlock>
 OpStatus sim_apply_policy(const ApplyPolicyArgs& a) {
   unsigned long long record = kNoDeviceError;
   const bool filter = policy_may_filter(a.policy, a.vocab);
+  const SplitPlan plan = filter ? SplitPlan{1, static_cast<int>(a.vocab)}
+                                : split_plan(a.rows, a.vocab, g_sim_sms);
+  if (plan.chunks > 1) {
+    std::vector<ChunkStats> chunks(static_cast<size_t>(a.rows * plan.chunks));
+    const auto grid = static_cast<unsigned>(a.rows * plan.chunks);
+    const PolicyRows<T> rows{a};
+    cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
+      split_max_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
+    });
+    cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
+      split_sum_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
+    });
+    cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
+      apply_policy_split_write_kernel<T, kSimSplitBlock>(a, plan, chunks.data(), &record);
+    });
+    return record_status(OpKind::kApplyPolicy, record);
+  }
   cuda_sim::run_grid(static_cast<unsigned>(a.rows), BLOCK, [&] {
     if (filter) {
       apply_policy_kernel<T, BLOCK, true>(a, &record);
@@ -82,10 +103,28 @@ OpStatus sim_apply_policy(const ApplyPolicyArgs& a) {
   return record_status(OpKind::kApplyPolicy, record);
 }
 
+template <int BLOCK = kSimBlock>
 OpStatus sim_sample(const SampleArgs& a) {
   unsigned long long record = kNoDeviceError;
-  cuda_sim::run_grid(static_cast<unsigned>(a.rows), kSimBlock,
-                     [&] { sample_kernel<kSimBlock>(a, &record); });
+  const SplitPlan plan = a.row_seeds ? SplitPlan{1, static_cast<int>(a.vocab)}
+                                     : split_plan(a.rows, a.vocab, g_sim_sms);
+  if (plan.chunks > 1) {
+    std::vector<ChunkStats> chunks(static_cast<size_t>(a.rows * plan.chunks));
+    const auto grid = static_cast<unsigned>(a.rows * plan.chunks);
+    const SampleRows rows{a};
+    cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
+      split_max_kernel<float, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
+    });
+    cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
+      split_sum_kernel<float, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
+    });
+    cuda_sim::run_grid(static_cast<unsigned>(a.rows), kSimSplitBlock, [&] {
+      sample_split_pick_kernel<kSimSplitBlock>(a, plan, chunks.data(), &record);
+    });
+    return record_status(OpKind::kSample, record);
+  }
+  cuda_sim::run_grid(static_cast<unsigned>(a.rows), BLOCK,
+                     [&] { sample_kernel<BLOCK>(a, &record); });
   return record_status(OpKind::kSample, record);
 }
 
@@ -93,14 +132,32 @@ template <typename T, int BLOCK>
 OpStatus sim_verify_as(const VerifyArgs& a) {
   unsigned long long record = kNoDeviceError;
   const bool filter = verify_may_filter(a);
-  std::vector<RowStats> stats(static_cast<size_t>(a.batch * (a.num_spec + 1)));
-  cuda_sim::run_grid(static_cast<unsigned>(stats.size()), BLOCK, [&] {
-    if (filter) {
-      verify_policy_kernel<T, BLOCK, true>(a, stats.data(), &record);
-    } else {
-      verify_policy_kernel<T, BLOCK, false>(a, stats.data(), &record);
-    }
-  });
+  const int64_t positions = a.batch * (a.num_spec + 1);
+  std::vector<RowStats> stats(static_cast<size_t>(positions));
+  const SplitPlan plan = filter ? SplitPlan{1, static_cast<int>(a.vocab)}
+                                : split_plan(positions, a.vocab, g_sim_sms);
+  if (plan.chunks > 1) {
+    std::vector<ChunkStats> chunks(static_cast<size_t>(positions * plan.chunks));
+    const auto grid = static_cast<unsigned>(positions * plan.chunks);
+    const VerifyRows<T> rows{a};
+    cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
+      split_max_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
+    });
+    cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
+      split_sum_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
+    });
+    cuda_sim::run_grid(static_cast<unsigned>(positions), 32, [&] {
+      verify_split_stats_kernel<T>(a, plan, chunks.data(), stats.data(), &record);
+    });
+  } else {
+    cuda_sim::run_grid(static_cast<unsigned>(positions), BLOCK, [&] {
+      if (filter) {
+        verify_policy_kernel<T, BLOCK, true>(a, stats.data(), &record);
+      } else {
+        verify_policy_kernel<T, BLOCK, false>(a, stats.data(), &record);
+      }
+    });
+  }
   cuda_sim::run_grid(static_cast<unsigned>(a.batch), BLOCK,
                      [&] { verify_sample_kernel<T, BLOCK>(a, stats.data(), &record); });
   return record_status(OpKind::kVerify, record);
@@ -796,9 +853,7 @@ Traffic measure(const std::string& op, const PolicyParams& policy) {
     int32_t token = -1;
     s.tokens = &token;
     cuda_sim::traffic.watch("probs", probs.data(), 1, V * sizeof(float));
-    unsigned long long record = kNoDeviceError;
-    cuda_sim::run_grid(1, kLaunchBlock, [&] { sample_kernel<kLaunchBlock>(s, &record); });
-    CHECK(record == kNoDeviceError && token >= 0);
+    CHECK(sim_sample<kLaunchBlock>(s).ok() && token >= 0);
     t.logit_passes = cuda_sim::traffic.max_read_passes("probs");
     t.blocks = cuda_sim::traffic.max_blocks_per_row("probs");
     return t;
@@ -843,14 +898,16 @@ void test_memory_traffic() {
     double q_passes;      // at most
     size_t blocks;        // exactly
   };
-  // Measured at the commit that added them: apply_policy 3 / 20 passes, sample 2.002,
-  // verify 3.002 / 21.002 (q 2.002): max, softmax sum; the threshold searches (8-way, up
-  // to 10 passes each); the write pass; a draw's chunk sums and one chunk's walk.
+  // Measured when they were set: without a filter the rows split over 31 blocks (4138
+  // values each: split_kernels.cuh) and read the logits 3 times (apply_policy: max, sum,
+  // write), 2.033 (sample: max, sum, the target's chunk) and 3.002 (verify: max and sum at
+  // each position, the residual's sum and walk); with top-k + top-p one block a row reads
+  // them 20 / 21 times (the 8-way threshold searches).
   const Pin pins[] = {
-      {"apply_policy", &plain, 3.0, 0.0, 1},
+      {"apply_policy", &plain, 3.0, 0.0, 31},
       {"apply_policy", &knobs, 20.0, 0.0, 1},
-      {"sample", &plain, 2.01, 0.0, 1},
-      {"verify", &plain, 3.01, 2.01, 1},
+      {"sample", &plain, 2.04, 0.0, 31},
+      {"verify", &plain, 3.01, 2.01, 31},
       {"verify", &knobs, 21.01, 2.01, 1},
   };
   for (const Pin& pin : pins) {
@@ -868,6 +925,129 @@ void test_memory_traffic() {
   cuda_sim::traffic.clear();
 }
 
+// ---- rows split over blocks (split_kernels.cuh) ----------------------------------------
+
+// The split kernels against the CPU on vocabularies of 2 to 5 chunks, few rows, every
+// unfiltered policy, both dtypes: the same bits, tokens and faults; and the plan itself.
+void test_split_rows_match_the_cpu() {
+  CHECK(split_plan(1, 128256, 132).chunks == 31 && split_plan(1, 8191, 132).chunks == 1);
+  CHECK(split_plan(200, 128256, 132).chunks == 1);  // many rows: one block each
+  CHECK(split_plan(5, 1 << 20, 132).chunks == 32);  // at most kCudaSplitMaxChunks
+  CHECK(split_plan(40, 1 << 20, 132).chunks == 7);  // two blocks an SM: ceil(264 / 40)
+  for (int64_t V : {8192, 12289, 20000}) {
+    const SplitPlan plan = split_plan(2, V, g_sim_sms);
+    CHECK(plan.chunks >= 2 && plan.chunks * plan.chunk_len >= V &&
+          (plan.chunks - 1) * plan.chunk_len < V);
+    // apply_policy, then sample, on two rows.
+    std::mt19937 rng(static_cast<uint32_t>(V));
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    std::vector<float> x(static_cast<size_t>(2 * V));
+    for (auto& v : x) v = normal(rng);
+    for (float temperature : {1.0f, 0.7f, 0.0f}) {
+      ApplyPolicyArgs a;
+      a.logits = x.data();
+      a.logits_row_stride = V;
+      a.rows = 2;
+      a.vocab = V;
+      a.policy.temperature = temperature;
+      a.probs_row_stride = V;
+      std::vector<float> got(x.size()), want(x.size());
+      a.probs = got.data();
+      CHECK(sim_apply_policy<float>(a).ok());
+      a.probs = want.data();
+      CHECK(apply_policy_cpu(a).ok());
+      CHECK(policy_rows_differ(got, want, 2, static_cast<int>(V)) == 0);
+      if (temperature == 0.0f) continue;
+      SampleArgs s;
+      s.probs = want.data();
+      s.probs_row_stride = V;
+      s.rows = 2;
+      s.vocab = V;
+      for (uint64_t offset = 0; offset < 20; ++offset) {
+        s.rng.offset = offset;
+        int32_t sim_tokens[2] = {-7, -7}, cpu_tokens[2] = {-7, -7};
+        s.tokens = sim_tokens;
+        CHECK(sim_sample(s).ok());
+        s.tokens = cpu_tokens;
+        CHECK(sample_cpu(s).ok());
+        CHECK(sim_tokens[0] == cpu_tokens[0] && sim_tokens[1] == cpu_tokens[1]);
+      }
+    }
+    // Faults: the lowest bad index of a row, wherever its chunk; zero mass; all -Inf.
+    std::vector<float> bad = x;
+    bad[static_cast<size_t>(V + V - 3)] = std::nanf("");
+    bad[static_cast<size_t>(V + plan.chunk_len + 1)] = INFINITY;
+    ApplyPolicyArgs a;
+    a.logits = bad.data();
+    a.logits_row_stride = V;
+    a.rows = 2;
+    a.vocab = V;
+    a.probs_row_stride = V;
+    std::vector<float> got(x.size(), 5.0f), want(x.size(), 5.0f);
+    a.probs = got.data();
+    const OpStatus sim_bad = sim_apply_policy<float>(a);
+    a.probs = want.data();
+    const OpStatus cpu_bad = apply_policy_cpu(a);
+    CHECK(sim_bad.code == StatusCode::kNanOrInfLogits && sim_bad.row == 1 &&
+          sim_bad.col == plan.chunk_len + 1);
+    CHECK(same_fault(sim_bad, cpu_bad));
+    CHECK(policy_rows_differ(got, want, 2, static_cast<int>(V)) == 0);  // row 1: zeros
+    std::fill(bad.begin(), bad.begin() + V, -INFINITY);
+    bad[static_cast<size_t>(V + V - 3)] = 1.0f;
+    bad[static_cast<size_t>(V + plan.chunk_len + 1)] = 1.0f;
+    a.probs = got.data();
+    const OpStatus masked = sim_apply_policy<float>(a);
+    CHECK(masked.code == StatusCode::kNanOrInfLogits && masked.row == 0 && masked.col == -1);
+    std::vector<float> probs(static_cast<size_t>(2 * V), 0.0f);
+    probs[static_cast<size_t>(V + 5)] = 1.0f;
+    probs[static_cast<size_t>(V - 1)] = -1.0f;  // row 0, last chunk
+    SampleArgs s;
+    s.probs = probs.data();
+    s.probs_row_stride = V;
+    s.rows = 2;
+    s.vocab = V;
+    int32_t tokens[2] = {0, 0};
+    s.tokens = tokens;
+    const OpStatus neg = sim_sample(s);
+    CHECK(neg.code == StatusCode::kInvalidProbs && neg.row == 0 && neg.col == V - 1);
+    CHECK(tokens[0] == -1 && tokens[1] == 5);
+    probs[static_cast<size_t>(V - 1)] = 0.0f;  // row 0: zero mass
+    const OpStatus zero = sim_sample(s);
+    CHECK(zero.code == StatusCode::kInvalidProbs && zero.row == 0 && zero.col == -1);
+    // verify: sampled and one-hot drafts, ragged, token and block, three temperatures.
+    for (bool with_q : {true, false}) {
+      VerifyCase c = perturbed_case(V, 31u + static_cast<uint32_t>(V), 1.0f);
+      c.batch = 2;
+      c.num_draft = {3, 1};
+      if (!with_q) c.draft_probs.clear();
+      for (float temperature : {1.0f, 0.8f, 0.0f}) {
+        for (VerifyMethod method : {VerifyMethod::kToken, VerifyMethod::kBlock}) {
+          c.policy = PolicyParams{};
+          c.policy.temperature = temperature;
+          c.method = method;
+          for (uint64_t seed = 1; seed <= 6; ++seed) {
+            c.seed = seed;
+            const VerifyOut sim = c.run_with(sim_verify<>), cpu = c.run();
+            CHECK(sim.status.ok() && cpu.status.ok());
+            for (int64_t b = 0; b < c.batch; ++b) CHECK(sim.row_equal(cpu, b, c.k));
+          }
+        }
+      }
+    }
+  }
+  // Without the split (no SMs to fill), the same results: the split changes nothing.
+  const int sms = g_sim_sms;
+  g_sim_sms = 0;
+  VerifyCase c = perturbed_case(12289, 9, 1.0f);
+  c.batch = 2;
+  c.num_draft = {3, 2};
+  c.policy = PolicyParams{};
+  const VerifyOut one_block = c.run_with(sim_verify<>);
+  g_sim_sms = sms;
+  const VerifyOut split = c.run_with(sim_verify<>);
+  for (int64_t b = 0; b < c.batch; ++b) CHECK(split.row_equal(one_block, b, c.k));
+}
+
 }  // namespace
 
 int main() {
@@ -881,6 +1061,7 @@ int main() {
   test_verify_tree_matches_the_cpu();
   test_verify_tree_faults();
   test_launch_block_size_at_a_large_vocabulary();
+  test_split_rows_match_the_cpu();
   test_memory_traffic();
   return native_check::check_summary("test_cuda_sim_kernels");
 }

@@ -262,19 +262,27 @@ struct CudaLaunch {
 };
 
 constexpr size_t kCudaErrorRecordBytes = 256;     // error record, padded for alignment
+// Launches with few rows split each row over several blocks, whose per-chunk statistics
+// (24 bytes each) live in the workspace: at most kCudaSplitMaxRows rows of
+// kCudaSplitMaxChunks chunks (kernels/cuda/split_kernels.cuh).
+constexpr int64_t kCudaSplitMaxRows = 128;
+constexpr int64_t kCudaSplitMaxChunks = 32;
+constexpr size_t kCudaSplitBytes = kCudaSplitMaxRows * kCudaSplitMaxChunks * 24;
 constexpr size_t kVerifyStatsBytesPerPosition = 32;
+// Layout: [error record][split chunk statistics][op payload].
+constexpr size_t kCudaWorkspaceHeadBytes = kCudaErrorRecordBytes + kCudaSplitBytes;
 
-inline size_t apply_policy_cuda_workspace_bytes() { return kCudaErrorRecordBytes; }
-inline size_t sample_cuda_workspace_bytes() { return kCudaErrorRecordBytes; }
+inline size_t apply_policy_cuda_workspace_bytes() { return kCudaWorkspaceHeadBytes; }
+inline size_t sample_cuda_workspace_bytes() { return kCudaWorkspaceHeadBytes; }
 inline size_t verify_cuda_workspace_bytes(int64_t batch, int64_t num_spec) {
-  return kCudaErrorRecordBytes +
+  return kCudaWorkspaceHeadBytes +
          static_cast<size_t>(batch) * static_cast<size_t>(num_spec + 1) *
              kVerifyStatsBytesPerPosition;
 }
-// verify_tree: the record, then two float rows of vocab per batch row (the residual r and
+// verify_tree: the head, then two float rows of vocab per batch row (the residual r and
 // the sibling q without replacement).
 inline size_t verify_tree_cuda_workspace_bytes(int64_t batch, int64_t vocab) {
-  return kCudaErrorRecordBytes +
+  return kCudaWorkspaceHeadBytes +
          static_cast<size_t>(batch) * 2 * static_cast<size_t>(vocab) * sizeof(float);
 }
 

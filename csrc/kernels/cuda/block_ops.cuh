@@ -346,21 +346,19 @@ __device__ WeightTotal block_total(const FixedFn& w, int V, BlockOps<BLOCK>& ops
   return t;
 }
 
-// The exact inverse-CDF pick over fixed-point weights W(i) with the 64-bit coin `draw`,
-// given their block_total. Returns -1 if the total is zero.
+// The pick of the exact inverse CDF over fixed-point weights W(i), i < n, for a target
+// below their total, given this thread's thread_chunk sum of them: a block scan over the
+// chunk sums, then a walk along the one chunk that holds the target, by its owner.
 template <int BLOCK, typename FixedFn>
-__device__ int block_pick(const FixedFn& w, int V, uint64_t draw, const WeightTotal& t,
-                          BlockOps<BLOCK>& ops) {
-  if (t.total == 0) return -1;
-  const unsigned long long target = draw_target(draw, t.total);  // < total
+__device__ int block_pick_target(const FixedFn& w, int n, unsigned long long target,
+                                 unsigned long long chunk, BlockOps<BLOCK>& ops) {
   unsigned long long before, all;
-  typename BlockOps<BLOCK>::ScanU(ops.temp.s).ExclusiveSum(t.chunk, before, all);
+  typename BlockOps<BLOCK>::ScanU(ops.temp.s).ExclusiveSum(chunk, before, all);
   __syncthreads();  // temp is reused by the reduction below
   // Exactly one chunk holds the target: before <= target < before + chunk.
-  const bool holds = before <= target && target - before < t.chunk;
-  if (holds) {
+  if (before <= target && target - before < chunk) {
     int begin, end;
-    thread_chunk<BLOCK>(V, &begin, &end);
+    thread_chunk<BLOCK>(n, &begin, &end);
     ops.bcast_i = begin + static_cast<int>(pick_fixed(
                               [&w, begin](int64_t i) { return w(begin + static_cast<int>(i)); },
                               end - begin, target - before));
@@ -369,6 +367,15 @@ __device__ int block_pick(const FixedFn& w, int V, uint64_t draw, const WeightTo
   const int out = ops.bcast_i;
   __syncthreads();
   return out;
+}
+
+// The exact inverse-CDF pick over fixed-point weights W(i) with the 64-bit coin `draw`,
+// given their block_total. Returns -1 if the total is zero.
+template <int BLOCK, typename FixedFn>
+__device__ int block_pick(const FixedFn& w, int V, uint64_t draw, const WeightTotal& t,
+                          BlockOps<BLOCK>& ops) {
+  if (t.total == 0) return -1;
+  return block_pick_target<BLOCK>(w, V, draw_target(draw, t.total), t.chunk, ops);
 }
 
 template <int BLOCK, typename FixedFn>

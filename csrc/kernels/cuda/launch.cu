@@ -1,6 +1,7 @@
 // Host side of the CUDA launchers (see launch.cuh).
 #include "launch.cuh"
 
+#include <atomic>
 #include <type_traits>
 
 namespace verispec {
@@ -60,6 +61,16 @@ OpStatus OpLaunch::finish(OpKind op) {
   if (e == cudaSuccess) e = cudaStreamSynchronize(stream_);
   if (e != cudaSuccess) return cuda_error_status(e);
   return decode_device_error(op, host);
+}
+
+int sm_count(int device) {
+  static std::atomic<int> cache[64];  // 0: not asked yet
+  if (device < 0 || device >= 64) return 0;
+  int n = cache[device].load(std::memory_order_relaxed);
+  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
+    cache[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 void fill_logit_value(const void* logits, LogitsDType dtype, int64_t index, OpStatus* s) {

@@ -14,7 +14,8 @@ OpStatus cuda_error_status(cudaError_t e);
 
 // One launcher call: makes launch.device current for its scope, takes the caller's
 // workspace or allocates one stream-ordered, and turns the error record into a status.
-// Workspace layout: [error record: kCudaErrorRecordBytes][op-specific payload].
+// Workspace layout: [error record: kCudaErrorRecordBytes][split chunk statistics:
+// kCudaSplitBytes][op-specific payload].
 class OpLaunch {
  public:
   explicit OpLaunch(const CudaLaunch& launch);
@@ -27,7 +28,8 @@ class OpLaunch {
   OpStatus start(size_t bytes);
   cudaStream_t stream() const { return stream_; }
   unsigned long long* record() const { return static_cast<unsigned long long*>(ptr_); }
-  void* payload() const { return static_cast<char*>(ptr_) + kCudaErrorRecordBytes; }
+  void* split() const { return static_cast<char*>(ptr_) + kCudaErrorRecordBytes; }
+  void* payload() const { return static_cast<char*>(ptr_) + kCudaWorkspaceHeadBytes; }
 
   // After the kernels: the launch's status, then (check_errors) the record read back,
   // which synchronises the stream, decoded for `op`; kOk if it was not read.
@@ -41,6 +43,9 @@ class OpLaunch {
   void* ptr_ = nullptr;
   bool owned_ = false;
 };
+
+// The number of SMs of `device` (cached per device; 0 if the runtime cannot tell).
+int sm_count(int device);
 
 // Copies one element from device memory (error path only); false on failure.
 template <typename T>

@@ -5,7 +5,7 @@
 #include <type_traits>
 
 #include "launch.cuh"
-#include "row_kernels.cuh"
+#include "split_kernels.cuh"
 
 namespace verispec {
 
@@ -15,11 +15,13 @@ using namespace kernels;
 using namespace kernels::cuda;
 
 constexpr int kBlock = kLaunchBlock;
+constexpr int kSplitBlock = 256;  // a split block's chunk is 4096+ values: 16+ a thread
 
 }  // namespace
 
 // apply_policy: one block per row, compiled with or without the filter code
-// (policy_may_filter). Napkin math (V = 32000, bf16, no filter): 3 reads of 64 KB + one
+// (policy_may_filter); without a filter, few rows are each split over several blocks
+// (split_kernels.cuh). Napkin math (V = 32000, bf16, no filter): 3 reads of 64 KB + one
 // 128 KB write per row; each active top-k / top-p search adds up to 10 read passes
 // (8-way, see threshold_search.h).
 OpStatus apply_policy_cuda(const ApplyPolicyArgs& a, const CudaLaunch& launch) {
@@ -29,10 +31,22 @@ OpStatus apply_policy_cuda(const ApplyPolicyArgs& a, const CudaLaunch& launch) {
   s = op.start(apply_policy_cuda_workspace_bytes());
   if (!s.ok()) return s;
   const bool filter = policy_may_filter(a.policy, a.vocab);
+  const SplitPlan plan = filter ? SplitPlan{1, static_cast<int>(a.vocab)}
+                                : split_plan(a.rows, a.vocab, sm_count(launch.device));
   dispatch_dtype(a.logits_dtype, a.logits, [&](const auto* logits) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
     const auto grid = static_cast<unsigned>(a.rows);
-    if (filter) {
+    if (plan.chunks > 1) {  // few rows: each split over plan.chunks blocks
+      auto* chunks = static_cast<ChunkStats*>(op.split());
+      const auto split_grid = static_cast<unsigned>(a.rows * plan.chunks);
+      const PolicyRows<T> rows{a};
+      split_max_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
+          rows, a.vocab, plan, chunks);
+      split_sum_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
+          rows, a.vocab, plan, chunks);
+      apply_policy_split_write_kernel<T, kSplitBlock>
+          <<<split_grid, kSplitBlock, 0, op.stream()>>>(a, plan, chunks, op.record());
+    } else if (filter) {
       apply_policy_kernel<T, kBlock, true><<<grid, kBlock, 0, op.stream()>>>(a, op.record());
     } else {
       apply_policy_kernel<T, kBlock, false><<<grid, kBlock, 0, op.stream()>>>(a, op.record());
@@ -46,14 +60,30 @@ OpStatus apply_policy_cuda(const ApplyPolicyArgs& a, const CudaLaunch& launch) {
   return s;
 }
 
-// sample: one block per row.
+// sample: one block per row; with few rows and no keys, the statistics split over several
+// blocks a row, then one block a row walks the chunk that holds the target.
 OpStatus sample_cuda(const SampleArgs& a, const CudaLaunch& launch) {
   OpStatus s = check_sample_args(a);
   if (!s.ok() || a.rows == 0) return s;
   OpLaunch op(launch);
   s = op.start(sample_cuda_workspace_bytes());
   if (!s.ok()) return s;
-  sample_kernel<kBlock><<<static_cast<unsigned>(a.rows), kBlock, 0, op.stream()>>>(a, op.record());
+  const SplitPlan plan = a.row_seeds ? SplitPlan{1, static_cast<int>(a.vocab)}
+                                     : split_plan(a.rows, a.vocab, sm_count(launch.device));
+  if (plan.chunks > 1) {  // few rows: the statistics split, one block a row walks its chunk
+    auto* chunks = static_cast<ChunkStats*>(op.split());
+    const auto split_grid = static_cast<unsigned>(a.rows * plan.chunks);
+    const SampleRows rows{a};
+    split_max_kernel<float, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
+        rows, a.vocab, plan, chunks);
+    split_sum_kernel<float, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
+        rows, a.vocab, plan, chunks);
+    sample_split_pick_kernel<kSplitBlock>
+        <<<static_cast<unsigned>(a.rows), kSplitBlock, 0, op.stream()>>>(a, plan, chunks,
+                                                                         op.record());
+  } else {
+    sample_kernel<kBlock><<<static_cast<unsigned>(a.rows), kBlock, 0, op.stream()>>>(a, op.record());
+  }
   s = op.finish(OpKind::kSample);
   if (s.code == StatusCode::kInvalidProbs && s.col >= 0) {
     fill_value(a.probs, s.row * a.probs_row_stride + s.col, &s);
@@ -61,8 +91,9 @@ OpStatus sample_cuda(const SampleArgs& a, const CudaLaunch& launch) {
   return s;
 }
 
-// verify: verify_policy_kernel, one block per row position, into the RowStats of the
-// workspace payload; then verify_sample_kernel, one block per row.
+// verify: verify_policy_kernel, one block per row position (or, with few positions and no
+// filter, the split kernels), into the RowStats of the workspace payload; then
+// verify_sample_kernel, one block per row.
 OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
   OpStatus s = check_verify_args(a);
   if (!s.ok() || a.batch == 0) return s;
@@ -74,10 +105,23 @@ OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
   if (!s.ok()) return s;
   auto* stats = static_cast<RowStats*>(op.payload());
   const bool filter = verify_may_filter(a);
+  const int64_t width = a.num_spec + 1;
+  const SplitPlan plan = filter ? SplitPlan{1, static_cast<int>(a.vocab)}
+                                : split_plan(a.batch * width, a.vocab, sm_count(launch.device));
   dispatch_dtype(a.target_logits_dtype, a.target_logits, [&](const auto* logits) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
-    const auto positions = static_cast<unsigned>(a.batch * (a.num_spec + 1));
-    if (filter) {
+    const auto positions = static_cast<unsigned>(a.batch * width);
+    if (plan.chunks > 1) {  // few positions: each split over plan.chunks blocks
+      auto* chunks = static_cast<ChunkStats*>(op.split());
+      const auto split_grid = static_cast<unsigned>(a.batch * width * plan.chunks);
+      const VerifyRows<T> rows{a};
+      split_max_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
+          rows, a.vocab, plan, chunks);
+      split_sum_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
+          rows, a.vocab, plan, chunks);
+      verify_split_stats_kernel<T><<<positions, 32, 0, op.stream()>>>(a, plan, chunks, stats,
+                                                                      op.record());
+    } else if (filter) {
       verify_policy_kernel<T, kBlock, true>
           <<<positions, kBlock, 0, op.stream()>>>(a, stats, op.record());
     } else {

@@ -152,6 +152,42 @@ __device__ inline const T* logits_at(const VerifyArgs& a, int64_t b, int64_t j) 
          j * a.target_logits_stride_k;
 }
 
+// The rest of a position's RowStats once its policy is known (verdict: compute_row_stats'),
+// by one thread: the proposal's range, p(y) and q(y), and the faults of the position.
+template <typename T>
+__device__ inline void finish_position_stats(const VerifyArgs& a, int64_t b, int64_t j,
+                                             int64_t n, const RowPolicy& pol, int verdict,
+                                             RowStats* s, unsigned long long* record) {
+  const int V = static_cast<int>(a.vocab);
+  bool ok = true;
+  int y = -1;
+  if (j < n) {
+    y = a.draft_tokens[b * a.draft_tokens_stride_b + j];
+    if (y < 0 || y >= V) {
+      report_error(record, b, StatusCode::kTokenOutOfRange, j);
+      ok = false;
+    }
+  }
+  if (verdict != kLogitsOk) {
+    report_error(record, b, StatusCode::kNanOrInfLogits, j);
+    ok = false;
+  }
+  s->p_y = 0.0f;
+  s->q_y = 1.0f;  // one-hot proposal
+  if (ok && j < n) {
+    s->p_y = policy_prob(to_float(ld(logits_at<T>(a, b, j) + y)), y, *s, pol.temperature,
+                         pol.greedy());
+    if (a.draft_probs) {
+      s->q_y = a.draft_probs[b * a.draft_probs_stride_b + j * a.draft_probs_stride_k + y];
+      if (!(s->q_y >= 0.0f) || !is_finite(s->q_y)) {
+        report_error(record, b, StatusCode::kInvalidProbs, j);
+        ok = false;
+      }
+    }
+  }
+  s->valid = ok ? 1 : 0;
+}
+
 // grid: batch * (K + 1) blocks; stats: [batch, K + 1].
 template <typename T, int BLOCK, bool FILTER>
 __global__ void __launch_bounds__(BLOCK)
@@ -164,37 +200,11 @@ __global__ void __launch_bounds__(BLOCK)
   const int64_t n = row_num_draft(a, b);
   // A bad policy or num_draft is reported by verify_sample_kernel; padding is not read.
   if (invalid_policy_field(pol) >= 0 || n < 0 || n > a.num_spec || j > n) return;
-  const int V = static_cast<int>(a.vocab);
-  const bool greedy = pol.greedy();
-  bool ok = true;
-  int y = -1;
-  if (j < n) {
-    y = a.draft_tokens[b * a.draft_tokens_stride_b + j];
-    if (y < 0 || y >= V) {
-      if (threadIdx.x == 0) report_error(record, b, StatusCode::kTokenOutOfRange, j);
-      ok = false;
-    }
-  }
-  const T* x = logits_at<T>(a, b, j);  // [V]
-  RowStats s;
-  if (compute_row_stats<T, BLOCK, FILTER>(x, V, pol, greedy, ops, &s) != kLogitsOk) {
-    if (threadIdx.x == 0) report_error(record, b, StatusCode::kNanOrInfLogits, j);
-    ok = false;
-  }
+  RowStats s{};
+  const int verdict = compute_row_stats<T, BLOCK, FILTER>(
+      logits_at<T>(a, b, j), static_cast<int>(a.vocab), pol, pol.greedy(), ops, &s);
   if (threadIdx.x != 0) return;
-  s.p_y = 0.0f;
-  s.q_y = 1.0f;  // one-hot proposal
-  if (ok && j < n) {
-    s.p_y = policy_prob(to_float(ld(x + y)), y, s, pol.temperature, greedy);
-    if (a.draft_probs) {
-      s.q_y = a.draft_probs[b * a.draft_probs_stride_b + j * a.draft_probs_stride_k + y];
-      if (!(s.q_y >= 0.0f) || !is_finite(s.q_y)) {
-        report_error(record, b, StatusCode::kInvalidProbs, j);
-        ok = false;
-      }
-    }
-  }
-  s.valid = ok ? 1 : 0;
+  finish_position_stats<T>(a, b, j, n, pol, verdict, &s, record);
   stats[blockIdx.x] = s;
 }
 
