@@ -478,6 +478,19 @@ def add_ratios(row: dict) -> None:
         if r:
             ratios[name] = r
     row["time_over_verispec"] = ratios
+    # verispec's time over FlashInfer's best route to the same result (< 1: verispec is
+    # faster): verify against its whole pipeline from logits, policy_sample against the
+    # faster of sampling from probabilities and from logits.
+    names = {"verify": ["flashinfer_pipeline"],
+             "policy_sample": ["flashinfer", "flashinfer_logits"]}.get(row.get("op"), ["flashinfer"])
+    over = {}
+    for mode in ("eager", "graph"):
+        theirs = [row["impls"][n][f"{mode}_us"] for n in names
+                  if f"{mode}_us" in row.get("impls", {}).get(n, {})]
+        if theirs and f"{mode}_us" in ours:
+            over[mode] = ours[f"{mode}_us"] / min(theirs)
+    if over:
+        row["verispec_over_flashinfer"] = over
 
 
 def fmt(x, spec=".1f"):
@@ -507,6 +520,19 @@ def print_report(result):
     for op in ("verify", "policy_sample", "apply_policy", "sample"):
         for row in result.get(op, []):
             print_row(op, row)
+    cells = [(op, row) for op in ("verify", "policy_sample", "apply_policy", "sample")
+             for row in result.get(op, []) if "verispec_over_flashinfer" in row]
+    if cells:
+        print("\nverispec's time / FlashInfer's (verify: its pipeline from logits; policy_sample: "
+              "its faster route); <= 1: at or ahead of FlashInfer")
+        for op, row in cells:
+            r = row["verispec_over_flashinfer"]
+            shape = f"{row['B']:>3} {row.get('K', '-'):>2} {row['V']:>6} {row['policy']:<16}"
+            print(f"{op:<13} {shape} | eager {fmt(r.get('eager'), '.2f'):>6} | "
+                  f"graph {fmt(r.get('graph'), '.2f'):>6}")
+        graph = [row["verispec_over_flashinfer"].get("graph") for _, row in cells]
+        ahead = sum(1 for g in graph if g is not None and g <= 1.0)
+        print(f"at or ahead of FlashInfer in a CUDA graph: {ahead} of {len(cells)} cells")
 
 
 def environment(device):

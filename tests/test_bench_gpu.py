@@ -20,6 +20,8 @@ import tarfile
 import textwrap
 from pathlib import Path
 
+import pytest
+
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -171,10 +173,15 @@ def test_gpu_kernels_flashinfer_phase_against_a_standin(tmp_path):
         assert 0 <= row["mean_accepted"]["flashinfer"] <= row["K"]
         assert set(row["time_over_verispec"]) == {"torch_reference", "flashinfer_chain",
                                                   "flashinfer_pipeline"}, row
+        # verispec over FlashInfer's whole pipeline, the ratio the targets are stated in
+        ratio = row["impls"]["verispec"]["eager_us"] / row["impls"]["flashinfer_pipeline"]["eager_us"]
+        assert row["verispec_over_flashinfer"]["eager"] == pytest.approx(ratio), row
     for op in ("apply_policy", "sample", "policy_sample"):
         for row in r[op]:
             assert "flashinfer_error" not in row, (op, row)
             check_timed(row["impls"]["flashinfer"], (op, row["B"], row["V"]))
+            ratio = row["impls"]["verispec"]["eager_us"] / row["impls"]["flashinfer"]["eager_us"]
+            assert row["verispec_over_flashinfer"]["eager"] == pytest.approx(ratio), (op, row)
     # The stand-in's renormalised top-k/top-p is the policy too.
     assert all(row["max_abs_diff_flashinfer_vs_verispec"] < 1e-4 for row in r["apply_policy"])
 
