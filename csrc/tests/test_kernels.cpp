@@ -218,12 +218,38 @@ void test_acceptance_math() {
   CHECK(fixed_weight(std::ldexp(1.0f, -41)) == 0 && fixed_weight(std::ldexp(3.0f, -40)) == 3);
   CHECK(fixed_weight(100.0f) == uint64_t{8} << 40);  // saturates: sums of 2^20 stay below 2^63
   CHECK(fixed_to_float(uint64_t{1} << 40) == 1.0f && fixed_to_float(uint64_t{3} << 38) == 0.75f);
-  // Scaled weights (sample): the row maximum's power of two maps every weight below 2^41.
-  CHECK(fixed_scale_for(1.0f) == std::ldexp(1.0, 40) && fixed_scale_for(1.5f) == std::ldexp(1.0, 40));
-  CHECK(fixed_scale_for(1e30f) * 1e30 < std::ldexp(1.0, 41));
-  CHECK(fixed_scale_for(1e-40f) * 1e-40 < std::ldexp(1.0, 41));  // subnormal maximum
-  CHECK(fixed_scale_for(1e-40f) * 1e-40 >= std::ldexp(1.0, 40));
-  CHECK(fixed_scaled(3.0f, std::ldexp(1.0, 39)) == uint64_t{3} << 39);
+  // Scaled weights (sample): the row maximum's power of two maps every weight below 2.
+  CHECK(fixed_shift_for(1.0f) == 0 && fixed_shift_for(1.5f) == 0 && fixed_shift_for(2.0f) == -1);
+  for (float m : {1e30f, 3e38f, 1e-30f, 1e-40f, 1.4e-45f, 0.75f}) {  // normal and subnormal maxima
+    const double scaled = std::ldexp(static_cast<double>(m), fixed_shift_for(m));
+    CHECK(scaled >= 1.0 && scaled < 2.0);
+    CHECK(fixed_scaled(m, fixed_shift_for(m)) ==
+          static_cast<uint64_t>(std::floor(std::ldexp(scaled, kFixedBits))));
+  }
+  CHECK(fixed_scaled(3.0f, -1) == uint64_t{3} << 39);
+  // fixed_weight and fixed_scaled are floor(w 2^40) and floor(w 2^(40 + shift)) exactly: the
+  // host's two 32-bit conversions against double arithmetic, over every exponent.
+  {
+    std::mt19937 bits(77);
+    for (int trial = 0; trial < 2000000; ++trial) {
+      const float w = bits_float(bits() & 0x7fffffffu);
+      if (!is_finite(w)) continue;
+      const double c = std::min(static_cast<double>(w), 8.0);
+      const uint64_t want = static_cast<uint64_t>(std::floor(std::ldexp(c, kFixedBits)));
+      if (fixed_weight(w) != want) {
+        CHECK(fixed_weight(w) == want);
+        break;
+      }
+      const int shift = static_cast<int>(bits() % 277) - 127;  // any shift the rows can need
+      const double ws = std::ldexp(static_cast<double>(w), shift);
+      if (ws >= 2.0) continue;
+      const uint64_t want_scaled = static_cast<uint64_t>(std::floor(std::ldexp(ws, kFixedBits)));
+      if (fixed_scaled(w, shift) != want_scaled) {
+        CHECK(fixed_scaled(w, shift) == want_scaled);
+        break;
+      }
+    }
+  }
   // top-p's test on masses: both sides exact in double, one rounding in the product.
   CHECK(mass_at_least(90, 0.9f, 100) == (90.0 >= static_cast<double>(0.9f) * 100.0));
   CHECK(mass_at_least(91, 0.9f, 100) && !mass_at_least(89, 0.9f, 100));
@@ -534,10 +560,10 @@ void test_row_sums() {
     CHECK(kernels::cpu::fixed_sum(p.data(), n) == sum);
     const kernels::cpu::ProbCheck pc = kernels::cpu::prob_check(p.data(), n);
     CHECK(pc.valid && pc.max == max);
-    const double scale = fixed_scale_for(max);
+    const int shift = fixed_shift_for(max);
     uint64_t scaled = 0;
-    for (float v : p) scaled += fixed_scaled(v, scale);
-    CHECK(kernels::cpu::fixed_sum_scaled(p.data(), n, scale) == scaled);
+    for (float v : p) scaled += fixed_scaled(v, shift);
+    CHECK(kernels::cpu::fixed_sum_scaled(p.data(), n, shift) == scaled);
     const kernels::cpu::ResidualMass r = kernels::cpu::residual_mass(p.data(), q.data(), n);
     CHECK(r.q_valid && r.mass == residual);
     const kernels::cpu::Tally t = kernels::cpu::tally_at_least(p.data(), n, 0.5f / static_cast<float>(n));

@@ -60,18 +60,6 @@ VERISPEC_HD inline float bits_float(uint32_t u) {
 #endif
 }
 
-// 2^e as a double, for e in [-1022, 1023].
-VERISPEC_HD inline double bits_double_pow2(int e) {
-  const uint64_t u = static_cast<uint64_t>(e + 1023) << 52;
-#if defined(__CUDA_ARCH__)
-  return __longlong_as_double(static_cast<long long>(u));
-#else
-  double x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-#endif
-}
-
 // True for every value except +-Inf and NaN; immune to -ffast-math.
 VERISPEC_HD inline bool is_finite(float x) {
   return (float_bits(x) & 0x7f800000u) != 0x7f800000u;
@@ -119,38 +107,47 @@ constexpr int kFixedBits = 40;
 constexpr int64_t kMaxVocab = int64_t{1} << 20;  // vocab must be at most this (ops check it)
 
 VERISPEC_HD inline uint64_t fixed_weight(float w) {
-  const float scaled = (w < 8.0f ? w : 8.0f) * 1099511627776.0f;  // 2^40: exact
+  const float c = w < 8.0f ? w : 8.0f;
 #if defined(__CUDA_ARCH__)
-  return __float2ull_rz(scaled);
+  return __float2ull_rz(c * 1099511627776.0f);  // 2^40: exact scaling, then truncation
 #else
-  return static_cast<uint64_t>(scaled);
+  // The same floor(c * 2^40) from two 32-bit conversions, which vectorise on x86 (a
+  // float-to-uint64 conversion does not before AVX-512DQ): c * 2^20 = hi + rem exactly,
+  // rem in [0, 1), and floor(c * 2^40) = hi * 2^20 + floor(rem * 2^20).
+  const float top = c * 1048576.0f;  // 2^20: exact, below 2^23
+  const int32_t hi = static_cast<int32_t>(top);
+  const float rem = top - static_cast<float>(hi);  // exact: the fraction of a float
+  const int32_t lo = static_cast<int32_t>(rem * 1048576.0f);
+  return (static_cast<uint64_t>(static_cast<uint32_t>(hi)) << 20) + static_cast<uint32_t>(lo);
 #endif
 }
 
-// floor(w * scale) for a weight w >= 0 of a row whose weights are all below
-// 2^(kFixedBits + 1) / scale (sample: unnormalised weights, scaled by their maximum's
-// power of two, fixed_scale_for). In double: exact for any float and power of two.
-VERISPEC_HD inline uint64_t fixed_scaled(float w, double scale) {
-  const double scaled = static_cast<double>(w) * scale;
-#if defined(__CUDA_ARCH__)
-  return __double2ull_rz(scaled);
-#else
-  return static_cast<uint64_t>(scaled);
-#endif
+// w * 2^shift, exact wherever the result is a normal float (two steps keep every factor a
+// float); a smaller result counts 0 in fixed_weight either way.
+VERISPEC_HD inline float scale_pow2(float w, int shift) {
+  const int first = shift > 100 ? 100 : (shift < -100 ? -100 : shift);
+  const float once = w * bits_float(static_cast<uint32_t>(first + 127) << 23);
+  return once * bits_float(static_cast<uint32_t>(shift - first + 127) << 23);
 }
 
-// The power of two that maps a row's weights, largest w_max > 0 (finite), below 2^41:
-// 2^(kFixedBits - e) with 2^e <= w_max < 2^(e + 1).
-VERISPEC_HD inline double fixed_scale_for(float w_max) {
+// floor(w * 2^(kFixedBits + shift)) for a weight w >= 0 of a row whose largest weight
+// w_max has w_max * 2^shift < 2 (sample: unnormalised weights scaled by their maximum's
+// power of two, fixed_shift_for): fixed_weight of w * 2^shift.
+VERISPEC_HD inline uint64_t fixed_scaled(float w, int shift) {
+  return fixed_weight(scale_pow2(w, shift));
+}
+
+// The shift that maps a row's weights, largest w_max > 0 (finite), below 2: -e with
+// 2^e <= w_max < 2^(e + 1), e in [-149, 127].
+VERISPEC_HD inline int fixed_shift_for(float w_max) {
   const uint32_t b = float_bits(w_max) & 0x7fffffffu;
-  if (b == 0) return 1.0;  // no weight: any scale
+  if (b == 0) return 0;  // no weight: any shift
   int e = static_cast<int>(b >> 23) - 127;
   if ((b >> 23) == 0) {  // subnormal: 2^e <= w_max with e from the highest set bit
     e = -127;
     for (uint32_t m = b & 0x7fffffu; (m & 0x400000u) == 0; m <<= 1) --e;
   }
-  const int shift = kFixedBits - e;  // in [-87, 189]: a normal double
-  return bits_double_pow2(shift);
+  return -e;
 }
 
 // Units of `fixed` as a float: the one conversion of an integer mass back to a float

@@ -131,8 +131,8 @@ struct ProbCheck {
 };
 ProbCheck prob_check(const float* w, int64_t n);
 
-// The fixed-point sum of weights w[0, n) scaled by `scale` (fixed_scaled).
-uint64_t fixed_sum_scaled(const float* w, int64_t n, double scale);
+// The fixed-point sum of weights w[0, n) scaled by 2^shift (fixed_scaled).
+uint64_t fixed_sum_scaled(const float* w, int64_t n, int shift);
 
 // The residual of verify: the fixed-point sum of max(p[i] - q[i], 0), and whether every
 // q[i] is a probability (>= 0 and finite); mass is 0 if not.

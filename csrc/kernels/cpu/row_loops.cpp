@@ -118,9 +118,9 @@ VERISPEC_CPU_CLONES ProbCheck prob_check(const float* w, int64_t n) {
   return ProbCheck{m, true};
 }
 
-VERISPEC_CPU_CLONES uint64_t fixed_sum_scaled(const float* w, int64_t n, double scale) {
+VERISPEC_CPU_CLONES uint64_t fixed_sum_scaled(const float* w, int64_t n, int shift) {
   uint64_t sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += fixed_scaled(w[i], scale);
+  for (int64_t i = 0; i < n; ++i) sum += fixed_scaled(w[i], shift);
   return sum;
 }
 

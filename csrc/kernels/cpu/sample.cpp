@@ -74,11 +74,11 @@ OpStatus sample_cpu(const SampleArgs& a) {
     }
     // The exact inverse CDF over the weights in fixed point, scaled by the power of two
     // of their maximum (sampling_math.h): the same integers as the CUDA block sums.
-    const double scale = fixed_scale_for(check.max);
-    const uint64_t total = cpu::fixed_sum_scaled(w, a.vocab, scale);
+    const int shift = fixed_shift_for(check.max);
+    const uint64_t total = cpu::fixed_sum_scaled(w, a.vocab, shift);
     const uint64_t draw = uniform64(seed, offset, static_cast<uint32_t>(r), 0, Purpose::kSample);
     a.tokens[r] = static_cast<int32_t>(pick_fixed(
-        [w, scale](int64_t i) { return fixed_scaled(w[i], scale); }, a.vocab,
+        [w, shift](int64_t i) { return fixed_scaled(w[i], shift); }, a.vocab,
         draw_target(draw, total)));
   }
   return first;

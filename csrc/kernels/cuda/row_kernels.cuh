@@ -126,8 +126,8 @@ __global__ void __launch_bounds__(BLOCK) sample_kernel(SampleArgs a, unsigned lo
   } else {
     const uint64_t draw = uniform64(resolve_seed(a.rng), resolve_offset(a.rng),
                                     static_cast<uint32_t>(row), 0, Purpose::kSample);
-    const double scale = fixed_scale_for(w_max);
-    token = block_pick<BLOCK>([w, scale](int i) { return fixed_scaled(ld(w + i), scale); }, V, draw, ops);
+    const int shift = fixed_shift_for(w_max);
+    token = block_pick<BLOCK>([w, shift](int i) { return fixed_scaled(ld(w + i), shift); }, V, draw, ops);
   }
   if (threadIdx.x == 0) a.tokens[row] = token;
 }

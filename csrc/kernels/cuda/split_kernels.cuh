@@ -168,9 +168,9 @@ __global__ void __launch_bounds__(BLOCK)
   const int end = min(begin + plan.chunk_len, static_cast<int>(vocab));
   unsigned long long acc = 0;
   if (Rows::kProbs) {
-    const double scale = fixed_scale_for(row.best.value);
+    const int shift = fixed_shift_for(row.best.value);
     for (int i = begin + static_cast<int>(threadIdx.x); i < end; i += BLOCK) {
-      acc += fixed_scaled(to_float(ld(x + i)), scale);
+      acc += fixed_scaled(to_float(ld(x + i)), shift);
     }
   } else {
     for (int i = begin + static_cast<int>(threadIdx.x); i < end; i += BLOCK) {
@@ -284,8 +284,8 @@ __global__ void __launch_bounds__(BLOCK)
   while (before + rec[g].sum <= target) before += rec[g++].sum;  // stops: target < total
   const int begin = g * plan.chunk_len;
   const int n = min(begin + plan.chunk_len, V) - begin;
-  const double scale = fixed_scale_for(r.best.value);
-  auto fixed = [w, scale, begin](int i) { return fixed_scaled(ld(w + begin + i), scale); };
+  const int shift = fixed_shift_for(r.best.value);
+  auto fixed = [w, shift, begin](int i) { return fixed_scaled(ld(w + begin + i), shift); };
   int lo, hi;
   thread_chunk<BLOCK>(n, &lo, &hi);
   unsigned long long mine = 0;
