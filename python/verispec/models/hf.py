@@ -1214,6 +1214,13 @@ class HFModel:
         from verispec.models import hf_tp
 
         plan = hf_tp.plan_shard(self.model, layers, tp.world_size, tp.rank)
+        # every refusal that needs no collective is behind us; the check below and the
+        # cut model's hooks call these
+        missing = [n for n in ("all_reduce", "gather_vocab") if not callable(getattr(tp, n, None))]
+        if missing:
+            raise TypeError(f"HFModel: tp must be a verispec.distributed.TensorParallel (with "
+                            f"all_reduce and gather_vocab), got {type(tp).__name__} without "
+                            f"{' and '.join(missing)}")
         ids = (torch.arange(SHARD_CHECK_TOKENS, device=device) * 7 + 1) % vocab_size
         self.model.set_attn_implementation("eager")
         try:
