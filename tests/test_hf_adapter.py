@@ -172,6 +172,42 @@ CONFIGS = {
                                       use_sliding_window=True, sliding_window=WINDOW,
                                       max_window_layers=3),
 }
+
+
+def _calls_the_interface(config) -> bool:
+    """transformers' own answer, without HFModel: does every layer of a model of ``config``
+    call the function selected from transformers.AttentionInterface? (A stand-in that
+    counts its callers and returns zeros.)"""
+    callers = []
+
+    def count(module, query, key, value, attention_mask, **kwargs):
+        callers.append(id(module))
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1],
+                               value.shape[3]), None
+
+    transformers.AttentionInterface.register("verispec_test_count", count)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.set_attn_implementation("verispec_test_count")  # kept as is by models outside it
+    with torch.no_grad():
+        model(torch.tensor([[3, 4]]), use_cache=False)
+    return len(set(callers)) == config.num_hidden_layers
+
+
+# Falcon's layers call the attention interface from transformers 5.25 on (before, they
+# computed attention themselves and HFModel refused them): pinned with the others where
+# they do, refused where they do not (test_takes_a_model_exactly_when_its_layers_call_it).
+FALCON = {
+    # Falcon-7B's layout: multi-query (one KV head in the fused QKV), attention and MLP
+    # in parallel
+    "falcon": lambda: _cfg("falcon", drop=_NO_KV + ("intermediate_size",), ffn_hidden_size=96),
+    # Falcon-40B's and 180B's: grouped KV heads, each group's queries then its K and V
+    "falcon_grouped": lambda: _cfg("falcon", drop=_NO_KV + ("intermediate_size",),
+                                   ffn_hidden_size=96, new_decoder_architecture=True,
+                                   num_kv_heads=2),
+}
+FALCON_CALLS_THE_INTERFACE = _calls_the_interface(FALCON["falcon"]())
+if FALCON_CALLS_THE_INTERFACE:
+    CONFIGS.update(FALCON)
 # Models whose float32 forward in transformers is itself further than ATOL from its float64
 # forward on these tiny configs (Gemma 4 attends with scaling 1.0 after its q/k norms,
 # which amplifies rounding): the adapter is checked against the float64 forward instead,
@@ -741,12 +777,35 @@ def test_refuses_hybrid_linear_attention():
 
 
 @pytest.mark.parametrize("model_type", ["falcon", "bloom"])
-def test_refuses_model_outside_the_interface(model_type):
+def test_takes_a_model_exactly_when_its_layers_call_the_interface(model_type):
+    """Decided by what the layers do, not by the transformers version: a model whose
+    layers call the selected function (falcon from transformers 5.25 on) is taken and
+    compared with transformers' forward among CONFIGS; one whose layers compute attention
+    themselves (bloom; falcon before 5.25) is refused with the reason."""
     layers = {"n_layer": 3} if model_type == "bloom" else {"num_hidden_layers": 3}
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+    config = transformers.AutoConfig.for_model(
         model_type, vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, bos_token_id=1,
-        eos_token_id=2, **layers)).eval()
-    _refused(model, "AttentionInterface")
+        eos_token_id=2, **layers)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if _calls_the_interface(config):
+        assert model_type == "falcon" and FALCON.keys() <= CONFIGS.keys()
+        assert HFModel(model).num_layers == 3
+    else:
+        assert not (model_type == "falcon" and FALCON.keys() & CONFIGS.keys())
+        _refused(model, "AttentionInterface")
+
+
+def test_refuses_alibi_falcon():
+    """ALiBi Falcon adds its position bias to the attention mask transformers builds for
+    its own attention, which it builds for no other function: refused with the reason
+    (where its layers call the interface, the forward's own error), not a crash."""
+    model = _tiny("falcon", drop=_NO_KV + ("intermediate_size",), ffn_hidden_size=96,
+                  alibi=True)
+    if FALCON_CALLS_THE_INTERFACE:
+        _refused(model, "its forward fails with the attention function 'verispec_paged' "
+                        "selected (transformers builds no attention mask for it): ")
+    else:
+        _refused(model, "AttentionInterface")
 
 
 def test_refuses_layers_that_pass_their_own_attention_mask():

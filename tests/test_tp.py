@@ -369,7 +369,9 @@ def _refuse_tp(model_type: str, words, overrides, drop=()):
      dict(ffn_dim=96, word_embed_proj_dim=64), ("intermediate_size", "num_key_value_heads")),
     ("phi3", ["'layers.*.self_attn.qkv_proj' as 'colwise_gather_output'",
               "every rank would attend over every head"], {}, ()),
-    ("mixtral", ["'packed_colwise', a mixture-of-experts style"],
+    ("mixtral", ["model_type 'mixtral': model.layers.0.mlp.experts (MixtralExperts) stacks its "
+                 "weights by expert (gate_up_proj [4, 192, 64], down_proj [4, 64, 96]), a "
+                 "mixture of experts"],
      dict(num_local_experts=4, num_experts_per_tok=2), ()),
     ("gpt_neox", ["layers.0.attention.query_key_value (colwise) has 192 output features, not "
                   "whole heads of 4 x 16 (Q)"], {}, ("num_key_value_heads", "pad_token_id")),
@@ -378,9 +380,28 @@ def _refuse_tp(model_type: str, words, overrides, drop=()):
 ])
 def test_hf_refuses_models_it_cannot_split(model_type, words, overrides, drop):
     """No plan (opt), a plan that gathers the fused QKV (phi3), mixture of experts
-    (mixtral), a fused QKV whose features are not whole heads of one projection
-    (gpt_neox), fewer KV heads than ranks."""
+    (mixtral: found by its 3-D expert weights, whether the plan calls them
+    'packed_colwise' (transformers 5.24) or leaves them out (5.25)), a fused QKV whose
+    features are not whole heads of one projection (gpt_neox), fewer KV heads than
+    ranks."""
     _refuse_tp(model_type, words, overrides, drop)
+
+
+def test_hf_tp_without_collectives_is_a_type_error_naming_them():
+    """A model the plan can cut, with a tp that has no collectives: a TypeError naming
+    what is missing before anything is cut, not an AttributeError from a hook."""
+    import types
+
+    from tp_worker import hf_tiny
+    from verispec.models import HFModel
+
+    model = hf_tiny("llama", layers=1)
+    with pytest.raises(TypeError, match=r"HFModel: tp must be a verispec.distributed."
+                                        r"TensorParallel \(with all_reduce and gather_vocab\), "
+                                        r"got SimpleNamespace without all_reduce and "
+                                        r"gather_vocab"):
+        HFModel(model, tp=types.SimpleNamespace(rank=0, world_size=2))
+    assert model.lm_head.weight.shape[0] == 211  # not cut
 
 
 def test_a_draft_hfmodel_of_other_collectives_or_a_shard_resharded_is_refused():

@@ -195,6 +195,10 @@ def main(argv=None) -> int:
         raise _Timeout()
 
     signal.signal(signal.SIGALRM, alarm)
+    # which models pass changes with the release (falcon joined the interface in 5.25):
+    # the README's numbers name it
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
+          f"verispec {verispec.__version__}", flush=True)
     results = {}
     for model_type in types:
         start = time.perf_counter()

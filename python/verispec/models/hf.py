@@ -26,7 +26,8 @@ config window that no layer passes down or keeps (unless max_context fits in it)
 whose other layers keep state of their own (recurrent, convolution, a sparse-attention
 indexer's keys: that state would need its own cache and rollback), bidirectional
 (encoder) models, encoder-decoders, chunked attention (applied by transformers' mask,
-not passed down).
+not passed down), and models whose forward fails without the mask transformers builds
+for its own attention (ALiBi Falcon adds its position bias to it).
 
 Tensor parallelism: ``HFModel(hf_model, tp=tp)`` cuts the model in place along its
 config's ``base_model_tp_plan`` (``verispec.models.hf_tp``), one rank of a group.
@@ -1001,7 +1002,16 @@ class HFModel:
                                         "AttentionInterface")
             self.model = hf_model
             self._captures = None
-            probe, logits = self._probe(device)
+            try:
+                probe, logits = self._probe(device)
+            except Exception as e:  # noqa: BLE001 - whatever the model's own code raises
+                # A forward that needs what transformers builds for its own attention (a
+                # mask it adds a position bias to, as ALiBi Falcon's) fails here: refused
+                # with its error, not raised from deep inside the model's code.
+                raise _refuse(hf_model, f"its forward fails with the attention function "
+                                        f"{ATTN_IMPLEMENTATION!r} selected (transformers "
+                                        f"builds no attention mask for it): "
+                                        f"{type(e).__name__}: {e}") from e
             layers = probe.layers
             num_layers = getattr(text, "num_hidden_layers", None)
             if not layers:
@@ -1214,6 +1224,13 @@ class HFModel:
         from verispec.models import hf_tp
 
         plan = hf_tp.plan_shard(self.model, layers, tp.world_size, tp.rank)
+        # every refusal that needs no collective is behind us; the check below and the
+        # cut model's hooks call these
+        missing = [n for n in ("all_reduce", "gather_vocab") if not callable(getattr(tp, n, None))]
+        if missing:
+            raise TypeError(f"HFModel: tp must be a verispec.distributed.TensorParallel (with "
+                            f"all_reduce and gather_vocab), got {type(tp).__name__} without "
+                            f"{' and '.join(missing)}")
         ids = (torch.arange(SHARD_CHECK_TOKENS, device=device) * 7 + 1) % vocab_size
         self.model.set_attn_implementation("eager")
         try:

@@ -23,10 +23,13 @@ one rank. No per-architecture code: the plan names the layers, the probe the hea
   the same tokens everywhere.
 
 Refused (``ValueError`` naming the model type and the reason): configs without a plan,
-plans that gather a split output or split a replicated input (``colwise_gather_output``,
-``rowwise_split_input``: every rank would attend over every head), mixture-of-experts
-styles, planned modules that are not ``nn.Linear``, a world larger than a layer's KV
-heads, and plans that leave an attention layer whole.
+mixtures of experts whose experts are stacked in one weight (a module with a parameter
+of 3 or more dimensions, named whatever the plan says of it), plans that gather a split
+output or split a replicated input (``colwise_gather_output``, ``rowwise_split_input``:
+every rank would attend over every head), other mixture-of-experts styles, planned
+modules that are not ``nn.Linear``, a world larger than a layer's KV heads, and plans
+that leave an attention layer whole. Modules the plan does not name stay whole on
+every rank (exact: HFModel's check of the cut compares the logits).
 """
 
 from __future__ import annotations
@@ -93,6 +96,21 @@ def plan_shard(hf_model: Any, layers: Sequence[Any], world_size: int, rank: int)
                                 f"base_model_tp_plan: transformers names no split for it")
     base = hf_model.get_decoder() if hasattr(hf_model, "get_decoder") else hf_model.base_model
     full_name = {id(m): n for n, m in hf_model.named_modules()}
+    # Decided from the modules, not from how a plan spells their style (transformers 5.24
+    # planned Mixtral's experts as 'packed_colwise', 5.25 leaves them to its
+    # expert-parallel plan): verispec cuts nn.Linear layers only, and would otherwise hold
+    # every expert whole on every rank.
+    for module in base.modules():
+        if isinstance(module, torch.nn.modules.conv._ConvNd):
+            continue  # a convolution's weight is 3-D or more without being experts
+        stacked = [f"{n} {list(p.shape)}" for n, p in module.named_parameters(recurse=False)
+                   if p.dim() >= 3]
+        if stacked:
+            raise _refuse(hf_model, f"model_type {model_type!r}: "
+                                    f"{full_name[id(module)]} ({type(module).__name__}) "
+                                    f"stacks its weights by expert ({', '.join(stacked)}), a "
+                                    f"mixture of experts; verispec cuts nn.Linear layers only "
+                                    f"and would hold every expert whole on every rank")
     modules = dict(base.named_modules())
     params = dict(base.named_parameters())
 
