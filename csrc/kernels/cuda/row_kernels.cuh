@@ -188,23 +188,34 @@ __device__ inline void finish_position_stats(const VerifyArgs& a, int64_t b, int
   s->valid = ok ? 1 : 0;
 }
 
+// Position `index` of a [batch, K + 1] launch: its row b, position j, policy and num_draft;
+// false where the walk never reads it (a bad policy or num_draft, reported by
+// verify_sample_kernel, or padding past num_draft).
+struct VerifyPosition {
+  int64_t b, j, n;
+  RowPolicy pol;
+};
+__device__ inline bool verify_position(const VerifyArgs& a, int64_t index, VerifyPosition* p) {
+  const int64_t width = a.num_spec + 1;
+  p->b = index / width;
+  p->j = index % width;
+  p->pol = resolve_policy(a.policy, p->b);
+  p->n = row_num_draft(a, p->b);
+  return invalid_policy_field(p->pol) < 0 && p->n >= 0 && p->n <= a.num_spec && p->j <= p->n;
+}
+
 // grid: batch * (K + 1) blocks; stats: [batch, K + 1].
 template <typename T, int BLOCK, bool FILTER>
 __global__ void __launch_bounds__(BLOCK)
     verify_policy_kernel(VerifyArgs a, RowStats* stats, unsigned long long* record) {
   __shared__ BlockOps<BLOCK> ops;
-  const int64_t width = a.num_spec + 1;
-  const int64_t b = blockIdx.x / width;
-  const int64_t j = blockIdx.x % width;
-  const RowPolicy pol = resolve_policy(a.policy, b);
-  const int64_t n = row_num_draft(a, b);
-  // A bad policy or num_draft is reported by verify_sample_kernel; padding is not read.
-  if (invalid_policy_field(pol) >= 0 || n < 0 || n > a.num_spec || j > n) return;
+  VerifyPosition p;
+  if (!verify_position(a, blockIdx.x, &p)) return;
   RowStats s{};
   const int verdict = compute_row_stats<T, BLOCK, FILTER>(
-      logits_at<T>(a, b, j), static_cast<int>(a.vocab), pol, pol.greedy(), ops, &s);
+      logits_at<T>(a, p.b, p.j), static_cast<int>(a.vocab), p.pol, p.pol.greedy(), ops, &s);
   if (threadIdx.x != 0) return;
-  finish_position_stats<T>(a, b, j, n, pol, verdict, &s, record);
+  finish_position_stats<T>(a, p.b, p.j, p.n, p.pol, verdict, &s, record);
   stats[blockIdx.x] = s;
 }
 

@@ -89,11 +89,10 @@ template <typename T>
 struct VerifyRows {
   VerifyArgs a;
   __device__ bool row(int64_t r, const T** x, RowPolicy* pol) const {
-    const int64_t width = a.num_spec + 1, b = r / width, j = r % width;
-    *pol = resolve_policy(a.policy, b);
-    const int64_t n = row_num_draft(a, b);
-    if (invalid_policy_field(*pol) >= 0 || n < 0 || n > a.num_spec || j > n) return false;
-    *x = logits_at<T>(a, b, j);
+    VerifyPosition p;
+    if (!verify_position(a, r, &p)) return false;
+    *pol = p.pol;
+    *x = logits_at<T>(a, p.b, p.j);
     return true;
   }
   static constexpr bool kProbs = false;
@@ -121,19 +120,32 @@ struct SampleRows {
   static constexpr bool kProbs = true;
 };
 
+// The chunk of a rows * chunks launch that this block holds: its row r, [begin, end),
+// the row's values and policy; false for a row the op does not compute.
+template <typename T, typename Rows>
+struct SplitChunk {
+  int64_t r;
+  int begin, end;
+  const T* x;
+  RowPolicy pol;
+  __device__ bool take(const Rows& rows, int64_t vocab, const SplitPlan& plan) {
+    r = blockIdx.x / plan.chunks;
+    begin = static_cast<int>(blockIdx.x % plan.chunks) * plan.chunk_len;
+    end = min(begin + plan.chunk_len, static_cast<int>(vocab));
+    return rows.row(r, &x, &pol);
+  }
+};
+
 // grid: rows * chunks blocks; out: [rows, chunks]. Logits: invalid = NaN / +Inf;
 // probabilities: negative, NaN or Inf.
 template <typename T, int BLOCK, typename Rows>
 __global__ void __launch_bounds__(BLOCK)
     split_max_kernel(Rows rows, int64_t vocab, SplitPlan plan, ChunkStats* out) {
   __shared__ BlockOps<BLOCK> ops;
-  const int64_t r = blockIdx.x / plan.chunks;
-  const int g = static_cast<int>(blockIdx.x % plan.chunks);
-  const T* x;
-  RowPolicy pol;
-  if (!rows.row(r, &x, &pol)) return;
-  const int begin = g * plan.chunk_len;
-  const int end = min(begin + plan.chunk_len, static_cast<int>(vocab));
+  SplitChunk<T, Rows> c;
+  if (!c.take(rows, vocab, plan)) return;
+  const T* x = c.x;
+  const int begin = c.begin, end = c.end;
   ArgMax local{-INFINITY, INT_MAX};
   int bad = INT_MAX;
   for (int i = begin + static_cast<int>(threadIdx.x); i < end; i += BLOCK) {
@@ -156,16 +168,14 @@ template <typename T, int BLOCK, typename Rows>
 __global__ void __launch_bounds__(BLOCK)
     split_sum_kernel(Rows rows, int64_t vocab, SplitPlan plan, ChunkStats* out) {
   __shared__ BlockOps<BLOCK> ops;
-  const int64_t r = blockIdx.x / plan.chunks;
-  const int g = static_cast<int>(blockIdx.x % plan.chunks);
-  const T* x;
-  RowPolicy pol;
-  if (!rows.row(r, &x, &pol)) return;
-  const SplitRow row = combine_chunks(out + r * plan.chunks, plan.chunks, false);
-  if (row.bad != INT_MAX || !is_finite(row.best.value) || pol.greedy()) return;
+  SplitChunk<T, Rows> c;
+  if (!c.take(rows, vocab, plan)) return;
+  const SplitRow row = combine_chunks(out + c.r * plan.chunks, plan.chunks, false);
+  if (row.bad != INT_MAX || !is_finite(row.best.value) || c.pol.greedy()) return;
   if (Rows::kProbs && !(row.best.value > 0.0f)) return;  // zero mass: an error, no sum
-  const int begin = g * plan.chunk_len;
-  const int end = min(begin + plan.chunk_len, static_cast<int>(vocab));
+  const T* x = c.x;
+  const int begin = c.begin, end = c.end;
+  const RowPolicy pol = c.pol;
   unsigned long long acc = 0;
   if (Rows::kProbs) {
     const int shift = fixed_shift_for(row.best.value);
@@ -205,17 +215,12 @@ template <typename T>
 __global__ void __launch_bounds__(32)
     verify_split_stats_kernel(VerifyArgs a, SplitPlan plan, const ChunkStats* chunks,
                               RowStats* stats, unsigned long long* record) {
-  if (threadIdx.x != 0) return;
-  const int64_t width = a.num_spec + 1;
-  const int64_t b = blockIdx.x / width;
-  const int64_t j = blockIdx.x % width;
-  const RowPolicy pol = resolve_policy(a.policy, b);
-  const int64_t n = row_num_draft(a, b);
-  if (invalid_policy_field(pol) >= 0 || n < 0 || n > a.num_spec || j > n) return;
+  VerifyPosition p;
+  if (threadIdx.x != 0 || !verify_position(a, blockIdx.x, &p)) return;
   RowStats s{};
   const int verdict = split_row_stats(chunks + blockIdx.x * plan.chunks, plan.chunks,
-                                      pol.greedy(), &s);
-  finish_position_stats<T>(a, b, j, n, pol, verdict, &s, record);
+                                      p.pol.greedy(), &s);
+  finish_position_stats<T>(a, p.b, p.j, p.n, p.pol, verdict, &s, record);
   stats[blockIdx.x] = s;
 }
 
