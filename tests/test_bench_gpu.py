@@ -267,6 +267,27 @@ def test_ncu_target_runs_on_cpu():
     assert len(lines) == 4, out  # 2 policies x 2 calls
 
 
+def test_gpu_equality_runs_and_counts(tmp_path):
+    """The CPU-vs-CUDA equality check on small shapes, both sides on the CPU: every case of
+    every op runs and the counts are written (all 0: the same device); the shapes, dtypes
+    and policies the GPU run covers are all in its case list."""
+    out = tmp_path / "equality.json"
+    text = run_bench("gpu_equality.py", "--device", "cpu", "--quick", "--out", str(out))
+    r = json.loads(out.read_text())
+    assert r["complete"] and r["total_differing"] == 0, text[-2000:]
+    ops = {c["op"] for c in r["cases"]}
+    assert ops == {"apply_policy+sample", "verify", "verify_tree"}, ops
+    assert {c["dtype"] for c in r["cases"]} == {"float32", "bfloat16", "float16"}
+    assert {c["policy"] for c in r["cases"]} == {"temperature_1", "all_knobs", "greedy"}
+    for c in r["cases"]:
+        assert c["differing"] and all(v["of"] > 0 and v["differ"] == 0
+                                      for v in c["differing"].values()), c
+    verify = [c for c in r["cases"] if c["op"] == "verify"]
+    assert {"sampled_token", "sampled_block", "onehot_token", "onehot_block"} <= set(
+        verify[0]["differing"]), verify[0]
+    assert "differing: 0" in text
+
+
 # --- bench/gpu_check.sh ---------------------------------------------------------------------
 
 
