@@ -72,6 +72,12 @@ bool same_fault(const OpStatus& a, const OpStatus& b) {
 int g_sim_sms = 132;
 constexpr int kSimSplitBlock = 64;  // the split kernels' block in the simulation (ops.cu: 256)
 
+// The split region of a workspace (kCudaSplitBytes: chunk records, then tile records).
+struct SplitSpace {
+  std::vector<uint64_t> words = std::vector<uint64_t>(kCudaSplitBytes / sizeof(uint64_t));
+  ChunkStats* data() { return reinterpret_cast<ChunkStats*>(words.data()); }
+};
+
 template <typename T, int BLOCK = kSimBlock>
 OpStatus sim_apply_policy(const ApplyPolicyArgs& a) {
   unsigned long long record = kNoDeviceError;
@@ -79,14 +85,11 @@ OpStatus sim_apply_policy(const ApplyPolicyArgs& a) {
   const SplitPlan plan = filter ? SplitPlan{1, static_cast<int>(a.vocab)}
                                 : split_plan(a.rows, a.vocab, g_sim_sms);
   if (plan.chunks > 1) {
-    std::vector<ChunkStats> chunks(static_cast<size_t>(a.rows * plan.chunks));
+    SplitSpace chunks;
     const auto grid = static_cast<unsigned>(a.rows * plan.chunks);
     const PolicyRows<T> rows{a};
     cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-      split_max_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
-    });
-    cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-      split_sum_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
+      split_stats_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
     });
     cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
       apply_policy_split_write_kernel<T, kSimSplitBlock>(a, plan, chunks.data(), &record);
@@ -109,14 +112,14 @@ OpStatus sim_sample(const SampleArgs& a) {
   const SplitPlan plan = a.row_seeds ? SplitPlan{1, static_cast<int>(a.vocab)}
                                      : split_plan(a.rows, a.vocab, g_sim_sms);
   if (plan.chunks > 1) {
-    std::vector<ChunkStats> chunks(static_cast<size_t>(a.rows * plan.chunks));
+    SplitSpace chunks;
     const auto grid = static_cast<unsigned>(a.rows * plan.chunks);
     const SampleRows rows{a};
     cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-      split_max_kernel<float, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
+      split_max_kernel<kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
     });
     cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-      split_sum_kernel<float, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
+      split_sum_kernel<kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
     });
     cuda_sim::run_grid(static_cast<unsigned>(a.rows), kSimSplitBlock, [&] {
       sample_split_pick_kernel<kSimSplitBlock>(a, plan, chunks.data(), &record);
@@ -137,14 +140,11 @@ OpStatus sim_verify_as(const VerifyArgs& a) {
   const SplitPlan plan = filter ? SplitPlan{1, static_cast<int>(a.vocab)}
                                 : split_plan(positions, a.vocab, g_sim_sms);
   if (plan.chunks > 1) {
-    std::vector<ChunkStats> chunks(static_cast<size_t>(positions * plan.chunks));
+    SplitSpace chunks;
     const auto grid = static_cast<unsigned>(positions * plan.chunks);
     const VerifyRows<T> rows{a};
     cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-      split_max_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
-    });
-    cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-      split_sum_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
+      split_stats_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
     });
     cuda_sim::run_grid(static_cast<unsigned>(positions), 32, [&] {
       verify_split_stats_kernel<T>(a, plan, chunks.data(), stats.data(), &record);
@@ -806,6 +806,63 @@ void test_launch_block_size_at_a_large_vocabulary() {
   CHECK(kept >= 1 && kept <= 50);  // top-k 50, then top-p 0.9
 }
 
+// ---- the normaliser in tiles -------------------------------------------------------------
+
+// Rows whose tiles differ in kind: a tile of masked logits only, the maximum in the last
+// (partial) tile, a tile whose maximum is far below the row's (its weights all round to
+// 0 at the row's maximum, not at its own), ties of the maximum across tiles. apply_policy
+// through the one-block kernel (several block sizes, so tiles fall to different warps) and
+// the split kernels: the CPU's bits.
+void test_tiles_match_the_cpu() {
+  const int V = 9 * kStatsTile + 77;  // 3 chunks where the split is on
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  constexpr int kRows = 4;
+  std::vector<float> x(static_cast<size_t>(kRows * V));
+  for (auto& v : x) v = normal(rng);
+  float* r0 = x.data();
+  std::fill(r0 + kStatsTile, r0 + 2 * kStatsTile, -INFINITY);
+  r0[V - 1] = 25.0f;
+  float* r1 = x.data() + V;
+  for (int i = 2 * kStatsTile; i < 3 * kStatsTile; ++i) r1[i] -= 120.0f;
+  float* r2 = x.data() + 2 * V;
+  r2[3] = r2[kStatsTile + 5] = r2[V - 2] = 11.0f;  // tied maxima in three tiles
+  float* r3 = x.data() + 3 * V;
+  std::fill(r3, r3 + V, -INFINITY);
+  r3[7 * kStatsTile + 1] = -3.0f;  // one finite logit
+  const std::vector<BFloat16> xb = convert<BFloat16>(x);
+  for (float temperature : {1.0f, 0.6f}) {
+    for (int sms : {0, 132}) {
+      g_sim_sms = sms;
+      for (bool bf16 : {false, true}) {
+        ApplyPolicyArgs a;
+        a.logits = bf16 ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data());
+        a.logits_dtype = bf16 ? LogitsDType::kBFloat16 : LogitsDType::kFloat32;
+        a.logits_row_stride = V;
+        a.rows = kRows;
+        a.vocab = V;
+        a.policy.temperature = temperature;
+        a.probs_row_stride = V;
+        std::vector<float> want(x.size()), got32(x.size()), got64(x.size()), got_split(x.size());
+        a.probs = want.data();
+        CHECK(apply_policy_cpu(a).ok());
+        a.probs = got32.data();
+        CHECK((bf16 ? sim_apply_policy<BFloat16, 32>(a) : sim_apply_policy<float, 32>(a)).ok());
+        CHECK(policy_rows_differ(got32, want, kRows, V) == 0);
+        a.probs = got64.data();
+        CHECK((bf16 ? sim_apply_policy<BFloat16, 96>(a) : sim_apply_policy<float, 96>(a)).ok());
+        CHECK(policy_rows_differ(got64, want, kRows, V) == 0);
+        // Row 3: all of its mass on the one finite logit; row 0: the maximum's probability
+        // is 1 / Z (its weight is exactly 1).
+        CHECK(want[static_cast<size_t>(3 * V + 7 * kStatsTile + 1)] == 1.0f);
+        const float p_max = want[static_cast<size_t>(V - 1)];
+        CHECK(p_max > 0.99f && p_max <= 1.0f);
+      }
+    }
+  }
+  g_sim_sms = 132;
+}
+
 // ---- memory traffic and parallelism, the stand-ins for speed -------------------------
 
 struct Traffic {
@@ -898,17 +955,19 @@ void test_memory_traffic() {
     double q_passes;      // at most
     size_t blocks;        // exactly
   };
-  // Measured when they were set: without a filter the rows split over 31 blocks (4138
-  // values each: split_kernels.cuh) and read the logits 3 times (apply_policy: max, sum,
-  // write), 2.033 (sample: max, sum, the target's chunk) and 3.002 (verify: max and sum at
-  // each position, the residual's sum and walk); with top-k + top-p one block a row reads
-  // them 20 / 21 times (the 8-way threshold searches).
+  // Measured when they were set: without a filter the rows split over 32 blocks (4096
+  // values each, whole tiles: split_kernels.cuh) and read the logits twice: apply_policy
+  // 2.000 (the statistics in one pass, sampling_math.h tiles; the write), sample 2.032
+  // (max, sum, the target's chunk), verify 2.002 (the statistics of every position in one
+  // pass; the residual's total and the walk along one thread's chunk), q 1.002 (its check
+  // in the residual's pass); with top-k + top-p one block a row reads them 19 / 20 times
+  // (the 8-way threshold searches). Before the tiles: 3, 2.033, 3.002, q 2.002, 31 blocks.
   const Pin pins[] = {
-      {"apply_policy", &plain, 3.0, 0.0, 31},
-      {"apply_policy", &knobs, 20.0, 0.0, 1},
-      {"sample", &plain, 2.04, 0.0, 31},
-      {"verify", &plain, 3.01, 2.01, 31},
-      {"verify", &knobs, 21.01, 2.01, 1},
+      {"apply_policy", &plain, 2.0, 0.0, 32},
+      {"apply_policy", &knobs, 19.0, 0.0, 1},
+      {"sample", &plain, 2.04, 0.0, 32},
+      {"verify", &plain, 2.01, 1.01, 32},
+      {"verify", &knobs, 20.01, 1.01, 1},
   };
   for (const Pin& pin : pins) {
     const Traffic t = measure(pin.op, *pin.policy);
@@ -930,7 +989,10 @@ void test_memory_traffic() {
 // The split kernels against the CPU on vocabularies of 2 to 5 chunks, few rows, every
 // unfiltered policy, both dtypes: the same bits, tokens and faults; and the plan itself.
 void test_split_rows_match_the_cpu() {
-  CHECK(split_plan(1, 128256, 132).chunks == 31 && split_plan(1, 8191, 132).chunks == 1);
+  // Chunks are whole tiles (kStatsTile values), at least kSplitMinChunk = 3 tiles.
+  CHECK(split_plan(1, 128256, 132).chunks == 32 && split_plan(1, 128256, 132).chunk_len == 4096);
+  CHECK(split_plan(1, 6143, 132).chunks == 1 && split_plan(1, 8191, 132).chunks == 2);
+  CHECK(split_plan(1, 9216, 132).chunks == 3 && split_plan(1, 9216, 132).chunk_len == 3072);
   CHECK(split_plan(200, 128256, 132).chunks == 1);  // many rows: one block each
   CHECK(split_plan(5, 1 << 20, 132).chunks == 32);  // at most kCudaSplitMaxChunks
   CHECK(split_plan(40, 1 << 20, 132).chunks == 7);  // two blocks an SM: ceil(264 / 40)
@@ -1062,6 +1124,7 @@ int main() {
   test_verify_tree_faults();
   test_launch_block_size_at_a_large_vocabulary();
   test_split_rows_match_the_cpu();
+  test_tiles_match_the_cpu();
   test_memory_traffic();
   return native_check::check_summary("test_cuda_sim_kernels");
 }

@@ -584,6 +584,52 @@ void test_row_sums() {
   }
 }
 
+// The softmax normaliser in tiles (sampling_math.h): fixed_rescale is the exact floor of a
+// 128-bit product; a tile at the row's maximum adds its sum unchanged; the CPU loop is the
+// rule written out tile by tile; and Z is the softmax sum to within its rounding.
+void test_tiled_softmax_norm() {
+  CHECK(fixed_rescale(0, uint64_t{1} << 40) == 0);
+  CHECK(fixed_rescale(12345, uint64_t{1} << 40) == 12345);  // F = 1: the sum itself
+  CHECK(fixed_rescale(uint64_t{3} << 40, uint64_t{1} << 39) == uint64_t{3} << 39);
+  const uint64_t big = (uint64_t{1} << 51) - 1;  // the largest tile sum, the largest scale
+  CHECK(fixed_rescale(big, uint64_t{1} << 40) == big);
+  CHECK(fixed_rescale(big, (uint64_t{1} << 40) - 1) == big - 2048);  // floor(big - 2047.99...)
+  CHECK(fixed_rescale(7, 3) == 0 && fixed_rescale(uint64_t{1} << 41, 3) == 6);
+  CHECK(tile_norm_term(999, 2.5f, 2.5f, 0.7f) == 999);
+  CHECK(tile_norm_term(999, -kInf, 2.5f, 1.0f) == 0);  // a tile of masked logits only
+  CHECK(stats_tiles(1) == 1 && stats_tiles(1024) == 1 && stats_tiles(1025) == 2);
+
+  std::mt19937 rng(77);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  for (int64_t n : {1, 1023, 1024, 1025, 5000, 128256}) {
+    for (float temperature : {1.0f, 0.3f, 2.0f}) {
+      std::vector<float> x(static_cast<size_t>(n));
+      for (auto& v : x) v = normal(rng);
+      if (n > 3000) std::fill(x.begin() + 1024, x.begin() + 2048, -kInf);  // a masked tile
+      if (n > 3000) x[static_cast<size_t>(n - 1)] = 30.0f;  // the maximum in the last tile
+      const float m = *std::max_element(x.begin(), x.end());
+      uint64_t want = 0;
+      double exact = 0.0;
+      for (int64_t start = 0; start < n; start += kStatsTile) {  // the rule, tile by tile
+        const int64_t end = std::min<int64_t>(start + kStatsTile, n);
+        float tile_max = -kInf;
+        for (int64_t i = start; i < end; ++i) tile_max = std::max(tile_max, x[static_cast<size_t>(i)]);
+        uint64_t sum = 0;
+        for (int64_t i = start; i < end; ++i) {
+          sum += fixed_weight(softmax_weight(x[static_cast<size_t>(i)], tile_max, temperature));
+          exact += std::exp((static_cast<double>(x[static_cast<size_t>(i)]) - m) / temperature);
+        }
+        want += tile_norm_term(sum, tile_max, m, temperature);
+      }
+      const uint64_t got = kernels::cpu::tiled_softmax_norm(x.data(), n, m, temperature);
+      CHECK(got == want);
+      // Each weight is off by about an ulp (2^-24 relative) and each tile term by a unit of
+      // 2^-40 at most per value: relative error well below 1e-6.
+      CHECK(std::fabs(static_cast<double>(got) * std::ldexp(1.0, -kFixedBits) - exact) <= 1e-6 * exact);
+    }
+  }
+}
+
 // ---- apply_policy ---------------------------------------------------------------------
 
 void test_policy_hand_cases() {
@@ -1604,6 +1650,7 @@ int main() {
   test_search_survives_unordered_verdicts();
   test_row_checks_and_argmax();
   test_row_sums();
+  test_tiled_softmax_norm();
   test_policy_hand_cases();
   test_policy_against_brute_force();
   test_policy_dtypes_strides_and_rows();

@@ -263,11 +263,15 @@ struct CudaLaunch {
 
 constexpr size_t kCudaErrorRecordBytes = 256;     // error record, padded for alignment
 // Launches with few rows split each row over several blocks, whose per-chunk statistics
-// (24 bytes each) live in the workspace: at most kCudaSplitMaxRows rows of
-// kCudaSplitMaxChunks chunks (kernels/cuda/split_kernels.cuh).
+// (24 bytes each) and per-tile statistics (the maximum and fixed-point sum of each 1024
+// values, 12 bytes; sampling_math.h kStatsTile) live in the workspace: at most
+// kCudaSplitMaxRows rows of kCudaSplitMaxChunks chunks and kMaxVocab / 1024 tiles
+// (kernels/cuda/split_kernels.cuh).
 constexpr int64_t kCudaSplitMaxRows = 128;
 constexpr int64_t kCudaSplitMaxChunks = 32;
-constexpr size_t kCudaSplitBytes = kCudaSplitMaxRows * kCudaSplitMaxChunks * 24;
+constexpr int64_t kCudaSplitMaxTiles = 1024;
+constexpr size_t kCudaSplitBytes =
+    kCudaSplitMaxRows * kCudaSplitMaxChunks * 24 + kCudaSplitMaxRows * kCudaSplitMaxTiles * 12;
 constexpr size_t kVerifyStatsBytesPerPosition = 32;
 // Layout: [error record][split chunk statistics][op payload].
 constexpr size_t kCudaWorkspaceHeadBytes = kCudaErrorRecordBytes + kCudaSplitBytes;

@@ -292,6 +292,46 @@ VERISPEC_HD inline float softmax_weight(float l, float row_max, float temperatur
   return exp_reduced(softmax_exponent(l, row_max, temperature));
 }
 
+// ---- the softmax normaliser, in tiles ----------------------------------------------------
+// The normaliser Z of a row's softmax weights w_i = exp((l_i - max) / T) is read in one
+// pass over the logits on the device: the row is cut into fixed tiles of kStatsTile values
+// ([t * kStatsTile, (t + 1) * kStatsTile), whatever the block count), and a tile needs only
+// its own maximum m_t to sum its weights, so no second pass waits for the row's maximum:
+//
+//   S_t = sum over the tile of fixed_weight(exp((l_i - m_t) / T))        (integers)
+//   Z   = sum over tiles of floor(S_t * F_t / 2^40),  F_t = fixed_weight(exp((m_t - max) / T))
+//
+// Every term is an integer computed from the tile alone and the row's maximum, so any
+// split of the row, any block and the CPU's loop give the same Z to the bit. Z differs
+// from sum_i fixed_weight(w_i) by rounding only (at most one unit per tile and value,
+// 2^-40 each); the probabilities stay w_i / Z (the weight of the maximum is exactly 1, so
+// the largest probability is 1 / Z).
+constexpr int kStatsTile = 1024;
+constexpr int64_t kMaxStatsTiles = kMaxVocab / kStatsTile;
+
+VERISPEC_HD inline int64_t stats_tiles(int64_t vocab) {
+  return (vocab + kStatsTile - 1) / kStatsTile;
+}
+
+// floor(sum * scale / 2^40) for a tile sum below 2^51 and a scale at most 2^40 (the
+// product stays below 2^91): exact 128-bit arithmetic on both backends.
+VERISPEC_HD inline uint64_t fixed_rescale(uint64_t sum, uint64_t scale) {
+#if defined(__CUDA_ARCH__)
+  const uint64_t hi = __umul64hi(sum, scale);
+  const uint64_t lo = sum * scale;
+  return (hi << (64 - kFixedBits)) | (lo >> kFixedBits);
+#else
+  return static_cast<uint64_t>((static_cast<unsigned __int128>(sum) * scale) >> kFixedBits);
+#endif
+}
+
+// A tile's term of Z: its sum S_t (weights against its maximum m_t) scaled to the row's
+// maximum. A tile of masked logits only (m_t = -Inf) adds 0.
+VERISPEC_HD inline uint64_t tile_norm_term(uint64_t tile_sum, float tile_max, float row_max,
+                                           float temperature) {
+  return fixed_rescale(tile_sum, fixed_weight(softmax_weight(tile_max, row_max, temperature)));
+}
+
 // top-p keeps the largest threshold t with mass{p >= t} >= top_p * survivor_mass, masses
 // in fixed point: mass_at_least(mass, top_p, survivor_mass).
 

@@ -142,8 +142,12 @@ struct ResidualMass {
 };
 ResidualMass residual_mass(const float* p, const float* q, int64_t n);
 
-// v[i] = softmax_weight(v[i], row_max, temperature); returns their fixed-point sum.
-uint64_t softmax_weights_inplace(float* v, int64_t n, float row_max, float temperature);
+// v[i] = softmax_weight(v[i], row_max, temperature).
+void softmax_weights_inplace(float* v, int64_t n, float row_max, float temperature);
+
+// The softmax normaliser Z of logits v[0, n) (all valid, maximum row_max) in fixed point,
+// by sampling_math.h's tiles (tile_norm_term): the device's one-pass value.
+uint64_t tiled_softmax_norm(const float* v, int64_t n, float row_max, float temperature);
 
 // v[i] = v[i] / norm.
 void divide_row(float* v, int64_t n, float norm);
@@ -292,7 +296,8 @@ int64_t policy_row(const T* x, int64_t n, const RowPolicy& pol, float* out, Poli
     out[arg] = 1.0f;
     return kLogitsOk;
   }
-  const float norm = fixed_to_float(softmax_weights_inplace(out, n, m, pol.temperature));
+  const float norm = fixed_to_float(tiled_softmax_norm(out, n, m, pol.temperature));
+  softmax_weights_inplace(out, n, m, pol.temperature);
   divide_row(out, n, norm);
   const float p_max = 1.0f / norm;  // the maximum has weight exp(0) = 1
 

@@ -137,11 +137,29 @@ VERISPEC_CPU_CLONES ResidualMass residual_mass(const float* p, const float* q, i
 }
 
 // Two loops, so that the clamp in softmax_exponent stays branch-free and both vectorise.
-VERISPEC_CPU_CLONES uint64_t softmax_weights_inplace(float* v, int64_t n, float row_max,
-                                                     float temperature) {
+VERISPEC_CPU_CLONES void softmax_weights_inplace(float* v, int64_t n, float row_max,
+                                                 float temperature) {
   for (int64_t i = 0; i < n; ++i) v[i] = softmax_exponent(v[i], row_max, temperature);
   for (int64_t i = 0; i < n; ++i) v[i] = exp_reduced(v[i]);
-  return fixed_sum(v, n);
+}
+
+// The tile loop of sampling_math.h's normaliser: each tile's maximum, its fixed-point sum
+// of weights against that maximum, and its term of Z; loops of their own so each
+// vectorises.
+VERISPEC_CPU_CLONES uint64_t tiled_softmax_norm(const float* v, int64_t n, float row_max,
+                                                float temperature) {
+  float e[kStatsTile];
+  uint64_t z = 0;
+  for (int64_t start = 0; start < n; start += kStatsTile) {
+    const int64_t len = std::min<int64_t>(kStatsTile, n - start);
+    const float* t = v + start;
+    float m = -INFINITY;
+    for (int64_t i = 0; i < len; ++i) m = t[i] > m ? t[i] : m;
+    for (int64_t i = 0; i < len; ++i) e[i] = softmax_exponent(t[i], m, temperature);
+    for (int64_t i = 0; i < len; ++i) e[i] = exp_reduced(e[i]);
+    z += tile_norm_term(fixed_sum(e, len), m, row_max, temperature);
+  }
+  return z;
 }
 
 VERISPEC_CPU_CLONES void divide_row(float* v, int64_t n, float norm) {

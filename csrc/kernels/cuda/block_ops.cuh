@@ -153,6 +153,84 @@ __device__ inline void report_error(unsigned long long* record, int64_t row, Sta
   if (record) atomicMin(record, static_cast<unsigned long long>(pack_error(row, code, col)));
 }
 
+// ---- one pass of row statistics (sampling_math.h: the normaliser in tiles) -------------
+
+__device__ inline float warp_max(float v) {
+  VERISPEC_UNROLL
+  for (int m = 16; m > 0; m >>= 1) {
+    const float o = __shfl_xor_sync(0xffffffffu, v, m);
+    v = o > v ? o : v;
+  }
+  return v;
+}
+__device__ inline unsigned long long warp_sum(unsigned long long v) {
+  VERISPEC_UNROLL
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+// Where a row's tile statistics go: the maximum m_t and the fixed-point sum S_t of tile t
+// at max[t], sum[t] (shared memory for one block a row, the workspace for a split row).
+struct TileRecords {
+  float* max;
+  unsigned long long* sum;
+};
+
+// Tiles [t_begin, t_end) of logits x[0, V), one warp a tile, the block's warps in turn:
+// each lane holds kStatsTile / 32 values, the warp's maximum is m_t and (sums) the warp
+// adds S_t against it, so each logit is read once. Lane 0 writes the records. Folds this
+// thread's values into *local (the argmax, first index on ties) and *bad (the first NaN /
+// +Inf index); an invalid value counts as -Inf in its tile.
+template <typename T, int BLOCK>
+__device__ void tile_stats_pass(const T* __restrict__ x, int V, int t_begin, int t_end,
+                                float temperature, bool sums, TileRecords rec, ArgMax* local,
+                                int* bad) {
+  constexpr int kPerLane = kStatsTile / 32;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  for (int t = t_begin + static_cast<int>(threadIdx.x >> 5); t < t_end; t += BLOCK / 32) {
+    const int base = t * kStatsTile + lane;
+    float v[kPerLane];
+    float m = -INFINITY;
+    VERISPEC_UNROLL
+    for (int k = 0; k < kPerLane; ++k) {
+      const int i = base + 32 * k;
+      float l = -INFINITY;
+      if (i < V) {
+        l = to_float(ld(x + i));
+        if (!logit_valid(l)) {
+          *bad = min(*bad, i);
+          l = -INFINITY;
+        } else if (argmax_before(l, i, local->value, local->index)) {
+          *local = ArgMax{l, i};
+        }
+      }
+      v[k] = l;
+      m = l > m ? l : m;
+    }
+    m = warp_max(m);
+    if (sums) {
+      unsigned long long acc = 0;
+      VERISPEC_UNROLL
+      for (int k = 0; k < kPerLane; ++k) acc += fixed_weight(softmax_weight(v[k], m, temperature));
+      acc = warp_sum(acc);
+      if (lane == 0) rec.sum[t] = acc;
+    }
+    if (lane == 0) rec.max[t] = m;
+  }
+}
+
+// Z in fixed point from tiles [0, tiles) of a row (records complete: read after a barrier),
+// in every thread.
+template <int BLOCK>
+__device__ unsigned long long tiled_norm(TileRecords rec, int tiles, float row_max,
+                                         float temperature, BlockOps<BLOCK>& ops) {
+  unsigned long long z = 0;
+  for (int t = static_cast<int>(threadIdx.x); t < tiles; t += BLOCK) {
+    z += tile_norm_term(rec.sum[t], rec.max[t], row_max, temperature);
+  }
+  return ops.sum_fixed(z);
+}
+
 // ---- the policy of one row --------------------------------------------------------------
 
 // What the policy of a row reduces to: p_i = policy_prob(l_i, i). 32 bytes: the verify
@@ -178,8 +256,9 @@ __device__ inline float policy_prob(float l, int i, const RowStats& s, float tem
   return p;
 }
 
-// Computes the policy of logits x[0, V) into *stats (same value in every thread).
-// Returns kLogitsOk, the lowest index of a NaN / +Inf logit, or kLogitsAllMasked (no
+// Computes the policy of logits x[0, V) into *stats (same value in every thread). One
+// pass finds the maximum and the normaliser together (tile_stats_pass, then tiled_norm
+// over the tile records in shared memory). Returns kLogitsOk, the lowest index of a NaN / +Inf logit, or kLogitsAllMasked (no
 // finite logit; -Inf is a mask). Threshold searches run on the bit pattern of the
 // probability (monotone for values >= 0), 8-way (threshold_search.h): each pass counts
 // or weighs 7 candidates at once, at most 10 passes a search (bisection: 31), and the
@@ -189,17 +268,14 @@ __device__ inline float policy_prob(float l, int i, const RowStats& s, float tem
 template <typename T, int BLOCK, bool FILTER>
 __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy& pol,
                                  bool greedy, BlockOps<BLOCK>& ops, RowStats* stats) {
+  __shared__ float tile_max[kMaxStatsTiles];
+  __shared__ unsigned long long tile_sum[kMaxStatsTiles];
   const int tid = threadIdx.x;
+  const int tiles = static_cast<int>(stats_tiles(V));
+  const TileRecords rec{tile_max, tile_sum};
   ArgMax local{-INFINITY, INT_MAX};
   int bad = INT_MAX;
-  for (int i = tid; i < V; i += BLOCK) {
-    const float v = to_float(ld(x + i));
-    if (!logit_valid(v)) {
-      bad = min(bad, i);
-    } else if (argmax_before(v, i, local.value, local.index)) {
-      local = ArgMax{v, i};
-    }
-  }
+  tile_stats_pass<T, BLOCK>(x, V, 0, tiles, pol.temperature, !greedy, rec, &local, &bad);
   bad = ops.min_int(bad);
   if (bad != INT_MAX) return bad;
   const ArgMax best = ops.argmax(local);
@@ -215,11 +291,7 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
     return static_cast<int>(kLogitsOk);
   }
   const float temperature = pol.temperature;
-  unsigned long long acc = 0;
-  for (int i = tid; i < V; i += BLOCK) {
-    acc += fixed_weight(softmax_weight(to_float(ld(x + i)), s.row_max, temperature));
-  }
-  s.norm = fixed_to_float(ops.sum_fixed(acc));
+  s.norm = fixed_to_float(tiled_norm<BLOCK>(rec, tiles, s.row_max, temperature, ops));
   if constexpr (!FILTER) {
     *stats = s;
     return static_cast<int>(kLogitsOk);

@@ -15,14 +15,14 @@ using namespace kernels;
 using namespace kernels::cuda;
 
 constexpr int kBlock = kLaunchBlock;
-constexpr int kSplitBlock = 256;  // a split block's chunk is 4096+ values: 16+ a thread
+constexpr int kSplitBlock = 256;  // a split block's chunk is 3072+ values: 12+ a thread
 
 }  // namespace
 
 // apply_policy: one block per row, compiled with or without the filter code
 // (policy_may_filter); without a filter, few rows are each split over several blocks
-// (split_kernels.cuh). Napkin math (V = 32000, bf16, no filter): 3 reads of 64 KB + one
-// 128 KB write per row; each active top-k / top-p search adds up to 10 read passes
+// (split_kernels.cuh). Napkin math (V = 32000, bf16, no filter): 2 reads of 64 KB (the
+// statistics in one, sampling_math.h tiles; the write) + one 128 KB write per row; each active top-k / top-p search adds up to 10 read passes
 // (8-way, see threshold_search.h).
 OpStatus apply_policy_cuda(const ApplyPolicyArgs& a, const CudaLaunch& launch) {
   OpStatus s = check_apply_policy_args(a);
@@ -40,9 +40,7 @@ OpStatus apply_policy_cuda(const ApplyPolicyArgs& a, const CudaLaunch& launch) {
       auto* chunks = static_cast<ChunkStats*>(op.split());
       const auto split_grid = static_cast<unsigned>(a.rows * plan.chunks);
       const PolicyRows<T> rows{a};
-      split_max_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
-          rows, a.vocab, plan, chunks);
-      split_sum_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
+      split_stats_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
           rows, a.vocab, plan, chunks);
       apply_policy_split_write_kernel<T, kSplitBlock>
           <<<split_grid, kSplitBlock, 0, op.stream()>>>(a, plan, chunks, op.record());
@@ -74,9 +72,9 @@ OpStatus sample_cuda(const SampleArgs& a, const CudaLaunch& launch) {
     auto* chunks = static_cast<ChunkStats*>(op.split());
     const auto split_grid = static_cast<unsigned>(a.rows * plan.chunks);
     const SampleRows rows{a};
-    split_max_kernel<float, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
+    split_max_kernel<kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
         rows, a.vocab, plan, chunks);
-    split_sum_kernel<float, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
+    split_sum_kernel<kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
         rows, a.vocab, plan, chunks);
     sample_split_pick_kernel<kSplitBlock>
         <<<static_cast<unsigned>(a.rows), kSplitBlock, 0, op.stream()>>>(a, plan, chunks,
@@ -115,9 +113,7 @@ OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
       auto* chunks = static_cast<ChunkStats*>(op.split());
       const auto split_grid = static_cast<unsigned>(a.batch * width * plan.chunks);
       const VerifyRows<T> rows{a};
-      split_max_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
-          rows, a.vocab, plan, chunks);
-      split_sum_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
+      split_stats_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
           rows, a.vocab, plan, chunks);
       verify_split_stats_kernel<T><<<positions, 32, 0, op.stream()>>>(a, plan, chunks, stats,
                                                                       op.record());

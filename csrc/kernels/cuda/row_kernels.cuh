@@ -327,17 +327,26 @@ __global__ void __launch_bounds__(BLOCK)
       bool use_p = true;
       if (acc < n && a.draft_probs) {  // rejected: the residual max(p - q, 0)
         const float* q = a.draft_probs + b * a.draft_probs_stride_b + acc * a.draft_probs_stride_k;
-        int bad = 0;
-        for (int i = tid; i < V; i += BLOCK) bad |= not_a_probability(ld(q + i));
+        // One read of the row for the residual's total and q's check together; the walk
+        // reads one thread's chunk again.
+        auto r = [&](int i) {
+          return static_cast<unsigned long long>(
+              fixed_weight(block_residual_weight(w_tau, p_at(i), ld(q + i))));
+        };
+        int lo, hi, bad = 0;
+        thread_chunk<BLOCK>(V, &lo, &hi);
+        WeightTotal t{0, 0};  // block_total's, with q's check in the same loop
+        for (int i = lo; i < hi; ++i) {
+          const float qi = ld(q + i);
+          const bool invalid = not_a_probability(qi);
+          bad |= invalid;
+          t.chunk += fixed_weight(block_residual_weight(w_tau, p_at(i), invalid ? 0.0f : qi));
+        }
+        t.total = ops.sum_fixed(t.chunk);
         if (__syncthreads_or(bad)) {
           if (tid == 0) report_error(record, b, StatusCode::kInvalidProbs, acc);
           fault = true;
         } else {
-          auto r = [&](int i) {
-            return static_cast<unsigned long long>(
-                fixed_weight(block_residual_weight(w_tau, p_at(i), ld(q + i))));
-          };
-          const WeightTotal t = block_total<BLOCK>(r, V, ops);
           if (residual_usable(fixed_to_float(t.total))) {
             token = block_pick<BLOCK>(r, V, u, t, ops);
             use_p = false;

@@ -1,19 +1,25 @@
 // Rows split across blocks: the sampling ops when a launch has fewer rows than the GPU
 // has SMs. One block per row leaves most SMs idle there (B = 1, K = 4 is 5 blocks on an
 // H200's 132 SMs) and reads a whole row through one SM. Without a filter the statistics of
-// a row are a maximum with its first index and a sum of fixed-point integers
-// (sampling_math.h), which any split adds up to the same values, so each row is cut into
-// `chunks` contiguous ranges, one block each, and the results are bit for bit those of
-// the one-block kernels (row_kernels.cuh) and the CPU:
+// a row are a maximum with its first index and integers any split adds up alike (the
+// tiles of the softmax normaliser, or the fixed-point sum of probabilities for sample;
+// sampling_math.h), so each row is cut into `chunks` contiguous ranges of whole tiles, one
+// block each, and the results are bit for bit those of the one-block kernels
+// (row_kernels.cuh) and the CPU:
 //
-//   split_max_kernel   per chunk: the first invalid index, the maximum and its first index
-//   split_sum_kernel   per chunk: the row's maximum from every chunk's record, then the
-//                      chunk's fixed-point sum (softmax weights of logits, or scaled
-//                      probabilities for sample)
-//   then per op        verify: a small kernel turns each position's chunk records into
-//                      the RowStats verify_sample_kernel reads; apply_policy: each chunk
-//                      writes its probabilities; sample: one block per row picks the chunk
-//                      that holds the draw's target and walks it.
+//   logits (verify, apply_policy)
+//     split_stats_kernel   per chunk: the first invalid index, the maximum and its first
+//                          index, and each tile's maximum and sum (one read of the chunk)
+//     then per op          verify: a small kernel turns each position's records into the
+//                          RowStats verify_sample_kernel reads; apply_policy: each chunk
+//                          adds the row's normaliser from the tile records and writes its
+//                          probabilities (the second read)
+//   probabilities (sample)
+//     split_max_kernel     per chunk: the first invalid index and the maximum
+//     split_sum_kernel     per chunk: the fixed-point sum of the probabilities scaled by
+//                          the row maximum's power of two
+//     sample_split_pick_kernel  one block per row picks the chunk that holds the draw's
+//                          target and walks it.
 //
 // Filters (top-k, top-p, min-p) and keyed sampling keep the one-block kernels. Device code
 // only; the launchers are in ops.cu, the host simulation runs the same code
@@ -28,11 +34,13 @@ namespace verispec {
 namespace kernels {
 namespace cuda {
 
-constexpr int kSplitMinChunk = 4096;  // values per block at least
+constexpr int kSplitMinChunk = 3 * kStatsTile;  // values per block at least
+static_assert(kCudaSplitMaxTiles == kMaxStatsTiles, "ops.h sizes the tile records");
 
 // How a launch of `rows` rows of `vocab` values is cut: chunks per row (1: no split) and
-// values per chunk. Splits only launches of at most kCudaSplitMaxRows rows, into at most
-// kCudaSplitMaxChunks chunks of at least kSplitMinChunk values, aiming at two blocks per SM.
+// values per chunk, a whole number of tiles. Splits only launches of at most
+// kCudaSplitMaxRows rows, into at most kCudaSplitMaxChunks chunks of at least
+// kSplitMinChunk values, aiming at two blocks per SM.
 struct SplitPlan {
   int chunks;
   int chunk_len;
@@ -46,9 +54,20 @@ VERISPEC_HD inline SplitPlan split_plan(int64_t rows, int64_t vocab, int sms) {
   if (chunks > most) chunks = most;
   if (chunks > kCudaSplitMaxChunks) chunks = kCudaSplitMaxChunks;
   if (chunks < 2) return plan;
+  const int64_t len = stats_tiles((vocab + chunks - 1) / chunks) * kStatsTile;
+  chunks = (vocab + len - 1) / len;  // no empty chunk after rounding to tiles
+  if (chunks < 2) return plan;
   plan.chunks = static_cast<int>(chunks);
-  plan.chunk_len = static_cast<int>((vocab + chunks - 1) / chunks);
+  plan.chunk_len = static_cast<int>(len);
   return plan;
+}
+
+// The tile records of row r of a split launch, in the workspace after the chunk records.
+__device__ inline TileRecords split_tiles(void* split, int64_t r) {
+  char* base = static_cast<char*>(split) + kCudaSplitMaxRows * kCudaSplitMaxChunks * 24;
+  auto* max = reinterpret_cast<float*>(base);
+  auto* sum = reinterpret_cast<unsigned long long*>(base + kCudaSplitMaxRows * kCudaSplitMaxTiles * 4);
+  return TileRecords{max + r * kCudaSplitMaxTiles, sum + r * kCudaSplitMaxTiles};
 }
 
 // One chunk's statistics (24 bytes: kCudaSplitBytes counts them so).
@@ -136,22 +155,38 @@ struct SplitChunk {
   }
 };
 
-// grid: rows * chunks blocks; out: [rows, chunks]. Logits: invalid = NaN / +Inf;
-// probabilities: negative, NaN or Inf.
+// grid: rows * chunks blocks; out: [rows, chunks]. Logits rows: the chunk's record and its
+// tiles' records (split_tiles) in one read; greedy rows need no sums.
 template <typename T, int BLOCK, typename Rows>
 __global__ void __launch_bounds__(BLOCK)
-    split_max_kernel(Rows rows, int64_t vocab, SplitPlan plan, ChunkStats* out) {
+    split_stats_kernel(Rows rows, int64_t vocab, SplitPlan plan, ChunkStats* out) {
+  static_assert(!Rows::kProbs, "split_stats_kernel: logits rows");
   __shared__ BlockOps<BLOCK> ops;
   SplitChunk<T, Rows> c;
   if (!c.take(rows, vocab, plan)) return;
-  const T* x = c.x;
-  const int begin = c.begin, end = c.end;
   ArgMax local{-INFINITY, INT_MAX};
   int bad = INT_MAX;
-  for (int i = begin + static_cast<int>(threadIdx.x); i < end; i += BLOCK) {
-    const float v = to_float(ld(x + i));
-    const bool invalid = Rows::kProbs ? not_a_probability(v) : !logit_valid(v);
-    if (invalid) {
+  tile_stats_pass<T, BLOCK>(c.x, static_cast<int>(vocab), c.begin / kStatsTile,
+                            static_cast<int>(stats_tiles(c.end)), c.pol.temperature,
+                            !c.pol.greedy(), split_tiles(out, c.r), &local, &bad);
+  bad = ops.min_int(bad);
+  const ArgMax best = ops.argmax(local);
+  if (threadIdx.x == 0) out[blockIdx.x] = ChunkStats{best.value, best.index, bad, 0, 0};
+}
+
+// grid: rows * chunks blocks; out: [rows, chunks]. Probabilities (sample): the first bad
+// index (negative, NaN or Inf) and the maximum.
+template <int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+    split_max_kernel(SampleRows rows, int64_t vocab, SplitPlan plan, ChunkStats* out) {
+  __shared__ BlockOps<BLOCK> ops;
+  SplitChunk<float, SampleRows> c;
+  if (!c.take(rows, vocab, plan)) return;
+  ArgMax local{-INFINITY, INT_MAX};
+  int bad = INT_MAX;
+  for (int i = c.begin + static_cast<int>(threadIdx.x); i < c.end; i += BLOCK) {
+    const float v = ld(c.x + i);
+    if (not_a_probability(v)) {
       bad = min(bad, i);
     } else if (argmax_before(v, i, local.value, local.index)) {
       local = ArgMax{v, i};
@@ -162,46 +197,38 @@ __global__ void __launch_bounds__(BLOCK)
   if (threadIdx.x == 0) out[blockIdx.x] = ChunkStats{best.value, best.index, bad, 0, 0};
 }
 
-// grid: rows * chunks blocks: the chunk's fixed-point sum, from the row's maximum. Greedy
-// rows and rows at fault need none.
-template <typename T, int BLOCK, typename Rows>
+// grid: rows * chunks blocks: the chunk's fixed-point sum of probabilities scaled by the
+// row maximum's power of two (from every chunk's record). Rows at fault need none.
+template <int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
-    split_sum_kernel(Rows rows, int64_t vocab, SplitPlan plan, ChunkStats* out) {
+    split_sum_kernel(SampleRows rows, int64_t vocab, SplitPlan plan, ChunkStats* out) {
   __shared__ BlockOps<BLOCK> ops;
-  SplitChunk<T, Rows> c;
+  SplitChunk<float, SampleRows> c;
   if (!c.take(rows, vocab, plan)) return;
   const SplitRow row = combine_chunks(out + c.r * plan.chunks, plan.chunks, false);
-  if (row.bad != INT_MAX || !is_finite(row.best.value) || c.pol.greedy()) return;
-  if (Rows::kProbs && !(row.best.value > 0.0f)) return;  // zero mass: an error, no sum
-  const T* x = c.x;
-  const int begin = c.begin, end = c.end;
-  const RowPolicy pol = c.pol;
+  if (row.bad != INT_MAX || !(row.best.value > 0.0f)) return;  // zero mass: an error, no sum
+  const int shift = fixed_shift_for(row.best.value);
   unsigned long long acc = 0;
-  if (Rows::kProbs) {
-    const int shift = fixed_shift_for(row.best.value);
-    for (int i = begin + static_cast<int>(threadIdx.x); i < end; i += BLOCK) {
-      acc += fixed_scaled(to_float(ld(x + i)), shift);
-    }
-  } else {
-    for (int i = begin + static_cast<int>(threadIdx.x); i < end; i += BLOCK) {
-      acc += fixed_weight(softmax_weight(to_float(ld(x + i)), row.best.value, pol.temperature));
-    }
+  for (int i = c.begin + static_cast<int>(threadIdx.x); i < c.end; i += BLOCK) {
+    acc += fixed_scaled(ld(c.x + i), shift);
   }
   acc = ops.sum_fixed(acc);
   if (threadIdx.x == 0) out[blockIdx.x].sum = acc;
 }
 
-// A row's RowStats without a filter (compute_row_stats<.., false>'s), from its chunk
-// records; returns that function's verdict.
+// A logits row's RowStats without a filter (compute_row_stats<.., false>'s) from its chunk
+// records; norm(row_max) adds the normaliser from its tile records. Returns that
+// function's verdict.
+template <typename Norm>
 __device__ inline int split_row_stats(const ChunkStats* rec, int chunks, bool greedy,
-                                      RowStats* s) {
-  const SplitRow row = combine_chunks(rec, chunks, !greedy);
+                                      const Norm& norm, RowStats* s) {
+  const SplitRow row = combine_chunks(rec, chunks, false);
   if (row.bad != INT_MAX) return row.bad;
   if (!is_finite(row.best.value)) return static_cast<int>(kLogitsAllMasked);
   *s = RowStats{};
   s->row_max = row.best.value;
   s->argmax = row.best.index;
-  s->norm = greedy ? 1.0f : fixed_to_float(row.sum);
+  s->norm = greedy ? 1.0f : fixed_to_float(norm(row.best.value));
   s->kept = 1.0f;
   s->threshold = 0.0f;
   return static_cast<int>(kLogitsOk);
@@ -210,28 +237,41 @@ __device__ inline int split_row_stats(const ChunkStats* rec, int chunks, bool gr
 // ---- verify ---------------------------------------------------------------------------
 
 // grid: batch * (K + 1) blocks of one warp; what verify_policy_kernel<.., false> writes,
-// from the chunk records.
+// from the chunk and tile records (the warp adds the tiles' terms).
 template <typename T>
 __global__ void __launch_bounds__(32)
-    verify_split_stats_kernel(VerifyArgs a, SplitPlan plan, const ChunkStats* chunks,
+    verify_split_stats_kernel(VerifyArgs a, SplitPlan plan, ChunkStats* chunks,
                               RowStats* stats, unsigned long long* record) {
   VerifyPosition p;
-  if (threadIdx.x != 0 || !verify_position(a, blockIdx.x, &p)) return;
+  if (!verify_position(a, blockIdx.x, &p)) return;
+  const TileRecords tiles = split_tiles(chunks, blockIdx.x);
+  const int n_tiles = static_cast<int>(stats_tiles(a.vocab));
+  const float temperature = p.pol.temperature;
+  auto norm = [&](float row_max) {
+    unsigned long long z = 0;
+    for (int t = static_cast<int>(threadIdx.x); t < n_tiles; t += 32) {
+      z += tile_norm_term(tiles.sum[t], tiles.max[t], row_max, temperature);
+    }
+    return warp_sum(z);
+  };
   RowStats s{};
   const int verdict = split_row_stats(chunks + blockIdx.x * plan.chunks, plan.chunks,
-                                      p.pol.greedy(), &s);
+                                      p.pol.greedy(), norm, &s);
+  if (threadIdx.x != 0) return;
   finish_position_stats<T>(a, p.b, p.j, p.n, p.pol, verdict, &s, record);
   stats[blockIdx.x] = s;
 }
 
 // ---- apply_policy --------------------------------------------------------------------
 
-// grid: rows * chunks blocks: each writes its chunk's probabilities (zeros for a row at
-// fault; the first chunk's block reports the fault).
+// grid: rows * chunks blocks: each adds its row's normaliser from the tile records and
+// writes its chunk's probabilities (zeros for a row at fault; the first chunk's block
+// reports the fault).
 template <typename T, int BLOCK>
 __global__ void __launch_bounds__(BLOCK)
-    apply_policy_split_write_kernel(ApplyPolicyArgs a, SplitPlan plan, const ChunkStats* chunks,
+    apply_policy_split_write_kernel(ApplyPolicyArgs a, SplitPlan plan, ChunkStats* chunks,
                                     unsigned long long* record) {
+  __shared__ BlockOps<BLOCK> ops;
   const int64_t row = blockIdx.x / plan.chunks;
   const int g = static_cast<int>(blockIdx.x % plan.chunks);
   const int V = static_cast<int>(a.vocab);
@@ -244,8 +284,13 @@ __global__ void __launch_bounds__(BLOCK)
   if (field >= 0) {
     if (g == 0 && threadIdx.x == 0) report_error(record, row, StatusCode::kInvalidPolicy, field);
   } else {
+    const TileRecords tiles = split_tiles(chunks, row);
+    const int n_tiles = static_cast<int>(stats_tiles(V));
+    auto norm = [&](float row_max) {
+      return tiled_norm<BLOCK>(tiles, n_tiles, row_max, pol.temperature, ops);
+    };
     RowStats s;
-    const int bad = split_row_stats(chunks + row * plan.chunks, plan.chunks, pol.greedy(), &s);
+    const int bad = split_row_stats(chunks + row * plan.chunks, plan.chunks, pol.greedy(), norm, &s);
     if (bad == kLogitsOk) {
       for (int i = begin + static_cast<int>(threadIdx.x); i < end; i += BLOCK) {
         st(out + i, policy_prob(to_float(ld(x + i)), i, s, pol.temperature, pol.greedy()));

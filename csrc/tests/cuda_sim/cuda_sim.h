@@ -329,6 +329,25 @@ T __shfl_down_sync(unsigned mask, T value, unsigned delta) {
   return out;
 }
 
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T value, int lane_mask) {
+  static_assert(sizeof(T) <= sizeof(uint64_t), "shuffle of a wide type");
+  (void)mask;  // every lane takes part in the kernels' shuffles
+  cuda_sim::Block* b = cuda_sim::current_block;
+  const unsigned self = threadIdx.x;
+  const unsigned lane = self % 32, warp = self / 32;
+  const unsigned warp_size = static_cast<unsigned>(std::min(32, b->threads() - 32 * static_cast<int>(warp)));
+  uint64_t slot = 0;
+  std::memcpy(&slot, &value, sizeof(T));
+  b->exchange()[self] = slot;
+  b->wait_warp();
+  T out = value;  // a source lane past the warp's end: the lane's own value
+  const unsigned src = lane ^ static_cast<unsigned>(lane_mask);
+  if (src < warp_size) std::memcpy(&out, &b->exchange()[32 * warp + src], sizeof(T));
+  b->wait_warp();
+  return out;
+}
+
 inline unsigned long long atomicMin(unsigned long long* address, unsigned long long value) {
   const unsigned long long old = *address;  // fibers: no other thread runs meanwhile
   if (value < old) *address = value;
