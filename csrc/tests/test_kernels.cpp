@@ -621,7 +621,9 @@ void test_tiled_softmax_norm() {
         }
         want += tile_norm_term(sum, tile_max, m, temperature);
       }
-      const uint64_t got = kernels::cpu::tiled_softmax_norm(x.data(), n, m, temperature);
+      std::vector<float> maxima(static_cast<size_t>(stats_tiles(n)), 0.0f);
+      CHECK(kernels::cpu::tile_maxima(x.data(), n, maxima.data()) == m);
+      const uint64_t got = kernels::cpu::tiled_softmax_norm(x.data(), n, m, temperature, maxima.data());
       CHECK(got == want);
       // Each weight is off by about an ulp (2^-24 relative) and each tile term by a unit of
       // 2^-40 at most per value: relative error well below 1e-6.

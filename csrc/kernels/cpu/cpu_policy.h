@@ -145,9 +145,15 @@ ResidualMass residual_mass(const float* p, const float* q, int64_t n);
 // v[i] = softmax_weight(v[i], row_max, temperature).
 void softmax_weights_inplace(float* v, int64_t n, float row_max, float temperature);
 
-// The softmax normaliser Z of logits v[0, n) (all valid, maximum row_max) in fixed point,
-// by sampling_math.h's tiles (tile_norm_term): the device's one-pass value.
-uint64_t tiled_softmax_norm(const float* v, int64_t n, float row_max, float temperature);
+// The maximum of each tile of v[0, n) (n >= 1) into maxima[t] (sampling_math.h
+// stats_tiles(n) of them); returns the row's maximum.
+float tile_maxima(const float* v, int64_t n, float* maxima);
+
+// The softmax normaliser Z of logits v[0, n) (all valid, maximum row_max, tile maxima from
+// tile_maxima) in fixed point, by sampling_math.h's tiles (tile_norm_term): the device's
+// one-pass value.
+uint64_t tiled_softmax_norm(const float* v, int64_t n, float row_max, float temperature,
+                            const float* maxima);
 
 // v[i] = v[i] / norm.
 void divide_row(float* v, int64_t n, float norm);
@@ -252,7 +258,9 @@ inline int64_t gather_bracket(const float* p, int64_t n, const Bracket& b, float
 // Per-call scratch of the policy.
 struct PolicyScratch {
   std::vector<float> values;
-  explicit PolicyScratch(int64_t vocab) : values(static_cast<size_t>(vocab)) {}
+  std::vector<float> tile_max;  // sampling_math.h tiles
+  explicit PolicyScratch(int64_t vocab)
+      : values(static_cast<size_t>(vocab)), tile_max(static_cast<size_t>(stats_tiles(vocab))) {}
 };
 
 // The k-th largest of p[0, n) (0 < k < n; 0 <= p <= p_max).
@@ -288,7 +296,7 @@ template <typename T>
 int64_t policy_row(const T* x, int64_t n, const RowPolicy& pol, float* out, PolicyScratch& s) {
   to_float_row(x, n, out);
   if (!row_logits_valid(out, n)) return check_logits_row(x, n);
-  const float m = row_max(out, n);
+  const float m = tile_maxima(out, n, s.tile_max.data());
   if (!is_finite(m)) return kLogitsAllMasked;  // every logit -Inf
   if (pol.greedy()) {
     const int64_t arg = std::find(out, out + n, m) - out;  // the first maximum
@@ -296,7 +304,8 @@ int64_t policy_row(const T* x, int64_t n, const RowPolicy& pol, float* out, Poli
     out[arg] = 1.0f;
     return kLogitsOk;
   }
-  const float norm = fixed_to_float(tiled_softmax_norm(out, n, m, pol.temperature));
+  const float norm =
+      fixed_to_float(tiled_softmax_norm(out, n, m, pol.temperature, s.tile_max.data()));
   softmax_weights_inplace(out, n, m, pol.temperature);
   divide_row(out, n, norm);
   const float p_max = 1.0f / norm;  // the maximum has weight exp(0) = 1

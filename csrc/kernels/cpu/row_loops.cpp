@@ -143,21 +143,30 @@ VERISPEC_CPU_CLONES void softmax_weights_inplace(float* v, int64_t n, float row_
   for (int64_t i = 0; i < n; ++i) v[i] = exp_reduced(v[i]);
 }
 
-// The tile loop of sampling_math.h's normaliser: each tile's maximum, its fixed-point sum
-// of weights against that maximum, and its term of Z; loops of their own so each
-// vectorises.
-VERISPEC_CPU_CLONES uint64_t tiled_softmax_norm(const float* v, int64_t n, float row_max,
-                                                float temperature) {
+VERISPEC_CPU_CLONES float tile_maxima(const float* v, int64_t n, float* maxima) {
+  float m = -INFINITY;
+  for (int64_t start = 0; start < n; start += kStatsTile) {
+    const float t = row_max(v + start, std::min<int64_t>(kStatsTile, n - start));
+    maxima[start / kStatsTile] = t;
+    m = t > m ? t : m;
+  }
+  return m;
+}
+
+// The tile loop of sampling_math.h's normaliser: each tile's weights against its maximum
+// (the exponent and exp loops apart, so that the clamp stays branch-free and both
+// vectorise), their fixed-point sum, and the tile's term of Z.
+VERISPEC_CPU_CLONES uint64_t tiled_softmax_norm(const float* v, int64_t n, float v_max,
+                                                float temperature, const float* maxima) {
   float e[kStatsTile];
   uint64_t z = 0;
   for (int64_t start = 0; start < n; start += kStatsTile) {
     const int64_t len = std::min<int64_t>(kStatsTile, n - start);
     const float* t = v + start;
-    float m = -INFINITY;
-    for (int64_t i = 0; i < len; ++i) m = t[i] > m ? t[i] : m;
+    const float m = maxima[start / kStatsTile];
     for (int64_t i = 0; i < len; ++i) e[i] = softmax_exponent(t[i], m, temperature);
     for (int64_t i = 0; i < len; ++i) e[i] = exp_reduced(e[i]);
-    z += tile_norm_term(fixed_sum(e, len), m, row_max, temperature);
+    z += tile_norm_term(fixed_sum(e, len), m, v_max, temperature);
   }
   return z;
 }
