@@ -1,7 +1,7 @@
 // The CUDA block algorithms of cuda/block_ops.cuh, run on the host in the simulation of
 // cuda_sim/ (a fiber per GPU thread, real barriers and warp shuffles, stand-ins
 // for the two CUB classes used): the policy of a row (max, normaliser, the filter
-// threshold by 8-way search), the per-warp block sums, and the inverse-CDF pick. Checked
+// threshold by radix selection), and the inverse-CDF pick. Checked
 // against the CPU kernels, which share the rules (sampling_math.h) but not the code.
 // This is the device code itself, compiled for the host: a GPU run checks the rest
 // (memory, launch, the real CUB), but a logic error shows here, without a GPU.
@@ -10,9 +10,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <random>
 #include <vector>
@@ -139,41 +141,74 @@ void test_row_stats_ties_and_bad_logits() {
   CHECK(sim_row_stats<true>(masked, top3).verdict == static_cast<int>(kLogitsAllMasked));
 }
 
-void test_sum_each() {
-  std::mt19937_64 rng(8);
-  std::vector<int> ints(kSimBlock * kSearchCandidates);
-  for (auto& v : ints) v = static_cast<int>(rng() % 1000) - 500;
-  std::vector<unsigned long long> wide(kSimBlock * kSearchCandidates);
-  for (auto& v : wide) v = rng() >> 8;  // fixed-point masses: the sums wrap nowhere
+// radix_largest_enough (the filters' thresholds) against brute force over sets built for
+// its edges: ties, zeros, values one ulp apart (the answer decided in the last digit),
+// fewer values than bins, and both kinds of enough (a count, a fraction of the mass).
+void test_radix_select() {
+  std::mt19937 rng(8);
   auto ops = std::make_unique<Ops>();
-  std::vector<int> int_sums(kSimBlock * kSearchCandidates);
-  std::vector<unsigned long long> wide_sums(kSimBlock * kSearchCandidates);
-  cuda_sim::run_block(kSimBlock, [&] {
-    int a[kSearchCandidates];
-    unsigned long long b[kSearchCandidates];
-    for (int c = 0; c < kSearchCandidates; ++c) {
-      a[c] = ints[threadIdx.x * kSearchCandidates + c];
-      b[c] = wide[threadIdx.x * kSearchCandidates + c];
+  auto scratch = std::make_unique<RadixScratch>();
+  int cases = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int n = trial % 3 == 0 ? 1 + static_cast<int>(rng() % 40) : 500 + static_cast<int>(rng() % 3000);
+    std::vector<float> p(static_cast<size_t>(n));
+    std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+    for (int i = 0; i < n; ++i) {
+      switch (trial % 4) {
+        case 0: p[static_cast<size_t>(i)] = unit(rng) / static_cast<float>(n); break;
+        case 1: p[static_cast<size_t>(i)] = static_cast<float>(rng() % 5) * 0.01f; break;  // ties, zeros
+        case 2: p[static_cast<size_t>(i)] = std::nextafter(0.25f, 0.0f) - static_cast<float>(rng() % 7) * 1.4901161e-8f; break;  // ulps
+        default: p[static_cast<size_t>(i)] = std::ldexp(unit(rng), -static_cast<int>(rng() % 60)); break;
+      }
     }
-    ops->sum_each(a);
-    ops->sum_each(b);  // the scratch is reused at once
-    for (int c = 0; c < kSearchCandidates; ++c) {
-      int_sums[threadIdx.x * kSearchCandidates + c] = a[c];
-      wide_sums[threadIdx.x * kSearchCandidates + c] = b[c];
-    }
-  });
-  for (int c = 0; c < kSearchCandidates; ++c) {
-    int want = 0;
-    unsigned long long want_wide = 0;
-    for (int t = 0; t < kSimBlock; ++t) {
-      want += ints[t * kSearchCandidates + c];
-      want_wide += wide[t * kSearchCandidates + c];
-    }
-    for (int t = 0; t < kSimBlock; ++t) {  // every thread holds every sum
-      CHECK(int_sums[t * kSearchCandidates + c] == want);
-      CHECK(wide_sums[t * kSearchCandidates + c] == want_wide);
+    std::vector<float> sorted = p;
+    std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+    auto stat_at = [&p](float t) {
+      RadixStat st{0, 0};
+      for (float v : p) {
+        if (v >= t) {
+          ++st.count;
+          st.mass += fixed_weight(v);
+        }
+      }
+      return st;
+    };
+    const int k = 1 + static_cast<int>(rng() % static_cast<uint32_t>(n));
+    const float fraction = trial % 5 == 0 ? 1e-6f : unit(rng);
+    const uint64_t total = stat_at(0.0f).mass;
+    for (int kind = 0; kind < 2; ++kind) {
+      auto enough = [&](const RadixStat& st) {
+        return kind == 0 ? st.count >= static_cast<unsigned long long>(k)
+                         : mass_at_least(st.mass, fraction, total);
+      };
+      if (kind == 1 && total == 0) continue;  // no mass: enough never holds
+      float want = 0.0f;  // the largest value with enough
+      for (float v : sorted) {
+        if (enough(stat_at(v))) {
+          want = v;
+          break;
+        }
+      }
+      std::vector<float> got(kSimBlock);
+      std::vector<RadixStat> at(kSimBlock);
+      unsigned long long seen_total = 0;
+      cuda_sim::run_block(kSimBlock, [&] {
+        RadixStat a{};
+        got[threadIdx.x] = radix_largest_enough<kSimBlock>(
+            [&p](int i) { return p[static_cast<size_t>(i)]; }, n, enough,
+            [&seen_total](const RadixStat& t) { seen_total = t.mass; }, *ops, *scratch, &a);
+        at[threadIdx.x] = a;
+      });
+      const RadixStat want_at = stat_at(want);
+      for (int t = 0; t < kSimBlock; ++t) {  // every thread holds the answer
+        CHECK(got[static_cast<size_t>(t)] == want);
+        CHECK(at[static_cast<size_t>(t)].count == want_at.count && at[static_cast<size_t>(t)].mass == want_at.mass);
+      }
+      CHECK(seen_total == total);
+      ++cases;
     }
   }
+  CHECK(cases >= 100);
 }
 
 struct SimPick {
@@ -281,7 +316,7 @@ void test_simulation_reports_a_deadlock() {
 int main() {
   test_simulation_exposes_a_missing_barrier();
   test_simulation_reports_a_deadlock();
-  test_sum_each();
+  test_radix_select();
   test_row_stats_match_the_cpu_policy();
   test_row_stats_ties_and_bad_logits();
   test_pick_is_the_inverse_cdf();

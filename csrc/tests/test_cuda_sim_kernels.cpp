@@ -10,9 +10,11 @@
 // changes, and compute each float the same way (no FMA contraction on either side).
 #include "cuda_sim.h"  // first: __device__, threadIdx, __syncthreads, ...
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -863,6 +865,114 @@ void test_tiles_match_the_cpu() {
   g_sim_sms = 132;
 }
 
+// ---- the filters' radix selection (block_ops.cuh filter_threshold) ---------------------
+
+// Rows built to meet the selection's edges, each under several filters, one-block kernels
+// of 32, 64 and 512 threads against the CPU's bits: values tied at the threshold (few
+// distinct logits), a threshold whose bits differ from its neighbours' only in the last
+// digit (logits one ulp apart), thresholds at 0 (the k-th largest probability underflows),
+// top-k = V - 1, top-p tiny and near 1, min-p over either, and a vocabulary smaller than
+// one histogram.
+void test_filters_match_the_cpu() {
+  struct Row {
+    const char* name;
+    std::vector<float> x;
+  };
+  std::mt19937 rng(99);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<Row> rows;
+  const int V = 3000;
+  {
+    Row r{"few levels", std::vector<float>(V)};
+    for (auto& v : r.x) v = static_cast<float>(static_cast<int>(rng() % 6));
+    rows.push_back(r);
+  }
+  {
+    Row r{"ulp apart", std::vector<float>(V)};
+    float v = 2.0f;
+    for (auto& e : r.x) {
+      e = v;
+      v = std::nextafter(v, 0.0f);
+    }
+    std::shuffle(r.x.begin(), r.x.end(), rng);
+    rows.push_back(r);
+  }
+  {
+    Row r{"underflow", std::vector<float>(V)};
+    for (auto& e : r.x) e = 40.0f * normal(rng);
+    rows.push_back(r);
+  }
+  {
+    Row r{"normal", std::vector<float>(V)};
+    for (auto& e : r.x) e = normal(rng);
+    rows.push_back(r);
+  }
+  {
+    Row r{"small vocabulary", std::vector<float>(37)};
+    for (auto& e : r.x) e = normal(rng);
+    r.x[5] = r.x[9] = r.x[20];  // a tie
+    rows.push_back(r);
+  }
+  struct Filter {
+    int top_k;
+    float top_p, min_p;
+  };
+  const Filter filters[] = {{1, 1.0f, 0.0f},     {7, 1.0f, 0.0f},     {500, 1.0f, 0.0f},
+                            {0, 0.5f, 0.0f},     {0, 1e-6f, 0.0f},    {0, 0.999f, 0.0f},
+                            {50, 0.9f, 0.0f},    {2999, 0.3f, 0.0f},  {36, 1.0f, 0.0f},
+                            {10, 0.9f, 0.05f},   {0, 0.95f, 0.5f},    {0, 1.0f, 0.01f}};
+  int cases = 0, differ = 0, kept_ties = 0;
+  for (const Row& row : rows) {
+    const int n = static_cast<int>(row.x.size());
+    for (const Filter& f : filters) {
+      if (f.top_k >= n) continue;
+      for (float temperature : {1.0f, 0.4f}) {
+        ApplyPolicyArgs a;
+        a.logits = row.x.data();
+        a.logits_row_stride = n;
+        a.rows = 1;
+        a.vocab = n;
+        a.policy.temperature = temperature;
+        a.policy.top_k = f.top_k;
+        a.policy.top_p = f.top_p;
+        a.policy.min_p = f.min_p;
+        a.probs_row_stride = n;
+        std::vector<float> want(static_cast<size_t>(n)), got(static_cast<size_t>(n));
+        a.probs = want.data();
+        CHECK(apply_policy_cpu(a).ok());
+        a.probs = got.data();
+        CHECK((sim_apply_policy<float, 32>(a).ok()));
+        differ += policy_rows_differ(got, want, 1, n);
+        CHECK((sim_apply_policy<float, 64>(a).ok()));
+        differ += policy_rows_differ(got, want, 1, n);
+        CHECK((sim_apply_policy<float, kLaunchBlock>(a).ok()));
+        differ += policy_rows_differ(got, want, 1, n);
+        ++cases;
+        // Ties are kept together: equal logits get equal probabilities, kept or not; count
+        // the cases whose smallest kept logit has copies.
+        std::vector<int> order(static_cast<size_t>(n));
+        std::iota(order.begin(), order.end(), 0);
+        std::sort(order.begin(), order.end(), [&row](int i, int j) {
+          return row.x[static_cast<size_t>(i)] < row.x[static_cast<size_t>(j)];
+        });
+        float smallest_kept = INFINITY;
+        for (size_t i = 1; i < order.size(); ++i) {
+          const auto a_i = static_cast<size_t>(order[i - 1]), b_i = static_cast<size_t>(order[i]);
+          if (row.x[a_i] == row.x[b_i]) CHECK(want[a_i] == want[b_i]);
+        }
+        for (int i = 0; i < n; ++i) {
+          if (want[static_cast<size_t>(i)] > 0.0f) smallest_kept = std::min(smallest_kept, row.x[static_cast<size_t>(i)]);
+        }
+        kept_ties += std::count(row.x.begin(), row.x.end(), smallest_kept) > 1;
+      }
+    }
+  }
+  std::printf("filters: %d cases, %d differ from the CPU, %d with ties at the threshold\n", cases,
+              differ, kept_ties);
+  CHECK(differ == 0);
+  CHECK(kept_ties >= 10);  // the tied rows did tie at their thresholds
+}
+
 // ---- memory traffic and parallelism, the stand-ins for speed -------------------------
 
 struct Traffic {
@@ -960,14 +1070,16 @@ void test_memory_traffic() {
   // 2.000 (the statistics in one pass, sampling_math.h tiles; the write), sample 2.032
   // (max, sum, the target's chunk), verify 2.002 (the statistics of every position in one
   // pass; the residual's total and the walk along one thread's chunk), q 1.002 (its check
-  // in the residual's pass); with top-k + top-p one block a row reads them 19 / 20 times
-  // (the 8-way threshold searches). Before the tiles: 3, 2.033, 3.002, q 2.002, 31 blocks.
+  // in the residual's pass); with top-k + top-p one block a row reads them 8 times
+  // (statistics 1, each threshold's radix selection 3, the write or the residual 1).
+  // Before the tiles and the radix selection: 3, 2.033, 3.002, q 2.002, 31 blocks; 20 / 21
+  // with top-k + top-p (8-way threshold searches).
   const Pin pins[] = {
       {"apply_policy", &plain, 2.0, 0.0, 32},
-      {"apply_policy", &knobs, 19.0, 0.0, 1},
+      {"apply_policy", &knobs, 8.0, 0.0, 1},
       {"sample", &plain, 2.04, 0.0, 32},
       {"verify", &plain, 2.01, 1.01, 32},
-      {"verify", &knobs, 20.01, 1.01, 1},
+      {"verify", &knobs, 8.01, 1.01, 1},
   };
   for (const Pin& pin : pins) {
     const Traffic t = measure(pin.op, *pin.policy);
@@ -1125,6 +1237,7 @@ int main() {
   test_launch_block_size_at_a_large_vocabulary();
   test_split_rows_match_the_cpu();
   test_tiles_match_the_cpu();
+  test_filters_match_the_cpu();
   test_memory_traffic();
   return native_check::check_summary("test_cuda_sim_kernels");
 }

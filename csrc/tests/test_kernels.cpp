@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "../kernels/cpu/cpu_policy.h"
-#include "../kernels/threshold_search.h"
 #include "native_check.h"
 #include "verify_case.h"
 #include "verispec/decode_ops.h"
@@ -306,146 +305,6 @@ void test_weighted_threshold_against_sort() {
     }
     std::vector<float> work = a;
     CHECK(kernels::cpu::weighted_threshold(work.data(), n, 0, enough) == expected);
-  }
-}
-
-// ---- the CUDA policy's k-ary threshold search (threshold_search.h), on the host --------
-
-void test_search_candidates() {
-  using kernels::kSearchCandidates;
-  using kernels::search_candidate;
-  const uint32_t widths[] = {2, 3, 7, 8, 9, 15, 16, 17, 100, 1000003, 0x3f800000u, 0xfffffffeu,
-                             0xffffffffu};
-  for (uint32_t width : widths) {
-    for (uint32_t lo : {0u, 5u, 0x3f000000u}) {
-      if (lo > 0xffffffffu - width) continue;
-      const uint32_t hi = lo + width;
-      uint32_t prev = lo;
-      for (int c = 0; c < kSearchCandidates; ++c) {
-        const uint32_t cand = search_candidate(lo, hi, c);
-        CHECK(cand >= prev && cand < hi);  // ascending, inside [lo, hi)
-        prev = cand;
-      }
-      CHECK(search_candidate(lo, hi, kSearchCandidates - 1) > lo);  // progress
-      // The parts between candidates are even: none wider than ceil(width / ways).
-      uint32_t edge = lo, widest = 0;
-      for (int c = 0; c <= kSearchCandidates; ++c) {
-        const uint32_t next = c < kSearchCandidates ? search_candidate(lo, hi, c) : hi;
-        widest = std::max(widest, next - edge);
-        edge = next;
-      }
-      CHECK(widest <= width / kernels::kSearchWays + 1);
-    }
-  }
-}
-
-// A host tally over a row: one pass per call (counted), verdicts as the CUDA kernels
-// form them (count >= k, exact at == k; or float mass in index order >= target).
-struct HostTally {
-  const std::vector<float>& p;
-  int64_t k;       // top-k when > 0
-  float target;    // top-p otherwise
-  int passes = 0;
-  kernels::SearchVerdicts operator()(uint32_t lo, uint32_t hi) {
-    ++passes;
-    kernels::SearchVerdicts v{0u, 0u};
-    for (int c = 0; c < kernels::kSearchCandidates; ++c) {
-      const float t = bits_float(kernels::search_candidate(lo, hi, c));
-      int64_t count = 0;
-      float mass = 0.0f;
-      for (float x : p) {
-        count += x >= t;
-        mass += x >= t ? x : 0.0f;
-      }
-      const bool enough = k > 0 ? count >= k : mass >= target;
-      v.enough |= static_cast<uint32_t>(enough) << c;
-      v.exact |= static_cast<uint32_t>(k > 0 && count == k) << c;
-    }
-    return v;
-  }
-};
-
-// Bisection on the bit pattern, one value per pass: what the search must agree with.
-template <typename Enough>
-uint32_t bisect_largest_enough(uint32_t lo, uint32_t hi, const Enough& enough) {
-  while (hi - lo > 1) {
-    const uint32_t mid = lo + (hi - lo) / 2;
-    if (enough(bits_float(mid))) lo = mid;
-    else hi = mid;
-  }
-  return lo;
-}
-
-void test_search_largest_enough() {
-  std::mt19937 rng(11);
-  for (int trial = 0; trial < 300; ++trial) {
-    const int n = 1 + static_cast<int>(rng() % 300);
-    std::vector<float> p(static_cast<size_t>(n));
-    const int kind = trial % 3;
-    for (auto& x : p) {
-      if (kind == 0) x = std::ldexp(static_cast<float>(rng() % 1000 + 1), -static_cast<int>(rng() % 40));
-      else if (kind == 1) x = static_cast<float>(rng() % 5) / 16.0f;  // ties and zeros
-      else x = std::ldexp(1.0f, -120 - static_cast<int>(rng() % 20)) * (rng() % 3);  // subnormals
-    }
-    float p_max = *std::max_element(p.begin(), p.end());
-    if (!(p_max > 0.0f)) {
-      p[0] = 1e-3f;
-      p_max = 1e-3f;
-    }
-    std::vector<float> sorted = p;
-    std::sort(sorted.begin(), sorted.end(), std::greater<float>());
-    auto count_ge = [&](float t) { return std::count_if(p.begin(), p.end(), [t](float x) { return x >= t; }); };
-    auto mass_ge = [&](float t) {
-      float m = 0.0f;
-      for (float x : p) m += x >= t ? x : 0.0f;
-      return m;
-    };
-
-    // top-k: the kept set is {p >= k-th largest}, whatever pattern the search stops at.
-    const int64_t k = 1 + static_cast<int64_t>(rng() % static_cast<uint32_t>(n));
-    if (count_ge(p_max) < k) {
-      HostTally tally{p, k, 0.0f};
-      const float t = bits_float(kernels::search_largest_enough(0u, float_bits(p_max), tally));
-      const float kth = sorted[static_cast<size_t>(k - 1)];
-      bool same_set = true;
-      for (float x : p) same_set &= (x >= t) == (x >= kth);
-      CHECK(same_set);
-      CHECK(tally.passes <= 11);  // ceil(log8(2^31)); bisection would take up to 31
-    }
-
-    // top-p: exactly the pattern bisection finds.
-    const float target = mass_ge(0.0f) * (static_cast<float>(rng() % 1000) / 1000.0f);
-    if (mass_ge(p_max) < target) {
-      HostTally tally{p, 0, target};
-      const uint32_t got = kernels::search_largest_enough(0u, float_bits(p_max), tally);
-      const uint32_t want = bisect_largest_enough(0u, float_bits(p_max),
-                                                  [&](float t) { return mass_ge(t) >= target; });
-      CHECK(got == want);
-      CHECK(tally.passes <= 11);
-    }
-  }
-}
-
-void test_search_survives_unordered_verdicts() {
-  // Verdicts that are not monotone (cannot happen for the kernels' tallies) still end the
-  // loop with lo or an enough candidate.
-  std::mt19937 rng(5);
-  for (int trial = 0; trial < 200; ++trial) {
-    const uint32_t lo = rng() % 1000, hi = lo + 2 + rng() % 100000;
-    std::vector<uint32_t> enough_seen = {lo};
-    int passes = 0;
-    auto tally = [&](uint32_t a, uint32_t b) {
-      ++passes;
-      kernels::SearchVerdicts v{static_cast<uint32_t>(rng()), 0u};
-      for (int c = 0; c < kernels::kSearchCandidates; ++c) {
-        if ((v.enough >> c) & 1u) enough_seen.push_back(kernels::search_candidate(a, b, c));
-      }
-      return v;
-    };
-    const uint32_t got = kernels::search_largest_enough(lo, hi, tally);
-    CHECK(got >= lo && got < hi);
-    CHECK(std::find(enough_seen.begin(), enough_seen.end(), got) != enough_seen.end());
-    CHECK(passes <= 64);
   }
 }
 
@@ -1647,9 +1506,6 @@ int main() {
   test_acceptance_math();
   test_log_reduced();
   test_weighted_threshold_against_sort();
-  test_search_candidates();
-  test_search_largest_enough();
-  test_search_survives_unordered_verdicts();
   test_row_checks_and_argmax();
   test_row_sums();
   test_tiled_softmax_norm();

@@ -10,7 +10,13 @@
 #include <climits>
 
 #include "../common.h"
-#include "../threshold_search.h"
+
+// Device passes only: the host compiler of a .cu file would warn about an unknown pragma.
+#if defined(__CUDA_ARCH__)
+#define VERISPEC_UNROLL _Pragma("unroll")
+#else
+#define VERISPEC_UNROLL
+#endif
 
 namespace verispec {
 namespace kernels {
@@ -58,16 +64,6 @@ struct BlockOps {
   int bcast_i;
   unsigned long long bcast_u;
   ArgMax bcast_a;
-  // sum_each: per-warp partial sums, then the block's sums.
-  unsigned long long warp_u[kWarps * kSearchCandidates];
-  int warp_i[kWarps * kSearchCandidates];
-  unsigned long long each_u[kSearchCandidates];
-  int each_i[kSearchCandidates];
-  __device__ unsigned long long* warp_sums(unsigned long long) { return warp_u; }
-  __device__ int* warp_sums(int) { return warp_i; }
-  __device__ unsigned long long* each_sums(unsigned long long) { return each_u; }
-  __device__ int* each_sums(int) { return each_i; }
-
   // Each reduction ends with the result in every thread and `temp` free for reuse.
   // Sums are of integers only (counts, fixed-point masses): exact in any order.
   __device__ float max(float v) { return broadcast(ReduceF(temp.f).Reduce(v, MaxFloat()), bcast_f); }
@@ -81,33 +77,6 @@ struct BlockOps {
   }
   __device__ int min_int(int v) { return reduce_int(v, MinInt()); }
   __device__ int max_int(int v) { return reduce_int(v, MaxInt()); }
-  // v[c] = the block's sum of v[c], for N <= kSearchCandidates values at once: shuffles
-  // within each warp, then the warps in order (one barrier pair for all N).
-  template <int N, typename V>
-  __device__ void sum_each(V (&v)[N]) {
-    static_assert(N <= kSearchCandidates, "sum_each: scratch holds kSearchCandidates");
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    V* partial = warp_sums(V{});
-    V* total = each_sums(V{});
-    VERISPEC_UNROLL
-    for (int c = 0; c < N; ++c) {
-      V x = v[c];
-      VERISPEC_UNROLL
-      for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_down_sync(0xffffffffu, x, offset);
-      if (lane == 0) partial[warp * N + c] = x;
-    }
-    __syncthreads();
-    if (threadIdx.x < N) {
-      V s = partial[threadIdx.x];
-      for (int w = 1; w < kWarps; ++w) s += partial[w * N + threadIdx.x];
-      total[threadIdx.x] = s;
-    }
-    __syncthreads();
-    VERISPEC_UNROLL
-    for (int c = 0; c < N; ++c) v[c] = total[c];
-    __syncthreads();  // scratch free for the next call
-  }
   __device__ ArgMax argmax(ArgMax v) {
     return broadcast(ReduceA(temp.a).Reduce(v, ArgMaxOp()), bcast_a);
   }
@@ -256,13 +225,165 @@ __device__ inline float policy_prob(float l, int i, const RowStats& s, float tem
   return p;
 }
 
+// ---- the filters' thresholds: radix selection -------------------------------------------
+// A filter threshold is the largest value t of the row's probabilities with enough(stat{p >=
+// t}) (top-k: count >= k; top-p: mass >= top_p * the survivors' mass), enough monotone,
+// false for no value and true for all. Float bit patterns of values >= 0 are ordered like
+// the values, so t is found digit by digit from the top of its bits: each of kRadixPasses
+// passes over the row builds a shared histogram (count and fixed-point mass) of the next
+// digit over the values that match the digits found so far, and a block scan from the
+// highest bin finds the one where enough turns true. Integer sums: the same t (the CPU's,
+// cpu_policy.h) in any order, and stat{p >= t} with it, so no pass is needed for the kept
+// mass. 11 + 11 + 10 bits: three passes a threshold.
+constexpr int kRadixPasses = 3;
+constexpr int kRadixBins = 1 << 11;
+VERISPEC_HD constexpr int radix_bits(int pass) { return pass < 2 ? 11 : 10; }
+VERISPEC_HD constexpr int radix_shift(int pass) { return pass == 0 ? 21 : (pass == 1 ? 10 : 0); }
+
+struct RadixStat {
+  unsigned long long count;
+  unsigned long long mass;
+};
+
+struct RadixScratch {
+  int count[kRadixBins];
+  unsigned long long mass[kRadixBins];
+  int digit;        // the pass's bin
+  RadixStat above;  // the stat of every value above that bin
+};
+
+// t as above over p_of(i), i < V (values >= 0, each pass recomputes them); *at =
+// stat{p >= t}. on_total(stat of all values) runs once, before any enough (top-p without
+// top-k learns its survivors' mass there).
+template <int BLOCK, typename PFn, typename Enough, typename OnTotal>
+__device__ float radix_largest_enough(const PFn& p_of, int V, const Enough& enough,
+                                      const OnTotal& on_total, BlockOps<BLOCK>& ops,
+                                      RadixScratch& sc, RadixStat* at) {
+  using ScanU = typename BlockOps<BLOCK>::ScanU;
+  const int tid = threadIdx.x;
+  uint32_t prefix = 0;  // the digits found so far
+  RadixStat above{0, 0};
+  int digit = 0;
+  for (int pass = 0; pass < kRadixPasses; ++pass) {
+    const int bits = radix_bits(pass), shift = radix_shift(pass), bins = 1 << bits;
+    const uint32_t known = pass == 0 ? 0u : ~((uint32_t{1} << (shift + bits)) - 1u);
+    for (int d = tid; d < bins; d += BLOCK) {
+      sc.count[d] = 0;
+      sc.mass[d] = 0;
+    }
+    if (tid == 0) {  // unchanged unless enough turns inside this pass's bins (it does)
+      sc.digit = 0;
+      sc.above = above;
+    }
+    __syncthreads();
+    for (int i = tid; i < V; i += BLOCK) {
+      const float p = p_of(i);
+      const uint32_t u = float_bits(p);
+      if ((u & known) != prefix) continue;
+      const int d = static_cast<int>((u >> shift) & static_cast<uint32_t>(bins - 1));
+      atomicAdd(&sc.count[d], 1);
+      atomicAdd(&sc.mass[d], static_cast<unsigned long long>(fixed_weight(p)));
+    }
+    __syncthreads();
+    // Thread t owns bins [hi - per, hi), hi = bins - t * per: thread 0 the highest, so an
+    // exclusive scan in thread order sums the bins above a thread's.
+    const int per = (bins + BLOCK - 1) / BLOCK;
+    const int hi = bins - tid * per;
+    const int lo = hi - per > 0 ? hi - per : 0;
+    unsigned long long c = 0, m = 0;
+    for (int d = lo; d < hi; ++d) {
+      c += static_cast<unsigned long long>(sc.count[d]);
+      m += sc.mass[d];
+    }
+    unsigned long long c_above, m_above, c_all, m_all;
+    ScanU(ops.temp.s).ExclusiveSum(c, c_above, c_all);
+    __syncthreads();
+    ScanU(ops.temp.s).ExclusiveSum(m, m_above, m_all);
+    __syncthreads();
+    if (pass == 0) on_total(RadixStat{c_all, m_all});
+    RadixStat acc{above.count + c_above, above.mass + m_above};
+    for (int d = hi - 1; d >= lo; --d) {
+      const RadixStat next{acc.count + static_cast<unsigned long long>(sc.count[d]),
+                           acc.mass + sc.mass[d]};
+      if (!enough(acc) && enough(next)) {  // exactly one bin of the row
+        sc.digit = d;
+        sc.above = acc;
+      }
+      acc = next;
+    }
+    __syncthreads();
+    digit = sc.digit;
+    above = sc.above;
+    prefix |= static_cast<uint32_t>(digit) << shift;
+    __syncthreads();  // every thread has read them: the next pass may reset them
+  }
+  // The last pass's bin is the one value t: its count and mass are still in the histogram.
+  *at = RadixStat{above.count + static_cast<unsigned long long>(sc.count[digit]),
+                  above.mass + sc.mass[digit]};
+  __syncthreads();  // sc is free again
+  return bits_float(prefix);
+}
+
+// The filters of a row (top-k, then top-p on the survivors, then min-p) into s->threshold
+// and s->kept, from its probabilities p_raw(i) (largest p_max); the CPU's thresholds
+// (cpu_policy.h policy_row). Every thread calls it; the same result in each.
+template <int BLOCK, typename PFn>
+__device__ void filter_threshold(const PFn& p_raw, int V, const RowPolicy& pol, float p_max,
+                                 BlockOps<BLOCK>& ops, RowStats* s) {
+  __shared__ RadixScratch radix;
+  auto nothing = [](const RadixStat&) {};
+  float threshold = 0.0f;
+  RadixStat kept{0, 0};
+  bool kept_known = false;  // kept = stat{p >= threshold}
+  if (top_k_active(pol.top_k, V)) {
+    // The k-th largest probability: the largest t with count{p >= t} >= k (ties kept).
+    const unsigned long long k = static_cast<unsigned long long>(pol.top_k);
+    threshold = radix_largest_enough<BLOCK>(
+        p_raw, V, [k](const RadixStat& st) { return st.count >= k; }, nothing, ops, radix, &kept);
+    kept_known = true;
+  }
+  if (top_p_active(pol.top_p)) {
+    // The largest t with mass{p >= t} >= top_p * the survivors' mass (mass_at_least, the
+    // CPU's test on the same integers); it is >= the top-k threshold, whose kept mass is
+    // the survivors'. Without top-k every value survives.
+    const float top_p = pol.top_p;
+    unsigned long long survivors = kept.mass;
+    const bool all_survive = !kept_known;
+    threshold = radix_largest_enough<BLOCK>(
+        p_raw, V,
+        [top_p, &survivors](const RadixStat& st) { return mass_at_least(st.mass, top_p, survivors); },
+        [all_survive, &survivors](const RadixStat& total) {
+          if (all_survive) survivors = total.mass;
+        },
+        ops, radix, &kept);
+    kept_known = true;
+  }
+  if (min_p_active(pol.min_p)) {
+    const float t = min_p_threshold(pol.min_p, p_max);
+    if (t > threshold) {
+      threshold = t;
+      kept_known = false;
+    }
+  }
+  if (threshold > 0.0f) {
+    if (!kept_known) {  // min-p raised it: one pass for the kept mass
+      unsigned long long m = 0;
+      for (int i = threadIdx.x; i < V; i += BLOCK) {
+        const float p = p_raw(i);
+        if (p >= threshold) m += fixed_weight(p);
+      }
+      kept.mass = ops.sum_fixed(m);
+    }
+    s->threshold = threshold;
+    s->kept = fixed_to_float(kept.mass);
+  }
+}
+
 // Computes the policy of logits x[0, V) into *stats (same value in every thread). One
 // pass finds the maximum and the normaliser together (tile_stats_pass, then tiled_norm
 // over the tile records in shared memory). Returns kLogitsOk, the lowest index of a NaN / +Inf logit, or kLogitsAllMasked (no
-// finite logit; -Inf is a mask). Threshold searches run on the bit pattern of the
-// probability (monotone for values >= 0), 8-way (threshold_search.h): each pass counts
-// or weighs 7 candidates at once, at most 10 passes a search (bisection: 31), and the
-// result is an exact probability value.
+// finite logit; -Inf is a mask). The filters' thresholds are exact probability values,
+// found by radix selection (filter_threshold: three passes a filter).
 // FILTER false: every filter is off for every row (policy_may_filter); the filter code
 // is left out, and with it the registers its searches need.
 template <typename T, int BLOCK, bool FILTER>
@@ -292,94 +413,14 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
   }
   const float temperature = pol.temperature;
   s.norm = fixed_to_float(tiled_norm<BLOCK>(rec, tiles, s.row_max, temperature, ops));
-  if constexpr (!FILTER) {
-    *stats = s;
-    return static_cast<int>(kLogitsOk);
-  }
-  const float norm = s.norm;
-  const float row_max = s.row_max;
-  auto p_raw = [&](int i) { return softmax_weight(to_float(ld(x + i)), row_max, temperature) / norm; };
-  auto count_ge = [&](float t) {
-    int c = 0;
-    for (int i = tid; i < V; i += BLOCK) c += p_raw(i) >= t;
-    return ops.sum_int(c);
-  };
-  auto mass_ge = [&](float t) {
-    unsigned long long m = 0;
-    for (int i = tid; i < V; i += BLOCK) {
-      const float p = p_raw(i);
-      if (p >= t) m += fixed_weight(p);
-    }
-    return ops.sum_fixed(m);
-  };
-  // One pass for the threshold search: acc[c] = the block's sum of weigh(p) over the p >=
-  // candidate c of [lo, hi) (weigh 1: a count; weigh p: a mass).
-  auto tally_pass = [&](uint32_t lo, uint32_t hi, auto& acc, auto weigh) {
-    float t[kSearchCandidates];
-    VERISPEC_UNROLL
-    for (int c = 0; c < kSearchCandidates; ++c) {
-      t[c] = bits_float(search_candidate(lo, hi, c));
-      acc[c] = 0;
-    }
-    for (int i = tid; i < V; i += BLOCK) {
-      const float p = p_raw(i);
-      const auto w = weigh(p);
-      VERISPEC_UNROLL
-      for (int c = 0; c < kSearchCandidates; ++c) acc[c] += p >= t[c] ? w : decltype(w)(0);
-    }
-    ops.sum_each(acc);
-  };
-  const float p_max = 1.0f / norm;  // the argmax has weight exp(0) = 1
-
-  float threshold = 0.0f;
-  if (top_k_active(pol.top_k, V)) {
-    // Largest t with count{p >= t} >= k: the k-th largest probability; a candidate
-    // that keeps exactly k is final (it keeps the top-k set already).
-    const int k = pol.top_k;
-    if (count_ge(p_max) >= k) {
-      threshold = p_max;
-    } else {
-      auto tally = [&](uint32_t lo, uint32_t hi) {
-        int count[kSearchCandidates];
-        tally_pass(lo, hi, count, [](float) { return 1; });
-        SearchVerdicts v{0u, 0u};
-        VERISPEC_UNROLL
-        for (int c = 0; c < kSearchCandidates; ++c) {
-          v.enough |= static_cast<uint32_t>(count[c] >= k) << c;
-          v.exact |= static_cast<uint32_t>(count[c] == k) << c;
-        }
-        return v;
-      };
-      // count(0) = V >= k > count(p_max)
-      threshold = bits_float(search_largest_enough(0u, float_bits(p_max), tally));
-    }
-  }
-  if (top_p_active(pol.top_p)) {
-    // Largest t >= threshold with mass{p >= t} >= top_p * mass{p >= threshold}, masses in
-    // fixed point (sampling_math.h mass_at_least: the CPU's test on the same integers).
-    const float top_p = pol.top_p;
-    const unsigned long long survivors = mass_ge(threshold);
-    if (mass_at_least(mass_ge(p_max), top_p, survivors)) {
-      threshold = p_max;
-    } else {
-      auto tally = [&](uint32_t lo, uint32_t hi) {
-        unsigned long long mass[kSearchCandidates];
-        tally_pass(lo, hi, mass, [](float p) { return static_cast<unsigned long long>(fixed_weight(p)); });
-        SearchVerdicts v{0u, 0u};
-        VERISPEC_UNROLL
-        for (int c = 0; c < kSearchCandidates; ++c) {
-          v.enough |= static_cast<uint32_t>(mass_at_least(mass[c], top_p, survivors)) << c;
-        }
-        return v;
-      };
-      // mass(threshold) >= target > mass(p_max)
-      threshold = bits_float(search_largest_enough(float_bits(threshold), float_bits(p_max), tally));
-    }
-  }
-  if (min_p_active(pol.min_p)) threshold = fmaxf(threshold, min_p_threshold(pol.min_p, p_max));
-  if (threshold > 0.0f) {
-    s.threshold = threshold;
-    s.kept = fixed_to_float(mass_ge(threshold));
+  if constexpr (FILTER) {  // only instantiated here: its shared histogram too
+    const float norm = s.norm;
+    const float row_max = s.row_max;
+    auto p_raw = [&](int i) {
+      return softmax_weight(to_float(ld(x + i)), row_max, temperature) / norm;
+    };
+    const float p_max = 1.0f / norm;  // the argmax has weight exp(0) = 1
+    filter_threshold<BLOCK>(p_raw, V, pol, p_max, ops, &s);
   }
   *stats = s;
   return static_cast<int>(kLogitsOk);

@@ -22,8 +22,8 @@ constexpr int kSplitBlock = 256;  // a split block's chunk is 3072+ values: 12+ 
 // apply_policy: one block per row, compiled with or without the filter code
 // (policy_may_filter); without a filter, few rows are each split over several blocks
 // (split_kernels.cuh). Napkin math (V = 32000, bf16, no filter): 2 reads of 64 KB (the
-// statistics in one, sampling_math.h tiles; the write) + one 128 KB write per row; each active top-k / top-p search adds up to 10 read passes
-// (8-way, see threshold_search.h).
+// statistics in one, sampling_math.h tiles; then the write) + one 128 KB write per row;
+// each active top-k / top-p adds 3 read passes (radix selection, block_ops.cuh).
 OpStatus apply_policy_cuda(const ApplyPolicyArgs& a, const CudaLaunch& launch) {
   OpStatus s = check_apply_policy_args(a);
   if (!s.ok() || a.rows == 0) return s;

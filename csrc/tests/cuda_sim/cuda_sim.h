@@ -348,6 +348,18 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask) {
   return out;
 }
 
+inline int atomicAdd(int* address, int value) {
+  const int old = *address;  // fibers: no other thread runs meanwhile
+  *address = old + value;
+  return old;
+}
+
+inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
+  const unsigned long long old = *address;
+  *address = old + value;
+  return old;
+}
+
 inline unsigned long long atomicMin(unsigned long long* address, unsigned long long value) {
   const unsigned long long old = *address;  // fibers: no other thread runs meanwhile
   if (value < old) *address = value;
