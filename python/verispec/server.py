@@ -45,6 +45,7 @@ except ModuleNotFoundError as e:  # pragma: no cover - exercised by a subprocess
 
 from verispec import CacheFullError
 from verispec._policy import policy_error
+from verispec.cache import blocks_for
 
 __all__ = ["Engine", "create_app", "serve", "FINISH_REASONS", "MAX_TOP_LOGPROBS"]
 
@@ -707,7 +708,7 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str, *,
                 raise APIError(400, f"max_tokens: the prompt ({n} tokens) plus max_tokens "
                                     f"({max_new}) exceeds the model's context of {max_context}",
                                param="max_tokens", code="context_length_exceeded")
-        need = -(-(n + max_new) // block_size)
+        need = blocks_for(n + max_new, block_size, spare=0)
         roles = ["target"] + (["draft"] if decoder.draft is not None
                               and not decoder.shares_target_cache else [])
         for role in roles:
