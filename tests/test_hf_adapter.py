@@ -954,13 +954,17 @@ def test_rejects_tree_mask_of_the_wrong_shape_or_dtype():
     batch = runner.make_batch({runner.add_sequence(): [1, 2, 3]})
     ok = torch.ones(3, 3, dtype=torch.bool).tril()
     model.forward(dataclasses.replace(batch, tree_mask=ok))
-    for bad in (torch.ones(3, 4, dtype=torch.bool), torch.ones(2, 2, dtype=torch.bool),
-                ok.float()):
-        with pytest.raises(ValueError, match="tree_mask"):
+    for bad, got in ((torch.ones(3, 4, dtype=torch.bool), r"torch\.bool \[3, 4\]"),
+                     (torch.ones(2, 2, dtype=torch.bool), r"torch\.bool \[2, 2\]"),
+                     (ok.float(), r"torch\.float32 \[3, 3\]")):
+        with pytest.raises(ValueError, match=r"^HFModel\.forward: batch\.tree_mask must be bool "
+                                             r"\[T, T\] = \[3, 3\], got " + got + "$"):
             model.forward(dataclasses.replace(batch, tree_mask=bad))
     blind = ok.clone()
     blind[1, 1] = False  # node 1 cannot see itself
-    with pytest.raises(ValueError, match="node 1 does not"):
+    with pytest.raises(ValueError, match=r"^HFModel\.forward: batch\.tree_mask must let every "
+                                         r"token see itself \(a True diagonal\); token 1 does "
+                                         r"not$"):
         model.forward(dataclasses.replace(batch, tree_mask=blind))
 
 

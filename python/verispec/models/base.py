@@ -210,9 +210,10 @@ def attention_groups(q_lens: list[int], ctx_lens: list[int]) -> list[list[int]]:
 
 def check_batch(batch: PagedBatch, geometry: ModelGeometry, who: str) -> None:
     """The checks every model's forward makes before reading a batch: the pools match the
-    geometry (per layer: K/V heads, K and V head sizes, dtype), the batch's shapes agree
-    and query_start rises from 0 to T (the rows' plans rely on it). ``who`` names the
-    caller in the error (e.g. "LlamaModel.forward")."""
+    geometry (per layer: K/V heads, K and V head sizes, dtype), the batch's shapes agree,
+    query_start rises from 0 to T (the rows' plans rely on it) and a tree_mask is bool
+    [T, T] with a True diagonal. ``who`` names the caller in the error (e.g.
+    "LlamaModel.forward")."""
     g = geometry
     if len(batch.kv.k) != g.num_layers or len(batch.kv.v) != g.num_layers:
         raise ValueError(f"{who}: batch.kv must hold {g.num_layers} K and V pools (one per "
@@ -240,6 +241,14 @@ def check_batch(batch: PagedBatch, geometry: ModelGeometry, who: str) -> None:
     starts = batch.host_tensor("query_start").tolist()
     if starts[0] != 0 or starts[-1] != t or any(a > c for a, c in zip(starts, starts[1:])):
         raise ValueError(f"{who}: query_start must rise from 0 to T = {t}, got {starts}")
+    tree = batch.tree_mask
+    if tree is not None:
+        if tuple(tree.shape) != (t, t) or tree.dtype != torch.bool:
+            raise ValueError(f"{who}: batch.tree_mask must be bool [T, T] = [{t}, {t}], got "
+                             f"{tree.dtype} {list(tree.shape)}")
+        if not bool(tree.diagonal().all()):
+            raise ValueError(f"{who}: batch.tree_mask must let every token see itself (a True "
+                             f"diagonal); token {int((~tree.diagonal()).nonzero()[0])} does not")
 
 
 class KVWrite:

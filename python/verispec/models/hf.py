@@ -269,7 +269,6 @@ class _Plan:
     """Per-forward decisions shared by every layer: slots to write, rows' keys, masks."""
 
     def __init__(self, batch: PagedBatch, pool_of: dict[int, int], device: torch.device):
-        num_tokens = batch.input_ids.shape[0]
         starts = batch.host_tensor("query_start").tolist()  # rising from 0 to T: check_batch
         self.starts = starts
         self.ctx_lens = batch.host_tensor("context_lens").tolist()
@@ -280,18 +279,8 @@ class _Plan:
         self.kv = batch.kv
         self.pool_of = pool_of
         self.calls = 0
-        tree = batch.tree_mask
-        if tree is not None:
-            if tree.shape != (num_tokens, num_tokens) or tree.dtype != torch.bool:
-                raise ValueError(f"HFModel.forward: batch.tree_mask must be bool [T, T] = "
-                                 f"[{num_tokens}, {num_tokens}], got {tree.dtype} "
-                                 f"{list(tree.shape)}")
-            tree = tree.cpu()
-            if not bool(tree.diagonal().all()):
-                raise ValueError(f"HFModel.forward: batch.tree_mask must let every node see "
-                                 f"itself (a True diagonal); node "
-                                 f"{int((~tree.diagonal()).nonzero()[0])} does not")
-        self.tree = tree
+        # checked by check_batch: bool [T, T], a True diagonal
+        self.tree = None if batch.tree_mask is None else batch.tree_mask.cpu()
         self.write = KVWrite(batch.host_tensor("slot_mapping"), device)
         self.q_lens = [starts[r + 1] - starts[r] for r in range(len(self.ctx_lens))]
         self._groups: Optional[list[_Group]] = None

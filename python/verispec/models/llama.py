@@ -978,12 +978,3 @@ class LlamaModel:
 
     def _check(self, batch: PagedBatch) -> None:
         check_batch(batch, self.geometry, "LlamaModel.forward")
-        tree, t = batch.tree_mask, batch.input_ids.shape[0]
-        if tree is not None:
-            if tuple(tree.shape) != (t, t) or tree.dtype != torch.bool:
-                raise ValueError(f"LlamaModel.forward: batch.tree_mask must be bool [T, T] = "
-                                 f"[{t}, {t}], got {tree.dtype} {list(tree.shape)}")
-            if not bool(tree.diagonal().all()):
-                raise ValueError(f"LlamaModel.forward: batch.tree_mask must let every token see "
-                                 f"itself (a True diagonal); token "
-                                 f"{int((~tree.diagonal()).nonzero()[0])} does not")
