@@ -344,11 +344,7 @@ def _check_tree_args(target_logits, tree_tokens, parents, draft_probs, num_nodes
         _args.integer_tensor(op, name, t, (b, n), "[B, N]")
     _args.draft_probs(op, draft_probs, (b, n + 1, v), "[B, N+1, V]")
     device = target_logits.device
-    num_nodes = _args.counts(op, "num_nodes", num_nodes, b, device)
-    if num_nodes is None:
-        num_nodes = torch.full((b,), n, dtype=torch.long, device=device)
-    else:
-        num_nodes = num_nodes.to(device=device, dtype=torch.long)
+    num_nodes = _counts(op, "num_nodes", num_nodes, b, n, device)
     distinct = draft_probs is None or not replacement
     for r in range(b):
         m = int(num_nodes[r])
@@ -557,20 +553,24 @@ def _check_rows(op, rows, policy_error):
             raise ValueError(f"{op}: {error} at {name}[{row}]")
 
 
+def _counts(op, name, value, b, n, device):
+    """Per-row counts (num_draft, num_nodes) as int64 [B] on `device`; None: n a row."""
+    value = _args.counts(op, name, value, b, device)
+    if value is None:
+        return torch.full((b,), n, dtype=torch.long, device=device)
+    return value.to(device=device, dtype=torch.long)
+
+
 def _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft, op="verify"):
     b, k, v = _args.spec_logits(op, target_logits)
     _check_logit_values(op, "target_logits", target_logits)
     _args.integer_tensor(op, "draft_tokens", draft_tokens, (b, k), "[B, K]")
     _args.draft_probs(op, draft_probs, (b, k, v), "[B, K, V]")
     device = target_logits.device
-    num_draft = _args.counts(op, "num_draft", num_draft, b, device)
-    if num_draft is None:
-        num_draft = torch.full((b,), k, dtype=torch.long, device=device)
-    else:
-        num_draft = num_draft.to(device=device, dtype=torch.long)
-        if ((num_draft < 0) | (num_draft > k)).any():
-            bad = num_draft[(num_draft < 0) | (num_draft > k)][0].item()
-            raise ValueError(f"{op}: num_draft must be in [0, K] = [0, {k}], got {bad}")
+    num_draft = _counts(op, "num_draft", num_draft, b, k, device)
+    if ((num_draft < 0) | (num_draft > k)).any():
+        bad = num_draft[(num_draft < 0) | (num_draft > k)][0].item()
+        raise ValueError(f"{op}: num_draft must be in [0, K] = [0, {k}], got {bad}")
     proposed = torch.arange(k, device=device) < num_draft[:, None]
     tokens = draft_tokens.long()
     if (proposed & ((tokens < 0) | (tokens >= v))).any():
