@@ -58,6 +58,7 @@ import torch
 import verispec
 from verispec import _C
 from verispec.benchmark import PROMPTS
+from verispec.cache import blocks_for
 from verispec.decoder import SpecDecoder
 from verispec.drafters import NGram
 from verispec.models import load
@@ -120,7 +121,7 @@ class Verispec:
 
     def run(self, ids: list[int], n: int) -> tuple[list[int], float]:
         draft = NGram(1, NGRAM_N) if self.ngram else None
-        dec = SpecDecoder(self.model, draft, k=self.k, num_blocks=-(-self.capacity // 16) + 2,
+        dec = SpecDecoder(self.model, draft, k=self.k, num_blocks=blocks_for(self.capacity, 16),
                           block_size=16)
         saved, quantized.ARITHMETIC = quantized.ARITHMETIC, self.arithmetic
         try:

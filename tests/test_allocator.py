@@ -232,3 +232,32 @@ def test_slot_mapping_cuda_matches_cpu():
     want = verispec.slot_mapping(tables, rows, pos, 16)
     got = verispec.slot_mapping(tables.cuda(), rows.cuda(), pos.cuda(), 16)
     assert torch.equal(got.cpu(), want)
+
+
+def test_blocks_for_counts_the_allocators_blocks():
+    """verispec.cache.blocks_for, the one count of a pool's blocks (the CLI, the
+    benchmarks and the server's fit check): ceil(tokens / block_size), what the
+    allocator takes for a new sequence of that length, plus the spare blocks."""
+    from verispec.cache import SPARE_BLOCKS, blocks_for
+
+    for block_size in (1, 4, 16):
+        for tokens in range(0, 3 * block_size + 2):
+            exact = blocks_for(tokens, block_size, spare=0)
+            alloc = verispec.BlockAllocator(exact + 1, block_size)
+            seq = alloc.add_sequence()
+            assert alloc.blocks_needed(seq, tokens) == exact, (tokens, block_size)
+            alloc.append(seq, tokens)  # takes exactly that many ...
+            assert alloc.num_free_blocks == 1, (tokens, block_size)
+            if exact >= 2:  # ... and one block fewer does not hold them (a pool has >= 1)
+                short = verispec.BlockAllocator(exact - 1, block_size)
+                with pytest.raises(verispec.CacheFullError):
+                    short.append(short.add_sequence(), tokens)
+            assert blocks_for(tokens, block_size) == exact + SPARE_BLOCKS == exact + 2
+            assert blocks_for(tokens, block_size, spare=1) == exact + 1
+    assert blocks_for(33) == 3 + 2  # block_size 16 by default
+    for bad in (dict(tokens=-1), dict(block_size=0), dict(spare=-1)):
+        args = dict(tokens=5, block_size=16, spare=0) | bad
+        with pytest.raises(ValueError, match=r"blocks_for: tokens must be >= 0, block_size >= 1 "
+                                             r"and spare >= 0, got tokens=-?\d+, block_size=\d+, "
+                                             r"spare=-?\d+"):
+            blocks_for(**args)

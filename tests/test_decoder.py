@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -278,7 +279,7 @@ def test_max_num_seqs_admits_in_arrival_order():
     while dec.has_running():
         dec.step()
     assert all(dec.result(i).finish_reason == "length" for i in ids)
-    with pytest.raises(ValueError, match=r"max_num_seqs must be an int >= 0 \(0: no limit\), got -1"):
+    with pytest.raises(ValueError, match=r"max_num_seqs must be >= 0 \(0: no limit\), got -1"):
         SpecDecoder(target, draft, max_num_seqs=-1)
 
 
@@ -579,13 +580,64 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode():
 
 def test_max_tokens_per_step_is_validated():
     target, draft = models()
-    for bad in (-1, 2.5, True, "8"):
-        with pytest.raises(ValueError, match=r"max_tokens_per_step must be an int, 0 \(no limit\) "
-                                             r"or >= 1, got " + repr(bad).replace(".", r"\.")):
+    with pytest.raises(ValueError, match=r"max_tokens_per_step must be 0 \(no limit\) or >= 1, "
+                                         r"got -1"):
+        SpecDecoder(target, draft, max_tokens_per_step=-1)
+    for bad in (2.5, True, "8"):
+        with pytest.raises(ValueError, match=r"max_tokens_per_step must be an int, got "
+                                             + repr(bad).replace(".", r"\.")):
             SpecDecoder(target, draft, max_tokens_per_step=bad)
     with pytest.raises(ValueError, match=r"max_tokens_per_step must be 0 \(no limit\) or >= 1, got -3"):
         _C.SpecDecoder(k=2, has_draft_model=True, target_num_blocks=8, draft_num_blocks=8,
                        block_size=4, vocab_size=V, max_context=64, seed=0, max_tokens_per_step=-3)
+
+
+# SpecDecoder's integer settings: the types are Python's, the ranges the core's
+# (spec_decoder.cpp), checked once. Each message names the setting, what it must be and
+# the value as given (ints past int64 included), for a draft model, an n-gram drafter
+# and no draft (plain decoding still checks the k it was given).
+CONFIG_ERRORS = [
+    (dict(k=-1), "k must be in [0, 64], got -1"),
+    (dict(k=65), "k must be in [0, 64], got 65"),
+    (dict(k=10**30), f"k must be in [0, 64], got {10**30}"),
+    (dict(k="fast"), "k must be an int or 'auto', got 'fast'"),
+    (dict(k=2.0), "k must be an int or 'auto', got 2.0"),
+    (dict(k=True), "k must be an int or 'auto', got True"),
+    (dict(k="auto", max_k=65), "max_k must be an int in [1, 64], got 65"),
+    (dict(max_num_seqs=-1), "max_num_seqs must be >= 0 (0: no limit), got -1"),
+    (dict(max_num_seqs=-10**30), f"max_num_seqs must be >= 0 (0: no limit), got {-10**30}"),
+    (dict(max_num_seqs=1.0), "max_num_seqs must be an int, got 1.0"),
+    (dict(max_num_seqs=None), "max_num_seqs must be an int, got None"),
+    (dict(max_tokens_per_step=-1), "max_tokens_per_step must be 0 (no limit) or >= 1, got -1"),
+    (dict(max_tokens_per_step=False), "max_tokens_per_step must be an int, got False"),
+    (dict(draft_branches=0), "draft_branches must be in [1, 64], got 0"),
+    (dict(draft_branches="2"), "draft_branches must be an int, got '2'"),
+]
+
+
+@pytest.mark.parametrize("kwargs, message", CONFIG_ERRORS)
+@pytest.mark.parametrize("drafter", ["model", "ngram", "none"])
+def test_decoder_settings_are_checked_once_naming_the_value(kwargs, message, drafter):
+    target, draft = models()
+    draft = {"model": draft, "ngram": NGram(1, 3), "none": None}[drafter]
+    with pytest.raises(ValueError, match="^" + re.escape("SpecDecoder: " + message) + "$"):
+        SpecDecoder(target, draft, **kwargs)
+
+
+def test_decoder_settings_at_their_bounds_are_taken():
+    target, draft = models()
+    for drafter in (draft, NGram(1, 3), None):
+        for kwargs in (dict(k=0), dict(k=64), dict(k="auto", max_k=1), dict(k="auto", max_k=64),
+                       dict(max_num_seqs=0), dict(max_num_seqs=10**30),
+                       dict(max_tokens_per_step=0), dict(max_tokens_per_step=1)):
+            dec = SpecDecoder(target, drafter, **kwargs)
+            plain = drafter is None
+            assert dec.k == (0 if plain else kwargs.get("max_k", kwargs.get("k", 4))), kwargs
+            assert dec.adaptive == (kwargs.get("k") == "auto" and not plain)
+    # the range is the core's own rule, and the decoder's message is its message
+    with pytest.raises(ValueError, match=re.escape("SpecDecoder: k must be in [0, 64], got 65")):
+        _C.SpecDecoder(k=65, has_draft_model=True, target_num_blocks=8, draft_num_blocks=8,
+                       block_size=4, vocab_size=V, max_context=64, seed=0)
 
 
 def test_a_budget_of_one_token_still_decodes_everything():

@@ -437,7 +437,7 @@ def test_a_failed_draft_tree_step_changes_nothing_and_the_run_continues(fault):
 
 def test_draft_tree_options_are_validated():
     target, draft = models()
-    with pytest.raises(ValueError, match=r"draft_branches must be an int in \[1, 64\], got 0"):
+    with pytest.raises(ValueError, match=r"draft_branches must be in \[1, 64\], got 0"):
         SpecDecoder(target, draft, draft_branches=0)
     with pytest.raises(ValueError, match=r"draft_branches = 2 \(draft trees\) needs a draft "
                                          r"model, got NGram\("):

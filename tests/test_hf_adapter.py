@@ -26,7 +26,7 @@ import transformers
 
 import verispec.models.hf as hf_mod
 from verispec.models import HFModel
-from verispec.models.base import KVPools
+from verispec.models.base import KVPools, PagedBatch
 from verispec.models.testing import PagedRunner, randomize_weights
 
 ATOL = 1e-5  # absolute, float32 logits of O(1..10)
@@ -954,13 +954,17 @@ def test_rejects_tree_mask_of_the_wrong_shape_or_dtype():
     batch = runner.make_batch({runner.add_sequence(): [1, 2, 3]})
     ok = torch.ones(3, 3, dtype=torch.bool).tril()
     model.forward(dataclasses.replace(batch, tree_mask=ok))
-    for bad in (torch.ones(3, 4, dtype=torch.bool), torch.ones(2, 2, dtype=torch.bool),
-                ok.float()):
-        with pytest.raises(ValueError, match="tree_mask"):
+    for bad, got in ((torch.ones(3, 4, dtype=torch.bool), r"torch\.bool \[3, 4\]"),
+                     (torch.ones(2, 2, dtype=torch.bool), r"torch\.bool \[2, 2\]"),
+                     (ok.float(), r"torch\.float32 \[3, 3\]")):
+        with pytest.raises(ValueError, match=r"^HFModel\.forward: batch\.tree_mask must be bool "
+                                             r"\[T, T\] = \[3, 3\], got " + got + "$"):
             model.forward(dataclasses.replace(batch, tree_mask=bad))
     blind = ok.clone()
     blind[1, 1] = False  # node 1 cannot see itself
-    with pytest.raises(ValueError, match="node 1 does not"):
+    with pytest.raises(ValueError, match=r"^HFModel\.forward: batch\.tree_mask must let every "
+                                         r"token see itself \(a True diagonal\); token 1 does "
+                                         r"not$"):
         model.forward(dataclasses.replace(batch, tree_mask=blind))
 
 
@@ -1287,3 +1291,19 @@ def test_arch_sweep_tool(tmp_path, monkeypatch):
         monkeypatch.setattr(cls, "masked", lambda self, module, mask: None)
     assert sweep.main(["--only", "doge", "--out", str(out)]) == 1
     assert json.loads(out.read_text())["results"]["doge"]["status"] == "MISMATCH"
+
+
+def test_query_start_is_checked_by_check_batch_for_hf_models_too():
+    """The rule that a batch's rows follow each other (query_start rises from 0 to T)
+    has one home, models.base.check_batch, which HFModel.forward applies as LlamaModel's
+    does (test_models.py): a start that falls back mid-batch is refused, naming it."""
+    model = HFModel(copy.deepcopy(_reference("llama")))
+    runner = PagedRunner(model, num_blocks=8, block_size=BLOCK_SIZE)
+    batch = runner.make_batch({runner.add_sequence(): [1, 2], runner.add_sequence(): [3],
+                               runner.add_sequence(): [4]})
+    assert batch.query_start.tolist() == [0, 2, 3, 4]
+    bad = PagedBatch(**{**batch.__dict__, "query_start": torch.tensor([0, 3, 2, 4])})
+    with pytest.raises(ValueError, match=r"^HFModel\.forward: query_start must rise from 0 to "
+                                         r"T = 4, got \[0, 3, 2, 4\]$"):
+        model.forward(bad)
+    assert model.forward(batch).shape[0] == len(batch.logits_indices)  # the batch is fine

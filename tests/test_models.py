@@ -677,6 +677,29 @@ def test_error_bad_batch(tiny):
         model.forward(vm.PagedBatch(**{**batch.__dict__, "positions": batch.positions[:2]}))
     with pytest.raises(ValueError, match=r"query_start must rise from 0 to T = 3, got \[0, 2\]"):
         model.forward(vm.PagedBatch(**{**batch.__dict__, "query_start": torch.tensor([0, 2])}))
+    # a start falling back mid-batch, caught by check_batch (models.base), the rule's home
+    three = runner.make_batch({runner.add_sequence(): [1], runner.add_sequence(): [2, 3],
+                               runner.add_sequence(): [4]})
+    with pytest.raises(ValueError, match=r"^LlamaModel\.forward: query_start must rise from 0 "
+                                         r"to T = 4, got \[0, 2, 1, 4\]$"):
+        model.forward(vm.PagedBatch(**{**three.__dict__,
+                                       "query_start": torch.tensor([0, 2, 1, 4])}))
+    # the tree mask's rule is check_batch's too (HFModel: test_hf_adapter.py)
+    for bad, got in ((torch.ones(3, 4, dtype=torch.bool), r"torch\.bool \[3, 4\]"),
+                     (torch.ones(3, 3), r"torch\.float32 \[3, 3\]")):
+        with pytest.raises(ValueError, match=r"^LlamaModel\.forward: batch\.tree_mask must be "
+                                             r"bool \[T, T\] = \[3, 3\], got " + got + "$"):
+            model.forward(vm.PagedBatch(**{**batch.__dict__, "tree_mask": bad}))
+    blind = torch.ones(3, 3, dtype=torch.bool).tril()
+    blind[2, 2] = False
+    with pytest.raises(ValueError, match=r"^LlamaModel\.forward: batch\.tree_mask must let every "
+                                         r"token see itself \(a True diagonal\); token 2 does "
+                                         r"not$"):
+        model.forward(vm.PagedBatch(**{**batch.__dict__, "tree_mask": blind}))
+    with pytest.raises(ValueError, match=r"^who: query_start must rise"):
+        vm.base.check_batch(vm.PagedBatch(**{**three.__dict__,
+                                             "query_start": torch.tensor([1, 1, 3, 4])}),
+                            model.geometry, "who")
 
 
 # --------------------------------------------------------------------------- CUDA

@@ -268,6 +268,8 @@ COPY_PATTERNS = [
     re.compile(r"\"--(temperature|top-k|top-p|min-p)\",\s*type=(?!_policy_value\b)"),
     # a second definition of a range predicate
     re.compile(r"\bbool\s+(temperature|top_k|top_p|min_p)_valid\s*\("),
+    # a range as a comparison in code (the server's old "0 < top_p <= 1")
+    re.compile(r"\b0(\.0)?f?\s*<=?\s*(top_p|min_p)\s*<=?\s*1|\b(temperature|top_k)\s*>=\s*0(\.0)?f?\b"),
 ]
 PREDICATE_HOME = ROOT / "csrc/include/verispec/sampling_math.h"
 
@@ -308,6 +310,10 @@ def test_pending_exemptions_are_still_needed():
     'raise ValueError(f"{op}: min_p must be in [0, 1], got {m}")',
     'g.add_argument("--top-p", type=_float_in(0, 1, low_open=True), help="nucleus mass")',
     'inline bool top_p_valid(float p) { return p > 0.0f && p <= 1.0f; }',
+    'if not (_is_number(top_p) and 0 < top_p <= 1):',
+    'if not (_is_number(min_p) and 0 <= min_p <= 1):',
+    'if not (_is_number(temperature) and temperature >= 0):',
+    'if not (_is_int(top_k) and top_k >= 0):',
 ])
 def test_the_patterns_catch_the_old_copies(text):
     assert any(p.search(text) for p in COPY_PATTERNS), text
@@ -318,6 +324,8 @@ def test_the_patterns_catch_the_old_copies(text):
     'return "draft_probs must be finite and >= 0";',
     'g.add_argument("--top-p", type=_policy_value("top_p"), help="nucleus mass (1 = off)")',
     'throw py::type_error(std::string(op) + ": " + name + " must be an int, got " +',
+    'VERISPEC_HD inline bool top_p_active(float top_p) { return top_p < 1.0f; }',
+    'if (top_k > 0 && top_k < n) thr = sorted[top_k - 1];',
 ])
 def test_the_patterns_leave_other_rules_alone(text):
     assert not any(p.search(text) for p in COPY_PATTERNS), text

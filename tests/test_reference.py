@@ -149,8 +149,8 @@ def test_policy_masked_logits():
         (dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\]"),
         (dict(min_p=2.0), ValueError, r"min_p must be in \[0, 1\]"),
         (dict(temperature=torch.ones(3)), ValueError,
-         r"temperature must be a scalar or a 1-D tensor of length 2, got shape \[3\]"),
-        (dict(temperature="hot"), TypeError, "temperature must be a float"),
+         r"temperature must be a number or a 1-D tensor of length 2, got shape \[3\]"),
+        (dict(temperature="hot"), TypeError, "temperature must be a number"),
     ],
 )
 def test_policy_bad_params(kwargs, error, message):
@@ -196,11 +196,12 @@ def test_sample_distribution_and_zero_mass():
 @pytest.mark.parametrize(
     ("probs", "kwargs", "error", "message"),
     [
-        (torch.ones(3), {}, ValueError, r"probs must be float \[N, V\]"),
+        (torch.ones(3), {}, ValueError, r"probs must be float32/bfloat16/float16 \[N, V\]"),
         (torch.tensor([[0.5, -0.5]]), {}, ValueError, "finite and non-negative"),
         (torch.tensor([[0.0, 0.0]]), {}, ValueError, "zero total probability"),
         (torch.ones(1, 2), dict(seed=-1), ValueError, r"seed must be an int in \[0, 2\*\*64\)"),
-        (torch.ones(1, 2), dict(offset=1.5), ValueError, "offset must be an int"),
+        (torch.ones(1, 2), dict(offset=1.5), TypeError,
+         "offset must be an int or a one-element int64 tensor, got 1.5"),
     ],
 )
 def test_sample_bad_args(probs, kwargs, error, message):
@@ -404,12 +405,12 @@ def test_verify_falls_back_to_p_when_a_rejection_leaves_no_residual():
          dict(num_draft=[1, 4]), ValueError, r"num_draft must be in \[0, K\] = \[0, 3\], got 4"),
         ((torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.long), None),
          dict(num_draft=[1, 2, 3]), ValueError,
-         r"num_draft must be 2 ints \(\[B\]\), got int64 \[3\]"),
+         r"num_draft must be an integer tensor \[B\] = \[2\], got int64 \[3\]"),
         ((torch.zeros(2, 4, 5), torch.tensor([[0, 5, 0], [0, 0, 0]]), None), {}, ValueError,
          r"draft_tokens must be in \[0, V\) = \[0, 5\), got 5"),
         ((torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.long), None),
          dict(temperature=torch.ones(8)), ValueError,
-         r"verify: temperature must be a scalar or a 1-D tensor of length 2, got shape \[8\]"),
+         r"verify: temperature must be a number or a 1-D tensor of length 2, got shape \[8\]"),
         ((torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.long), None),
          dict(greedy=torch.ones(2)), ValueError, r"greedy must be a bool or a bool tensor"),
         ((torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.long), None),
@@ -482,3 +483,80 @@ def test_harness_catches_ignoring_num_draft():
 
     with pytest.raises(AssertionError, match="num_accepted > num_draft"):
         joint_distribution_result(ignores_num_draft, ragged=True, num_rows=2000)
+
+
+# --- one set of argument checks for ops and reference -----------------------------------
+
+_L, _T = torch.zeros(2, 4, 5), torch.zeros(2, 3, dtype=torch.long)  # [B, K+1, V], [B, K]
+_TREE = (torch.zeros(2, 3, 5), torch.zeros(2, 2, dtype=torch.long),
+         torch.full((2, 2), -1, dtype=torch.long))  # [B, N+1, V], tree_tokens, parents
+SAME_MISTAKES = [  # (op, args, kwargs): each a mistake that verispec._args catches
+    ("apply_policy", (torch.zeros(4),), {}),
+    ("apply_policy", ([[0.0, 1.0]],), {}),
+    ("apply_policy", (torch.zeros(2, 0),), {}),
+    ("apply_policy", (torch.zeros(2, 4, dtype=torch.float64),), {}),
+    ("apply_policy", (torch.zeros(2, 4),), dict(temperature=torch.ones(3))),
+    ("apply_policy", (torch.zeros(2, 4),), dict(temperature="hot")),
+    ("apply_policy", (torch.zeros(2, 4),), dict(top_p=True)),
+    ("apply_policy", (torch.zeros(2, 4),), dict(top_k=2.0)),
+    ("apply_policy", (torch.zeros(2, 4),), dict(top_k=torch.tensor([1.0, 2.0]))),
+    ("apply_policy", (torch.zeros(2, 4),), dict(top_k=torch.tensor([True, False]))),
+    ("sample", (torch.ones(3),), {}),
+    ("sample", (torch.ones(1, 2),), dict(seed=-1)),
+    ("sample", (torch.ones(1, 2),), dict(seed=1 << 64)),
+    ("sample", (torch.ones(1, 2),), dict(offset=1.5)),
+    ("sample", (torch.ones(1, 2),), dict(seed=torch.tensor([1, 2]))),
+    ("sample", (torch.ones(1, 2),), dict(offset=torch.tensor(1.0))),
+    ("sample", (torch.ones(2, 2),), dict(seeds=[1, 2])),
+    ("sample", (torch.ones(2, 2),), dict(positions=[1, 2])),
+    ("sample", (torch.ones(2, 2),), dict(seeds=[1], positions=[0, 0])),
+    ("sample", (torch.ones(1, 2),), dict(seeds=[-1], positions=[0])),
+    ("sample", (torch.ones(1, 2),), dict(seeds=[1], positions=[1 << 63])),
+    ("sample", (torch.ones(1, 2),), dict(seeds=[1.0], positions=[0])),
+    ("sample", (torch.ones(2, 2),), dict(seeds=torch.tensor([1.0, 2.0]), positions=[0, 0])),
+    ("sample", (torch.ones(2, 2),), dict(seeds=[1, 2], positions=torch.tensor([0, 0, 0]))),
+    ("verify", (torch.zeros(2, 5), _T), {}),
+    ("verify", (torch.zeros(2, 0, 5), torch.zeros(2, 0)), {}),
+    ("verify", (_L, torch.zeros(2, 2, dtype=torch.long)), {}),
+    ("verify", (_L, torch.zeros(2, 3)), {}),
+    ("verify", (_L, _T.tolist()), {}),
+    ("verify", (_L, _T, torch.zeros(2, 2, 5)), {}),
+    ("verify", (_L, _T, torch.zeros(2, 3, 5, dtype=torch.float64)), {}),
+    ("verify", (_L, _T, [[0.0]]), {}),
+    ("verify", (_L, _T), dict(num_draft=[1, 2, 3])),
+    ("verify", (_L, _T), dict(num_draft=[1.0, 2.0])),
+    ("verify", (_L, _T), dict(temperature=torch.ones(8))),
+    ("verify", (_L, _T), dict(seed=-3)),
+    ("verify", (_L, _T), dict(seed="3")),
+    ("verify_keyed", (_L, _T), dict(seeds=None, positions=None)),
+    ("verify_keyed", (_L, _T), dict(seeds=[1, 2], positions=None)),
+    ("verify_keyed", (_L, torch.zeros(2, 2, dtype=torch.long)), dict(seeds=[1, 2],
+                                                                     positions=[0, 0])),
+    ("verify_tree", (torch.zeros(2, 0, 5),) + _TREE[1:], {}),
+    ("verify_tree", (_TREE[0], torch.zeros(2, 3, dtype=torch.long), _TREE[2]), {}),
+    ("verify_tree", (_TREE[0], _TREE[1], _TREE[2].float()), {}),
+    ("verify_tree", _TREE + (torch.zeros(2, 2, 5),), {}),
+    ("verify_tree", _TREE, dict(num_nodes=[1])),
+    ("verify_tree", _TREE, dict(replacement=1)),
+]
+
+
+@pytest.mark.parametrize(("op", "args", "kwargs"), SAME_MISTAKES)
+def test_ops_and_reference_word_the_same_mistake_alike(op, args, kwargs):
+    from verispec import ops
+
+    errors = []
+    for module in (ops, reference):
+        with pytest.raises((TypeError, ValueError)) as e:
+            getattr(module, op)(*args, **kwargs)
+        errors.append((type(e.value), str(e.value)))
+    assert errors[0] == errors[1]
+    assert errors[0][1].startswith(f"{op}: "), errors[0]
+
+
+def test_reference_takes_seed_and_offset_tensors_as_the_ops_do():
+    probs = torch.full((64, 8), 1 / 8)
+    as_ints = reference.sample(probs, seed=3, offset=(1 << 64) - 5)
+    as_tensors = reference.sample(probs, seed=torch.tensor([3]), offset=torch.tensor(-5))
+    assert torch.equal(as_ints, as_tensors)
+    assert not torch.equal(as_ints, reference.sample(probs, seed=4, offset=(1 << 64) - 5))

@@ -435,6 +435,57 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, client, 
     assert idle
 
 
+# Each policy field at its bounds and just past them. The server takes the ranges from
+# the policy rule that add applies (policy_rules.h): a value add would refuse is a 400
+# naming the field, its range and the value, never a later failure. The bounds are the
+# float32 values the kernels compute with: 1e-46 is 0 as float32, 1e-45 is not.
+POLICY_BOUNDS = [  # (field, value, None: accepted, else words of the message)
+    ("temperature", 0, None),
+    ("temperature", 3.4028234663852886e38, None),  # float32's largest finite value
+    ("temperature", -1e-6, ["finite and >= 0", "-1e-06"]),
+    ("temperature", 3.5e38, ["finite and >= 0", "3.5e+38 (inf as float32)"]),
+    ("temperature", "Infinity", ["finite and >= 0", "got inf"]),
+    ("top_p", 1, None),
+    ("top_p", 1e-45, None),
+    ("top_p", 1e-46, ["in (0, 1]", "1e-46 (0 as float32)"]),
+    ("top_p", 0, ["in (0, 1]", "got 0"]),
+    ("top_p", 1.0000001, ["in (0, 1]", "1.0000001"]),
+    ("top_k", 0, None),
+    ("top_k", -1, None),  # off, as other servers take it
+    ("top_k", 2 ** 31 - 1, None),
+    ("top_k", -2, [">= 0", "got -2", "-1: off"]),
+    ("min_p", 0, None),
+    ("min_p", 1, None),
+    ("min_p", -1e-9, ["in [0, 1]", "-1e-09"]),
+    ("min_p", 1.0000001, ["in [0, 1]", "1.0000001"]),
+    ("min_p", "NaN", ["in [0, 1]", "got nan"]),
+]
+
+
+def test_policy_fields_are_checked_by_the_policy_rule(server):
+    url = server[0]
+    with httpx.Client(timeout=60) as h:
+        for field, value, words in POLICY_BOUNDS:
+            # JSON's NaN and Infinity as Python's json writes and reads them
+            raw = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1,
+                              field: float(value) if isinstance(value, str) else value})
+            r = h.post(f"{url}/v1/completions", content=raw.encode(),
+                       headers={"content-type": "application/json"})
+            if words is None:
+                assert r.status_code == 200, (field, value, r.text)
+                continue
+            assert r.status_code == 400, (field, value, r.text)
+            err = _error_shape(r.json())
+            assert (err["param"], err["code"]) == (field, "invalid_value"), (field, value, err)
+            assert err["message"].startswith(f"{field} must be "), err
+            for w in words:
+                assert w in err["message"], (field, value, w, err)
+        # the JSON types are the server's own: a string is no number
+        r = h.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "top_p": "0.5"})
+        assert r.status_code == 400 and _error_shape(r.json())["param"] == "top_p", r.text
+        assert 'expected a number, got "0.5"' in r.json()["error"]["message"]
+
+
 def test_a_failing_step_fails_its_requests_with_500_and_serving_goes_on(server, client):
     url, _, faults = server
     before = metrics(url)

@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 import verispec
+from verispec.cache import blocks_for
 from verispec.decoder import SpecDecoder
 from verispec.drafters import NGram
 
@@ -180,7 +181,7 @@ class _VerispecEngine(_Engine):
     def __init__(self, model, draft, k: int, capacity: int, *, batch: int = 1,
                  **decoder_kwargs: Any) -> None:
         block_size = 16
-        num_blocks = batch * (-(-capacity // block_size) + 2)
+        num_blocks = batch * blocks_for(capacity, block_size)
         self.device = torch.device(model.geometry.device)
         self.decoder = SpecDecoder(model, draft, k=k, num_blocks=num_blocks, block_size=block_size,
                                    **decoder_kwargs)

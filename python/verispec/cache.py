@@ -6,6 +6,20 @@ from typing import Any
 
 from verispec import _C
 
+# Blocks a sized pool keeps beyond what its sequences' tokens fill (blocks_for).
+SPARE_BLOCKS = 2
+
+
+def blocks_for(tokens: int, block_size: int = 16, *, spare: int = SPARE_BLOCKS) -> int:
+    """KV blocks for ``tokens`` tokens of one sequence: ceil(tokens / block_size), the
+    blocks the allocator gives a new sequence of that length, plus ``spare`` (0: exactly
+    what the tokens fill; the default ``SPARE_BLOCKS`` is how the CLI and the benchmarks
+    size a pool per sequence)."""
+    if tokens < 0 or block_size < 1 or spare < 0:
+        raise ValueError(f"blocks_for: tokens must be >= 0, block_size >= 1 and spare >= 0, "
+                         f"got tokens={tokens}, block_size={block_size}, spare={spare}")
+    return -(-tokens // block_size) + spare
+
 
 def slot_mapping(block_tables: Any, row_index: Any, positions: Any, block_size: int,
                  out: Any = None) -> Any:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, TextIO
 
 from verispec._policy import DEFAULTS, fold_greedy, policy_error
+from verispec.cache import blocks_for
 
 PROG = "verispec"
 DEFAULT_MODEL = "smollm2"
@@ -566,7 +567,7 @@ def _decode_run(model, draft, k, max_k: int, prompt: list[int], policy: dict, ar
 
     lookahead = k if isinstance(k, int) else max_k  # draft tokens a step may append
     need = len(prompt) + args.max_new_tokens + lookahead + 2
-    num_blocks = math.ceil(need / BLOCK_SIZE) + 2
+    num_blocks = blocks_for(need, BLOCK_SIZE)
     # block verification is not the keyed rule: the request draws from the decoder's
     # stream, seeded by --seed (reproducible for the same command)
     from verispec.drafters import NGram
@@ -786,7 +787,7 @@ def _warm_up(model, draft, prompt: list[int], draft_arg: Optional[str] = None) -
     for d, k in ((None, 0),) + (((draft, 2),) if draft is not None else ()):
         try:
             dec = SpecDecoder(model, d, k=k, block_size=BLOCK_SIZE,
-                              num_blocks=math.ceil((len(head) + 8) / BLOCK_SIZE) + 1)
+                              num_blocks=blocks_for(len(head) + 8, BLOCK_SIZE, spare=1))
         except ValueError as e:
             if d is None or draft_arg is None:
                 raise

@@ -169,6 +169,33 @@ def _view(buf: torch.Tensor, offset: int, n: int, dtype: torch.dtype) -> torch.T
     return buf[offset:offset + n * _SIZES[dtype]].view(dtype)
 
 
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _config_int(name: str, value: Any, kind: str = "an int") -> None:
+    """A SpecDecoder integer setting's type (ValueError naming it). Its range is the
+    core's rule (spec_decoder.cpp), applied by :func:`_core`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"SpecDecoder: {name} must be {kind}, got {value!r}")
+
+
+def _core(config: dict) -> Any:
+    """The native decoder of ``config``, which checks it: the one home of the settings'
+    ranges (k, max_num_seqs, max_tokens_per_step, draft_branches, ...); its ValueError
+    names the setting, its range and the value. A Python int past int64 reaches the core
+    saturated (out of range, or "no limit", alike) and its message shows it as given."""
+    passed = {name: min(max(v, _INT64_MIN), _INT64_MAX) if type(v) is int else v
+              for name, v in config.items()}
+    try:
+        return _C.SpecDecoder(**passed)
+    except ValueError as e:
+        message = str(e)
+        for name, v in config.items():
+            if passed[name] != v and message.startswith(f"SpecDecoder: {name} must "):
+                message = message.replace(f"got {passed[name]}", f"got {v}")
+        raise ValueError(message) from None
+
+
 def _check_tree_ops(ops) -> None:
     """Trees (NGram(branches > 1), draft_branches > 1) are verified by ops.verify_tree."""
     if not hasattr(ops, "verify_tree"):
@@ -226,10 +253,9 @@ class SpecDecoder:
         if verify_method not in ("token", "block"):
             raise ValueError(f"SpecDecoder: verify_method must be 'token' or 'block', "
                              f"got {verify_method!r}")
-        if (isinstance(draft_branches, bool) or not isinstance(draft_branches, int)
-                or not 1 <= draft_branches <= _C.MAX_K):
-            raise ValueError(f"SpecDecoder: draft_branches must be an int in [1, {_C.MAX_K}], "
-                             f"got {draft_branches!r}")
+        # The integer settings' types are checked here (the core takes int64 and cannot
+        # tell a bool from an int); their ranges by the core, once (_core).
+        _config_int("draft_branches", draft_branches)
         if not isinstance(draft_replacement, bool):
             raise TypeError(f"SpecDecoder: draft_replacement must be a bool, "
                             f"got {draft_replacement!r}")
@@ -252,17 +278,9 @@ class SpecDecoder:
             if isinstance(max_k, bool) or not isinstance(max_k, int) or not 1 <= max_k <= _C.MAX_K:
                 raise ValueError(f"SpecDecoder: max_k must be an int in [1, {_C.MAX_K}], got {max_k!r}")
             k = max_k
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= _C.MAX_K:
-            raise ValueError(f"SpecDecoder: k must be an int in [0, {_C.MAX_K}] or 'auto', got {k!r}")
-        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 0:
-            raise ValueError(f"SpecDecoder: max_num_seqs must be an int >= 0 (0: no limit), "
-                             f"got {max_num_seqs!r}")
-        if (isinstance(max_tokens_per_step, bool) or not isinstance(max_tokens_per_step, int)
-                or max_tokens_per_step < 0):
-            raise ValueError(f"SpecDecoder: max_tokens_per_step must be an int, 0 (no limit) or "
-                             f">= 1, got {max_tokens_per_step!r}")
-        if draft is None and ngram is None:
-            k, adaptive = 0, False  # no draft: plain decoding through the same loop
+        _config_int("k", k, "an int or 'auto'")
+        _config_int("max_num_seqs", max_num_seqs)
+        _config_int("max_tokens_per_step", max_tokens_per_step)
         g = target.geometry
         if draft is not None:
             dg = draft.geometry
@@ -283,7 +301,7 @@ class SpecDecoder:
         if draft_branches > 1 or (ngram is not None and ngram.branches > 1):
             _check_tree_ops(ops)
         self._ops = ops
-        self.target, self.draft, self.ngram, self.k = target, draft, ngram, k
+        self.target, self.draft, self.ngram = target, draft, ngram
         self.verify_method = verify_method
         self.draft_branches, self.draft_replacement = draft_branches, draft_replacement
         self.vocab_size = g.vocab_size
@@ -295,7 +313,7 @@ class SpecDecoder:
         # An early-exit draft is the target's first layers: it reads the K/V the target
         # wrote for them, so it shares the target's cache (no draft cache, no catch-up).
         shared = isinstance(draft, EarlyExit) and draft.target is target
-        self._core = _C.SpecDecoder(
+        config = dict(
             k=k, has_draft_model=draft is not None, target_num_blocks=num_blocks,
             draft_num_blocks=draft_num_blocks if draft is not None and not shared else 0,
             block_size=block_size, vocab_size=g.vocab_size, max_context=g.max_context,
@@ -305,7 +323,16 @@ class SpecDecoder:
             draft_max_context=draft.geometry.max_context if draft is not None else 0,
             max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
             ngram_branches=ngram.branches if ngram else 1, draft_branches=draft_branches)
-        self.adaptive = adaptive
+        if draft is None and ngram is None:
+            # No draft: plain decoding through the same loop, k = 0 (the core refuses
+            # drafts without a source). The k given still meets the core's rule: it
+            # checks the settings as n-gram drafting would take them.
+            if k:
+                _core(dict(config, ngram_min_n=1, ngram_max_n=1))
+            k, adaptive = 0, False
+            config.update(k=0, adaptive_k=False)
+        self._core = _core(config)
+        self.k, self.adaptive = k, adaptive
         # A tensor-parallel target (verispec.distributed.shard) carries its collectives:
         # every rank runs this loop in lock-step; the step's times are agreed on (k="auto")
         # and the committed tokens checked (docs/distributed.md).

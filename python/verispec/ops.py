@@ -23,19 +23,18 @@ vocabulary. What differs from the reference:
 """
 
 import contextlib
-import numbers
 import threading
 from typing import Optional, Tuple
 
 import torch
 
 from verispec import _C
+from verispec import _args
 from verispec._policy import fold_greedy, policy_error
 
 __all__ = ["DeferredErrors", "apply_policy", "deferred_errors", "linear", "quant_linear", "quant_pack", "sample", "verify",
            "verify_keyed", "verify_tree"]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _SEED_LIMIT = 1 << 64
 _OFFSET_LIMIT = 1 << 60
@@ -58,7 +57,7 @@ def apply_policy(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     Kept probabilities are renormalised.
     """
     op = "apply_policy"
-    _check_float_tensor(op, "logits", logits, 2, "[N, V]")
+    _args.float_tensor(op, "logits", logits, 2, "[N, V]")
     n = logits.shape[0]
     policy = _policy(op, n, logits.device, temperature, top_k, top_p, min_p)
     return _dispatch(_apply_policy_op, _apply_policy_eager)(logits, *policy)
@@ -80,7 +79,7 @@ def sample(probs, seed=0, offset=0, *, seeds=None, positions=None):
     (1 - TV) / (1 + TV) (Gumbel-max coupling), which keyed verification uses.
     """
     op = "sample"
-    _check_float_tensor(op, "probs", probs, 2, "[N, V]")
+    _args.float_tensor(op, "probs", probs, 2, "[N, V]")
     seed_args = _random(op, probs.device, seed, offset)
     keys = _keys(op, probs.shape[0], probs.device, seeds, positions)
     return _dispatch(_sample_op, _sample_eager)(probs.float(), *seed_args, *keys)
@@ -119,7 +118,7 @@ def verify_keyed(target_logits, draft_tokens, *, num_draft=None, seeds, position
         row = int(((num_draft < 0) | (num_draft > k)).nonzero()[0, 0])
         raise ValueError(f"{op}: num_draft must be in [0, K] = [0, {k}], got "
                          f"{int(num_draft[row])} at num_draft[{row}]")
-    seeds, positions = _keys(op, b, device, seeds, positions)
+    seeds, positions = _keys(op, b, device, seeds, positions, required=True)
     if b == 0:
         return (torch.empty((0, k1), dtype=torch.int32, device=device),
                 torch.empty(0, dtype=torch.int32, device=device),
@@ -142,34 +141,22 @@ def verify_keyed(target_logits, draft_tokens, *, num_draft=None, seeds, position
 def _spec_inputs(op, target_logits, name, tokens, dim="K"):
     """A verify op's (B, n, V, device, tokens as int32) from target_logits [B, n+1, V] and
     the proposals `name` [B, n] (n written `dim` in messages), checked."""
-    _check_float_tensor(op, "target_logits", target_logits, 3, f"[B, {dim}+1, V]")
-    b, n1, v = target_logits.shape
-    if n1 < 1:
-        raise ValueError(f"{op}: target_logits must be [B, {dim}+1, V] with {dim}+1 >= 1, "
-                         f"got {_describe(target_logits)}")
+    b, n, v = _args.spec_logits(op, target_logits, dim)
     device = target_logits.device
-    return b, n1 - 1, v, device, _int32_tensor(op, name, tokens, (b, n1 - 1), f"[B, {dim}]",
-                                               device)
+    return b, n, v, device, _int32_tensor(op, name, tokens, (b, n), f"[B, {dim}]", device)
 
 
 def _optional_probs(op, probs, shape, dims):
     """draft_probs as float32 with a contiguous last dimension, checked to be `shape`."""
-    if probs is None:
-        return None
-    _check_float_tensor(op, "draft_probs", probs, 3, dims)
-    if tuple(probs.shape) != tuple(shape):
-        raise ValueError(f"{op}: draft_probs must be float {dims} = {list(shape)} or None, "
-                         f"got {_describe(probs)}")
-    return _last_dim_contiguous(probs.float())
+    _args.draft_probs(op, probs, shape, dims)
+    return None if probs is None else _last_dim_contiguous(probs.float())
 
 
 def _optional_counts(op, name, counts, b, device):
     """Per-row counts ([B] ints: num_draft, num_nodes) as contiguous int32, or None."""
-    if counts is None:
-        return None
-    if not isinstance(counts, torch.Tensor):
-        counts = torch.as_tensor(counts, device=device)
-    return _int32_tensor(op, name, counts, (b,), "[B]", device).contiguous()
+    counts = _args.counts(op, name, counts, b, device)
+    return None if counts is None else _int32_tensor(op, name, counts, (b,), "[B]",
+                                                     device).contiguous()
 
 
 def _keyed_outcome(x, draft_tokens, num_draft):
@@ -315,7 +302,7 @@ def linear(x, weight, *, out=None, num_threads=None, isa="auto"):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 2 or t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"{op}: {name} must be a float32 CPU tensor {dims}, got "
-                             f"{_describe(t)} on {t.device}")
+                             f"{_args.describe(t)} on {t.device}")
     if weight.shape[1] != x.shape[1]:
         raise ValueError(f"{op}: weight must be [N, K] with K = x.shape[1] = {x.shape[1]}, "
                          f"got {list(weight.shape)}")
@@ -362,7 +349,7 @@ def quant_linear(x, weight, fmt, *, out=None, num_threads=None, isa="auto", arit
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 2 or t.dtype != dt or t.device.type != "cpu":
-            raise ValueError(f"{op}: {name} must be a 2-D {dt} CPU tensor, got {_describe(t)} "
+            raise ValueError(f"{op}: {name} must be a 2-D {dt} CPU tensor, got {_args.describe(t)} "
                              f"on {t.device}")
     k, block = x.shape[1], QUANT_FORMATS[fmt][1]
     if k % block:
@@ -406,7 +393,7 @@ def quant_pack(weight, fmt):
         raise TypeError(f"{op}: weight must be a torch.Tensor, got {type(weight).__name__}")
     if weight.dim() != 2 or weight.dtype != torch.uint8 or weight.device.type != "cpu":
         raise ValueError(f"{op}: weight must be a 2-D torch.uint8 CPU tensor, got "
-                         f"{_describe(weight)} on {weight.device}")
+                         f"{_args.describe(weight)} on {weight.device}")
     size = QUANT_FORMATS[fmt][2]
     if weight.shape[1] == 0 or weight.shape[1] % size:
         raise ValueError(f"{op}: weight's rows must be whole {fmt} blocks of {size} bytes, got "
@@ -429,8 +416,8 @@ def _threads_and_out(op, num_threads, out, shape):
         out = torch.empty(shape, dtype=torch.float32)
     elif not isinstance(out, torch.Tensor) or out.dtype != torch.float32 \
             or out.device.type != "cpu" or tuple(out.shape) != shape:
-        got = _describe(out) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"{op}: out must be a float32 CPU tensor {list(shape)}, got {got}")
+        raise ValueError(f"{op}: out must be a float32 CPU tensor {list(shape)}, "
+                         f"got {_args.describe(out)}")
     return num_threads, out
 
 
@@ -646,28 +633,13 @@ def _last_dim_contiguous(t):
 # --- argument checks ------------------------------------------------------------------
 
 
-def _describe(t):
-    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
-
-
-def _check_float_tensor(op, name, t, ndim, dims):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim or t.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{op}: {name} must be float32/bfloat16/float16 {dims}, "
-                         f"got {_describe(t)}")
-    if t.shape[-1] == 0 and t.shape[0] > 0:
-        raise ValueError(f"{op}: {name} must have V >= 1, got {_describe(t)}")
+# The checks ops and reference share are verispec._args's; these convert what passed.
 
 
 def _int32_tensor(op, name, t, shape, dims, device):
     """An integer tensor of `shape` as int32 on `device`; values outside int32 are clamped
     to its ends, which the op then reports as out of range."""
-    if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() \
-            or t.dtype == torch.bool or tuple(t.shape) != shape:
-        got = _describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{op}: {name} must be an integer tensor {dims} = {list(shape)}, "
-                         f"got {got}")
+    _args.integer_tensor(op, name, t, shape, dims)
     if t.device != device:
         raise ValueError(f"{op}: {name} must be on the same device as target_logits "
                          f"({device}), got {t.device}")
@@ -680,26 +652,13 @@ def _int32_tensor(op, name, t, shape, dims, device):
 
 def _row_values(op, name, value, n, device, integer):
     """(scalar, None) for a Python number, or (default, [n] tensor) for per-row values."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0:
-            value = value.reshape(1).expand(n)
-        if tuple(value.shape) != (n,):
-            raise ValueError(f"{op}: {name} must be a number or a 1-D tensor of length {n}, "
-                             f"got shape {list(value.shape)}")
-        if integer and (value.is_floating_point() or value.is_complex()
-                        or value.dtype == torch.bool):
-            raise ValueError(f"{op}: {name} must be an integer tensor, got {value.dtype}")
-        dtype = torch.int32 if integer else torch.float32
-        if integer and value.dtype == torch.int64:
-            value = value.clamp(_INT32_MIN, _INT32_MAX)
-        return (0 if integer else 0.0), value.to(device=device, dtype=dtype).contiguous()
-    if type(value) is int or (type(value) is float and not integer):  # the common case,
-        return (int(value) if integer else float(value)), None        # without ABC checks
-    kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind):
-        expected = "an int" if integer else "a number"
-        raise TypeError(f"{op}: {name} must be {expected} or a 1-D tensor, got {value!r}")
-    return (int(value) if integer else float(value)), None
+    value = _args.policy_value(op, name, value, n, integer)
+    if not isinstance(value, torch.Tensor):
+        return value, None
+    dtype = torch.int32 if integer else torch.float32
+    if integer and value.dtype == torch.int64:
+        value = value.clamp(_INT32_MIN, _INT32_MAX)
+    return (0 if integer else 0.0), value.to(device=device, dtype=dtype).contiguous()
 
 
 def _policy(op, n, device, temperature, top_k, top_p, min_p, greedy=False):
@@ -724,22 +683,15 @@ def _policy(op, n, device, temperature, top_k, top_p, min_p, greedy=False):
     return t, k, p, m, t_rows, k_rows, p_rows, m_rows
 
 
-def _keys(op, n, device, seeds, positions):
+def _keys(op, n, device, seeds, positions, required=False):
     """(seeds, positions) of a keyed call as contiguous int64 [n] tensors on `device` (a
     seed's 64 bits in two's complement), or (None, None) when neither is given."""
-    if seeds is None and positions is None:
+    if not _args.keyed(op, seeds, positions, required=required):
         return None, None
-    if seeds is None or positions is None:
-        raise ValueError(f"{op}: seeds and positions must be given together (keyed), "
-                         f"got {'positions' if seeds is None else 'seeds'} only")
     out = []
-    for name, value, lo, hi in (("seeds", seeds, 0, _SEED_LIMIT),
-                                ("positions", positions, 0, 1 << 63)):
+    for name, value, hi in (("seeds", seeds, _SEED_LIMIT), ("positions", positions, 1 << 63)):
         if isinstance(value, torch.Tensor):
-            if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool \
-                    or tuple(value.shape) != (n,):
-                raise ValueError(f"{op}: {name} must be an integer tensor [N] = [{n}], "
-                                 f"got {_describe(value)}")
+            _args.integer_tensor(op, name, value, (n,), "[N]")
             if value.device != device:
                 raise ValueError(f"{op}: {name} must be on {device}, got {value.device}")
             if name == "positions" and device.type == "cpu" and n and bool((value < 0).any()):
@@ -748,14 +700,8 @@ def _keys(op, n, device, seeds, positions):
                                  f"positions[{row}]")
             out.append(value.to(torch.int64).contiguous())
             continue
-        values = list(value)
-        if len(values) != n:
-            raise ValueError(f"{op}: {name} must hold N = {n} values, got {len(values)}")
-        for i, x in enumerate(values):
-            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not lo <= x < hi:
-                bits = hi.bit_length() - 1
-                raise ValueError(f"{op}: {name}[{i}] must be an int in [0, 2**{bits}), got {x!r}")
-        values = [int(x) - _SEED_LIMIT if x >= 1 << 63 else int(x) for x in values]
+        values = _args.key_values(op, name, list(value), n, hi)
+        values = [x - _SEED_LIMIT if x >= 1 << 63 else x for x in values]
         out.append(torch.tensor(values, dtype=torch.int64, device=device))
     return tuple(out)
 
@@ -764,21 +710,10 @@ def _random(op, device, seed, offset):
     """(seed, offset, seed_tensor, offset_tensor) arguments of a custom op."""
     out = []
     for name, value, limit in (("seed", seed, _SEED_LIMIT), ("offset", offset, _OFFSET_LIMIT)):
+        value = _args.stream_arg(op, name, value, limit)
         if isinstance(value, torch.Tensor):
-            if value.dtype != torch.int64 or value.numel() != 1:
-                raise ValueError(f"{op}: {name} must be an int or a one-element int64 tensor, "
-                                 f"got {_describe(value)}")
             out.append((0, value.reshape(1).to(device)))
-        elif type(value) is int or (isinstance(value, numbers.Integral)
-                                    and not isinstance(value, bool)):
-            value = int(value)
-            if not 0 <= value < limit:
-                bits = limit.bit_length() - 1
-                raise ValueError(f"{op}: {name} must be an int in [0, 2**{bits}), got {value}")
-            # The op schema's int is int64: pass the same 64 bits, two's complement.
+        else:  # the op schema's int is int64: pass the same 64 bits, two's complement
             out.append((value - _SEED_LIMIT if value >= 1 << 63 else value, None))
-        else:
-            raise TypeError(f"{op}: {name} must be an int or a one-element int64 tensor, "
-                            f"got {value!r}")
     (seed_v, seed_t), (offset_v, offset_t) = out
     return seed_v, offset_v, seed_t, offset_t

@@ -16,15 +16,16 @@ The math here does not use ``verispec._C``: it is the independent oracle the nat
 ops are tested against. The argument ranges are not math but a contract, and they come
 from the one native rule (``policy_error`` in csrc/include/verispec/policy_rules.h,
 through ``verispec._policy``), so the oracle accepts and rejects exactly what the ops
-do, with the same messages.
+do, with the same messages; so do the checks of the arguments' types and shapes, which
+it shares with the ops (``verispec._args``).
 """
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import torch.nn.functional as F
+
+from verispec import _args
 
 __all__ = ["RESIDUAL_EPS", "apply_policy", "sample", "verify", "verify_keyed", "verify_tree"]
 
@@ -32,7 +33,6 @@ __all__ = ["RESIDUAL_EPS", "apply_policy", "sample", "verify", "verify_keyed", "
 # equal up to float error, or q not quite normalised): the correction is drawn from p.
 RESIDUAL_EPS = 1e-6
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MASK64 = (1 << 64) - 1
 
 
@@ -52,7 +52,7 @@ def apply_policy(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
       min_p > 0    keep prob >= min_p * max prob
     Returns probs [N, V] float32, renormalised over the kept tokens.
     """
-    x = _check_logits("apply_policy", "logits", logits, 2).float()
+    x = _check_logits("apply_policy", "logits", logits).float()
     n, v = x.shape
     temperature, top_k, top_p, min_p = _policy_params(
         "apply_policy", n, x.device, temperature, top_k, top_p, min_p
@@ -336,29 +336,15 @@ def _draw(dist, u):
 
 def _check_tree_args(target_logits, tree_tokens, parents, draft_probs, num_nodes, replacement):
     op = "verify_tree"
-    _check_logits(op, "target_logits", target_logits, 3)
-    b, n1, v = target_logits.shape
-    n = n1 - 1
-    if n < 0:
-        raise ValueError(f"{op}: target_logits must be [B, N+1, V] with N+1 >= 1, "
-                         f"got {_describe(target_logits)}")
+    b, n, v = _args.spec_logits(op, target_logits, "N")
+    _check_logit_values(op, "target_logits", target_logits)
     if not isinstance(replacement, bool):
         raise TypeError(f"{op}: replacement must be a bool, got {replacement!r}")
     for name, t in (("tree_tokens", tree_tokens), ("parents", parents)):
-        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.dtype == torch.bool \
-                or tuple(t.shape) != (b, n):
-            got = _describe(t) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{op}: {name} must be an integer tensor [B, N] = [{b}, {n}], "
-                             f"got {got}")
-    _check_draft_probs(op, draft_probs, (b, n + 1, v), "[B, N+1, V]")
+        _args.integer_tensor(op, name, t, (b, n), "[B, N]")
+    _args.draft_probs(op, draft_probs, (b, n + 1, v), "[B, N+1, V]")
     device = target_logits.device
-    if num_nodes is None:
-        num_nodes = torch.full((b,), n, dtype=torch.long, device=device)
-    else:
-        num_nodes = torch.as_tensor(num_nodes, device=device)
-        if num_nodes.shape != (b,) or num_nodes.is_floating_point() or num_nodes.dtype == torch.bool:
-            raise ValueError(f"{op}: num_nodes must be {b} ints ([B]), got {_describe(num_nodes)}")
-        num_nodes = num_nodes.long()
+    num_nodes = _counts(op, "num_nodes", num_nodes, b, n, device)
     distinct = draft_probs is None or not replacement
     for r in range(b):
         m = int(num_nodes[r])
@@ -386,7 +372,8 @@ def verify_keyed(target_logits, draft_tokens, *, num_draft=None, seeds, position
     keyed sample of p_j = policy(target_logits[b, j]) at (seeds[b], positions[b] + j);
     proposals are accepted while d_j == x_j (j < num_draft[b]), then x at the first
     difference (or after the last proposal) is emitted. Outputs as :func:`verify`."""
-    b, k, v, num_draft = _check_verify_args(target_logits, draft_tokens, None, num_draft)
+    b, k, v, num_draft = _check_verify_args(target_logits, draft_tokens, None, num_draft,
+                                            "verify_keyed")
     seeds, positions = _keys("verify_keyed", b, seeds, positions)
     device = target_logits.device
     temperature, top_k, top_p, min_p = _policy_params(
@@ -420,20 +407,16 @@ def _race(w, seed, position):
 
 def _keys(op, n, seeds, positions):
     """Keyed calls' seeds and positions as lists of n Python ints."""
-    if seeds is None or positions is None:
-        raise ValueError(f"{op}: seeds and positions must be given together (keyed)")
+    _args.keyed(op, seeds, positions, required=True)
     out = []
     for name, value, hi in (("seeds", seeds, 1 << 64), ("positions", positions, 1 << 63)):
+        if isinstance(value, torch.Tensor):
+            _args.integer_tensor(op, name, value, (n,), "[N]")
         values = value.tolist() if isinstance(value, torch.Tensor) else list(value)
-        if len(values) != n:
-            raise ValueError(f"{op}: {name} must hold N = {n} values, got {len(values)}")
-        values = [x + (1 << 64) if name == "seeds" and isinstance(x, int) and x < 0 else x
-                  for x in values]  # an int64 tensor holds a seed's 64 bits
-        for i, x in enumerate(values):
-            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or not 0 <= x < hi:
-                raise ValueError(f"{op}: {name}[{i}] must be an int in [0, 2**{hi.bit_length() - 1}), "
-                                 f"got {x!r}")
-        out.append([int(x) for x in values])
+        if isinstance(value, torch.Tensor) and name == "seeds":
+            values = [x + (1 << 64) if x < 0 else x
+                      for x in values]  # an int64 tensor holds a seed's 64 bits
+        out.append(_args.key_values(op, name, values, n, hi))
     return out
 
 
@@ -455,10 +438,15 @@ def _inverse_cdf(probs, u):
 
 
 def _generator(op, seed, offset, device):
-    """A torch.Generator for the stream (seed, offset), both non-negative 64-bit ints."""
+    """A torch.Generator for the stream (seed, offset): non-negative 64-bit ints, or
+    one-element int64 tensors holding the 64 bits (two's complement), as the ops take
+    them."""
+    values = []
     for name, value in (("seed", seed), ("offset", offset)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MASK64:
-            raise ValueError(f"{op}: {name} must be an int in [0, 2**64), got {value!r}")
+        value = _args.stream_arg(op, name, value, 1 << 64)
+        values.append(int(value.reshape(())) & _MASK64 if isinstance(value, torch.Tensor)
+                      else value)
+    seed, offset = values
     gen = torch.Generator(device=device)
     gen.manual_seed(_splitmix64(_splitmix64(seed) ^ offset))
     return gen
@@ -475,30 +463,16 @@ def _splitmix64(z):
 # --- argument checks ----------------------------------------------------------------
 
 
-def _check_draft_probs(op, draft_probs, shape, dims):
-    """draft_probs: None or a float tensor of `shape` (written `dims`)."""
-    if draft_probs is not None and (
-            not isinstance(draft_probs, torch.Tensor) or draft_probs.dtype not in _FLOAT_DTYPES
-            or tuple(draft_probs.shape) != tuple(shape)):
-        got = _describe(draft_probs) if isinstance(draft_probs, torch.Tensor) \
-            else type(draft_probs).__name__
-        raise ValueError(f"{op}: draft_probs must be float {dims} = {list(shape)} or None, "
-                         f"got {got}")
+# The checks ops and reference share are verispec._args's; these check what only the
+# reference does in Python (the values: the kernels check them for ops).
 
 
-def _describe(t):
-    return f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+def _check_logits(op, name, logits):
+    _args.float_tensor(op, name, logits, 2, "[N, V]")
+    return _check_logit_values(op, name, logits)
 
 
-def _check_logits(op, name, logits, ndim):
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.dim() != ndim or logits.dtype not in _FLOAT_DTYPES:
-        dims = "[N, V]" if ndim == 2 else "[B, K+1, V]"
-        raise ValueError(f"{op}: {name} must be float32/bfloat16/float16 {dims}, "
-                         f"got {_describe(logits)}")
-    if logits.shape[-1] == 0:
-        raise ValueError(f"{op}: {name} must have a vocabulary V >= 1, got {_describe(logits)}")
+def _check_logit_values(op, name, logits):
     x = logits.float()
     if torch.isnan(x).any() or (x == float("inf")).any():
         raise ValueError(f"{op}: {name} must be finite or -inf, got NaN or +inf")
@@ -508,10 +482,7 @@ def _check_logits(op, name, logits, ndim):
 
 
 def _check_probs(op, name, probs):
-    if not isinstance(probs, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(probs).__name__}")
-    if probs.dim() != 2 or probs.dtype not in _FLOAT_DTYPES or probs.shape[-1] == 0:
-        raise ValueError(f"{op}: {name} must be float [N, V] with V >= 1, got {_describe(probs)}")
+    _args.float_tensor(op, name, probs, 2, "[N, V]")
     x = probs.float()
     if not torch.isfinite(x).all() or (x < 0).any():
         raise ValueError(f"{op}: {name} must be finite and non-negative")
@@ -521,22 +492,12 @@ def _check_probs(op, name, probs):
 
 
 def _row_values(op, name, value, n, device, integer):
-    """A per-row 1-D tensor of length n as a 1-D tensor of length n (an integer tensor
-    for top_k); a scalar is type-checked and returned as a Python number."""
+    """A per-row 1-D tensor of length n as a 1-D tensor of length n (int64 for top_k); a
+    scalar is type-checked and returned as a Python number."""
+    value = _args.policy_value(op, name, value, n, integer)
     if isinstance(value, torch.Tensor):
-        if value.dim() == 0:
-            value = value.reshape(1).expand(n)
-        if value.shape != (n,):
-            raise ValueError(f"{op}: {name} must be a scalar or a 1-D tensor of length "
-                             f"{n}, got shape {list(value.shape)}")
-        if integer and (value.is_floating_point() or value.is_complex()):
-            raise ValueError(f"{op}: {name} must be an integer tensor, got {value.dtype}")
         return value.to(device=device, dtype=torch.long if integer else torch.float32)
-    kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind):
-        expected = "an int" if integer else "a float"
-        raise TypeError(f"{op}: {name} must be {expected} or a 1-D tensor, got {value!r}")
-    return int(value) if integer else float(value)
+    return value
 
 
 _POLICY_NAMES = ("temperature", "top_k", "top_p", "min_p")
@@ -592,36 +553,27 @@ def _check_rows(op, rows, policy_error):
             raise ValueError(f"{op}: {error} at {name}[{row}]")
 
 
-def _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft):
-    _check_logits("verify", "target_logits", target_logits, 3)
-    b, k1, v = target_logits.shape
-    k = k1 - 1
-    if k < 0:
-        raise ValueError(f"verify: target_logits must be [B, K+1, V] with K+1 >= 1, "
-                         f"got {_describe(target_logits)}")
-    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.is_floating_point() \
-            or draft_tokens.dtype == torch.bool or tuple(draft_tokens.shape) != (b, k):
-        got = _describe(draft_tokens) if isinstance(draft_tokens, torch.Tensor) \
-            else type(draft_tokens).__name__
-        raise ValueError(f"verify: draft_tokens must be an integer tensor [B, K] = "
-                         f"[{b}, {k}], got {got}")
-    _check_draft_probs("verify", draft_probs, (b, k, v), "[B, K, V]")
+def _counts(op, name, value, b, n, device):
+    """Per-row counts (num_draft, num_nodes) as int64 [B] on `device`; None: n a row."""
+    value = _args.counts(op, name, value, b, device)
+    if value is None:
+        return torch.full((b,), n, dtype=torch.long, device=device)
+    return value.to(device=device, dtype=torch.long)
+
+
+def _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft, op="verify"):
+    b, k, v = _args.spec_logits(op, target_logits)
+    _check_logit_values(op, "target_logits", target_logits)
+    _args.integer_tensor(op, "draft_tokens", draft_tokens, (b, k), "[B, K]")
+    _args.draft_probs(op, draft_probs, (b, k, v), "[B, K, V]")
     device = target_logits.device
-    if num_draft is None:
-        num_draft = torch.full((b,), k, dtype=torch.long, device=device)
-    else:
-        num_draft = torch.as_tensor(num_draft, device=device)
-        if (num_draft.shape != (b,) or num_draft.is_floating_point()
-                or num_draft.dtype == torch.bool):
-            raise ValueError(f"verify: num_draft must be {b} ints ([B]), got "
-                             f"{_describe(num_draft)}")
-        num_draft = num_draft.long()
-        if ((num_draft < 0) | (num_draft > k)).any():
-            bad = num_draft[(num_draft < 0) | (num_draft > k)][0].item()
-            raise ValueError(f"verify: num_draft must be in [0, K] = [0, {k}], got {bad}")
+    num_draft = _counts(op, "num_draft", num_draft, b, k, device)
+    if ((num_draft < 0) | (num_draft > k)).any():
+        bad = num_draft[(num_draft < 0) | (num_draft > k)][0].item()
+        raise ValueError(f"{op}: num_draft must be in [0, K] = [0, {k}], got {bad}")
     proposed = torch.arange(k, device=device) < num_draft[:, None]
     tokens = draft_tokens.long()
     if (proposed & ((tokens < 0) | (tokens >= v))).any():
         bad = tokens[proposed & ((tokens < 0) | (tokens >= v))][0].item()
-        raise ValueError(f"verify: draft_tokens must be in [0, V) = [0, {v}), got {bad}")
+        raise ValueError(f"{op}: draft_tokens must be in [0, V) = [0, {v}), got {bad}")
     return b, k, v, num_draft

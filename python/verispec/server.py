@@ -44,6 +44,8 @@ except ModuleNotFoundError as e:  # pragma: no cover - exercised by a subprocess
         f"pip install 'verispec[serve]'", name=e.name) from None
 
 from verispec import CacheFullError
+from verispec._policy import policy_error
+from verispec.cache import blocks_for
 
 __all__ = ["Engine", "create_app", "serve", "FINISH_REASONS", "MAX_TOP_LOGPROBS"]
 
@@ -303,8 +305,20 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+def _policy_field(body: dict, name: str, default: Any, kind: str, *,
+                  integer: bool = False, note: str = "") -> Any:
+    """A policy field of the request (null or absent: ``default``): 400 naming it when it
+    is not of its JSON ``kind``, or out of the range of the policy rule that ``add``
+    applies (the rule's message: the field, its range and the value)."""
+    value = body.get(name, default)
+    value = default if value is None else value
+    if not (_is_int(value) if integer else
+            isinstance(value, numbers.Real) and not isinstance(value, bool)):
+        raise _bad(name, kind, value)
+    error = policy_error(**{name: value})
+    if error:
+        raise APIError(400, error + note, param=name, code="invalid_value")
+    return value
 
 
 @dataclass
@@ -352,22 +366,15 @@ def _parse_params(body: dict, *, chat: bool) -> _Params:
     if max_tokens is not None and not (_is_int(max_tokens) and max_tokens >= 1):
         raise _bad(name, "an int >= 1", max_tokens)
 
-    temperature = body.get("temperature", 1.0)
-    temperature = 1.0 if temperature is None else temperature
-    if not (_is_number(temperature) and temperature >= 0):
-        raise _bad("temperature", "a number >= 0 (0: greedy)", temperature)
-    top_p = body.get("top_p", 1.0)
-    top_p = 1.0 if top_p is None else top_p
-    if not (_is_number(top_p) and 0 < top_p <= 1):
-        raise _bad("top_p", "a number in (0, 1]", top_p)
+    # The policy: JSON types here, ranges by the one rule (_policy.policy_error, the
+    # native policy_rules.h that add applies too), which names the field and its range.
+    temperature = _policy_field(body, "temperature", 1.0, "a number (0: greedy)")
+    top_p = _policy_field(body, "top_p", 1.0, "a number")
     top_k = body.get("top_k", 0)
     top_k = 0 if top_k is None or top_k == -1 else top_k  # -1: off, as other servers take it
-    if not (_is_int(top_k) and top_k >= 0):
-        raise _bad("top_k", "an int >= 0 (0 or -1: off)", top_k)
-    min_p = body.get("min_p", 0.0)
-    min_p = 0.0 if min_p is None else min_p
-    if not (_is_number(min_p) and 0 <= min_p <= 1):
-        raise _bad("min_p", "a number in [0, 1]", min_p)
+    top_k = _policy_field({"top_k": top_k}, "top_k", 0, "an int (0 or -1: off)", integer=True,
+                          note=" (0 or -1: off)")
+    min_p = _policy_field(body, "min_p", 0.0, "a number")
 
     seed = body.get("seed")
     if seed is not None and not (_is_int(seed) and 0 <= seed <= _SEED_MAX):
@@ -701,7 +708,7 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str, *,
                 raise APIError(400, f"max_tokens: the prompt ({n} tokens) plus max_tokens "
                                     f"({max_new}) exceeds the model's context of {max_context}",
                                param="max_tokens", code="context_length_exceeded")
-        need = -(-(n + max_new) // block_size)
+        need = blocks_for(n + max_new, block_size, spare=0)
         roles = ["target"] + (["draft"] if decoder.draft is not None
                               and not decoder.shares_target_cache else [])
         for role in roles:

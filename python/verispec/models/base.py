@@ -210,8 +210,10 @@ def attention_groups(q_lens: list[int], ctx_lens: list[int]) -> list[list[int]]:
 
 def check_batch(batch: PagedBatch, geometry: ModelGeometry, who: str) -> None:
     """The checks every model's forward makes before reading a batch: the pools match the
-    geometry (per layer: K/V heads, K and V head sizes, dtype) and the batch's shapes
-    agree. ``who`` names the caller in the error (e.g. "LlamaModel.forward")."""
+    geometry (per layer: K/V heads, K and V head sizes, dtype), the batch's shapes agree,
+    query_start rises from 0 to T (the rows' plans rely on it) and a tree_mask is bool
+    [T, T] with a True diagonal. ``who`` names the caller in the error (e.g.
+    "LlamaModel.forward")."""
     g = geometry
     if len(batch.kv.k) != g.num_layers or len(batch.kv.v) != g.num_layers:
         raise ValueError(f"{who}: batch.kv must hold {g.num_layers} K and V pools (one per "
@@ -236,3 +238,46 @@ def check_batch(batch: PagedBatch, geometry: ModelGeometry, who: str) -> None:
                          f"{list(batch.block_tables.shape)}")
     if b == 0 or t == 0:
         raise ValueError(f"{who}: the batch must hold at least one row and one token")
+    starts = batch.host_tensor("query_start").tolist()
+    if starts[0] != 0 or starts[-1] != t or any(a > c for a, c in zip(starts, starts[1:])):
+        raise ValueError(f"{who}: query_start must rise from 0 to T = {t}, got {starts}")
+    tree = batch.tree_mask
+    if tree is not None:
+        if tuple(tree.shape) != (t, t) or tree.dtype != torch.bool:
+            raise ValueError(f"{who}: batch.tree_mask must be bool [T, T] = [{t}, {t}], got "
+                             f"{tree.dtype} {list(tree.shape)}")
+        if not bool(tree.diagonal().all()):
+            raise ValueError(f"{who}: batch.tree_mask must let every token see itself (a True "
+                             f"diagonal); token {int((~tree.diagonal()).nonzero()[0])} does not")
+
+
+class KVWrite:
+    """Where a forward writes its new tokens' K/V: one decision per forward, used by every
+    layer (LlamaModel's and HFModel's attention plans).
+
+    Slots < 0 are padding and write nothing. Consecutive slots (a row decoding or
+    verifying in its own blocks) are one slice copy; anything else an index_copy_.
+    """
+
+    def __init__(self, slot_mapping: torch.Tensor, device: torch.device):
+        slots = slot_mapping.tolist()
+        self.start: Optional[int] = None
+        self.index: Optional[torch.Tensor] = None
+        self.src: Optional[torch.Tensor] = None  # tokens to write, when some are padding
+        kept = [i for i, s in enumerate(slots) if s >= 0]
+        if len(kept) == len(slots):
+            if slots == list(range(slots[0], slots[0] + len(slots))):
+                self.start = slots[0]
+                return
+        else:
+            self.src = torch.tensor(kept, dtype=torch.long, device=device)
+        self.index = torch.tensor([slots[i] for i in kept], dtype=torch.long, device=device)
+
+    def __call__(self, flat_pool: torch.Tensor, values: torch.Tensor) -> None:
+        """flat_pool [slots, kv_heads, head_dim] <- values [T, kv_heads, head_dim]."""
+        if self.start is not None:
+            flat_pool[self.start:self.start + values.shape[0]] = values
+            return
+        if self.src is not None:
+            values = values.index_select(0, self.src)
+        flat_pool.index_copy_(0, self.index, values)

@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from torch.nn.modules import module as _nn_module  # its global hooks (_fast_call)
 
 from verispec.models import hf_capture
-from verispec.models.base import ModelGeometry, PagedBatch, attention_groups, check_batch
+from verispec.models.base import (KVWrite, ModelGeometry, PagedBatch, attention_groups,
+                                  check_batch)
 # Forwards of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS tokens (decoding, verify passes) of a
 # float32 CPU model run their linear layers on verispec's CPU kernel, as LlamaModel's do.
 from verispec.models.llama import (KERNEL_MAX_QUERIES, NATIVE_LINEAR_MAX_ROWS,
@@ -268,14 +269,7 @@ class _Plan:
     """Per-forward decisions shared by every layer: slots to write, rows' keys, masks."""
 
     def __init__(self, batch: PagedBatch, pool_of: dict[int, int], device: torch.device):
-        from verispec.models.llama import _KVWrite
-
-        num_tokens = batch.input_ids.shape[0]
-        starts = batch.host_tensor("query_start").tolist()
-        if starts[0] != 0 or starts[-1] != num_tokens or any(
-                a > b for a, b in zip(starts, starts[1:])):
-            raise ValueError(f"HFModel.forward: query_start must rise from 0 to T = "
-                             f"{num_tokens}, got {starts}")
+        starts = batch.host_tensor("query_start").tolist()  # rising from 0 to T: check_batch
         self.starts = starts
         self.ctx_lens = batch.host_tensor("context_lens").tolist()
         self.positions = batch.host_tensor("positions").long()
@@ -285,19 +279,9 @@ class _Plan:
         self.kv = batch.kv
         self.pool_of = pool_of
         self.calls = 0
-        tree = batch.tree_mask
-        if tree is not None:
-            if tree.shape != (num_tokens, num_tokens) or tree.dtype != torch.bool:
-                raise ValueError(f"HFModel.forward: batch.tree_mask must be bool [T, T] = "
-                                 f"[{num_tokens}, {num_tokens}], got {tree.dtype} "
-                                 f"{list(tree.shape)}")
-            tree = tree.cpu()
-            if not bool(tree.diagonal().all()):
-                raise ValueError(f"HFModel.forward: batch.tree_mask must let every node see "
-                                 f"itself (a True diagonal); node "
-                                 f"{int((~tree.diagonal()).nonzero()[0])} does not")
-        self.tree = tree
-        self.write = _KVWrite(batch.host_tensor("slot_mapping"), device)
+        # checked by check_batch: bool [T, T], a True diagonal
+        self.tree = None if batch.tree_mask is None else batch.tree_mask.cpu()
+        self.write = KVWrite(batch.host_tensor("slot_mapping"), device)
         self.q_lens = [starts[r + 1] - starts[r] for r in range(len(self.ctx_lens))]
         self._groups: Optional[list[_Group]] = None
         self._batch = batch

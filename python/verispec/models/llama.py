@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from verispec import _C
-from verispec.models.base import ModelGeometry, PagedBatch, attention_groups, check_batch
+from verispec.models.base import (KVWrite, ModelGeometry, PagedBatch, attention_groups,
+                                  check_batch)
 from verispec.models import quantized as _quantized
 from verispec.models.quantized import QUANT_FORMATS, QuantizedMatrix
 
@@ -298,37 +299,6 @@ def _attend_small_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     return out.view(nkv, n, group, hd).transpose(0, 1).reshape(n, nh * hd)
 
 
-class _KVWrite:
-    """Where a forward writes its new tokens' K/V: one decision per forward, used by every layer.
-
-    Slots < 0 are padding and write nothing. Consecutive slots (a row decoding or
-    verifying in its own blocks) are one slice copy; anything else an index_copy_.
-    """
-
-    def __init__(self, slot_mapping: torch.Tensor, device: torch.device):
-        slots = slot_mapping.tolist()
-        self.start: Optional[int] = None
-        self.index: Optional[torch.Tensor] = None
-        self.src: Optional[torch.Tensor] = None  # tokens to write, when some are padding
-        kept = [i for i, s in enumerate(slots) if s >= 0]
-        if len(kept) == len(slots):
-            if slots == list(range(slots[0], slots[0] + len(slots))):
-                self.start = slots[0]
-                return
-        else:
-            self.src = torch.tensor(kept, dtype=torch.long, device=device)
-        self.index = torch.tensor([slots[i] for i in kept], dtype=torch.long, device=device)
-
-    def __call__(self, flat_pool: torch.Tensor, values: torch.Tensor) -> None:
-        """flat_pool [slots, kv_heads, head_dim] <- values [T, kv_heads, head_dim]."""
-        if self.start is not None:
-            flat_pool[self.start:self.start + values.shape[0]] = values
-            return
-        if self.src is not None:
-            values = values.index_select(0, self.src)
-        flat_pool.index_copy_(0, self.index, values)
-
-
 def _tree_row_mask(tree: torch.Tensor, lo: int, hi: int, ctx: int) -> torch.Tensor:
     """[n, ctx] bool: row tokens lo..hi-1 (PagedBatch.tree_mask's layout) see every key
     cached before the row's new tokens and the new tokens the mask lets them see."""
@@ -348,11 +318,7 @@ class _AttentionPlan:
 
     def __init__(self, batch: PagedBatch, num_tokens: int, device: torch.device, *,
                  dtype: torch.dtype = torch.float32, group: int = 1):
-        starts = batch.host_tensor("query_start").tolist()
-        if starts[0] != 0 or starts[-1] != num_tokens or any(
-                a > b for a, b in zip(starts, starts[1:])):
-            raise ValueError(f"LlamaModel.forward: query_start must rise from 0 to T = "
-                             f"{num_tokens}, got {starts}")
+        starts = batch.host_tensor("query_start").tolist()  # rising: check_batch
         self.ctx_lens = batch.host_tensor("context_lens").tolist()
         self.starts = starts
         self.num_rows = b = len(self.ctx_lens)
@@ -474,7 +440,7 @@ class _TorchLayerOps:
         self.model, self.nh, self.nkv, self.hd = model, model._nh, model._nkv, model.config.head_dim
         self.plan = _AttentionPlan(batch, num_tokens, g.device, dtype=g.dtype,
                                    group=self.nh // self.nkv)
-        self.write = _KVWrite(batch.host_tensor("slot_mapping"), g.device)
+        self.write = KVWrite(batch.host_tensor("slot_mapping"), g.device)
         self.norm = model._norm_fn()
         self.cos = model._cos[positions][:, None, :]                          # [T, 1, hd]
         self.sin = model._sin[positions][:, None, :]
@@ -530,11 +496,7 @@ class _NativeLayerOps:
                      else batch.tree_mask.to("cpu").contiguous())
         self.block_size = batch.kv.block_size
         self.num_slots = batch.kv.k[0].shape[0] * self.block_size
-        starts = self.query_start.tolist()
-        if starts[0] != 0 or starts[-1] != num_tokens or any(
-                a > b for a, b in zip(starts, starts[1:])):
-            raise ValueError(f"LlamaModel.forward: query_start must rise from 0 to T = "
-                             f"{num_tokens}, got {starts}")
+        starts = self.query_start.tolist()  # rising from 0 to T: check_batch
         # Rows attended in SDPA instead (long prefills): (first token, last + 1, row).
         self.long_rows = [] if self.tree is not None else [
             (starts[r], starts[r + 1], r) for r in range(len(starts) - 1)
@@ -1016,12 +978,3 @@ class LlamaModel:
 
     def _check(self, batch: PagedBatch) -> None:
         check_batch(batch, self.geometry, "LlamaModel.forward")
-        tree, t = batch.tree_mask, batch.input_ids.shape[0]
-        if tree is not None:
-            if tuple(tree.shape) != (t, t) or tree.dtype != torch.bool:
-                raise ValueError(f"LlamaModel.forward: batch.tree_mask must be bool [T, T] = "
-                                 f"[{t}, {t}], got {tree.dtype} {list(tree.shape)}")
-            if not bool(tree.diagonal().all()):
-                raise ValueError(f"LlamaModel.forward: batch.tree_mask must let every token see "
-                                 f"itself (a True diagonal); token "
-                                 f"{int((~tree.diagonal()).nonzero()[0])} does not")
