@@ -314,6 +314,24 @@ def test_priority_orders_the_queue_and_picks_who_is_preempted():
             dec.add([1], max_new_tokens=1, priority=bad)
 
 
+def test_add_takes_any_top_k_the_policy_rule_takes():
+    """top_k past int32: off, like any k of the vocabulary's size or more (the same tokens as
+    top_k=0 for the same seed); below it, the rule's error with the value as given."""
+    target, draft = models()
+    outs = []
+    for k in (0, 2**31, 10**30):
+        dec = SpecDecoder(target, draft, k=2, num_blocks=64, block_size=4)
+        seq = dec.add([1, 2, 3], max_new_tokens=8, temperature=1.0, top_k=k, seed=5)
+        while dec.has_running():
+            dec.step()
+        outs.append(dec.result(seq).tokens)
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 8
+    dec = SpecDecoder(target, draft, k=2, num_blocks=64, block_size=4)
+    for bad in (-2, -2**31 - 1, -10**30):
+        with pytest.raises(ValueError, match=rf"add: top_k must be .*{bad}"):
+            dec.add([1], max_new_tokens=1, top_k=bad)
+
+
 @pytest.mark.parametrize("ops", OPS)
 def test_a_full_cache_preempts_the_lowest_priority(ops):
     """Blocks run out: the running sequence of the lowest priority is preempted, even the

@@ -28,9 +28,11 @@ from typing import Any, Sequence
 import torch
 
 from verispec import _C
-from verispec._policy import fold_greedy
+from verispec._policy import fold_greedy, policy_error
 from verispec.drafters import EarlyExit, NGram
 from verispec.models.base import KVPools, Model, PagedBatch
+
+_INT32_MAX = 2**31 - 1
 
 __all__ = ["GenerateResult", "SpecDecoder", "StepOutput", "TokenLogprob", "request_seed"]
 
@@ -418,9 +420,17 @@ class SpecDecoder:
                 raise TypeError(f"add: {name} must be an int, got {value!r}")
         if not isinstance(greedy, bool):
             raise TypeError(f"add: greedy must be a bool, got {greedy!r}")
+        # The core takes top_k as int32. Past its range a k is either off (the policy rule:
+        # any k of the vocabulary's size or more; vocabularies stay below 2^20) or out of
+        # range, which the rule words with the value as given.
+        k = int(top_k)
+        if k > _INT32_MAX:
+            k = _INT32_MAX
+        elif k < -_INT32_MAX - 1:
+            raise ValueError(f"add: {policy_error(top_k=k)}")
         with self._lp_lock:
             seq = self._core.add(list(prompt), int(max_new_tokens),
-                                 fold_greedy("add", greedy, float(temperature)), int(top_k),
+                                 fold_greedy("add", greedy, float(temperature)), k,
                                  float(top_p), float(min_p), eos, [list(s) for s in (stop or [])],
                                  None if seed is None else int(seed), int(priority))
             self._lp.pop(seq, None)
