@@ -155,6 +155,14 @@ struct SplitChunk {
   }
 };
 
+// The block's chunk record from each thread's argmax and first invalid index.
+template <int BLOCK>
+__device__ void write_chunk_record(ArgMax local, int bad, BlockOps<BLOCK>& ops, ChunkStats* out) {
+  bad = ops.min_int(bad);
+  const ArgMax best = ops.argmax(local);
+  if (threadIdx.x == 0) out[blockIdx.x] = ChunkStats{best.value, best.index, bad, 0, 0};
+}
+
 // grid: rows * chunks blocks; out: [rows, chunks]. Logits rows: the chunk's record and its
 // tiles' records (split_tiles) in one read; greedy rows need no sums.
 template <typename T, int BLOCK, typename Rows>
@@ -169,9 +177,7 @@ __global__ void __launch_bounds__(BLOCK)
   tile_stats_pass<T, BLOCK>(c.x, static_cast<int>(vocab), c.begin / kStatsTile,
                             static_cast<int>(stats_tiles(c.end)), c.pol.temperature,
                             !c.pol.greedy(), split_tiles(out, c.r), &local, &bad);
-  bad = ops.min_int(bad);
-  const ArgMax best = ops.argmax(local);
-  if (threadIdx.x == 0) out[blockIdx.x] = ChunkStats{best.value, best.index, bad, 0, 0};
+  write_chunk_record(local, bad, ops, out);
 }
 
 // grid: rows * chunks blocks; out: [rows, chunks]. Probabilities (sample): the first bad
@@ -192,9 +198,7 @@ __global__ void __launch_bounds__(BLOCK)
       local = ArgMax{v, i};
     }
   }
-  bad = ops.min_int(bad);
-  const ArgMax best = ops.argmax(local);
-  if (threadIdx.x == 0) out[blockIdx.x] = ChunkStats{best.value, best.index, bad, 0, 0};
+  write_chunk_record(local, bad, ops, out);
 }
 
 // grid: rows * chunks blocks: the chunk's fixed-point sum of probabilities scaled by the

@@ -311,42 +311,38 @@ inline int __syncthreads_or(int predicate) {
   return b->or_released;
 }
 
+namespace cuda_sim {
+// A warp shuffle: every lane of the calling thread's warp offers `value` and reads the
+// one lane `src` offers (its own value where src is past the warp's end, as on the GPU).
 template <typename T>
-T __shfl_down_sync(unsigned mask, T value, unsigned delta) {
+T shuffle_from(T value, unsigned src) {
   static_assert(sizeof(T) <= sizeof(uint64_t), "shuffle of a wide type");
-  (void)mask;  // every lane takes part in the kernels' shuffles
-  cuda_sim::Block* b = cuda_sim::current_block;
+  Block* b = current_block;
   const unsigned self = threadIdx.x;
-  const unsigned lane = self % 32, warp = self / 32;
+  const unsigned warp = self / 32;
   const unsigned warp_size = static_cast<unsigned>(std::min(32, b->threads() - 32 * static_cast<int>(warp)));
   uint64_t slot = 0;
   std::memcpy(&slot, &value, sizeof(T));
   b->exchange()[self] = slot;
   b->wait_warp();
-  T out = value;  // a lane past the warp's end reads its own value, as on the GPU
-  if (lane + delta < warp_size) std::memcpy(&out, &b->exchange()[self + delta], sizeof(T));
-  b->wait_warp();
-  return out;
-}
-
-template <typename T>
-T __shfl_xor_sync(unsigned mask, T value, int lane_mask) {
-  static_assert(sizeof(T) <= sizeof(uint64_t), "shuffle of a wide type");
-  (void)mask;  // every lane takes part in the kernels' shuffles
-  cuda_sim::Block* b = cuda_sim::current_block;
-  const unsigned self = threadIdx.x;
-  const unsigned lane = self % 32, warp = self / 32;
-  const unsigned warp_size = static_cast<unsigned>(std::min(32, b->threads() - 32 * static_cast<int>(warp)));
-  uint64_t slot = 0;
-  std::memcpy(&slot, &value, sizeof(T));
-  b->exchange()[self] = slot;
-  b->wait_warp();
-  T out = value;  // a source lane past the warp's end: the lane's own value
-  const unsigned src = lane ^ static_cast<unsigned>(lane_mask);
+  T out = value;
   if (src < warp_size) std::memcpy(&out, &b->exchange()[32 * warp + src], sizeof(T));
   b->wait_warp();
   return out;
 }
+}  // namespace cuda_sim
+
+// Every lane takes part in the kernels' shuffles: the masks are not checked.
+template <typename T>
+T __shfl_down_sync(unsigned, T value, unsigned delta) {
+  return cuda_sim::shuffle_from(value, threadIdx.x % 32 + delta);
+}
+
+template <typename T>
+T __shfl_xor_sync(unsigned, T value, int lane_mask) {
+  return cuda_sim::shuffle_from(value, (threadIdx.x % 32) ^ static_cast<unsigned>(lane_mask));
+}
+
 
 inline int atomicAdd(int* address, int value) {
   const int old = *address;  // fibers: no other thread runs meanwhile
