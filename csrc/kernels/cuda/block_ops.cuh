@@ -391,7 +391,6 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
                                  bool greedy, BlockOps<BLOCK>& ops, RowStats* stats) {
   __shared__ float tile_max[kMaxStatsTiles];
   __shared__ unsigned long long tile_sum[kMaxStatsTiles];
-  const int tid = threadIdx.x;
   const int tiles = static_cast<int>(stats_tiles(V));
   const TileRecords rec{tile_max, tile_sum};
   ArgMax local{-INFINITY, INT_MAX};
