@@ -19,8 +19,8 @@ from verispec.models.quantized import QUANT_FORMATS, QuantizedMatrix, row_bytes
 ISAS = _C.linear_isas()
 FORMATS = list(QUANT_FORMATS)
 # byte offsets of the half-float scales in each format's block
-_HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
-                "Q6_K": [208]}
+_HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
+                "IQ4_NL": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
 def random_blocks(fmt: str, n: int, k: int, *, seed: int, scale: float = 0.01) -> torch.Tensor:
@@ -49,14 +49,14 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def min_terms(data: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
     """C_b per block of 32 of each row (float64 [n, k / 32]): the size of the block's min
-    term, Q4_1 |m|, Q4_K / Q5_K 63 |dmin| (the largest 6-bit min), else 0."""
+    term, Q4_1 / Q5_1 |m|, Q4_K / Q5_K 63 |dmin| (the largest 6-bit min), else 0."""
     _, block, size = QUANT_FORMATS[fmt]
     n = data.shape[0]
-    if fmt not in ("Q4_1", "Q4_K", "Q5_K"):
+    if fmt not in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
         return torch.zeros(n, k // 32, dtype=torch.float64)
     raw = data.reshape(n, k // block, size)
     c = raw[:, :, 2:4].contiguous().view(torch.float16).reshape(n, k // block).double().abs()
-    if fmt != "Q4_1":
+    if fmt in ("Q4_K", "Q5_K"):
         c = 63 * c
     return c.repeat_interleave(block // 32, dim=1)
 
@@ -111,6 +111,37 @@ def test_matches_float64(fmt, isa, m, n, blocks):
     assert (err <= int8_bound(x, w, data, fmt)).all(), f"int8: max error {err.max().item():.3g}"
     # int8: integer sums and one float order, so every instruction set gives the same bits
     assert torch.equal(y8, ops.quant_linear(x, data, fmt, isa="scalar", num_threads=1))
+
+
+# the formats gguf.quants can quantize (its quantizer is llama.cpp's reference one)
+GGUF_QUANTIZER_FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+
+
+@pytest.mark.parametrize("fmt", GGUF_QUANTIZER_FORMATS)
+def test_blocks_from_ggufs_quantizer(fmt):
+    """Blocks as a real quantizer writes them (gguf.quants.quantize of a float matrix, not
+    random bytes): dequantized bit for bit as gguf.quants, products within the bounds."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    k, n = 256, 48
+    g = torch.Generator().manual_seed(11)
+    wf = torch.randn(n, k, generator=g) * 0.05 + 0.01
+    data = torch.from_numpy(np.ascontiguousarray(quantize(wf.numpy(), GGMLQuantizationType[fmt])))
+    assert data.shape == (n, row_bytes(fmt, k))
+    w = gguf_dequantize(data, fmt)
+    # a quantization of wf: each weight within a 4-bit step (amax / 8; Q4_0 clamps the end
+    # of its range opposite the block's largest weight by up to a step) of wf
+    amax = wf.abs().reshape(n, k // 32, 32).amax(dim=2, keepdim=True)
+    assert ((w - wf).abs().reshape(n, k // 32, 32) <= amax / 7).all()
+    assert torch.equal(QuantizedMatrix.from_bytes(data, fmt, k).dequantize(), w)
+    x = torch.randn(5, k, generator=g)
+    want = x.double() @ w.double().t()
+    for isa in ISAS:
+        y = ops.quant_linear(x, data, fmt, isa=isa, arithmetic="float")
+        assert ((y.double() - want).abs() <= bound(x, w)).all(), isa
+        y8 = ops.quant_linear(x, data, fmt, isa=isa)
+        assert ((y8.double() - want).abs() <= int8_bound(x, w, data, fmt)).all(), isa
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -377,14 +408,14 @@ def test_packed_matrices_in_parts_prefill_tiles_and_errors(monkeypatch):
 def test_argument_errors():
     data = random_blocks("Q4_0", 4, 64, seed=0)
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="fmt must be one of Q4_0, .*got 'Q5_0'"):
-        ops.quant_linear(x, data, "Q5_0")
+    with pytest.raises(ValueError, match="fmt must be one of Q4_0, .*got 'IQ2_XXS'"):
+        ops.quant_linear(x, data, "IQ2_XXS")
     with pytest.raises(ValueError, match=r"weight must be \[N, 36\] \(Q4_0 rows of K = 64\), got \[4, 40\]"):
         ops.quant_linear(x, torch.zeros(4, 40, dtype=torch.uint8), "Q4_0")
     with pytest.raises(ValueError, match="multiple of Q4_K's block of 256, got 64"):
         ops.quant_linear(x, data, "Q4_K")
-    with pytest.raises(ValueError, match="quant_type must be a supported ggml type id .* got 7"):
-        _C.quant_linear(x, data, 7, torch.empty(2, 4), 1)
+    with pytest.raises(ValueError, match="quant_type must be a supported ggml type id .* got 16"):
+        _C.quant_linear(x, data, 16, torch.empty(2, 4), 1)
     with pytest.raises(ValueError, match="row index 4 at 1 is out of range"):
         _C.quant_dequantize(data, 2, 64, torch.tensor([0, 4]), torch.empty(2, 64))
     missing = [i for i in ("avx2", "avx512") if i not in ISAS]
@@ -396,13 +427,16 @@ def test_argument_errors():
 # --- a quantized GGUF model -----------------------------------------------------------
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 300, 2
-# formats of each layer's tensors: K-quants and 32-blocks, mixed inside the fused q|k|v
+# formats of each layer's tensors: K-quants and 32-blocks, mixed inside the fused q|k|v and
+# gate|up; every format of QUANT_FORMATS somewhere (the embedding is Q8_0)
 LAYER_FORMATS = [
-    {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q8_0",
+    {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_0",
      "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q6_K"},
     {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
-     "ffn_gate": "Q5_K", "ffn_up": "Q5_K", "ffn_down": "Q4_0"},
+     "ffn_gate": "Q5_1", "ffn_up": "Q5_K", "ffn_down": "IQ4_NL"},
 ]
+# quants of about 8x the 4-bit ones' size: random scales 8x smaller
+_WIDE_QUANTS = ("Q8_0", "IQ4_NL")
 
 
 def write_quantized_gguf(path, *, seed=0, tied=False, formats=LAYER_FORMATS, tamper=None):
@@ -431,7 +465,7 @@ def write_quantized_gguf(path, *, seed=0, tied=False, formats=LAYER_FORMATS, tam
     def add(name, fmt, shape, counter=[0]):
         counter[0] += 1
         data = random_blocks(fmt, shape[0], shape[1], seed=seed * 1000 + counter[0],
-                             scale=0.4 / shape[1] ** 0.5 / (8 if fmt == "Q8_0" else 1)).numpy()
+                             scale=0.4 / shape[1] ** 0.5 / (8 if fmt in _WIDE_QUANTS else 1)).numpy()
         if tamper is not None:
             fmt, data = tamper(name, fmt, data)
         w.add_tensor(name, data, raw_dtype=GGMLQuantizationType[fmt])
@@ -486,6 +520,7 @@ def test_quantized_model_matches_dequantized_float32(quantized_files, tied, monk
     matrices = [q.weights.embed] + ([] if tied else [q.weights.lm_head]) + [
         m for lw in q.weights.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
     assert sum(m.nbytes for m in matrices) <= os.path.getsize(path)
+    assert {f for m in matrices for f in m.formats} == set(FORMATS)  # every kernel, end to end
     assert not any(m.packed for m in matrices)  # the float arithmetic's layout: the file's
     assert torch.equal(q.weights.layers[1].w_down.dequantize(), f.weights.layers[1].w_down)
     g = torch.Generator().manual_seed(2)

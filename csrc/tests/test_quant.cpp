@@ -40,6 +40,20 @@ float reference_weight(QuantType t, const uint8_t* b, int e) {
       const int q = e < 16 ? (b[4 + e] & 15) : (b[4 + e - 16] >> 4);
       return half_bits_to_float(u16(b)) * static_cast<float>(q) + half_bits_to_float(u16(b + 2));
     }
+    case QuantType::kQ5_0:
+    case QuantType::kQ5_1: {
+      const bool q51 = t == QuantType::kQ5_1;
+      const uint8_t* qh = b + (q51 ? 4 : 2);
+      const uint8_t* qs = qh + 4;
+      const int q = (e < 16 ? (qs[e] & 15) : (qs[e - 16] >> 4)) | (((qh[e / 8] >> (e % 8)) & 1) << 4);
+      if (q51) return half_bits_to_float(u16(b)) * static_cast<float>(q) + half_bits_to_float(u16(b + 2));
+      return half_bits_to_float(u16(b)) * static_cast<float>(q - 16);
+    }
+    case QuantType::kIQ4_NL: {
+      static const int kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+      const int q = e < 16 ? (b[2 + e] & 15) : (b[2 + e - 16] >> 4);
+      return half_bits_to_float(u16(b)) * static_cast<float>(kValues[q]);
+    }
     case QuantType::kQ4_K:
     case QuantType::kQ5_K: {
       const int sub = e / 32, l = e % 32;
@@ -79,7 +93,9 @@ std::vector<uint8_t> random_rows(QuantType t, int64_t n, int64_t k, std::mt19937
   for (auto& v : w) v = static_cast<uint8_t>(rng());
   std::vector<int> halves;
   if (t == QuantType::kQ6_K) halves = {208};
-  else if (t == QuantType::kQ4_1 || t == QuantType::kQ4_K || t == QuantType::kQ5_K) halves = {0, 2};
+  else if (t == QuantType::kQ4_1 || t == QuantType::kQ5_1 || t == QuantType::kQ4_K ||
+           t == QuantType::kQ5_K)
+    halves = {0, 2};
   else halves = {0};
   for (int64_t b = 0; b < blocks; ++b)
     for (int off : halves) {
@@ -90,10 +106,10 @@ std::vector<uint8_t> random_rows(QuantType t, int64_t n, int64_t k, std::mt19937
   return w;
 }
 
-// The size of a block's min term (quant.h, int8 arithmetic): Q4_1 |m|, Q4_K / Q5_K
+// The size of a block's min term (quant.h, int8 arithmetic): Q4_1 / Q5_1 |m|, Q4_K / Q5_K
 // 63 |dmin| (the largest 6-bit min), else 0.
 double min_term(QuantType t, const uint8_t* b) {
-  if (t == QuantType::kQ4_1) return std::fabs(half_bits_to_float(u16(b + 2)));
+  if (t == QuantType::kQ4_1 || t == QuantType::kQ5_1) return std::fabs(half_bits_to_float(u16(b + 2)));
   if (t == QuantType::kQ4_K || t == QuantType::kQ5_K) return 63.0 * std::fabs(half_bits_to_float(u16(b + 2)));
   return 0.0;
 }
@@ -239,8 +255,8 @@ void test_errors() {
   a.num_threads = 0;
   CHECK(native_check::has(quant_linear_f32(a), "num_threads must be >= 1"));
   a.num_threads = 1;
-  a.type = static_cast<QuantType>(7);
-  CHECK(native_check::has(quant_linear_f32(a), "unsupported quantization type id 7"));
+  a.type = static_cast<QuantType>(16);
+  CHECK(native_check::has(quant_linear_f32(a), "unsupported quantization type id 16"));
   a.type = QuantType::kQ4_0;
   CHECK(y[0] == -1.0f);
   CHECK(quant_linear_f32(a).empty());
@@ -256,9 +272,7 @@ void test_errors() {
 
 int main() {
   std::mt19937 rng(23);
-  for (QuantType t : {QuantType::kQ8_0, QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ4_K,
-                      QuantType::kQ5_K, QuantType::kQ6_K})
-    test_format(t, rng);
+  for (QuantType t : kQuantTypes) test_format(t, rng);
   test_errors();
   return native_check::check_summary("test_quant");
 }

@@ -11,8 +11,51 @@
 namespace verispec {
 namespace quant_detail {
 
+// ---- what the formats share (one place for every kernel) --------------------------------
+
+// K-quants: super-blocks of 256 weights (8 blocks of 32); the rest: blocks of 32.
+constexpr bool is_k_quant(QuantType t) {
+  return t == QuantType::kQ4_K || t == QuantType::kQ5_K || t == QuantType::kQ6_K;
+}
+// Bytes of a block (K-quants: of a super-block).
+constexpr int64_t block_bytes(QuantType t) {
+  switch (t) {
+    case QuantType::kQ4_0: return 18;
+    case QuantType::kQ4_1: return 20;
+    case QuantType::kQ5_0: return 22;
+    case QuantType::kQ5_1: return 24;
+    case QuantType::kQ8_0: return 34;
+    case QuantType::kQ4_K: return 144;
+    case QuantType::kQ5_K: return 176;
+    case QuantType::kQ6_K: return 210;
+    case QuantType::kIQ4_NL: return 18;
+  }
+  return 0;
+}
+// Formats whose weights carry a min term (w = scale * q + min).
+constexpr bool has_min(QuantType t) {
+  return t == QuantType::kQ4_1 || t == QuantType::kQ5_1 || t == QuantType::kQ4_K ||
+         t == QuantType::kQ5_K;
+}
+// Formats whose 8-bit quants (as the int8 arithmetic forms them) are signed.
+constexpr bool signed_quants(QuantType t) {
+  return t == QuantType::kQ8_0 || t == QuantType::kIQ4_NL;
+}
+// The offset subtracted from the unsigned quants (w = d * (q - offset)).
+constexpr int32_t quant_offset(QuantType t) {
+  return t == QuantType::kQ4_0 ? 8 : t == QuantType::kQ5_0 ? 16 : t == QuantType::kQ6_K ? 32 : 0;
+}
+// Q5_0 / Q5_1: where the 4 bytes of high bits and the 16 of nibbles lie in a block.
+constexpr int64_t q5_high_bits_at(QuantType t) { return t == QuantType::kQ5_1 ? 4 : 2; }
+constexpr int64_t q5_nibbles_at(QuantType t) { return q5_high_bits_at(t) + 4; }
+
+
 inline uint16_t load_u16(const uint8_t* p) {
   return static_cast<uint16_t>(p[0] | (static_cast<unsigned>(p[1]) << 8));
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  return load_u16(p) | (static_cast<uint32_t>(load_u16(p + 2)) << 16);
 }
 
 // IEEE half -> float (exact: every half is a float).

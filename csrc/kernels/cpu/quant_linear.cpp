@@ -27,6 +27,7 @@ namespace {
 
 using quant_detail::half_to_float;
 using quant_detail::load_u16;
+using quant_detail::load_u32;
 using quant_detail::scale_min_k4;
 
 // One row of `blocks` blocks -> float32. Plain loops the compiler vectorizes for the
@@ -60,6 +61,31 @@ __attribute__((always_inline)) inline void dequant_row(QuantType type,
         for (int i = 0; i < 16; ++i) {
           dst[i] = d * static_cast<float>(q[i] & 0x0F) + m;
           dst[i + 16] = d * static_cast<float>(q[i] >> 4) + m;
+        }
+      }
+      return;
+    case QuantType::kQ5_0:
+    case QuantType::kQ5_1: {
+      const bool q51 = type == QuantType::kQ5_1;
+      const int64_t size = quant_detail::block_bytes(type);
+      for (int64_t b = 0; b < blocks; ++b, src += size, dst += 32) {
+        const float d = half_to_float(src), m = q51 ? half_to_float(src + 2) : 0.0f;
+        const uint32_t qh = load_u32(src + quant_detail::q5_high_bits_at(type));
+        const uint8_t* q = src + quant_detail::q5_nibbles_at(type);
+        for (int i = 0; i < 32; ++i) {
+          const int v = ((i < 16 ? q[i] : q[i - 16] >> 4) & 0x0F) | (((qh >> i) & 1) << 4);
+          dst[i] = q51 ? d * static_cast<float>(v) + m : d * static_cast<float>(v - 16);
+        }
+      }
+      return;
+    }
+    case QuantType::kIQ4_NL:
+      for (int64_t b = 0; b < blocks; ++b, src += 18, dst += 32) {
+        const float d = half_to_float(src);
+        const uint8_t* q = src + 2;
+        for (int i = 0; i < 16; ++i) {
+          dst[i] = d * static_cast<float>(kIq4nlValues[q[i] & 0x0F]);
+          dst[i + 16] = d * static_cast<float>(kIq4nlValues[q[i] >> 4]);
         }
       }
       return;
@@ -124,8 +150,9 @@ void dequant_scalar(QuantType type, const uint8_t* src, int64_t blocks, float* d
 #if VERISPEC_X86
 // Explicit vectors (the compiler's vectorization of the plain loops is several times
 // slower); the products and sums are the plain loops' (mul, then add or subtract: no
-// fused multiply-add), so the weights are the same bits. AVX2: the 32-weight formats
-// (K-quants run the plain loops); AVX-512: every format.
+// fused multiply-add), so the weights are the same bits. AVX2: Q8_0, Q4_0, Q4_1; AVX-512:
+// those and the K-quants (the other formats run the plain loops: the float arithmetic is
+// not their fast path, the int8 one is).
 // A half scale with the F16C instruction (exact, as half_to_float).
 __attribute__((target("f16c"))) inline float half_f16c(const uint8_t* p) {
   return _cvtsh_ss(load_u16(p));
@@ -233,8 +260,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void dequant_
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void dequant_avx512(
     QuantType type, const uint8_t* src, int64_t blocks, float* dst) {
-  if (type != QuantType::kQ8_0 && type != QuantType::kQ4_0 && type != QuantType::kQ4_1) {
+  if (quant_detail::is_k_quant(type)) {
     dequant_k_avx512(type, src, blocks, dst);
+    return;
+  }
+  if (type != QuantType::kQ8_0 && type != QuantType::kQ4_0 && type != QuantType::kQ4_1) {
+    dequant_row(type, src, blocks, dst);  // the plain loops, vectorized for AVX-512
     return;
   }
   const __m512i low4 = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
@@ -504,36 +535,29 @@ std::string quant_int8_force_path(const std::string& name) {
 }
 
 bool quant_type_supported(int32_t id) {
-  return id == 2 || id == 3 || id == 8 || id == 12 || id == 13 || id == 14;
+  for (QuantType t : kQuantTypes)
+    if (static_cast<int32_t>(t) == id) return true;
+  return false;
 }
 
 const char* quant_type_name(QuantType type) {
   switch (type) {
     case QuantType::kQ4_0: return "Q4_0";
     case QuantType::kQ4_1: return "Q4_1";
+    case QuantType::kQ5_0: return "Q5_0";
+    case QuantType::kQ5_1: return "Q5_1";
     case QuantType::kQ8_0: return "Q8_0";
     case QuantType::kQ4_K: return "Q4_K";
     case QuantType::kQ5_K: return "Q5_K";
     case QuantType::kQ6_K: return "Q6_K";
+    case QuantType::kIQ4_NL: return "IQ4_NL";
   }
   return "unknown";
 }
 
-int64_t quant_block_elems(QuantType type) {
-  return type == QuantType::kQ4_K || type == QuantType::kQ5_K || type == QuantType::kQ6_K ? 256 : 32;
-}
+int64_t quant_block_elems(QuantType type) { return quant_detail::is_k_quant(type) ? 256 : 32; }
 
-int64_t quant_block_bytes(QuantType type) {
-  switch (type) {
-    case QuantType::kQ4_0: return 18;
-    case QuantType::kQ4_1: return 20;
-    case QuantType::kQ8_0: return 34;
-    case QuantType::kQ4_K: return 144;
-    case QuantType::kQ5_K: return 176;
-    case QuantType::kQ6_K: return 210;
-  }
-  return 0;
-}
+int64_t quant_block_bytes(QuantType type) { return quant_detail::block_bytes(type); }
 
 std::string quant_linear_f32(const QuantLinearArgs& a) {
   if (!quant_type_supported(static_cast<int32_t>(a.type)))

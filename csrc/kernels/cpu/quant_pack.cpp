@@ -26,8 +26,11 @@ struct HalfFields {
 HalfFields half_fields(QuantType type) {
   switch (type) {
     case QuantType::kQ8_0:
-    case QuantType::kQ4_0: return {1, {0, 0}};
+    case QuantType::kQ4_0:
+    case QuantType::kQ5_0:
+    case QuantType::kIQ4_NL: return {1, {0, 0}};
     case QuantType::kQ4_1:
+    case QuantType::kQ5_1:
     case QuantType::kQ4_K:
     case QuantType::kQ5_K: return {2, {0, 2}};
     case QuantType::kQ6_K: return {1, {208, 0}};
