@@ -629,6 +629,43 @@ def test_decode_layers_in_one_call_equal_the_layer_loop(quantized_files, monkeyp
     assert all(torch.equal(a, b) for a, b in zip(before, (*runner.kv.k, *runner.kv.v)))
 
 
+def test_a_type_without_a_kernel_is_converted_and_named(tmp_path):
+    """A matrix in a ggml type verispec has no kernel for (IQ2_XXS here) is dequantized
+    to float32 at a quantized load, with the pieces fused with it; the model names them
+    (tensor and type) and the CLI header lists the file's types and the conversions."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from verispec.cli import _weights_desc
+    from verispec.models import load_model
+
+    def tamper(name, fmt, data):
+        if name != "blk.0.attn_k.weight":
+            return fmt, data
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType.IQ2_XXS]
+        rng = np.random.default_rng(3)
+        raw = rng.integers(0, 256, (data.shape[0], HIDDEN // block, size), dtype=np.uint8)
+        raw[:, :, 0:2] = np.full((data.shape[0], HIDDEN // block, 1), 1e-3,
+                                 np.float16).view(np.uint8)
+        return "IQ2_XXS", raw.reshape(data.shape[0], -1)
+
+    path = write_quantized_gguf(tmp_path / "iq2.gguf", tamper=tamper)
+    q = load_model(path)
+    f = load_model(path, dtype=torch.float32)
+    assert q.quantized
+    assert q.weights.converted == ("blk.0.attn_q.weight (Q4_K)", "blk.0.attn_k.weight (IQ2_XXS)",
+                                   "blk.0.attn_v.weight (Q6_K)")
+    assert q.weights.file_types["IQ2_XXS"] == 1 and q.weights.file_types["F32"] == 2 * LAYERS + 1
+    assert not isinstance(q.weights.layers[0].wqkv, QuantizedMatrix)
+    assert torch.equal(q.weights.layers[0].wqkv, f.weights.layers[0].wqkv)
+    assert isinstance(q.weights.layers[1].wqkv, QuantizedMatrix)
+    desc = _weights_desc(q)
+    assert "(file: 5 F32, " in desc and " 1 IQ2_XXS, " in desc, desc
+    assert ("converted to float32: blk.0.attn_q.weight (Q4_K), blk.0.attn_k.weight (IQ2_XXS), "
+            "blk.0.attn_v.weight (Q6_K), float32 activations") in desc, desc
+    good = load_model(write_quantized_gguf(tmp_path / "good.gguf"))
+    assert good.weights.converted == () and "nothing converted" in _weights_desc(good)
+
+
 def test_bad_files(tmp_path):
     from verispec.models import load_model
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +117,19 @@ class GGUFFile:
                 values.append(v)
             return values, pos
         raise ValueError(f"{self.path}: unknown GGUF metadata value type {vtype} at byte {pos}")
+
+    def type_name(self, name: str) -> str:
+        """The ggml type of tensor ``name`` ("Q5_0")."""
+        from gguf.constants import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.tensors[name].ggml_type).name
+
+    def type_counts(self) -> dict[str, int]:
+        """{ggml type name: number of tensors of that type}, in the order of ggml's ids."""
+        from gguf.constants import GGMLQuantizationType
+
+        counts = Counter(info.ggml_type for info in self.tensors.values())
+        return {GGMLQuantizationType(i).name: counts[i] for i in sorted(counts)}
 
     def quantized(self, name: str) -> "QuantizedMatrix | None":
         """Matrix ``name`` kept in its quantized format (a copy of the file's blocks), or
@@ -300,6 +314,16 @@ class LlamaGGUF(Mapping):
             return q
         part = q.parts[0]
         return QuantizedMatrix([QuantPart(part.fmt, unpermute_rows(part.data, heads).contiguous())], q.k)
+
+    def describe(self, name: str) -> str:
+        """Tensor ``name`` (a transformers name) as the file names it, with its type:
+        "blk.0.attn_q.weight (Q2_K)"."""
+        gguf_name = self._names[name]
+        return f"{gguf_name} ({self.file.type_name(gguf_name)})"
+
+    def type_counts(self) -> dict[str, int]:
+        """The file's tensors per ggml type (GGUFFile.type_counts)."""
+        return self.file.type_counts()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
