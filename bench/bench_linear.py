@@ -95,7 +95,8 @@ def main(argv=None) -> int:
                                        generator=g), k))
             data = mats[-1][0]
             # normal half scales (random bytes could be NaN / subnormal, which are slow)
-            for off in ([208] if fmt == "Q6_K" else [0, 2] if fmt in ("Q4_1", "Q4_K", "Q5_K") else [0]):
+            for off in ([208] if fmt == "Q6_K" else [0, 2] if fmt in ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
+                        else [0]):
                 data[:, :, off:off + 2] = (0.01 * torch.rand(n, k // block, 1, generator=g) + 0.001) \
                     .half().view(torch.uint8)
             mats[-1] = (data.reshape(n, -1).contiguous(), k)
