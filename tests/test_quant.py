@@ -14,20 +14,27 @@ import pytest
 import torch
 
 from verispec import _C, ops
-from verispec.models.quantized import QUANT_FORMATS, QuantizedMatrix, row_bytes
+from verispec.models.quantized import FLOAT16_FORMATS, QUANT_FORMATS, QuantizedMatrix, row_bytes
 
 ISAS = _C.linear_isas()
 FORMATS = list(QUANT_FORMATS)
+# the block formats with a scale: the int8 arithmetic's (F16 / BF16 always run the float one)
+SCALED_FORMATS = [f for f in FORMATS if f not in FLOAT16_FORMATS]
 # byte offsets of the half-float scales in each format's block
 _HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
-                "IQ4_NL": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+                "IQ4_NL": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "F16": [],
+                "BF16": []}
 
 
 def random_blocks(fmt: str, n: int, k: int, *, seed: int, scale: float = 0.01) -> torch.Tensor:
     """A random [n, k] matrix in format `fmt` (uint8 [n, row_bytes]): random quants and
-    scale bytes, the half-float scales set to normal values of about `scale`."""
+    scale bytes, the half-float scales set to normal values of about `scale` (F16 / BF16:
+    normal values of about `scale`, either sign)."""
     _, block, size = QUANT_FORMATS[fmt]
     rng = np.random.default_rng(seed)
+    if fmt in FLOAT16_FORMATS:
+        w = torch.from_numpy(scale * rng.standard_normal((n, k)).astype(np.float32))
+        return w.to(torch.float16 if fmt == "F16" else torch.bfloat16).view(torch.uint8)
     raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
     for off in _HALF_FIELDS[fmt]:
         d = (scale * (0.5 + rng.random((n, k // block)))).astype(np.float16)
@@ -107,6 +114,11 @@ def test_matches_float64(fmt, isa, m, n, blocks):
     err = (y.double() - want).abs()
     assert (err <= bound(x, w)).all(), f"float: max error {err.max().item():.3g}"
     y8 = ops.quant_linear(x, data, fmt, isa=isa, num_threads=2)  # int8, the default
+    if fmt in FLOAT16_FORMATS:
+        # no block scale: an int8 call runs the float arithmetic, linear_f32's bits over the
+        # converted weights (those of a float32 load of the file)
+        assert torch.equal(y8, y) and torch.equal(y, ops.linear(x, w, isa=isa, num_threads=1))
+        return
     err = (y8.double() - want).abs()
     assert (err <= int8_bound(x, w, data, fmt)).all(), f"int8: max error {err.max().item():.3g}"
     # int8: integer sums and one float order, so every instruction set gives the same bits
@@ -144,7 +156,7 @@ def test_blocks_from_ggufs_quantizer(fmt):
         assert ((y8.double() - want).abs() <= int8_bound(x, w, data, fmt)).all(), isa
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", SCALED_FORMATS)
 def test_bound_catches_a_perturbed_scale(fmt):
     """The value checks can fail: the kernel fed a matrix whose first block scale of row 2
     is off (float: 1%, int8: 5%) gives outputs outside the bound of the true weights, for
@@ -218,7 +230,7 @@ def test_int8_paths_compute_the_same_bits(path):
         assert _C.quant_int8_path("auto") != path
         return
     try:
-        for fmt in FORMATS:
+        for fmt in SCALED_FORMATS:
             k = _k_for(fmt, 3)
             data = random_blocks(fmt, 37, k, seed=4)
             x = torch.randn(16, k, generator=torch.Generator().manual_seed(6))
@@ -408,7 +420,7 @@ def test_packed_matrices_in_parts_prefill_tiles_and_errors(monkeypatch):
 def test_argument_errors():
     data = random_blocks("Q4_0", 4, 64, seed=0)
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="fmt must be one of Q4_0, .*got 'IQ2_XXS'"):
+    with pytest.raises(ValueError, match="fmt must be one of F16, Q4_0, .*got 'IQ2_XXS'"):
         ops.quant_linear(x, data, "IQ2_XXS")
     with pytest.raises(ValueError, match=r"weight must be \[N, 36\] \(Q4_0 rows of K = 64\), got \[4, 40\]"):
         ops.quant_linear(x, torch.zeros(4, 40, dtype=torch.uint8), "Q4_0")
@@ -432,7 +444,7 @@ HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 300, 2
 LAYER_FORMATS = [
     {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_0",
      "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q6_K"},
-    {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
+    {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "BF16", "attn_output": "F16",
      "ffn_gate": "Q5_1", "ffn_up": "Q5_K", "ffn_down": "IQ4_NL"},
 ]
 # quants of about 8x the 4-bit ones' size: random scales 8x smaller

@@ -30,6 +30,13 @@ uint16_t u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)
 // Element e of the block at `b`, written from the layout in quant.h one element at a time.
 float reference_weight(QuantType t, const uint8_t* b, int e) {
   switch (t) {
+    case QuantType::kF16: return half_bits_to_float(u16(b + 2 * e));
+    case QuantType::kBF16: {
+      const uint32_t bits = static_cast<uint32_t>(u16(b + 2 * e)) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
+    }
     case QuantType::kQ8_0:
       return half_bits_to_float(u16(b)) * static_cast<float>(static_cast<int8_t>(b[2 + e]));
     case QuantType::kQ4_0: {
@@ -91,6 +98,16 @@ std::vector<uint8_t> random_rows(QuantType t, int64_t n, int64_t k, std::mt19937
   const int64_t bb = quant_block_bytes(t), blocks = n * k / quant_block_elems(t);
   std::vector<uint8_t> w(static_cast<size_t>(blocks * bb));
   for (auto& v : w) v = static_cast<uint8_t>(rng());
+  if (quant_is_float16(t)) {  // normal values of either sign, about 2^-7..2^-5
+    for (size_t i = 0; i < w.size(); i += 2) {
+      const uint16_t h = t == QuantType::kF16
+                             ? static_cast<uint16_t>(((rng() & 1) << 15) | ((8 + rng() % 3) << 10) | (rng() & 0x3FF))
+                             : static_cast<uint16_t>(((rng() & 1) << 15) | ((120 + rng() % 3) << 7) | (rng() & 0x7F));
+      w[i] = static_cast<uint8_t>(h & 0xFF);
+      w[i + 1] = static_cast<uint8_t>(h >> 8);
+    }
+    return w;
+  }
   std::vector<int> halves;
   if (t == QuantType::kQ6_K) halves = {208};
   else if (t == QuantType::kQ4_1 || t == QuantType::kQ5_1 || t == QuantType::kQ4_K ||
@@ -178,14 +195,15 @@ void test_format(QuantType t, std::mt19937& rng) {
           exact += static_cast<double>(x[r * ldx + j]) * ref[c * k + j];
           scale += std::fabs(static_cast<double>(x[r * ldx + j]) * ref[c * k + j]);
         }
-        const double tol = arith == QuantArith::kFloat
+        // (F16 / BF16 run the float arithmetic whatever arith says)
+        const double tol = arith == QuantArith::kFloat || quant_is_float16(t)
                                ? k * std::ldexp(1.0, -24) * scale + 1e-30
                                : int8_bound(t, x.data() + r * ldx, ref.data() + c * k,
                                             w.data() + c * row_bytes, k);
         CHECK_NEAR(alone[r * n + c], exact, tol);
       }
     // int8: every instruction set computes the scalar path's bits
-    if (arith == QuantArith::kInt8) {
+    if (arith == QuantArith::kInt8 && !quant_is_float16(t)) {
       if (isa == LinearIsa::kScalar) int8_scalar = alone;
       else CHECK(std::memcmp(alone.data(), int8_scalar.data(), alone.size() * sizeof(float)) == 0);
     }

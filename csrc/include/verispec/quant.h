@@ -19,6 +19,10 @@
 //        element 32i + l), 128 B of nibbles as Q4_K              q = nibble + 16 * bit
 //   Q6_K (256 elems, 210 B): 128 B low nibbles, 64 B of 2-bit highs, int8 scales[16] (one
 //        per 16 elements), d at the end                           w = (d*sc) * (q - 32)
+//   F16, BF16 (32 elems, 64 B): 32 IEEE half / bfloat16 values, no scale (ggml stores them
+//        as rows of 16-bit values; a "block" here is 32 of them)          w = float(v)
+//        Always the float arithmetic (an int8 request runs it: the weights carry no block
+//        scale for integer products); the packed layout applies as to any format.
 // Every weight is computed in float32 as written (products and the subtraction each
 // rounded once, no fused multiply-add), which is exactly what gguf.quants' numpy
 // dequantization computes: the dequantized weights are the same bits on every path.
@@ -82,13 +86,16 @@ std::string quant_int8_force_path(const std::string& name);
 
 // ggml's type ids for the supported formats.
 enum class QuantType : int32_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-  kIQ4_NL = 20
+  kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13,
+  kQ6_K = 14, kIQ4_NL = 20, kBF16 = 30
 };
 // Every supported format, in ggml's id order.
-constexpr QuantType kQuantTypes[] = {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ5_0,
-                                     QuantType::kQ5_1, QuantType::kQ8_0, QuantType::kQ4_K,
-                                     QuantType::kQ5_K, QuantType::kQ6_K, QuantType::kIQ4_NL};
+constexpr QuantType kQuantTypes[] = {QuantType::kF16,   QuantType::kQ4_0, QuantType::kQ4_1,
+                                     QuantType::kQ5_0,  QuantType::kQ5_1, QuantType::kQ8_0,
+                                     QuantType::kQ4_K,  QuantType::kQ5_K, QuantType::kQ6_K,
+                                     QuantType::kIQ4_NL, QuantType::kBF16};
+// F16 and BF16: 16-bit float weights, products in the float arithmetic only.
+constexpr bool quant_is_float16(QuantType t) { return t == QuantType::kF16 || t == QuantType::kBF16; }
 // IQ4_NL's 16 weight values, indexed by a block's nibbles (ggml's kvalues_iq4nl).
 constexpr int8_t kIq4nlValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                      1,    13,   25,  38,  53,  69,  89,  113};

@@ -124,6 +124,8 @@ inline WBlock decode_block(QuantType type, const uint8_t* row, int64_t b, uint8_
   WBlock w;
   w.offset = quant_offset(type);
   switch (type) {
+    case QuantType::kF16:
+    case QuantType::kBF16: return w;  // the float arithmetic only (quant_linear_f32)
     case QuantType::kQ8_0: {
       const uint8_t* s = row + 34 * b;
       w.ws = half_to_float(s);

@@ -29,6 +29,8 @@ constexpr int64_t block_bytes(QuantType t) {
     case QuantType::kQ5_K: return 176;
     case QuantType::kQ6_K: return 210;
     case QuantType::kIQ4_NL: return 18;
+    case QuantType::kF16:
+    case QuantType::kBF16: return 64;
   }
   return 0;
 }
@@ -56,6 +58,14 @@ inline uint16_t load_u16(const uint8_t* p) {
 
 inline uint32_t load_u32(const uint8_t* p) {
   return load_u16(p) | (static_cast<uint32_t>(load_u16(p + 2)) << 16);
+}
+
+// bfloat16 -> float (exact: its bits are a float's top 16).
+inline float bf16_to_float(const uint8_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(load_u16(p)) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
 // IEEE half -> float (exact: every half is a float).

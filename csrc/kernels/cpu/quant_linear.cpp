@@ -25,6 +25,7 @@
 namespace verispec {
 namespace {
 
+using quant_detail::bf16_to_float;
 using quant_detail::half_to_float;
 using quant_detail::load_u16;
 using quant_detail::load_u32;
@@ -37,6 +38,12 @@ __attribute__((always_inline)) inline void dequant_row(QuantType type,
                                                       const uint8_t* __restrict src,
                                                       int64_t blocks, float* __restrict dst) {
   switch (type) {
+    case QuantType::kF16:
+      for (int64_t i = 0; i < 32 * blocks; ++i) dst[i] = half_to_float(src + 2 * i);
+      return;
+    case QuantType::kBF16:
+      for (int64_t i = 0; i < 32 * blocks; ++i) dst[i] = bf16_to_float(src + 2 * i);
+      return;
     case QuantType::kQ8_0:
       for (int64_t b = 0; b < blocks; ++b, src += 34, dst += 32) {
         const float d = half_to_float(src);
@@ -160,6 +167,15 @@ __attribute__((target("f16c"))) inline float half_f16c(const uint8_t* p) {
 
 __attribute__((target("avx2,fma,f16c"))) void dequant_avx2(QuantType type, const uint8_t* src,
                                                            int64_t blocks, float* dst) {
+  if (quant_is_float16(type)) {  // exact conversions: the plain loops' values
+    for (int64_t i = 0; i < 32 * blocks; i += 8) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i));
+      _mm256_storeu_ps(dst + i, type == QuantType::kF16
+                                    ? _mm256_cvtph_ps(v)
+                                    : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
+    }
+    return;
+  }
   if (type != QuantType::kQ8_0 && type != QuantType::kQ4_0 && type != QuantType::kQ4_1) {
     dequant_row(type, src, blocks, dst);
     return;
@@ -207,6 +223,14 @@ bytes16(const uint8_t* p) {
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) inline __m512i
 shift_right(__m512i v, int count) {
   return _mm512_srl_epi32(v, _mm_cvtsi32_si128(count));
+}
+
+// 16 F16 / BF16 values at p as floats (exact).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) inline __m512
+halves16(QuantType type, const uint8_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if (type == QuantType::kF16) return _mm512_cvtph_ps(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
 // The K-quants with AVX-512: the plain loops' expressions on 16 weights at a time.
@@ -264,6 +288,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void dequant_
     dequant_k_avx512(type, src, blocks, dst);
     return;
   }
+  if (quant_is_float16(type)) {
+    for (int64_t i = 0; i < 32 * blocks; i += 16) _mm512_storeu_ps(dst + i, halves16(type, src + 2 * i));
+    return;
+  }
   if (type != QuantType::kQ8_0 && type != QuantType::kQ4_0 && type != QuantType::kQ4_1) {
     dequant_row(type, src, blocks, dst);  // the plain loops, vectorized for AVX-512
     return;
@@ -314,6 +342,7 @@ struct Block32 {
 template <QuantType T>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) inline Block32
 unpack32(const uint8_t* src) {
+  if (quant_is_float16(T)) return {halves16(T, src), halves16(T, src + 32)};
   const __m512 d = _mm512_set1_ps(half_f16c(src));
   if (T == QuantType::kQ8_0) {
     const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2));
@@ -397,10 +426,14 @@ const FusedFn* fused_for(QuantType type) {
   static constexpr auto q8 = fused_table<QuantType::kQ8_0>(std::make_index_sequence<kLinearRowBlock>{});
   static constexpr auto q40 = fused_table<QuantType::kQ4_0>(std::make_index_sequence<kLinearRowBlock>{});
   static constexpr auto q41 = fused_table<QuantType::kQ4_1>(std::make_index_sequence<kLinearRowBlock>{});
+  static constexpr auto f16 = fused_table<QuantType::kF16>(std::make_index_sequence<kLinearRowBlock>{});
+  static constexpr auto bf16 = fused_table<QuantType::kBF16>(std::make_index_sequence<kLinearRowBlock>{});
   switch (type) {
     case QuantType::kQ8_0: return q8.data();
     case QuantType::kQ4_0: return q40.data();
     case QuantType::kQ4_1: return q41.data();
+    case QuantType::kF16: return f16.data();
+    case QuantType::kBF16: return bf16.data();
     default: return nullptr;
   }
 }
@@ -551,6 +584,8 @@ const char* quant_type_name(QuantType type) {
     case QuantType::kQ5_K: return "Q5_K";
     case QuantType::kQ6_K: return "Q6_K";
     case QuantType::kIQ4_NL: return "IQ4_NL";
+    case QuantType::kF16: return "F16";
+    case QuantType::kBF16: return "BF16";
   }
   return "unknown";
 }
@@ -585,7 +620,7 @@ std::string quant_linear_f32(const QuantLinearArgs& a) {
     return "the output must not overlap x or w";
 
   const LinearIsa isa = linear_detail::resolve_isa(a.isa);
-  if (a.arith == QuantArith::kInt8) {
+  if (a.arith == QuantArith::kInt8 && !quant_is_float16(a.type)) {
     quant_detail::quant_linear_int8(a, isa);
     return "";
   }

@@ -25,6 +25,8 @@ struct HalfFields {
 
 HalfFields half_fields(QuantType type) {
   switch (type) {
+    case QuantType::kF16:
+    case QuantType::kBF16: return {0, {0, 0}};  // values, not scales: 4-byte chunks
     case QuantType::kQ8_0:
     case QuantType::kQ4_0:
     case QuantType::kQ5_0:

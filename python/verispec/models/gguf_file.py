@@ -132,16 +132,18 @@ class GGUFFile:
         return {GGMLQuantizationType(i).name: counts[i] for i in sorted(counts)}
 
     def quantized(self, name: str) -> "QuantizedMatrix | None":
-        """Matrix ``name`` kept in its quantized format (a copy of the file's blocks), or
-        None when its type is not one of verispec's quantized kernels' (floats, other
-        quantizations: read those with ``tensor``)."""
-        from verispec.models.quantized import QuantizedMatrix, quant_format_name
+        """Matrix ``name`` kept in its quantized format (a copy of the file's blocks; F16 and
+        BF16 as 16-bit values), or None when its type is not one of verispec's quantized
+        kernels' (F32, other quantizations, F16 / BF16 rows not a multiple of 32: read
+        those with ``tensor``)."""
+        from verispec.models.quantized import QUANT_FORMATS, QuantizedMatrix, quant_format_name
 
         if name not in self.tensors:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         info = self.tensors[name]
         fmt = quant_format_name(info.ggml_type)
-        if fmt is None or len(info.shape) != 2:
+        # (F16 / BF16 rows are kept in runs of 32 values: another row length is converted)
+        if fmt is None or len(info.shape) != 2 or info.shape[1] % QUANT_FORMATS[fmt][1]:
             return None
         raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         data = torch.from_numpy(np.array(raw, copy=True)).view(info.shape[0], -1)
