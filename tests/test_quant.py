@@ -15,31 +15,14 @@ import torch
 
 from verispec import _C, ops
 from verispec.models.quantized import FLOAT16_FORMATS, QUANT_FORMATS, QuantizedMatrix, row_bytes
+# byte offsets of the half-float scales in each format's block; random matrices in a format
+from verispec.models.testing import QUANT_HALF_FIELDS as _HALF_FIELDS
+from verispec.models.testing import random_quant_blocks as random_blocks
 
 ISAS = _C.linear_isas()
 FORMATS = list(QUANT_FORMATS)
 # the block formats with a scale: the int8 arithmetic's (F16 / BF16 always run the float one)
 SCALED_FORMATS = [f for f in FORMATS if f not in FLOAT16_FORMATS]
-# byte offsets of the half-float scales in each format's block
-_HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
-                "IQ4_NL": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "F16": [],
-                "BF16": []}
-
-
-def random_blocks(fmt: str, n: int, k: int, *, seed: int, scale: float = 0.01) -> torch.Tensor:
-    """A random [n, k] matrix in format `fmt` (uint8 [n, row_bytes]): random quants and
-    scale bytes, the half-float scales set to normal values of about `scale` (F16 / BF16:
-    normal values of about `scale`, either sign)."""
-    _, block, size = QUANT_FORMATS[fmt]
-    rng = np.random.default_rng(seed)
-    if fmt in FLOAT16_FORMATS:
-        w = torch.from_numpy(scale * rng.standard_normal((n, k)).astype(np.float32))
-        return w.to(torch.float16 if fmt == "F16" else torch.bfloat16).view(torch.uint8)
-    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    for off in _HALF_FIELDS[fmt]:
-        d = (scale * (0.5 + rng.random((n, k // block)))).astype(np.float16)
-        raw[:, :, off:off + 2] = d.view(np.uint8).reshape(n, k // block, 2)
-    return torch.from_numpy(raw.reshape(n, -1).copy())
 
 
 def gguf_dequantize(data: torch.Tensor, fmt: str) -> torch.Tensor:
