@@ -52,15 +52,19 @@ __attribute__((always_inline)) inline void dequant_row(QuantType type,
       }
       return;
     case QuantType::kQ4_0:
+    case QuantType::kIQ4_NL: {  // a nibble's value: q - 8, or IQ4_NL's table entry
+      const bool nl = type == QuantType::kIQ4_NL;
+      auto value = [nl](int q) { return static_cast<float>(nl ? kIq4nlValues[q] : q - 8); };
       for (int64_t b = 0; b < blocks; ++b, src += 18, dst += 32) {
         const float d = half_to_float(src);
         const uint8_t* q = src + 2;
         for (int i = 0; i < 16; ++i) {
-          dst[i] = d * static_cast<float>((q[i] & 0x0F) - 8);
-          dst[i + 16] = d * static_cast<float>((q[i] >> 4) - 8);
+          dst[i] = d * value(q[i] & 0x0F);
+          dst[i + 16] = d * value(q[i] >> 4);
         }
       }
       return;
+    }
     case QuantType::kQ4_1:
       for (int64_t b = 0; b < blocks; ++b, src += 20, dst += 32) {
         const float d = half_to_float(src), m = half_to_float(src + 2);
@@ -86,16 +90,6 @@ __attribute__((always_inline)) inline void dequant_row(QuantType type,
       }
       return;
     }
-    case QuantType::kIQ4_NL:
-      for (int64_t b = 0; b < blocks; ++b, src += 18, dst += 32) {
-        const float d = half_to_float(src);
-        const uint8_t* q = src + 2;
-        for (int i = 0; i < 16; ++i) {
-          dst[i] = d * static_cast<float>(kIq4nlValues[q[i] & 0x0F]);
-          dst[i + 16] = d * static_cast<float>(kIq4nlValues[q[i] >> 4]);
-        }
-      }
-      return;
     case QuantType::kQ4_K:
     case QuantType::kQ5_K: {
       const bool five = type == QuantType::kQ5_K;
