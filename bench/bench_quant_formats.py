@@ -20,15 +20,13 @@ arithmetic on the file's layout). Prints a markdown table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from kernel_env import cpu_kernel_environment
+from kernel_env import cpu_kernel_environment, write_result
 
 from verispec import _C
 from verispec.models.quantized import FLOAT16_FORMATS, QuantizedMatrix
@@ -125,15 +123,10 @@ def main(argv=None) -> int:
         lines.append(f"| {r['format']} | {r['bytes'] / 1e6:.0f} | {r['best_ms']:.2f} | "
                      f"{r['median_ms']:.2f} | {r['best_gb_s']:.1f} | {r['time_vs_q4_0']:.2f} | "
                      f"{r['bytes_vs_q4_0']:.2f} |")
-    table = "\n".join(lines)
-    print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    write_result(args.out, {
         "benchmark": "quantized kernels per format, one decoding pass of a model shape",
         "shape": args.shape, "rows": args.rows, "rounds": args.rounds,
-        "environment": cpu_kernel_environment(threads), "results": rows, "markdown": table},
-        indent=2) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+        "environment": cpu_kernel_environment(threads), "results": rows}, "\n".join(lines))
     return 0
 
 
