@@ -426,12 +426,12 @@ HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 300, 2
 # gate|up; every format of QUANT_FORMATS somewhere (the embedding is Q8_0)
 LAYER_FORMATS = [
     {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_0",
-     "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q6_K"},
+     "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "IQ4_XS"},
     {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "BF16", "attn_output": "F16",
      "ffn_gate": "Q5_1", "ffn_up": "Q5_K", "ffn_down": "IQ4_NL"},
 ]
 # quants of about 8x the 4-bit ones' size: random scales 8x smaller
-_WIDE_QUANTS = ("Q8_0", "IQ4_NL")
+_WIDE_QUANTS = ("Q8_0", "IQ4_NL", "IQ4_XS")
 
 
 def write_quantized_gguf(path, *, seed=0, tied=False, formats=LAYER_FORMATS, tamper=None):

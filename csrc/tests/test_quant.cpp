@@ -56,6 +56,14 @@ float reference_weight(QuantType t, const uint8_t* b, int e) {
       if (q51) return half_bits_to_float(u16(b)) * static_cast<float>(q) + half_bits_to_float(u16(b + 2));
       return half_bits_to_float(u16(b)) * static_cast<float>(q - 16);
     }
+    case QuantType::kIQ4_XS: {
+      static const int kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+      const int sub = e / 32, l = e % 32;
+      const int ls = ((b[4 + sub / 2] >> (4 * (sub % 2))) & 15) | (((u16(b + 2) >> (2 * sub)) & 3) << 4);
+      const uint8_t byte = b[8 + 16 * sub + l % 16];
+      const int q = l < 16 ? byte & 15 : byte >> 4;
+      return (half_bits_to_float(u16(b)) * static_cast<float>(ls - 32)) * static_cast<float>(kValues[q]);
+    }
     case QuantType::kIQ4_NL: {
       static const int kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
       const int q = e < 16 ? (b[2 + e] & 15) : (b[2 + e - 16] >> 4);

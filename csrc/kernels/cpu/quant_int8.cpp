@@ -165,6 +165,20 @@ inline WBlock decode_block(QuantType type, const uint8_t* row, int64_t b, uint8_
       }
       return w;
     }
+    case QuantType::kIQ4_XS: {
+      const uint8_t* s = row + 136 * (b / 8);
+      const int j = static_cast<int>(b % 8);
+      // exact: a half times an integer of 6 bits
+      w.ws = half_to_float(s) * static_cast<float>(iq4xs_scale(load_u16(s + 2), load_u32(s + 4), j));
+      if (u) {
+        const uint8_t* q = s + 8 + 16 * j;
+        for (int i = 0; i < 16; ++i) {
+          u[i] = static_cast<uint8_t>(kIq4nlValues[q[i] & 0x0F]);
+          u[i + 16] = static_cast<uint8_t>(kIq4nlValues[q[i] >> 4]);
+        }
+      }
+      return w;
+    }
     case QuantType::kQ4_K:
     case QuantType::kQ5_K: {
       const bool five = type == QuantType::kQ5_K;

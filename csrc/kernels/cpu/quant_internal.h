@@ -13,9 +13,10 @@ namespace quant_detail {
 
 // ---- what the formats share (one place for every kernel) --------------------------------
 
-// K-quants: super-blocks of 256 weights (8 blocks of 32); the rest: blocks of 32.
+// K-quants (and IQ4_XS): super-blocks of 256 weights (8 blocks of 32); the rest: blocks of 32.
 constexpr bool is_k_quant(QuantType t) {
-  return t == QuantType::kQ4_K || t == QuantType::kQ5_K || t == QuantType::kQ6_K;
+  return t == QuantType::kQ4_K || t == QuantType::kQ5_K || t == QuantType::kQ6_K ||
+         t == QuantType::kIQ4_XS;
 }
 // Bytes of a block (K-quants: of a super-block).
 constexpr int64_t block_bytes(QuantType t) {
@@ -29,6 +30,7 @@ constexpr int64_t block_bytes(QuantType t) {
     case QuantType::kQ5_K: return 176;
     case QuantType::kQ6_K: return 210;
     case QuantType::kIQ4_NL: return 18;
+    case QuantType::kIQ4_XS: return 136;
     case QuantType::kF16:
     case QuantType::kBF16: return 64;
   }
@@ -41,7 +43,12 @@ constexpr bool has_min(QuantType t) {
 }
 // Formats whose 8-bit quants (as the int8 arithmetic forms them) are signed.
 constexpr bool signed_quants(QuantType t) {
-  return t == QuantType::kQ8_0 || t == QuantType::kIQ4_NL;
+  return t == QuantType::kQ8_0 || t == QuantType::kIQ4_NL || t == QuantType::kIQ4_XS;
+}
+// IQ4_XS: sub-block j's scale (-32..31) from the super-block's 16-bit scales_h and its
+// 32-bit scales_l.
+constexpr int iq4xs_scale(uint32_t scales_h, uint32_t scales_l, int j) {
+  return static_cast<int>(((scales_l >> (4 * j)) & 0x0F) | (((scales_h >> (2 * j)) & 3) << 4)) - 32;
 }
 // The offset subtracted from the unsigned quants (w = d * (q - offset)).
 constexpr int32_t quant_offset(QuantType t) {

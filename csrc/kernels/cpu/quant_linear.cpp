@@ -90,6 +90,20 @@ __attribute__((always_inline)) inline void dequant_row(QuantType type,
       }
       return;
     }
+    case QuantType::kIQ4_XS:
+      for (int64_t b = 0; b < blocks; ++b, src += 136, dst += 256) {
+        const float d = half_to_float(src);
+        const uint32_t sh = load_u16(src + 2), sl = load_u32(src + 4);
+        for (int j = 0; j < 8; ++j) {
+          const float a = d * static_cast<float>(quant_detail::iq4xs_scale(sh, sl, j));
+          const uint8_t* q = src + 8 + 16 * j;
+          for (int i = 0; i < 16; ++i) {
+            dst[32 * j + i] = a * static_cast<float>(kIq4nlValues[q[i] & 0x0F]);
+            dst[32 * j + i + 16] = a * static_cast<float>(kIq4nlValues[q[i] >> 4]);
+          }
+        }
+      }
+      return;
     case QuantType::kQ4_K:
     case QuantType::kQ5_K: {
       const bool five = type == QuantType::kQ5_K;
@@ -278,7 +292,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void dequant_
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void dequant_avx512(
     QuantType type, const uint8_t* src, int64_t blocks, float* dst) {
-  if (quant_detail::is_k_quant(type)) {
+  if (type == QuantType::kQ4_K || type == QuantType::kQ5_K || type == QuantType::kQ6_K) {
     dequant_k_avx512(type, src, blocks, dst);
     return;
   }
@@ -578,6 +592,7 @@ const char* quant_type_name(QuantType type) {
     case QuantType::kQ5_K: return "Q5_K";
     case QuantType::kQ6_K: return "Q6_K";
     case QuantType::kIQ4_NL: return "IQ4_NL";
+    case QuantType::kIQ4_XS: return "IQ4_XS";
     case QuantType::kF16: return "F16";
     case QuantType::kBF16: return "BF16";
   }
