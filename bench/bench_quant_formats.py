@@ -63,6 +63,12 @@ def main(argv=None) -> int:
         ap.error("--formats must include Q4_0 (the reference of the ratios)")
     layers = SHAPES[args.shape][5]
     shapes = layer_matrices(args.shape) * layers
+    for fmt in args.formats:
+        block = _C.quant_formats()[fmt][1] if fmt != "F32" else 1
+        ks = sorted({k for _, k in shapes if k % block})
+        if ks:
+            ap.error(f"--formats: {fmt}'s blocks of {block} weights do not divide the "
+                     f"{args.shape} shape's K = {ks} (a file of this shape falls back to another type)")
     threads = args.threads
 
     passes, nbytes = {}, {}
