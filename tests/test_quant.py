@@ -39,15 +39,18 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def min_terms(data: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
     """C_b per block of 32 of each row (float64 [n, k / 32]): the size of the block's min
-    term, Q4_1 / Q5_1 |m|, Q4_K / Q5_K 63 |dmin| (the largest 6-bit min), else 0."""
+    term, Q4_1 / Q5_1 |m|, Q4_K / Q5_K 63 |dmin| (the largest 6-bit min), Q2_K 15 |dmin|
+    (the largest 4-bit one), else 0."""
     _, block, size = QUANT_FORMATS[fmt]
     n = data.shape[0]
-    if fmt not in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
+    # the min's byte offset and the largest integer it is multiplied by
+    at, most = {"Q4_1": (2, 1), "Q5_1": (2, 1), "Q4_K": (2, 63), "Q5_K": (2, 63),
+                "Q2_K": (82, 15)}.get(fmt, (None, 0))
+    if at is None:
         return torch.zeros(n, k // 32, dtype=torch.float64)
     raw = data.reshape(n, k // block, size)
-    c = raw[:, :, 2:4].contiguous().view(torch.float16).reshape(n, k // block).double().abs()
-    if fmt in ("Q4_K", "Q5_K"):
-        c = 63 * c
+    c = raw[:, :, at:at + 2].contiguous().view(torch.float16).reshape(n, k // block).double().abs()
+    c = most * c
     return c.repeat_interleave(block // 32, dim=1)
 
 
@@ -143,9 +146,10 @@ def test_blocks_from_ggufs_quantizer(fmt):
 def test_bound_catches_a_perturbed_scale(fmt):
     """The value checks can fail: the kernel fed a matrix whose first block scale of row 2
     is off (float: 1%, int8: 5%) gives outputs outside the bound of the true weights, for
-    that row only. For int8, x follows the signs of row 2's weights, so the perturbed
-    block's share of the output (~3.7% of sum |w| over it) is well over the bound (~0.4% of
-    sum |w| over the row)."""
+    that row only. x follows the signs of the perturbation (of row 2's weights where it
+    changes none), so the perturbed block's share of the output (~3.7% of sum |w| over it
+    for int8) is well over the bound (~0.4% of sum |w| over the row for int8), whatever
+    the weights' min terms."""
     k = _k_for(fmt, 2)
     data = random_blocks(fmt, 6, k, seed=5)
     w = gguf_dequantize(data, fmt)
@@ -154,13 +158,11 @@ def test_bound_catches_a_perturbed_scale(fmt):
         bad = data.clone()
         d = bad[2, off:off + 2].view(torch.float16)
         bad[2, off:off + 2] = (d * factor).view(torch.uint8)
+        delta = gguf_dequantize(bad, fmt)[2] - w[2]
+        sign = torch.where(delta != 0, torch.sign(delta), torch.sign(w[2]))
         g = torch.Generator().manual_seed(0)
-        if arithmetic == "float":
-            x = torch.randn(4, k, generator=g)
-            limit = bound(x, w)
-        else:
-            x = torch.sign(w[2]) * (0.5 + 0.5 * torch.rand(4, k, generator=g))
-            limit = int8_bound(x, w, data, fmt)
+        x = sign * (0.5 + 0.5 * torch.rand(4, k, generator=g))
+        limit = bound(x, w) if arithmetic == "float" else int8_bound(x, w, data, fmt)
         want = x.double() @ w.double().t()
         ok = (ops.quant_linear(x, data, fmt, arithmetic=arithmetic).double() - want).abs() <= limit
         assert ok.all(), arithmetic
@@ -428,7 +430,7 @@ LAYER_FORMATS = [
     {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_0",
      "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "IQ4_XS"},
     {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "BF16", "attn_output": "F16",
-     "ffn_gate": "Q5_1", "ffn_up": "Q5_K", "ffn_down": "IQ4_NL"},
+     "ffn_gate": "Q5_1", "ffn_up": "Q2_K", "ffn_down": "IQ4_NL"},
 ]
 # quants of about 8x the 4-bit ones' size: random scales 8x smaller
 _WIDE_QUANTS = ("Q8_0", "IQ4_NL", "IQ4_XS")

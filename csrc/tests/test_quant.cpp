@@ -56,6 +56,12 @@ float reference_weight(QuantType t, const uint8_t* b, int e) {
       if (q51) return half_bits_to_float(u16(b)) * static_cast<float>(q) + half_bits_to_float(u16(b + 2));
       return half_bits_to_float(u16(b)) * static_cast<float>(q - 16);
     }
+    case QuantType::kQ2_K: {
+      const int sub = e / 32, l = e % 32, g = e / 16;  // g: the 16 elements' scale byte
+      const int q = (b[16 + 32 * (sub / 4) + l] >> (2 * (sub % 4))) & 3;
+      return (half_bits_to_float(u16(b + 80)) * static_cast<float>(b[g] & 15)) * static_cast<float>(q) -
+             half_bits_to_float(u16(b + 82)) * static_cast<float>(b[g] >> 4);
+    }
     case QuantType::kIQ4_XS: {
       static const int kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
       const int sub = e / 32, l = e % 32;
@@ -118,6 +124,7 @@ std::vector<uint8_t> random_rows(QuantType t, int64_t n, int64_t k, std::mt19937
   }
   std::vector<int> halves;
   if (t == QuantType::kQ6_K) halves = {208};
+  else if (t == QuantType::kQ2_K) halves = {80, 82};
   else if (t == QuantType::kQ4_1 || t == QuantType::kQ5_1 || t == QuantType::kQ4_K ||
            t == QuantType::kQ5_K)
     halves = {0, 2};
@@ -132,10 +139,11 @@ std::vector<uint8_t> random_rows(QuantType t, int64_t n, int64_t k, std::mt19937
 }
 
 // The size of a block's min term (quant.h, int8 arithmetic): Q4_1 / Q5_1 |m|, Q4_K / Q5_K
-// 63 |dmin| (the largest 6-bit min), else 0.
+// 63 |dmin| (the largest 6-bit min), Q2_K 15 |dmin|, else 0.
 double min_term(QuantType t, const uint8_t* b) {
   if (t == QuantType::kQ4_1 || t == QuantType::kQ5_1) return std::fabs(half_bits_to_float(u16(b + 2)));
   if (t == QuantType::kQ4_K || t == QuantType::kQ5_K) return 63.0 * std::fabs(half_bits_to_float(u16(b + 2)));
+  if (t == QuantType::kQ2_K) return 15.0 * std::fabs(half_bits_to_float(u16(b + 82)));
   return 0.0;
 }
 

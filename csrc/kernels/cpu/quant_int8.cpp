@@ -114,8 +114,10 @@ void quantize_x(const QuantLinearArgs& a, QuantX* out) {
 // multipliers (Q6_K: the sub-scales of elements 0..15 and 16..31; else 1), the float scale
 // ws (x's block scale is multiplied by it once) and the min coefficient wc (Q4_1, Q5_1: m;
 // Q4_K, Q5_K: -(dmin * min); times dx it multiplies the sum of x's block).
+// Q2_K: the min's integer is min_lo * (sum of x's values 0..15) + min_hi * (16..31); else
+// min_lo = min_hi = 1 (the block's sum).
 struct WBlock {
-  int32_t offset = 0, mul_lo = 1, mul_hi = 1;
+  int32_t offset = 0, mul_lo = 1, mul_hi = 1, min_lo = 1, min_hi = 1;
   float ws = 0.0f, wc = 0.0f;
 };
 
@@ -162,6 +164,21 @@ inline WBlock decode_block(QuantType type, const uint8_t* row, int64_t b, uint8_
           u[i] = static_cast<uint8_t>((q[i] & 0x0F) | (((qh >> i) & 1) << 4));
           u[i + 16] = static_cast<uint8_t>((q[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
         }
+      }
+      return w;
+    }
+    case QuantType::kQ2_K: {
+      const uint8_t* s = row + 84 * (b / 8);
+      const int j = static_cast<int>(b % 8);
+      w.ws = half_to_float(s + 80);
+      w.wc = -half_to_float(s + 82);
+      w.mul_lo = s[2 * j] & 0x0F;
+      w.mul_hi = s[2 * j + 1] & 0x0F;
+      w.min_lo = s[2 * j] >> 4;
+      w.min_hi = s[2 * j + 1] >> 4;
+      if (u) {
+        const uint8_t* q = s + 16 + 32 * (j / 4);
+        for (int l = 0; l < 32; ++l) u[l] = static_cast<uint8_t>((q[l] >> (2 * (j % 4))) & 3);
       }
       return w;
     }
@@ -229,7 +246,7 @@ inline int32_t block_product(QuantType type, const WBlock& w, const uint8_t* u, 
     lo += (signed_w ? static_cast<int8_t>(u[e]) : u[e]) * q[e];
     hi += (signed_w ? static_cast<int8_t>(u[e + 16]) : u[e + 16]) * q[e + 16];
   }
-  if (type == QuantType::kQ6_K) return (lo - w.offset * slo) * w.mul_lo + (hi - w.offset * shi) * w.mul_hi;
+  if (half_scales(type)) return (lo - w.offset * slo) * w.mul_lo + (hi - w.offset * shi) * w.mul_hi;
   return lo + hi - w.offset * s;
 }
 
@@ -254,7 +271,8 @@ void rows_scalar(const QuantLinearArgs& a, const QuantX& xq, int64_t n0, int64_t
         const size_t i = static_cast<size_t>(m * nb + b);
         const int32_t p = block_product(a.type, w, u, xq.q.data() + 32 * i, xq.s[i], xq.slo[i], xq.shi[i]);
         y = std::fma(static_cast<float>(p), w.ws * xq.dx[i], y);
-        if (has_mins) y = std::fma(xq.sf[i], w.wc * xq.dx[i], y);
+        if (has_mins)  // the min's integer: S, or Q2_K's weighted halves (exact in a float)
+          y = std::fma(static_cast<float>(w.min_lo * xq.slo[i] + w.min_hi * xq.shi[i]), w.wc * xq.dx[i], y);
       }
       a.y[m * a.ldy + n] = y;
     }

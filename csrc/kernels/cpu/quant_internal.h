@@ -15,9 +15,11 @@ namespace quant_detail {
 
 // K-quants (and IQ4_XS): super-blocks of 256 weights (8 blocks of 32); the rest: blocks of 32.
 constexpr bool is_k_quant(QuantType t) {
-  return t == QuantType::kQ4_K || t == QuantType::kQ5_K || t == QuantType::kQ6_K ||
-         t == QuantType::kIQ4_XS;
+  return t == QuantType::kQ2_K || t == QuantType::kQ4_K || t == QuantType::kQ5_K ||
+         t == QuantType::kQ6_K || t == QuantType::kIQ4_XS;
 }
+// Formats with a multiplier per half block of 16 (Q6_K's int8 sub-scales, Q2_K's 4-bit ones).
+constexpr bool half_scales(QuantType t) { return t == QuantType::kQ6_K || t == QuantType::kQ2_K; }
 // Bytes of a block (K-quants: of a super-block).
 constexpr int64_t block_bytes(QuantType t) {
   switch (t) {
@@ -31,6 +33,7 @@ constexpr int64_t block_bytes(QuantType t) {
     case QuantType::kQ6_K: return 210;
     case QuantType::kIQ4_NL: return 18;
     case QuantType::kIQ4_XS: return 136;
+    case QuantType::kQ2_K: return 84;
     case QuantType::kF16:
     case QuantType::kBF16: return 64;
   }
@@ -39,7 +42,7 @@ constexpr int64_t block_bytes(QuantType t) {
 // Formats whose weights carry a min term (w = scale * q + min).
 constexpr bool has_min(QuantType t) {
   return t == QuantType::kQ4_1 || t == QuantType::kQ5_1 || t == QuantType::kQ4_K ||
-         t == QuantType::kQ5_K;
+         t == QuantType::kQ5_K || t == QuantType::kQ2_K;
 }
 // Formats whose 8-bit quants (as the int8 arithmetic forms them) are signed.
 constexpr bool signed_quants(QuantType t) {

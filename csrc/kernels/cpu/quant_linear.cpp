@@ -90,6 +90,17 @@ __attribute__((always_inline)) inline void dequant_row(QuantType type,
       }
       return;
     }
+    case QuantType::kQ2_K:
+      for (int64_t b = 0; b < blocks; ++b, src += 84, dst += 256) {
+        const float d = half_to_float(src + 80), dmin = half_to_float(src + 82);
+        for (int g = 0; g < 16; ++g) {  // 16 elements: scale byte g, quants of sub-block g / 2
+          const float a = d * static_cast<float>(src[g] & 0x0F), c = dmin * static_cast<float>(src[g] >> 4);
+          const int j = g / 2, l0 = 16 * (g & 1);
+          const uint8_t* q = src + 16 + 32 * (j / 4) + l0;
+          for (int l = 0; l < 16; ++l) dst[32 * j + l0 + l] = a * static_cast<float>((q[l] >> (2 * (j % 4))) & 3) - c;
+        }
+      }
+      return;
     case QuantType::kIQ4_XS:
       for (int64_t b = 0; b < blocks; ++b, src += 136, dst += 256) {
         const float d = half_to_float(src);
@@ -593,6 +604,7 @@ const char* quant_type_name(QuantType type) {
     case QuantType::kQ6_K: return "Q6_K";
     case QuantType::kIQ4_NL: return "IQ4_NL";
     case QuantType::kIQ4_XS: return "IQ4_XS";
+    case QuantType::kQ2_K: return "Q2_K";
     case QuantType::kF16: return "F16";
     case QuantType::kBF16: return "BF16";
   }

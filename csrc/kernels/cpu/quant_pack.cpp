@@ -37,6 +37,7 @@ HalfFields half_fields(QuantType type) {
     case QuantType::kQ5_K: return {2, {0, 2}};
     case QuantType::kQ6_K: return {1, {208, 0}};
     case QuantType::kIQ4_XS: return {2, {0, 2}};  // d, and the 16-bit scales_h
+    case QuantType::kQ2_K: return {2, {80, 82}};
   }
   return {0, {0, 0}};
 }
