@@ -319,7 +319,7 @@ class LlamaGGUF(Mapping):
 
     def describe(self, name: str) -> str:
         """Tensor ``name`` (a transformers name) as the file names it, with its type:
-        "blk.0.attn_q.weight (Q2_K)"."""
+        "blk.0.attn_q.weight (IQ2_XXS)"."""
         gguf_name = self._names[name]
         return f"{gguf_name} ({self.file.type_name(gguf_name)})"
 

@@ -149,7 +149,7 @@ class LlamaWeights:
     #: A GGUF's tensors per ggml type ({"F32": 65, "Q5_0": 176, ...}); empty for other sources.
     file_types: dict[str, int] = field(default_factory=dict)
     #: A quantized load's matrices that were dequantized to float32 instead, as
-    #: "blk.0.attn_q.weight (Q2_K)": a type without a quantized kernel, or a piece fused
+    #: "blk.0.attn_q.weight (IQ2_XXS)": a type without a quantized kernel, or a piece fused
     #: (q|k|v, gate|up) with one.
     converted: tuple[str, ...] = ()
 
@@ -165,7 +165,7 @@ class LlamaWeights:
         the file's formats as QuantizedMatrix where verispec has a kernel for them
         (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS, F16, BF16); a fused
         projection with a piece in any other format is dequantized to ``dtype``, and its
-        pieces are listed in ``converted`` ("blk.0.attn_q.weight (Q2_K)").
+        pieces are listed in ``converted`` ("blk.0.attn_q.weight (IQ2_XXS)").
         """
         if quantized and (torch.device(device).type != "cpu" or dtype != torch.float32
                           or not hasattr(state, "quantized")):
