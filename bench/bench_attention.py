@@ -22,7 +22,6 @@ time of each and shared's speedup. Writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kernel_env import cpu_kernel_environment
+from kernel_env import cpu_kernel_environment, write_result
 
 from verispec import _C
 
@@ -117,17 +116,13 @@ def main(argv=None) -> int:
     for r in rows:
         lines.append(f"| {r['cache']} | {r['context']} | {r['tokens']} | {r['shared_ms']:.2f} | "
                      f"{r['per_token_ms']:.2f} | {r['speedup']:.2f}x | {r['same_bits']} |")
-    table = "\n".join(lines)
-    print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    write_result(args.out, {
         "benchmark": "CPU paged attention per pass: shared key reads vs per token",
         "environment": cpu_kernel_environment(args.threads),
         "caches": {c: dict(zip(("layers", "query_heads", "kv_heads", "head_size"), CACHES[c]))
                    for c in args.caches},
-        "block_size": BLOCK, "rounds": args.rounds, "quick": args.quick, "rows": rows,
-        "markdown": table}, indent=2) + "\n")
-    print(f"wrote {args.out}")
+        "block_size": BLOCK, "rounds": args.rounds, "quick": args.quick, "rows": rows},
+        "\n".join(lines))
     return 0
 
 

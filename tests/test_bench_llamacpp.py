@@ -56,3 +56,46 @@ def test_prompts_and_plot_without_matplotlib(tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     note = bench.plot([], ["open chat"], 1.0, "t", tmp_path / "x.png")
     assert note.startswith("PNG skipped") and not (tmp_path / "x.png").exists()
+
+
+def test_preset_mix_matches_llama_cpps_360m_file():
+    """PRESET_MIX, the stand-in for llama.cpp's quantizer, gives the 360M shape's Q4_K_M
+    file what issue 47 found in llama.cpp's: 176 Q5_0 matrices (its K = 960 rows fall back
+    from Q4_K), the Q6_K ones of those rows in Q8_0, ffn_down (K = 2560) in Q4_K / Q6_K."""
+    bench = _bench()
+    hidden, inter, layers = bench.PRESETS["360M"][:3]
+    types = [bench.preset_type("Q4_K_M", t, i, layers, inter if t == "ffn_down" else hidden)
+             for i in range(layers)
+             for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    types.append(bench.preset_type("Q4_K_M", "token_embd", None, layers, hidden))
+    counts = {t: types.count(t) for t in set(types)}
+    assert counts == {"Q5_0": 176, "Q8_0": 17, "Q4_K": 16, "Q6_K": 16}, counts
+    assert bench.preset_type("Q4_K_M", "ffn_down", 0, 16, 8192) == "Q6_K"
+    assert bench.preset_type("Q4_0", "attn_q", 3, 16, 2048) == "Q4_0"
+
+
+def test_tiny_preset_plain_only_without_llama_cpp(tmp_path):
+    """--preset writes the random-weight file (SmolLM2's tokenizer, PRESET_MIX's types when
+    llama-cpp-python is missing, which the output says), every matrix stays quantized, and
+    each row has its share of the measured bandwidth."""
+    out = tmp_path / "preset.json"
+    hide = ("import runpy, sys; sys.modules['llama_cpp'] = None; "
+            f"sys.argv = [{str(BENCH)!r}, '--preset', 'tiny', '--plain-only', '--max-new-tokens', "
+            f"'3', '--repeats', '1', '--prompts', 'chat', '--out', {str(out)!r}]; "
+            f"runpy.run_path({str(BENCH)!r}, run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    result = json.loads(out.read_text())
+    assert result["preset"] == "tiny" and result["ftype"] == "Q4_K_M"
+    assert "approximation of llama.cpp's Q4_K_M mix" in result["quantized_by"]
+    assert "llama-cpp-python is not installed" in result["quantized_by"]
+    assert result["file_types"] == {"F32": 5, "Q5_0": 12, "Q8_0": 1, "Q4_K": 2}
+    assert result["converted"] == []
+    assert (tmp_path / "bench/out/presets/tiny-Q4_K_M-verispec-mix.gguf").exists()
+    assert {r["engine"] for r in result["rows"]} == {
+        "verispec quantized plain", "verispec quantized/float plain", "verispec float32 plain"}
+    assert all(r["bandwidth_share"] == pytest.approx(r["gen_tok_s"] / r["bandwidth_bound_tok_s"])
+               for r in result["rows"])
+    assert "ngram_vs_llama_cpp_best" not in result["targets"]["open chat"]
+    assert "bandwidth share" in p.stdout

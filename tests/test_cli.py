@@ -308,7 +308,8 @@ def test_generate_header_names_the_weights(capsys):
             "--no-compare", "--greedy"]
     code, _, err = run(capsys, *args)
     assert code == 0, err
-    assert "Q4_1/Q8_0 weights, float32 activations on cpu" in err, err
+    assert ("Q4_1/Q8_0 weights (file: 61 F32, 210 Q4_1, 1 Q8_0), nothing converted, float32 "
+            "activations on cpu") in err, err
     code, _, err = run(capsys, *args, "--dtype", "float32")
     assert code == 0, err
     assert "30 layers, float32 on cpu" in err, err

@@ -14,25 +14,15 @@ import pytest
 import torch
 
 from verispec import _C, ops
-from verispec.models.quantized import QUANT_FORMATS, QuantizedMatrix, row_bytes
+from verispec.models.quantized import FLOAT16_FORMATS, QUANT_FORMATS, QuantizedMatrix, row_bytes
+# byte offsets of the half-float scales in each format's block; random matrices in a format
+from verispec.models.testing import QUANT_HALF_FIELDS as _HALF_FIELDS
+from verispec.models.testing import random_quant_blocks as random_blocks
 
 ISAS = _C.linear_isas()
 FORMATS = list(QUANT_FORMATS)
-# byte offsets of the half-float scales in each format's block
-_HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
-                "Q6_K": [208]}
-
-
-def random_blocks(fmt: str, n: int, k: int, *, seed: int, scale: float = 0.01) -> torch.Tensor:
-    """A random [n, k] matrix in format `fmt` (uint8 [n, row_bytes]): random quants and
-    scale bytes, the half-float scales set to normal values of about `scale`."""
-    _, block, size = QUANT_FORMATS[fmt]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
-    for off in _HALF_FIELDS[fmt]:
-        d = (scale * (0.5 + rng.random((n, k // block)))).astype(np.float16)
-        raw[:, :, off:off + 2] = d.view(np.uint8).reshape(n, k // block, 2)
-    return torch.from_numpy(raw.reshape(n, -1).copy())
+# the block formats with a scale: the int8 arithmetic's (F16 / BF16 always run the float one)
+SCALED_FORMATS = [f for f in FORMATS if f not in FLOAT16_FORMATS]
 
 
 def gguf_dequantize(data: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -49,15 +39,18 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def min_terms(data: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
     """C_b per block of 32 of each row (float64 [n, k / 32]): the size of the block's min
-    term, Q4_1 |m|, Q4_K / Q5_K 63 |dmin| (the largest 6-bit min), else 0."""
+    term, Q4_1 / Q5_1 |m|, Q4_K / Q5_K 63 |dmin| (the largest 6-bit min), Q2_K 15 |dmin|
+    (the largest 4-bit one), else 0."""
     _, block, size = QUANT_FORMATS[fmt]
     n = data.shape[0]
-    if fmt not in ("Q4_1", "Q4_K", "Q5_K"):
+    # the min's byte offset and the largest integer it is multiplied by
+    at, most = {"Q4_1": (2, 1), "Q5_1": (2, 1), "Q4_K": (2, 63), "Q5_K": (2, 63),
+                "Q2_K": (82, 15)}.get(fmt, (None, 0))
+    if at is None:
         return torch.zeros(n, k // 32, dtype=torch.float64)
     raw = data.reshape(n, k // block, size)
-    c = raw[:, :, 2:4].contiguous().view(torch.float16).reshape(n, k // block).double().abs()
-    if fmt != "Q4_1":
-        c = 63 * c
+    c = raw[:, :, at:at + 2].contiguous().view(torch.float16).reshape(n, k // block).double().abs()
+    c = most * c
     return c.repeat_interleave(block // 32, dim=1)
 
 
@@ -107,19 +100,56 @@ def test_matches_float64(fmt, isa, m, n, blocks):
     err = (y.double() - want).abs()
     assert (err <= bound(x, w)).all(), f"float: max error {err.max().item():.3g}"
     y8 = ops.quant_linear(x, data, fmt, isa=isa, num_threads=2)  # int8, the default
+    if fmt in FLOAT16_FORMATS:
+        # no block scale: an int8 call runs the float arithmetic, linear_f32's bits over the
+        # converted weights (those of a float32 load of the file)
+        assert torch.equal(y8, y) and torch.equal(y, ops.linear(x, w, isa=isa, num_threads=1))
+        return
     err = (y8.double() - want).abs()
     assert (err <= int8_bound(x, w, data, fmt)).all(), f"int8: max error {err.max().item():.3g}"
     # int8: integer sums and one float order, so every instruction set gives the same bits
     assert torch.equal(y8, ops.quant_linear(x, data, fmt, isa="scalar", num_threads=1))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+# the formats gguf.quants can quantize (its quantizer is llama.cpp's reference one)
+GGUF_QUANTIZER_FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+
+
+@pytest.mark.parametrize("fmt", GGUF_QUANTIZER_FORMATS)
+def test_blocks_from_ggufs_quantizer(fmt):
+    """Blocks as a real quantizer writes them (gguf.quants.quantize of a float matrix, not
+    random bytes): dequantized bit for bit as gguf.quants, products within the bounds."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    k, n = 256, 48
+    g = torch.Generator().manual_seed(11)
+    wf = torch.randn(n, k, generator=g) * 0.05 + 0.01
+    data = torch.from_numpy(np.ascontiguousarray(quantize(wf.numpy(), GGMLQuantizationType[fmt])))
+    assert data.shape == (n, row_bytes(fmt, k))
+    w = gguf_dequantize(data, fmt)
+    # a quantization of wf: each weight within a 4-bit step (amax / 8; Q4_0 clamps the end
+    # of its range opposite the block's largest weight by up to a step) of wf
+    amax = wf.abs().reshape(n, k // 32, 32).amax(dim=2, keepdim=True)
+    assert ((w - wf).abs().reshape(n, k // 32, 32) <= amax / 7).all()
+    assert torch.equal(QuantizedMatrix.from_bytes(data, fmt, k).dequantize(), w)
+    x = torch.randn(5, k, generator=g)
+    want = x.double() @ w.double().t()
+    for isa in ISAS:
+        y = ops.quant_linear(x, data, fmt, isa=isa, arithmetic="float")
+        assert ((y.double() - want).abs() <= bound(x, w)).all(), isa
+        y8 = ops.quant_linear(x, data, fmt, isa=isa)
+        assert ((y8.double() - want).abs() <= int8_bound(x, w, data, fmt)).all(), isa
+
+
+@pytest.mark.parametrize("fmt", SCALED_FORMATS)
 def test_bound_catches_a_perturbed_scale(fmt):
     """The value checks can fail: the kernel fed a matrix whose first block scale of row 2
     is off (float: 1%, int8: 5%) gives outputs outside the bound of the true weights, for
-    that row only. For int8, x follows the signs of row 2's weights, so the perturbed
-    block's share of the output (~3.7% of sum |w| over it) is well over the bound (~0.4% of
-    sum |w| over the row)."""
+    that row only. x follows the signs of the perturbation (of row 2's weights where it
+    changes none), so the perturbed block's share of the output (~3.7% of sum |w| over it
+    for int8) is well over the bound (~0.4% of sum |w| over the row for int8), whatever
+    the weights' min terms."""
     k = _k_for(fmt, 2)
     data = random_blocks(fmt, 6, k, seed=5)
     w = gguf_dequantize(data, fmt)
@@ -128,13 +158,11 @@ def test_bound_catches_a_perturbed_scale(fmt):
         bad = data.clone()
         d = bad[2, off:off + 2].view(torch.float16)
         bad[2, off:off + 2] = (d * factor).view(torch.uint8)
+        delta = gguf_dequantize(bad, fmt)[2] - w[2]
+        sign = torch.where(delta != 0, torch.sign(delta), torch.sign(w[2]))
         g = torch.Generator().manual_seed(0)
-        if arithmetic == "float":
-            x = torch.randn(4, k, generator=g)
-            limit = bound(x, w)
-        else:
-            x = torch.sign(w[2]) * (0.5 + 0.5 * torch.rand(4, k, generator=g))
-            limit = int8_bound(x, w, data, fmt)
+        x = sign * (0.5 + 0.5 * torch.rand(4, k, generator=g))
+        limit = bound(x, w) if arithmetic == "float" else int8_bound(x, w, data, fmt)
         want = x.double() @ w.double().t()
         ok = (ops.quant_linear(x, data, fmt, arithmetic=arithmetic).double() - want).abs() <= limit
         assert ok.all(), arithmetic
@@ -187,7 +215,7 @@ def test_int8_paths_compute_the_same_bits(path):
         assert _C.quant_int8_path("auto") != path
         return
     try:
-        for fmt in FORMATS:
+        for fmt in SCALED_FORMATS:
             k = _k_for(fmt, 3)
             data = random_blocks(fmt, 37, k, seed=4)
             x = torch.randn(16, k, generator=torch.Generator().manual_seed(6))
@@ -377,14 +405,14 @@ def test_packed_matrices_in_parts_prefill_tiles_and_errors(monkeypatch):
 def test_argument_errors():
     data = random_blocks("Q4_0", 4, 64, seed=0)
     x = torch.randn(2, 64)
-    with pytest.raises(ValueError, match="fmt must be one of Q4_0, .*got 'Q5_0'"):
-        ops.quant_linear(x, data, "Q5_0")
+    with pytest.raises(ValueError, match="fmt must be one of F16, Q4_0, .*got 'IQ2_XXS'"):
+        ops.quant_linear(x, data, "IQ2_XXS")
     with pytest.raises(ValueError, match=r"weight must be \[N, 36\] \(Q4_0 rows of K = 64\), got \[4, 40\]"):
         ops.quant_linear(x, torch.zeros(4, 40, dtype=torch.uint8), "Q4_0")
     with pytest.raises(ValueError, match="multiple of Q4_K's block of 256, got 64"):
         ops.quant_linear(x, data, "Q4_K")
-    with pytest.raises(ValueError, match="quant_type must be a supported ggml type id .* got 7"):
-        _C.quant_linear(x, data, 7, torch.empty(2, 4), 1)
+    with pytest.raises(ValueError, match="quant_type must be a supported ggml type id .* got 16"):
+        _C.quant_linear(x, data, 16, torch.empty(2, 4), 1)
     with pytest.raises(ValueError, match="row index 4 at 1 is out of range"):
         _C.quant_dequantize(data, 2, 64, torch.tensor([0, 4]), torch.empty(2, 64))
     missing = [i for i in ("avx2", "avx512") if i not in ISAS]
@@ -396,13 +424,16 @@ def test_argument_errors():
 # --- a quantized GGUF model -----------------------------------------------------------
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 300, 2
-# formats of each layer's tensors: K-quants and 32-blocks, mixed inside the fused q|k|v
+# formats of each layer's tensors: K-quants and 32-blocks, mixed inside the fused q|k|v and
+# gate|up; every format of QUANT_FORMATS somewhere (the embedding is Q8_0)
 LAYER_FORMATS = [
-    {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q8_0",
-     "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "Q6_K"},
-    {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q4_K",
-     "ffn_gate": "Q5_K", "ffn_up": "Q5_K", "ffn_down": "Q4_0"},
+    {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_0",
+     "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "IQ4_XS"},
+    {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "BF16", "attn_output": "F16",
+     "ffn_gate": "Q5_1", "ffn_up": "Q2_K", "ffn_down": "IQ4_NL"},
 ]
+# quants of about 8x the 4-bit ones' size: random scales 8x smaller
+_WIDE_QUANTS = ("Q8_0", "IQ4_NL", "IQ4_XS")
 
 
 def write_quantized_gguf(path, *, seed=0, tied=False, formats=LAYER_FORMATS, tamper=None):
@@ -431,7 +462,7 @@ def write_quantized_gguf(path, *, seed=0, tied=False, formats=LAYER_FORMATS, tam
     def add(name, fmt, shape, counter=[0]):
         counter[0] += 1
         data = random_blocks(fmt, shape[0], shape[1], seed=seed * 1000 + counter[0],
-                             scale=0.4 / shape[1] ** 0.5 / (8 if fmt == "Q8_0" else 1)).numpy()
+                             scale=0.4 / shape[1] ** 0.5 / (8 if fmt in _WIDE_QUANTS else 1)).numpy()
         if tamper is not None:
             fmt, data = tamper(name, fmt, data)
         w.add_tensor(name, data, raw_dtype=GGMLQuantizationType[fmt])
@@ -486,6 +517,7 @@ def test_quantized_model_matches_dequantized_float32(quantized_files, tied, monk
     matrices = [q.weights.embed] + ([] if tied else [q.weights.lm_head]) + [
         m for lw in q.weights.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
     assert sum(m.nbytes for m in matrices) <= os.path.getsize(path)
+    assert {f for m in matrices for f in m.formats} == set(FORMATS)  # every kernel, end to end
     assert not any(m.packed for m in matrices)  # the float arithmetic's layout: the file's
     assert torch.equal(q.weights.layers[1].w_down.dequantize(), f.weights.layers[1].w_down)
     g = torch.Generator().manual_seed(2)
@@ -592,6 +624,43 @@ def test_decode_layers_in_one_call_equal_the_layer_loop(quantized_files, monkeyp
     with pytest.raises(ValueError, match="block 0 must be in"):
         model.forward(batch)
     assert all(torch.equal(a, b) for a, b in zip(before, (*runner.kv.k, *runner.kv.v)))
+
+
+def test_a_type_without_a_kernel_is_converted_and_named(tmp_path):
+    """A matrix in a ggml type verispec has no kernel for (IQ2_XXS here) is dequantized
+    to float32 at a quantized load, with the pieces fused with it; the model names them
+    (tensor and type) and the CLI header lists the file's types and the conversions."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from verispec.cli import _weights_desc
+    from verispec.models import load_model
+
+    def tamper(name, fmt, data):
+        if name != "blk.0.attn_k.weight":
+            return fmt, data
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType.IQ2_XXS]
+        rng = np.random.default_rng(3)
+        raw = rng.integers(0, 256, (data.shape[0], HIDDEN // block, size), dtype=np.uint8)
+        raw[:, :, 0:2] = np.full((data.shape[0], HIDDEN // block, 1), 1e-3,
+                                 np.float16).view(np.uint8)
+        return "IQ2_XXS", raw.reshape(data.shape[0], -1)
+
+    path = write_quantized_gguf(tmp_path / "iq2.gguf", tamper=tamper)
+    q = load_model(path)
+    f = load_model(path, dtype=torch.float32)
+    assert q.quantized
+    assert q.weights.converted == ("blk.0.attn_q.weight (Q4_K)", "blk.0.attn_k.weight (IQ2_XXS)",
+                                   "blk.0.attn_v.weight (Q6_K)")
+    assert q.weights.file_types["IQ2_XXS"] == 1 and q.weights.file_types["F32"] == 2 * LAYERS + 1
+    assert not isinstance(q.weights.layers[0].wqkv, QuantizedMatrix)
+    assert torch.equal(q.weights.layers[0].wqkv, f.weights.layers[0].wqkv)
+    assert isinstance(q.weights.layers[1].wqkv, QuantizedMatrix)
+    desc = _weights_desc(q)
+    assert "(file: 5 F32, " in desc and " 1 IQ2_XXS, " in desc, desc
+    assert ("converted to float32: blk.0.attn_q.weight (Q4_K), blk.0.attn_k.weight (IQ2_XXS), "
+            "blk.0.attn_v.weight (Q6_K), float32 activations") in desc, desc
+    good = load_model(write_quantized_gguf(tmp_path / "good.gguf"))
+    assert good.weights.converted == () and "nothing converted" in _weights_desc(good)
 
 
 def test_bad_files(tmp_path):

@@ -208,10 +208,13 @@ void silu_mul_unchecked(uintptr_t gate_up, int64_t rows, int64_t inter, int64_t 
 }
 
 QuantType parse_quant_type(const char* fn, int type_id) {
-  if (!quant_type_supported(type_id))
-    throw py::value_error(std::string(fn) + ": quant_type must be a supported ggml type id "
-                          "(2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K), got " +
-                          std::to_string(type_id));
+  if (!quant_type_supported(type_id)) {
+    std::string ids;
+    for (QuantType t : kQuantTypes)
+      ids += (ids.empty() ? "" : ", ") + std::to_string(static_cast<int>(t)) + " " + quant_type_name(t);
+    throw py::value_error(std::string(fn) + ": quant_type must be a supported ggml type id (" + ids +
+                          "), got " + std::to_string(type_id));
+  }
   return static_cast<QuantType>(type_id);
 }
 
@@ -485,8 +488,7 @@ void quant_unpack16_py(const py::handle& p_obj, int type_id, int64_t k, int64_t 
 
 py::dict quant_formats() {
   py::dict d;
-  for (QuantType t : {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ8_0, QuantType::kQ4_K,
-                      QuantType::kQ5_K, QuantType::kQ6_K})
+  for (QuantType t : kQuantTypes)
     d[py::str(quant_type_name(t))] =
         py::make_tuple(static_cast<int>(t), quant_block_elems(t), quant_block_bytes(t));
   return d;

@@ -30,6 +30,13 @@ uint16_t u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)
 // Element e of the block at `b`, written from the layout in quant.h one element at a time.
 float reference_weight(QuantType t, const uint8_t* b, int e) {
   switch (t) {
+    case QuantType::kF16: return half_bits_to_float(u16(b + 2 * e));
+    case QuantType::kBF16: {
+      const uint32_t bits = static_cast<uint32_t>(u16(b + 2 * e)) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
+    }
     case QuantType::kQ8_0:
       return half_bits_to_float(u16(b)) * static_cast<float>(static_cast<int8_t>(b[2 + e]));
     case QuantType::kQ4_0: {
@@ -39,6 +46,34 @@ float reference_weight(QuantType t, const uint8_t* b, int e) {
     case QuantType::kQ4_1: {
       const int q = e < 16 ? (b[4 + e] & 15) : (b[4 + e - 16] >> 4);
       return half_bits_to_float(u16(b)) * static_cast<float>(q) + half_bits_to_float(u16(b + 2));
+    }
+    case QuantType::kQ5_0:
+    case QuantType::kQ5_1: {
+      const bool q51 = t == QuantType::kQ5_1;
+      const uint8_t* qh = b + (q51 ? 4 : 2);
+      const uint8_t* qs = qh + 4;
+      const int q = (e < 16 ? (qs[e] & 15) : (qs[e - 16] >> 4)) | (((qh[e / 8] >> (e % 8)) & 1) << 4);
+      if (q51) return half_bits_to_float(u16(b)) * static_cast<float>(q) + half_bits_to_float(u16(b + 2));
+      return half_bits_to_float(u16(b)) * static_cast<float>(q - 16);
+    }
+    case QuantType::kQ2_K: {
+      const int sub = e / 32, l = e % 32, g = e / 16;  // g: the 16 elements' scale byte
+      const int q = (b[16 + 32 * (sub / 4) + l] >> (2 * (sub % 4))) & 3;
+      return (half_bits_to_float(u16(b + 80)) * static_cast<float>(b[g] & 15)) * static_cast<float>(q) -
+             half_bits_to_float(u16(b + 82)) * static_cast<float>(b[g] >> 4);
+    }
+    case QuantType::kIQ4_XS: {
+      static const int kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+      const int sub = e / 32, l = e % 32;
+      const int ls = ((b[4 + sub / 2] >> (4 * (sub % 2))) & 15) | (((u16(b + 2) >> (2 * sub)) & 3) << 4);
+      const uint8_t byte = b[8 + 16 * sub + l % 16];
+      const int q = l < 16 ? byte & 15 : byte >> 4;
+      return (half_bits_to_float(u16(b)) * static_cast<float>(ls - 32)) * static_cast<float>(kValues[q]);
+    }
+    case QuantType::kIQ4_NL: {
+      static const int kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+      const int q = e < 16 ? (b[2 + e] & 15) : (b[2 + e - 16] >> 4);
+      return half_bits_to_float(u16(b)) * static_cast<float>(kValues[q]);
     }
     case QuantType::kQ4_K:
     case QuantType::kQ5_K: {
@@ -77,9 +112,22 @@ std::vector<uint8_t> random_rows(QuantType t, int64_t n, int64_t k, std::mt19937
   const int64_t bb = quant_block_bytes(t), blocks = n * k / quant_block_elems(t);
   std::vector<uint8_t> w(static_cast<size_t>(blocks * bb));
   for (auto& v : w) v = static_cast<uint8_t>(rng());
+  if (quant_is_float16(t)) {  // normal values of either sign, about 2^-7..2^-5
+    for (size_t i = 0; i < w.size(); i += 2) {
+      const uint16_t h = t == QuantType::kF16
+                             ? static_cast<uint16_t>(((rng() & 1) << 15) | ((8 + rng() % 3) << 10) | (rng() & 0x3FF))
+                             : static_cast<uint16_t>(((rng() & 1) << 15) | ((120 + rng() % 3) << 7) | (rng() & 0x7F));
+      w[i] = static_cast<uint8_t>(h & 0xFF);
+      w[i + 1] = static_cast<uint8_t>(h >> 8);
+    }
+    return w;
+  }
   std::vector<int> halves;
   if (t == QuantType::kQ6_K) halves = {208};
-  else if (t == QuantType::kQ4_1 || t == QuantType::kQ4_K || t == QuantType::kQ5_K) halves = {0, 2};
+  else if (t == QuantType::kQ2_K) halves = {80, 82};
+  else if (t == QuantType::kQ4_1 || t == QuantType::kQ5_1 || t == QuantType::kQ4_K ||
+           t == QuantType::kQ5_K)
+    halves = {0, 2};
   else halves = {0};
   for (int64_t b = 0; b < blocks; ++b)
     for (int off : halves) {
@@ -90,11 +138,12 @@ std::vector<uint8_t> random_rows(QuantType t, int64_t n, int64_t k, std::mt19937
   return w;
 }
 
-// The size of a block's min term (quant.h, int8 arithmetic): Q4_1 |m|, Q4_K / Q5_K
-// 63 |dmin| (the largest 6-bit min), else 0.
+// The size of a block's min term (quant.h, int8 arithmetic): Q4_1 / Q5_1 |m|, Q4_K / Q5_K
+// 63 |dmin| (the largest 6-bit min), Q2_K 15 |dmin|, else 0.
 double min_term(QuantType t, const uint8_t* b) {
-  if (t == QuantType::kQ4_1) return std::fabs(half_bits_to_float(u16(b + 2)));
+  if (t == QuantType::kQ4_1 || t == QuantType::kQ5_1) return std::fabs(half_bits_to_float(u16(b + 2)));
   if (t == QuantType::kQ4_K || t == QuantType::kQ5_K) return 63.0 * std::fabs(half_bits_to_float(u16(b + 2)));
+  if (t == QuantType::kQ2_K) return 15.0 * std::fabs(half_bits_to_float(u16(b + 82)));
   return 0.0;
 }
 
@@ -162,14 +211,15 @@ void test_format(QuantType t, std::mt19937& rng) {
           exact += static_cast<double>(x[r * ldx + j]) * ref[c * k + j];
           scale += std::fabs(static_cast<double>(x[r * ldx + j]) * ref[c * k + j]);
         }
-        const double tol = arith == QuantArith::kFloat
+        // (F16 / BF16 run the float arithmetic whatever arith says)
+        const double tol = arith == QuantArith::kFloat || quant_is_float16(t)
                                ? k * std::ldexp(1.0, -24) * scale + 1e-30
                                : int8_bound(t, x.data() + r * ldx, ref.data() + c * k,
                                             w.data() + c * row_bytes, k);
         CHECK_NEAR(alone[r * n + c], exact, tol);
       }
     // int8: every instruction set computes the scalar path's bits
-    if (arith == QuantArith::kInt8) {
+    if (arith == QuantArith::kInt8 && !quant_is_float16(t)) {
       if (isa == LinearIsa::kScalar) int8_scalar = alone;
       else CHECK(std::memcmp(alone.data(), int8_scalar.data(), alone.size() * sizeof(float)) == 0);
     }
@@ -239,8 +289,8 @@ void test_errors() {
   a.num_threads = 0;
   CHECK(native_check::has(quant_linear_f32(a), "num_threads must be >= 1"));
   a.num_threads = 1;
-  a.type = static_cast<QuantType>(7);
-  CHECK(native_check::has(quant_linear_f32(a), "unsupported quantization type id 7"));
+  a.type = static_cast<QuantType>(16);
+  CHECK(native_check::has(quant_linear_f32(a), "unsupported quantization type id 16"));
   a.type = QuantType::kQ4_0;
   CHECK(y[0] == -1.0f);
   CHECK(quant_linear_f32(a).empty());
@@ -256,9 +306,7 @@ void test_errors() {
 
 int main() {
   std::mt19937 rng(23);
-  for (QuantType t : {QuantType::kQ8_0, QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ4_K,
-                      QuantType::kQ5_K, QuantType::kQ6_K})
-    test_format(t, rng);
+  for (QuantType t : kQuantTypes) test_format(t, rng);
   test_errors();
   return native_check::check_summary("test_quant");
 }

@@ -470,9 +470,14 @@ def _model_kind(model) -> str:
     return "native"
 
 
+# Converted tensors the header names before it only counts the rest.
+_CONVERTED_NAMED = 3
+
+
 def _weights_desc(model) -> str:
     """The model's weights as the header says them: its dtype, or the quantized formats
-    it keeps (activations in its dtype)."""
+    it keeps, every type of the file and what was converted to float32 (activations in
+    its dtype)."""
     from verispec.models import QuantizedMatrix
 
     dtype = str(model.geometry.dtype).removeprefix("torch.")
@@ -482,7 +487,18 @@ def _weights_desc(model) -> str:
     matrices = [w.embed, w.lm_head] + [m for lw in w.layers
                                        for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
     formats = sorted({f for m in matrices if isinstance(m, QuantizedMatrix) for f in m.formats})
-    return f"{'/'.join(formats)} weights, {dtype} activations"
+    file_types = getattr(w, "file_types", {})
+    converted = getattr(w, "converted", ())
+    types = (f" (file: {', '.join(f'{n} {t}' for t, n in file_types.items())})"
+             if file_types else "")
+    if converted:
+        named = ", ".join(converted[:_CONVERTED_NAMED])
+        more = (f" and {len(converted) - _CONVERTED_NAMED} more"
+                if len(converted) > _CONVERTED_NAMED else "")
+        conv = f", converted to float32: {named}{more}"
+    else:
+        conv = ", nothing converted"
+    return f"{'/'.join(formats)} weights{types}{conv}, {dtype} activations"
 
 
 def _fingerprint(model, tok) -> str:

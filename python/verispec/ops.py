@@ -317,7 +317,9 @@ def quant_linear(x, weight, fmt, *, out=None, num_threads=None, isa="auto", arit
                  packed_rows=None):
     """``x @ dequantize(weight).T`` with ``weight`` kept in a GGUF block format: ``x``
     float32 CPU [M, K]; ``weight`` uint8 CPU [N, row_bytes], each row K / block blocks of
-    format ``fmt`` ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K" or "Q6_K") -> float32 [M, N].
+    format ``fmt`` (a name of ``verispec._C.quant_formats()``: "Q8_0", "Q4_0", "Q4_1",
+    "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"; "F16" or "BF16": 16-bit floats, always the
+    float arithmetic) -> float32 [M, N].
     With ``packed_rows=N``, ``weight`` is those N rows in the packed layout of
     ``quant_pack`` (the int8 arithmetic reads it fastest; the same bits either way).
 

@@ -109,20 +109,25 @@ void quantize_x(const QuantLinearArgs& a, QuantX* out) {
 
 // ---- weights: one block of 32 as 8-bit integers -----------------------------------------
 //
-// For a row's 32-weight block b: u[32] the quants (unsigned; Q8_0: signed), `offset` o
-// (the block's integer product is sum u q - o * sum q: Q4_0 8, Q6_K 32), the multipliers
-// (Q6_K: the sub-scales of elements 0..15 and 16..31; else 1), the float scale ws (x's
-// block scale is multiplied by it once) and the min coefficient wc (Q4_1: m; Q4_K, Q5_K:
-// -(dmin * min); times dx it multiplies the sum of x's block).
+// For a row's 32-weight block b: u[32] the quants (unsigned; Q8_0, IQ4_NL: signed), the
+// offset o (the block's integer product is sum u q - o * sum q: quant_offset), the
+// multipliers (Q6_K: the sub-scales of elements 0..15 and 16..31; else 1), the float scale
+// ws (x's block scale is multiplied by it once) and the min coefficient wc (Q4_1, Q5_1: m;
+// Q4_K, Q5_K: -(dmin * min); times dx it multiplies the sum of x's block).
+// Q2_K: the min's integer is min_lo * (sum of x's values 0..15) + min_hi * (16..31); else
+// min_lo = min_hi = 1 (the block's sum).
 struct WBlock {
-  int32_t offset = 0, mul_lo = 1, mul_hi = 1;
+  int32_t offset = 0, mul_lo = 1, mul_hi = 1, min_lo = 1, min_hi = 1;
   float ws = 0.0f, wc = 0.0f;
 };
 
 // The scalars of block b; `u` (when not null) gets the 32 quants.
 inline WBlock decode_block(QuantType type, const uint8_t* row, int64_t b, uint8_t* u) {
   WBlock w;
+  w.offset = quant_offset(type);
   switch (type) {
+    case QuantType::kF16:
+    case QuantType::kBF16: return w;  // the float arithmetic only (quant_linear_f32)
     case QuantType::kQ8_0: {
       const uint8_t* s = row + 34 * b;
       w.ws = half_to_float(s);
@@ -130,17 +135,63 @@ inline WBlock decode_block(QuantType type, const uint8_t* row, int64_t b, uint8_
       return w;
     }
     case QuantType::kQ4_0:
-    case QuantType::kQ4_1: {
+    case QuantType::kQ4_1:
+    case QuantType::kIQ4_NL: {
       const bool q41 = type == QuantType::kQ4_1;
-      const uint8_t* s = row + (q41 ? 20 : 18) * b;
+      const uint8_t* s = row + block_bytes(type) * b;
       w.ws = half_to_float(s);
       if (q41) w.wc = half_to_float(s + 2);
-      else w.offset = 8;
       if (u) {
         const uint8_t* q = s + (q41 ? 4 : 2);
         for (int i = 0; i < 16; ++i) {
           u[i] = q[i] & 0x0F;
           u[i + 16] = q[i] >> 4;
+        }
+        if (type == QuantType::kIQ4_NL)
+          for (int i = 0; i < 32; ++i) u[i] = static_cast<uint8_t>(kIq4nlValues[u[i]]);
+      }
+      return w;
+    }
+    case QuantType::kQ5_0:
+    case QuantType::kQ5_1: {
+      const uint8_t* s = row + block_bytes(type) * b;
+      w.ws = half_to_float(s);
+      if (type == QuantType::kQ5_1) w.wc = half_to_float(s + 2);
+      if (u) {
+        const uint32_t qh = load_u32(s + q5_high_bits_at(type));
+        const uint8_t* q = s + q5_nibbles_at(type);
+        for (int i = 0; i < 16; ++i) {
+          u[i] = static_cast<uint8_t>((q[i] & 0x0F) | (((qh >> i) & 1) << 4));
+          u[i + 16] = static_cast<uint8_t>((q[i] >> 4) | (((qh >> (i + 16)) & 1) << 4));
+        }
+      }
+      return w;
+    }
+    case QuantType::kQ2_K: {
+      const uint8_t* s = row + 84 * (b / 8);
+      const int j = static_cast<int>(b % 8);
+      w.ws = half_to_float(s + 80);
+      w.wc = -half_to_float(s + 82);
+      w.mul_lo = s[2 * j] & 0x0F;
+      w.mul_hi = s[2 * j + 1] & 0x0F;
+      w.min_lo = s[2 * j] >> 4;
+      w.min_hi = s[2 * j + 1] >> 4;
+      if (u) {
+        const uint8_t* q = s + 16 + 32 * (j / 4);
+        for (int l = 0; l < 32; ++l) u[l] = static_cast<uint8_t>((q[l] >> (2 * (j % 4))) & 3);
+      }
+      return w;
+    }
+    case QuantType::kIQ4_XS: {
+      const uint8_t* s = row + 136 * (b / 8);
+      const int j = static_cast<int>(b % 8);
+      // exact: a half times an integer of 6 bits
+      w.ws = half_to_float(s) * static_cast<float>(iq4xs_scale(load_u16(s + 2), load_u32(s + 4), j));
+      if (u) {
+        const uint8_t* q = s + 8 + 16 * j;
+        for (int i = 0; i < 16; ++i) {
+          u[i] = static_cast<uint8_t>(kIq4nlValues[q[i] & 0x0F]);
+          u[i + 16] = static_cast<uint8_t>(kIq4nlValues[q[i] >> 4]);
         }
       }
       return w;
@@ -169,7 +220,6 @@ inline WBlock decode_block(QuantType type, const uint8_t* row, int64_t b, uint8_
       const int h = static_cast<int>(b % 8) / 4, quarter = static_cast<int>(b % 4);
       const int8_t* scales = reinterpret_cast<const int8_t*>(s + 192);
       w.ws = half_to_float(s + 208);
-      w.offset = 32;
       w.mul_lo = scales[8 * h + 2 * quarter];
       w.mul_hi = scales[8 * h + 2 * quarter + 1];
       if (u) {
@@ -185,24 +235,18 @@ inline WBlock decode_block(QuantType type, const uint8_t* row, int64_t b, uint8_
   return w;
 }
 
-// Bytes of a 32-weight block (K-quants: of a 256-weight super-block).
-template <QuantType T>
-constexpr int64_t kBlockBytes = T == QuantType::kQ8_0 ? 34 : T == QuantType::kQ4_0 ? 18
-                               : T == QuantType::kQ4_1 ? 20 : T == QuantType::kQ4_K ? 144
-                               : T == QuantType::kQ5_K ? 176 : 210;
-
 // ---- the reference sequence in plain C++ ------------------------------------------------
 
 // The exact integer product of weight block `w` (quants u) with x's block q.
 inline int32_t block_product(QuantType type, const WBlock& w, const uint8_t* u, const int8_t* q,
                              int32_t s, int32_t slo, int32_t shi) {
-  const bool signed_w = type == QuantType::kQ8_0;
+  const bool signed_w = signed_quants(type);
   int32_t lo = 0, hi = 0;
   for (int e = 0; e < 16; ++e) {
     lo += (signed_w ? static_cast<int8_t>(u[e]) : u[e]) * q[e];
     hi += (signed_w ? static_cast<int8_t>(u[e + 16]) : u[e + 16]) * q[e + 16];
   }
-  if (type == QuantType::kQ6_K) return (lo - w.offset * slo) * w.mul_lo + (hi - w.offset * shi) * w.mul_hi;
+  if (half_scales(type)) return (lo - w.offset * slo) * w.mul_lo + (hi - w.offset * shi) * w.mul_hi;
   return lo + hi - w.offset * s;
 }
 
@@ -210,8 +254,7 @@ inline int32_t block_product(QuantType type, const WBlock& w, const uint8_t* u, 
 // (formats with a min) y = fma(float(S), fl(wc * dx), y).
 void rows_scalar(const QuantLinearArgs& a, const QuantX& xq, int64_t n0, int64_t n1) {
   const int64_t nb = xq.blocks;
-  const bool has_mins = a.type == QuantType::kQ4_1 || a.type == QuantType::kQ4_K ||
-                        a.type == QuantType::kQ5_K;
+  const bool has_mins = has_min(a.type);
   alignas(32) uint8_t u[32];
   const int64_t rb = a.k / quant_block_elems(a.type) * quant_block_bytes(a.type);
   std::vector<uint8_t> unpacked(a.layout == QuantLayout::kPacked16 ? static_cast<size_t>(rb) : 0);
@@ -228,7 +271,8 @@ void rows_scalar(const QuantLinearArgs& a, const QuantX& xq, int64_t n0, int64_t
         const size_t i = static_cast<size_t>(m * nb + b);
         const int32_t p = block_product(a.type, w, u, xq.q.data() + 32 * i, xq.s[i], xq.slo[i], xq.shi[i]);
         y = std::fma(static_cast<float>(p), w.ws * xq.dx[i], y);
-        if (has_mins) y = std::fma(xq.sf[i], w.wc * xq.dx[i], y);
+        if (has_mins)  // the min's integer: S, or Q2_K's weighted halves (exact in a float)
+          y = std::fma(static_cast<float>(w.min_lo * xq.slo[i] + w.min_hi * xq.shi[i]), w.wc * xq.dx[i], y);
       }
       a.y[m * a.ldy + n] = y;
     }

@@ -11,8 +11,71 @@
 namespace verispec {
 namespace quant_detail {
 
+// ---- what the formats share (one place for every kernel) --------------------------------
+
+// K-quants (and IQ4_XS): super-blocks of 256 weights (8 blocks of 32); the rest: blocks of 32.
+constexpr bool is_k_quant(QuantType t) {
+  return t == QuantType::kQ2_K || t == QuantType::kQ4_K || t == QuantType::kQ5_K ||
+         t == QuantType::kQ6_K || t == QuantType::kIQ4_XS;
+}
+// Formats with a multiplier per half block of 16 (Q6_K's int8 sub-scales, Q2_K's 4-bit ones).
+constexpr bool half_scales(QuantType t) { return t == QuantType::kQ6_K || t == QuantType::kQ2_K; }
+// Bytes of a block (K-quants: of a super-block).
+constexpr int64_t block_bytes(QuantType t) {
+  switch (t) {
+    case QuantType::kQ4_0: return 18;
+    case QuantType::kQ4_1: return 20;
+    case QuantType::kQ5_0: return 22;
+    case QuantType::kQ5_1: return 24;
+    case QuantType::kQ8_0: return 34;
+    case QuantType::kQ4_K: return 144;
+    case QuantType::kQ5_K: return 176;
+    case QuantType::kQ6_K: return 210;
+    case QuantType::kIQ4_NL: return 18;
+    case QuantType::kIQ4_XS: return 136;
+    case QuantType::kQ2_K: return 84;
+    case QuantType::kF16:
+    case QuantType::kBF16: return 64;
+  }
+  return 0;
+}
+// Formats whose weights carry a min term (w = scale * q + min).
+constexpr bool has_min(QuantType t) {
+  return t == QuantType::kQ4_1 || t == QuantType::kQ5_1 || t == QuantType::kQ4_K ||
+         t == QuantType::kQ5_K || t == QuantType::kQ2_K;
+}
+// Formats whose 8-bit quants (as the int8 arithmetic forms them) are signed.
+constexpr bool signed_quants(QuantType t) {
+  return t == QuantType::kQ8_0 || t == QuantType::kIQ4_NL || t == QuantType::kIQ4_XS;
+}
+// IQ4_XS: sub-block j's scale (-32..31) from the super-block's 16-bit scales_h and its
+// 32-bit scales_l.
+constexpr int iq4xs_scale(uint32_t scales_h, uint32_t scales_l, int j) {
+  return static_cast<int>(((scales_l >> (4 * j)) & 0x0F) | (((scales_h >> (2 * j)) & 3) << 4)) - 32;
+}
+// The offset subtracted from the unsigned quants (w = d * (q - offset)).
+constexpr int32_t quant_offset(QuantType t) {
+  return t == QuantType::kQ4_0 ? 8 : t == QuantType::kQ5_0 ? 16 : t == QuantType::kQ6_K ? 32 : 0;
+}
+// Q5_0 / Q5_1: where the 4 bytes of high bits and the 16 of nibbles lie in a block.
+constexpr int64_t q5_high_bits_at(QuantType t) { return t == QuantType::kQ5_1 ? 4 : 2; }
+constexpr int64_t q5_nibbles_at(QuantType t) { return q5_high_bits_at(t) + 4; }
+
+
 inline uint16_t load_u16(const uint8_t* p) {
   return static_cast<uint16_t>(p[0] | (static_cast<unsigned>(p[1]) << 8));
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  return load_u16(p) | (static_cast<uint32_t>(load_u16(p + 2)) << 16);
+}
+
+// bfloat16 -> float (exact: its bits are a float's top 16).
+inline float bf16_to_float(const uint8_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(load_u16(p)) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
 // IEEE half -> float (exact: every half is a float).

@@ -25,8 +25,10 @@
 namespace verispec {
 namespace {
 
+using quant_detail::bf16_to_float;
 using quant_detail::half_to_float;
 using quant_detail::load_u16;
+using quant_detail::load_u32;
 using quant_detail::scale_min_k4;
 
 // One row of `blocks` blocks -> float32. Plain loops the compiler vectorizes for the
@@ -36,6 +38,12 @@ __attribute__((always_inline)) inline void dequant_row(QuantType type,
                                                       const uint8_t* __restrict src,
                                                       int64_t blocks, float* __restrict dst) {
   switch (type) {
+    case QuantType::kF16:
+      for (int64_t i = 0; i < 32 * blocks; ++i) dst[i] = half_to_float(src + 2 * i);
+      return;
+    case QuantType::kBF16:
+      for (int64_t i = 0; i < 32 * blocks; ++i) dst[i] = bf16_to_float(src + 2 * i);
+      return;
     case QuantType::kQ8_0:
       for (int64_t b = 0; b < blocks; ++b, src += 34, dst += 32) {
         const float d = half_to_float(src);
@@ -44,15 +52,19 @@ __attribute__((always_inline)) inline void dequant_row(QuantType type,
       }
       return;
     case QuantType::kQ4_0:
+    case QuantType::kIQ4_NL: {  // a nibble's value: q - 8, or IQ4_NL's table entry
+      const bool nl = type == QuantType::kIQ4_NL;
+      auto value = [nl](int q) { return static_cast<float>(nl ? kIq4nlValues[q] : q - 8); };
       for (int64_t b = 0; b < blocks; ++b, src += 18, dst += 32) {
         const float d = half_to_float(src);
         const uint8_t* q = src + 2;
         for (int i = 0; i < 16; ++i) {
-          dst[i] = d * static_cast<float>((q[i] & 0x0F) - 8);
-          dst[i + 16] = d * static_cast<float>((q[i] >> 4) - 8);
+          dst[i] = d * value(q[i] & 0x0F);
+          dst[i + 16] = d * value(q[i] >> 4);
         }
       }
       return;
+    }
     case QuantType::kQ4_1:
       for (int64_t b = 0; b < blocks; ++b, src += 20, dst += 32) {
         const float d = half_to_float(src), m = half_to_float(src + 2);
@@ -60,6 +72,46 @@ __attribute__((always_inline)) inline void dequant_row(QuantType type,
         for (int i = 0; i < 16; ++i) {
           dst[i] = d * static_cast<float>(q[i] & 0x0F) + m;
           dst[i + 16] = d * static_cast<float>(q[i] >> 4) + m;
+        }
+      }
+      return;
+    case QuantType::kQ5_0:
+    case QuantType::kQ5_1: {
+      const bool q51 = type == QuantType::kQ5_1;
+      const int64_t size = quant_detail::block_bytes(type);
+      for (int64_t b = 0; b < blocks; ++b, src += size, dst += 32) {
+        const float d = half_to_float(src), m = q51 ? half_to_float(src + 2) : 0.0f;
+        const uint32_t qh = load_u32(src + quant_detail::q5_high_bits_at(type));
+        const uint8_t* q = src + quant_detail::q5_nibbles_at(type);
+        for (int i = 0; i < 32; ++i) {
+          const int v = ((i < 16 ? q[i] : q[i - 16] >> 4) & 0x0F) | (((qh >> i) & 1) << 4);
+          dst[i] = q51 ? d * static_cast<float>(v) + m : d * static_cast<float>(v - 16);
+        }
+      }
+      return;
+    }
+    case QuantType::kQ2_K:
+      for (int64_t b = 0; b < blocks; ++b, src += 84, dst += 256) {
+        const float d = half_to_float(src + 80), dmin = half_to_float(src + 82);
+        for (int g = 0; g < 16; ++g) {  // 16 elements: scale byte g, quants of sub-block g / 2
+          const float a = d * static_cast<float>(src[g] & 0x0F), c = dmin * static_cast<float>(src[g] >> 4);
+          const int j = g / 2, l0 = 16 * (g & 1);
+          const uint8_t* q = src + 16 + 32 * (j / 4) + l0;
+          for (int l = 0; l < 16; ++l) dst[32 * j + l0 + l] = a * static_cast<float>((q[l] >> (2 * (j % 4))) & 3) - c;
+        }
+      }
+      return;
+    case QuantType::kIQ4_XS:
+      for (int64_t b = 0; b < blocks; ++b, src += 136, dst += 256) {
+        const float d = half_to_float(src);
+        const uint32_t sh = load_u16(src + 2), sl = load_u32(src + 4);
+        for (int j = 0; j < 8; ++j) {
+          const float a = d * static_cast<float>(quant_detail::iq4xs_scale(sh, sl, j));
+          const uint8_t* q = src + 8 + 16 * j;
+          for (int i = 0; i < 16; ++i) {
+            dst[32 * j + i] = a * static_cast<float>(kIq4nlValues[q[i] & 0x0F]);
+            dst[32 * j + i + 16] = a * static_cast<float>(kIq4nlValues[q[i] >> 4]);
+          }
         }
       }
       return;
@@ -124,8 +176,9 @@ void dequant_scalar(QuantType type, const uint8_t* src, int64_t blocks, float* d
 #if VERISPEC_X86
 // Explicit vectors (the compiler's vectorization of the plain loops is several times
 // slower); the products and sums are the plain loops' (mul, then add or subtract: no
-// fused multiply-add), so the weights are the same bits. AVX2: the 32-weight formats
-// (K-quants run the plain loops); AVX-512: every format.
+// fused multiply-add), so the weights are the same bits. AVX2: Q8_0, Q4_0, Q4_1; AVX-512:
+// those and the K-quants (the other formats run the plain loops: the float arithmetic is
+// not their fast path, the int8 one is).
 // A half scale with the F16C instruction (exact, as half_to_float).
 __attribute__((target("f16c"))) inline float half_f16c(const uint8_t* p) {
   return _cvtsh_ss(load_u16(p));
@@ -133,6 +186,15 @@ __attribute__((target("f16c"))) inline float half_f16c(const uint8_t* p) {
 
 __attribute__((target("avx2,fma,f16c"))) void dequant_avx2(QuantType type, const uint8_t* src,
                                                            int64_t blocks, float* dst) {
+  if (quant_is_float16(type)) {  // exact conversions: the plain loops' values
+    for (int64_t i = 0; i < 32 * blocks; i += 8) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * i));
+      _mm256_storeu_ps(dst + i, type == QuantType::kF16
+                                    ? _mm256_cvtph_ps(v)
+                                    : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)));
+    }
+    return;
+  }
   if (type != QuantType::kQ8_0 && type != QuantType::kQ4_0 && type != QuantType::kQ4_1) {
     dequant_row(type, src, blocks, dst);
     return;
@@ -180,6 +242,14 @@ bytes16(const uint8_t* p) {
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) inline __m512i
 shift_right(__m512i v, int count) {
   return _mm512_srl_epi32(v, _mm_cvtsi32_si128(count));
+}
+
+// 16 F16 / BF16 values at p as floats (exact).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) inline __m512
+halves16(QuantType type, const uint8_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if (type == QuantType::kF16) return _mm512_cvtph_ps(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
 // The K-quants with AVX-512: the plain loops' expressions on 16 weights at a time.
@@ -233,8 +303,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void dequant_
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))) void dequant_avx512(
     QuantType type, const uint8_t* src, int64_t blocks, float* dst) {
-  if (type != QuantType::kQ8_0 && type != QuantType::kQ4_0 && type != QuantType::kQ4_1) {
+  if (type == QuantType::kQ4_K || type == QuantType::kQ5_K || type == QuantType::kQ6_K) {
     dequant_k_avx512(type, src, blocks, dst);
+    return;
+  }
+  if (quant_is_float16(type)) {
+    for (int64_t i = 0; i < 32 * blocks; i += 16) _mm512_storeu_ps(dst + i, halves16(type, src + 2 * i));
+    return;
+  }
+  if (type != QuantType::kQ8_0 && type != QuantType::kQ4_0 && type != QuantType::kQ4_1) {
+    dequant_row(type, src, blocks, dst);  // the plain loops, vectorized for AVX-512
     return;
   }
   const __m512i low4 = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
@@ -283,6 +361,7 @@ struct Block32 {
 template <QuantType T>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"), always_inline)) inline Block32
 unpack32(const uint8_t* src) {
+  if (quant_is_float16(T)) return {halves16(T, src), halves16(T, src + 32)};
   const __m512 d = _mm512_set1_ps(half_f16c(src));
   if (T == QuantType::kQ8_0) {
     const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2));
@@ -366,10 +445,14 @@ const FusedFn* fused_for(QuantType type) {
   static constexpr auto q8 = fused_table<QuantType::kQ8_0>(std::make_index_sequence<kLinearRowBlock>{});
   static constexpr auto q40 = fused_table<QuantType::kQ4_0>(std::make_index_sequence<kLinearRowBlock>{});
   static constexpr auto q41 = fused_table<QuantType::kQ4_1>(std::make_index_sequence<kLinearRowBlock>{});
+  static constexpr auto f16 = fused_table<QuantType::kF16>(std::make_index_sequence<kLinearRowBlock>{});
+  static constexpr auto bf16 = fused_table<QuantType::kBF16>(std::make_index_sequence<kLinearRowBlock>{});
   switch (type) {
     case QuantType::kQ8_0: return q8.data();
     case QuantType::kQ4_0: return q40.data();
     case QuantType::kQ4_1: return q41.data();
+    case QuantType::kF16: return f16.data();
+    case QuantType::kBF16: return bf16.data();
     default: return nullptr;
   }
 }
@@ -504,36 +587,33 @@ std::string quant_int8_force_path(const std::string& name) {
 }
 
 bool quant_type_supported(int32_t id) {
-  return id == 2 || id == 3 || id == 8 || id == 12 || id == 13 || id == 14;
+  for (QuantType t : kQuantTypes)
+    if (static_cast<int32_t>(t) == id) return true;
+  return false;
 }
 
 const char* quant_type_name(QuantType type) {
   switch (type) {
     case QuantType::kQ4_0: return "Q4_0";
     case QuantType::kQ4_1: return "Q4_1";
+    case QuantType::kQ5_0: return "Q5_0";
+    case QuantType::kQ5_1: return "Q5_1";
     case QuantType::kQ8_0: return "Q8_0";
     case QuantType::kQ4_K: return "Q4_K";
     case QuantType::kQ5_K: return "Q5_K";
     case QuantType::kQ6_K: return "Q6_K";
+    case QuantType::kIQ4_NL: return "IQ4_NL";
+    case QuantType::kIQ4_XS: return "IQ4_XS";
+    case QuantType::kQ2_K: return "Q2_K";
+    case QuantType::kF16: return "F16";
+    case QuantType::kBF16: return "BF16";
   }
   return "unknown";
 }
 
-int64_t quant_block_elems(QuantType type) {
-  return type == QuantType::kQ4_K || type == QuantType::kQ5_K || type == QuantType::kQ6_K ? 256 : 32;
-}
+int64_t quant_block_elems(QuantType type) { return quant_detail::is_k_quant(type) ? 256 : 32; }
 
-int64_t quant_block_bytes(QuantType type) {
-  switch (type) {
-    case QuantType::kQ4_0: return 18;
-    case QuantType::kQ4_1: return 20;
-    case QuantType::kQ8_0: return 34;
-    case QuantType::kQ4_K: return 144;
-    case QuantType::kQ5_K: return 176;
-    case QuantType::kQ6_K: return 210;
-  }
-  return 0;
-}
+int64_t quant_block_bytes(QuantType type) { return quant_detail::block_bytes(type); }
 
 std::string quant_linear_f32(const QuantLinearArgs& a) {
   if (!quant_type_supported(static_cast<int32_t>(a.type)))
@@ -561,7 +641,7 @@ std::string quant_linear_f32(const QuantLinearArgs& a) {
     return "the output must not overlap x or w";
 
   const LinearIsa isa = linear_detail::resolve_isa(a.isa);
-  if (a.arith == QuantArith::kInt8) {
+  if (a.arith == QuantArith::kInt8 && !quant_is_float16(a.type)) {
     quant_detail::quant_linear_int8(a, isa);
     return "";
   }

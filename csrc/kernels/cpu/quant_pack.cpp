@@ -25,12 +25,19 @@ struct HalfFields {
 
 HalfFields half_fields(QuantType type) {
   switch (type) {
+    case QuantType::kF16:
+    case QuantType::kBF16: return {0, {0, 0}};  // values, not scales: 4-byte chunks
     case QuantType::kQ8_0:
-    case QuantType::kQ4_0: return {1, {0, 0}};
+    case QuantType::kQ4_0:
+    case QuantType::kQ5_0:
+    case QuantType::kIQ4_NL: return {1, {0, 0}};
     case QuantType::kQ4_1:
+    case QuantType::kQ5_1:
     case QuantType::kQ4_K:
     case QuantType::kQ5_K: return {2, {0, 2}};
     case QuantType::kQ6_K: return {1, {208, 0}};
+    case QuantType::kIQ4_XS: return {2, {0, 2}};  // d, and the 16-bit scales_h
+    case QuantType::kQ2_K: return {2, {80, 82}};
   }
   return {0, {0, 0}};
 }

@@ -16,6 +16,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -117,17 +118,32 @@ class GGUFFile:
             return values, pos
         raise ValueError(f"{self.path}: unknown GGUF metadata value type {vtype} at byte {pos}")
 
+    def type_name(self, name: str) -> str:
+        """The ggml type of tensor ``name`` ("Q5_0")."""
+        from gguf.constants import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.tensors[name].ggml_type).name
+
+    def type_counts(self) -> dict[str, int]:
+        """{ggml type name: number of tensors of that type}, in the order of ggml's ids."""
+        from gguf.constants import GGMLQuantizationType
+
+        counts = Counter(info.ggml_type for info in self.tensors.values())
+        return {GGMLQuantizationType(i).name: counts[i] for i in sorted(counts)}
+
     def quantized(self, name: str) -> "QuantizedMatrix | None":
-        """Matrix ``name`` kept in its quantized format (a copy of the file's blocks), or
-        None when its type is not one of verispec's quantized kernels' (floats, other
-        quantizations: read those with ``tensor``)."""
-        from verispec.models.quantized import QuantizedMatrix, quant_format_name
+        """Matrix ``name`` kept in its quantized format (a copy of the file's blocks; F16 and
+        BF16 as 16-bit values), or None when its type is not one of verispec's quantized
+        kernels' (F32, other quantizations, F16 / BF16 rows not a multiple of 32: read
+        those with ``tensor``)."""
+        from verispec.models.quantized import QUANT_FORMATS, QuantizedMatrix, quant_format_name
 
         if name not in self.tensors:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         info = self.tensors[name]
         fmt = quant_format_name(info.ggml_type)
-        if fmt is None or len(info.shape) != 2:
+        # (F16 / BF16 rows are kept in runs of 32 values: another row length is converted)
+        if fmt is None or len(info.shape) != 2 or info.shape[1] % QUANT_FORMATS[fmt][1]:
             return None
         raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         data = torch.from_numpy(np.array(raw, copy=True)).view(info.shape[0], -1)
@@ -300,6 +316,16 @@ class LlamaGGUF(Mapping):
             return q
         part = q.parts[0]
         return QuantizedMatrix([QuantPart(part.fmt, unpermute_rows(part.data, heads).contiguous())], q.k)
+
+    def describe(self, name: str) -> str:
+        """Tensor ``name`` (a transformers name) as the file names it, with its type:
+        "blk.0.attn_q.weight (IQ2_XXS)"."""
+        gguf_name = self._names[name]
+        return f"{gguf_name} ({self.file.type_name(gguf_name)})"
+
+    def type_counts(self) -> dict[str, int]:
+        """The file's tensors per ggml type (GGUFFile.type_counts)."""
+        return self.file.type_counts()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)

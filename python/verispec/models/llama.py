@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -147,6 +147,12 @@ class LlamaWeights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: torch.Tensor    # [vocab, hidden]; the embed tensor itself when tied
+    #: A GGUF's tensors per ggml type ({"F32": 65, "Q5_0": 176, ...}); empty for other sources.
+    file_types: dict[str, int] = field(default_factory=dict)
+    #: A quantized load's matrices that were dequantized to float32 instead, as
+    #: "blk.0.attn_q.weight (IQ2_XXS)": a type without a quantized kernel, or a piece fused
+    #: (q|k|v, gate|up) with one.
+    converted: tuple[str, ...] = ()
 
     @classmethod
     def from_state_dict(cls, config: LlamaConfig, state: Mapping[str, torch.Tensor], *,
@@ -158,8 +164,9 @@ class LlamaWeights:
         ``state`` may be lazy (any Mapping): each tensor is read once, converted, fused.
         ``quantized`` (CPU, float32 activations; ``state`` a LlamaGGUF): matrices stay in
         the file's formats as QuantizedMatrix where verispec has a kernel for them
-        (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K); a fused projection with a piece in any other
-        format is dequantized to ``dtype``.
+        (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS, F16, BF16); a fused
+        projection with a piece in any other format is dequantized to ``dtype``, and its
+        pieces are listed in ``converted`` ("blk.0.attn_q.weight (IQ2_XXS)").
         """
         if quantized and (torch.device(device).type != "cpu" or dtype != torch.float32
                           or not hasattr(state, "quantized")):
@@ -174,9 +181,12 @@ class LlamaWeights:
                                  f"got {list(t.shape)}")
             return t.to(device=device, dtype=dtype)
 
+        converted: list[str] = []
+
         def matrix(names: list[tuple[str, tuple[int, int]]]):
             """The rows of `names` fused: a QuantizedMatrix when each is quantized, else
-            a float matrix in matmul_layout."""
+            a float matrix in matmul_layout (a quantized load records its pieces as
+            converted)."""
             if quantized:
                 parts = [state.quantized(name) if name in state else None for name, _ in names]
                 if all(p is not None for p in parts):
@@ -187,6 +197,7 @@ class LlamaWeights:
                     # In the layout of the arithmetic's kernel, once (int8: packed).
                     m = parts[0] if len(parts) == 1 else QuantizedMatrix.cat(parts)
                     return m.for_arithmetic()
+                converted.extend(state.describe(name) for name, _ in names if name in state)
             return matmul_layout(torch.cat([get(name, shape) for name, shape in names]))
 
         c = config
@@ -215,7 +226,8 @@ class LlamaWeights:
         else:
             lm_head = matrix([("lm_head.weight", (c.vocab_size, h))])
         return cls(embed=embed, layers=layers, final_norm=get("model.norm.weight", (h,)),
-                   lm_head=lm_head)
+                   lm_head=lm_head, converted=tuple(converted),
+                   file_types=state.type_counts() if hasattr(state, "type_counts") else {})
 
 
 def matmul_layout(w: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,9 @@ from verispec import _C
 #: name -> (ggml type id, weights per block, bytes per block) of the supported formats.
 QUANT_FORMATS: dict[str, tuple[int, int, int]] = dict(_C.quant_formats())
 _NAMES = {tid: name for name, (tid, _, _) in QUANT_FORMATS.items()}
+#: The 16-bit float formats: no block scale, so their products are always the float
+#: arithmetic's (an int8 call runs it), and they stay in the file's layout.
+FLOAT16_FORMATS = ("F16", "BF16")
 #: Rows per group of the packed layout.
 PACK_ROWS = _C.QUANT_PACK_ROWS
 # Rows dequantized at a time for a long product (prefill): 256 rows x 1536 floats = 1.5 MB.
@@ -180,12 +183,17 @@ class QuantizedMatrix:
         """The same matrix in the layout ``arithmetic``'s kernel reads fastest (default:
         ARITHMETIC): packed for int8 (1.3x to 1.7x faster at one row, see ``pack``); the file's
         layout for float (its kernel dequantizes rows, and would first have to unpack each
-        group of 16: ~1.7x slower at one row). Both kernels read both layouts, same bits."""
+        group of 16: ~1.7x slower at one row). Both kernels read both layouts, same bits.
+        F16 / BF16 parts (FLOAT16_FORMATS) always run the float kernel: the file's layout."""
         arithmetic = ARITHMETIC if arithmetic is None else arithmetic
         if arithmetic not in _ARITHMETICS:
             raise ValueError(f"QuantizedMatrix.for_arithmetic: arithmetic must be 'int8' or "
                              f"'float', got {arithmetic!r}")
-        return self.pack() if arithmetic == "int8" else self.unpack()
+        if arithmetic == "float" or all(p.fmt in FLOAT16_FORMATS for p in self.parts):
+            return self.unpack()
+        # F16 / BF16 parts run the float arithmetic in any case: the file's layout
+        return QuantizedMatrix([p.unpack(self.k) if p.fmt in FLOAT16_FORMATS else p.pack(self.k)
+                                for p in self.parts], self.k)
 
     def unpack(self) -> "QuantizedMatrix":
         """The same matrix in the file's layout."""

@@ -1,6 +1,7 @@
 """Drive a Model through the real paged cache: a verispec.BlockAllocator + KVPools.
 
 For tests, benchmarks and notebooks; the speculative decoder builds its batches natively.
+Also random matrices in the quantized formats (``random_quant_blocks``).
 
     runner = PagedRunner(model, num_blocks=64, block_size=4)
     a, b = runner.add_sequence(), runner.add_sequence()
@@ -17,6 +18,33 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from verispec.models.base import KVPools, Model, PagedBatch
+
+# Byte offsets of the 2-byte fields in each quantized format's block: its IEEE half scales
+# (d, m, dmin; and IQ4_XS's 16-bit scales_h, which any value fills).
+QUANT_HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
+                     "IQ4_NL": [0], "IQ4_XS": [0, 2], "Q2_K": [80, 82], "Q4_K": [0, 2],
+                     "Q5_K": [0, 2], "Q6_K": [208], "F16": [], "BF16": []}
+
+
+def random_quant_blocks(fmt: str, n: int, k: int, *, seed: int, scale: float = 0.01) -> torch.Tensor:
+    """A random [n, k] matrix in quantized format ``fmt`` (uint8 [n, row_bytes], the file's
+    layout): random quants and scale bytes, the half-float scales set to normal values of
+    about ``scale`` (random bytes could be NaN or subnormal); F16 / BF16: normal values
+    of about ``scale``, either sign."""
+    import numpy as np
+
+    from verispec.models.quantized import QUANT_FORMATS
+
+    _, block, size = QUANT_FORMATS[fmt]
+    rng = np.random.default_rng(seed)
+    if fmt in ("F16", "BF16"):
+        w = torch.from_numpy(scale * rng.standard_normal((n, k)).astype(np.float32))
+        return w.to(torch.float16 if fmt == "F16" else torch.bfloat16).view(torch.uint8)
+    raw = rng.integers(0, 256, size=(n, k // block, size), dtype=np.uint8)
+    for off in QUANT_HALF_FIELDS[fmt]:
+        d = (scale * (0.5 + rng.random((n, k // block)))).astype(np.float16)
+        raw[:, :, off:off + 2] = d.view(np.uint8).reshape(n, k // block, 2)
+    return torch.from_numpy(raw.reshape(n, -1).copy())
 
 
 class PagedRunner:

@@ -1,0 +1,140 @@
+"""The quantized kernels per format on one model shape: a decoding step's products.
+
+One "pass" = every projection of one decoding step (M = 1 row, by default) of a
+SmolLM2-360M-shaped model (``--shape``: hidden 960, intermediate 2560, 15 heads / 5 KV
+heads of 64, 32 layers; no LM head), each matrix in the format under test, distinct
+random matrices per layer so the pass streams them from memory as a model's does. That
+is the shape whose Q4_K_M file holds 176 Q5_0 matrices (960 is not a multiple of 256,
+so llama.cpp's quantizer falls back to Q5_0 for the K = 960 projections), which verispec
+used to dequantize to float32: the "F32" row is that path (verispec's float32 linear
+kernel, the same matrices converted). Formats alternate within each round; per format the
+median and the best pass time over ``--rounds``, its weight bytes, the read rate of the
+best pass, and its time relative to Q4_0's (its bytes relative to Q4_0's beside it:
+at the bandwidth bound the two ratios match). Each format runs in the layout and
+arithmetic a model loads it in (int8 on the packed layout; F16 / BF16 the float
+arithmetic on the file's layout). Prints a markdown table and writes JSON.
+
+    .venv/bin/python bench/bench_quant_formats.py --threads 2 --out bench/out/quant_formats.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kernel_env import cpu_kernel_environment, write_result
+
+from verispec import _C
+from verispec.models.quantized import FLOAT16_FORMATS, QuantizedMatrix
+from verispec.models.testing import random_quant_blocks
+
+# name -> (hidden, intermediate, heads, kv heads, head dim, layers)
+SHAPES = {"360M": (960, 2560, 15, 5, 64, 32), "1.7B": (2048, 8192, 32, 32, 64, 24),
+          "135M": (576, 1536, 9, 3, 64, 30)}
+DEFAULT_FORMATS = ["Q4_0", "Q5_0", "Q5_1", "IQ4_NL", "Q8_0", "F16", "F32"]
+
+
+def layer_matrices(shape: str) -> list[tuple[int, int]]:
+    """[(N, K)] of one layer's projections: q, k, v, o, gate, up, down."""
+    h, inter, heads, kv, hd, _ = SHAPES[shape]
+    return [(heads * hd, h), (kv * hd, h), (kv * hd, h), (h, heads * hd), (inter, h), (inter, h),
+            (h, inter)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=list(SHAPES), default="360M")
+    ap.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS,
+                    help="formats of verispec._C.quant_formats(), or F32 (the float32 kernel)")
+    ap.add_argument("--rows", type=int, default=1, help="rows of x (tokens in the pass)")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("bench/out/quant_formats.json"))
+    args = ap.parse_args(argv)
+    known = set(_C.quant_formats()) | {"F32"}
+    bad = [f for f in args.formats if f not in known]
+    if bad:
+        ap.error(f"--formats: {bad} are not among {sorted(known)}")
+    if "Q4_0" not in args.formats:
+        ap.error("--formats must include Q4_0 (the reference of the ratios)")
+    layers = SHAPES[args.shape][5]
+    shapes = layer_matrices(args.shape) * layers
+    for fmt in args.formats:
+        block = _C.quant_formats()[fmt][1] if fmt != "F32" else 1
+        ks = sorted({k for _, k in shapes if k % block})
+        if ks:
+            ap.error(f"--formats: {fmt}'s blocks of {block} weights do not divide the "
+                     f"{args.shape} shape's K = {ks} (a file of this shape falls back to another type)")
+    threads = args.threads
+
+    passes, nbytes = {}, {}
+    for fmt in args.formats:
+        if fmt == "F32":
+            mats = [torch.randn(n, k, generator=torch.Generator().manual_seed(i)) * 0.02
+                    for i, (n, k) in enumerate(shapes)]
+            nbytes[fmt] = sum(w.numel() * 4 for w in mats)
+
+            def run(x, mats=mats):
+                for w in mats:
+                    n, k = w.shape
+                    out = torch.empty((x[k].shape[0], n))
+                    _C._linear_unchecked(x[k].data_ptr(), w.data_ptr(), out.data_ptr(),
+                                         x[k].shape[0], n, k, k, k, n, threads, False)
+        else:
+            int8 = fmt not in FLOAT16_FORMATS  # F16 / BF16: the float arithmetic, file layout
+            mats = [QuantizedMatrix.from_bytes(random_quant_blocks(fmt, n, k, seed=i), fmt, k)
+                    .for_arithmetic("int8" if int8 else "float") for i, (n, k) in enumerate(shapes)]
+            nbytes[fmt] = sum(m.nbytes for m in mats)
+            tid = _C.quant_formats()[fmt][0]
+
+            def run(x, mats=mats, tid=tid, int8=int8):
+                for m in mats:
+                    p = m.parts[0]
+                    xk = x[m.k]
+                    out = torch.empty((xk.shape[0], p.rows))
+                    _C._quant_linear_unchecked(xk.data_ptr(), p.data.data_ptr(), out.data_ptr(),
+                                               xk.shape[0], p.rows, m.k, m.k, p.data.stride(0),
+                                               p.rows, tid, threads, int8, p.packed)
+        passes[fmt] = run
+    g = torch.Generator().manual_seed(0)
+    x = {k: torch.randn(args.rows, k, generator=g) for k in {k for _, k in shapes}}
+    times = {f: [] for f in passes}
+    for fn in passes.values():
+        fn(x)  # warm
+    for _ in range(args.rounds):
+        for f, fn in passes.items():
+            t0 = time.perf_counter()
+            fn(x)
+            times[f].append(time.perf_counter() - t0)
+    rows = []
+    for f in passes:
+        best, med = min(times[f]), statistics.median(times[f])
+        rows.append({"format": f, "bytes": nbytes[f], "best_ms": best * 1e3, "median_ms": med * 1e3,
+                     "best_gb_s": nbytes[f] / best / 1e9, "seconds": times[f]})
+    ref = next(r for r in rows if r["format"] == "Q4_0")
+    for r in rows:
+        r["time_vs_q4_0"] = r["best_ms"] / ref["best_ms"]
+        r["bytes_vs_q4_0"] = r["bytes"] / ref["bytes"]
+    h, inter, heads, kv, hd, _ = SHAPES[args.shape]
+    title = (f"{args.shape}-shaped decoding pass (hidden {h}, intermediate {inter}, {heads}/{kv} "
+             f"heads, {layers} layers, no head), M = {args.rows}, {threads} threads, "
+             f"{args.rounds} rounds, int8 path {_C.quant_int8_path('auto')}")
+    lines = [title, "", "| format | MB | best ms | median ms | GB/s (best) | time / Q4_0 | bytes / Q4_0 |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['format']} | {r['bytes'] / 1e6:.0f} | {r['best_ms']:.2f} | "
+                     f"{r['median_ms']:.2f} | {r['best_gb_s']:.1f} | {r['time_vs_q4_0']:.2f} | "
+                     f"{r['bytes_vs_q4_0']:.2f} |")
+    write_result(args.out, {
+        "benchmark": "quantized kernels per format, one decoding pass of a model shape",
+        "shape": args.shape, "rows": args.rows, "rounds": args.rounds,
+        "environment": cpu_kernel_environment(threads), "results": rows}, "\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
