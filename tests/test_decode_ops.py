@@ -1,4 +1,4 @@
-"""The per-layer CPU kernels of a decode step (csrc/include/verispec/decode_ops.h):
+"""The per-layer CPU kernels of a decode step (csrc/include/verispec/layers/decode_ops.h):
 RoPE with the cache write, paged attention, SwiGLU's silu * up, the residual norm.
 
 Each is checked against a float64 (or torch) reference with a stated bound, on every

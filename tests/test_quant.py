@@ -33,7 +33,7 @@ def gguf_dequantize(data: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The documented bound (verispec/quant.h): K * 2^-24 * sum_k |x_k w_k|."""
+    """The documented bound (verispec/layers/quant.h): K * 2^-24 * sum_k |x_k w_k|."""
     return x.shape[1] * 2.0 ** -24 * (x.abs().double() @ w.abs().double().t()) + 1e-30
 
 
@@ -55,7 +55,7 @@ def min_terms(data: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
 
 
 def int8_bound(x: torch.Tensor, w: torch.Tensor, data: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The documented bound of the int8 arithmetic (verispec/quant.h), [M, N]:
+    """The documented bound of the int8 arithmetic (verispec/layers/quant.h), [M, N]:
     sum_b 0.50003 amax_b / 127 sum_{k in b} |w_k|
       + (K/32 + 8) 2^-23 sum_k (|x_k| + amax_b / 254) (|w_k| + C_b)
     (amax_b: max |x| over block b of the row; C_b: min_terms)."""

@@ -9,6 +9,6 @@ void register_errors(pybind11::module_& m);
 void register_cache(pybind11::module_& m);
 void register_decoder(pybind11::module_& m);
 void register_ops(pybind11::module_& m);
-void register_linear(pybind11::module_& m);
+void register_layers(pybind11::module_& m);
 
 }  // namespace verispec

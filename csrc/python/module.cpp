@@ -7,7 +7,7 @@
 #include "bindings.h"
 #include "tensor_view.h"
 #include "verispec/errors.h"
-#include "verispec/linear.h"
+#include "verispec/layers/linear.h"
 #include "verispec/nvtx.h"
 #ifdef VERISPEC_WITH_CUDA
 #include "verispec/device.h"
@@ -93,7 +93,7 @@ PYBIND11_MODULE(_C, m) {
   verispec::register_cache(m);
   verispec::register_decoder(m);
   verispec::register_ops(m);
-  verispec::register_linear(m);
+  verispec::register_layers(m);
   m.def("_dlpack_import_path", &verispec::TensorView::import_path, py::arg("obj"),
         "How the ops import obj: 'c_exchange_api' or '__dlpack__'.");
   m.def("build_info", &verispec::build_info,

@@ -16,9 +16,9 @@
 #include "../kernels/cpu/cpu_policy.h"
 #include "native_check.h"
 #include "verify_case.h"
-#include "verispec/decode_ops.h"
-#include "verispec/linear.h"
-#include "verispec/norm.h"
+#include "verispec/layers/decode_ops.h"
+#include "verispec/layers/linear.h"
+#include "verispec/layers/norm.h"
 #include "verispec/ops.h"
 #include "verispec/philox.h"
 #include "verispec/policy_rules.h"
@@ -1198,7 +1198,7 @@ void test_decode_device_error() {
 
 }  // namespace
 
-// ---- the CPU linear kernel (verispec/linear.h) ------------------------------------------
+// ---- the CPU linear kernel (verispec/layers/linear.h) ------------------------------------------
 //
 // Every instruction set this CPU runs against a double-precision product; each row of a
 // call bitwise equal to that row alone (batch invariance) for any M, thread count and row
@@ -1275,7 +1275,7 @@ void test_linear() {
   CHECK(y[0] == 4.0f && y[3] == 4.0f);
 }
 
-// ---- RMSNorm (verispec/norm.h) ----------------------------------------------------------
+// ---- RMSNorm (verispec/layers/norm.h) ----------------------------------------------------------
 void test_rms_norm() {
   std::mt19937 rng(12);
   std::normal_distribution<float> normal(0.0f, 1.0f);

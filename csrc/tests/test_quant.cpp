@@ -1,4 +1,4 @@
-// The quantized CPU linear kernel (verispec/quant.h) under the sanitizers: for every
+// The quantized CPU linear kernel (verispec/layers/quant.h) under the sanitizers: for every
 // format and instruction set, the dequantized weights against an element-by-element
 // reference written from the block layouts (bit for bit), products against a double
 // product of those weights within the documented bound, bitwise batch invariance over
@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "native_check.h"
-#include "verispec/linear.h"
-#include "verispec/quant.h"
+#include "verispec/layers/linear.h"
+#include "verispec/layers/quant.h"
 
 using namespace verispec;
 

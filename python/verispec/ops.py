@@ -330,7 +330,7 @@ def quant_linear(x, weight, fmt, *, out=None, num_threads=None, isa="auto", arit
     Against a float64 product of the dequantized weights the error is within
     sum_b 0.50003 * amax_b / 127 * sum_{k in b} |w_k| + (K/32 + 8) * 2^-23 *
     sum_k (|x_k| + amax_b / 254) * (|w_k| + C_b) (amax_b: max |x| of block b; C_b the
-    block's min term, Q4_1 |m|, Q4_K/Q5_K 63 |dmin|, else 0); see csrc/include/verispec/quant.h.
+    block's min term, Q4_1 |m|, Q4_K/Q5_K 63 |dmin|, else 0); see csrc/include/verispec/layers/quant.h.
 
     ``arithmetic="float"``: the kernel dequantizes a few weight rows at a time into cache
     and runs ``linear``'s float32 arithmetic on them: each output is the float32 dot
@@ -383,7 +383,7 @@ def quant_pack(weight, fmt):
     packed layout: uint8 [ceil(N / 16), 16 * row_bytes], the rows in groups of 16 (the
     last padded with zero rows), each field of the 16 rows side by side: the 2-byte halves
     (d, dmin, m) as 16 halves, the rest as 4-byte pieces, the piece of c bytes at offset x
-    of row r stored at 16 x + c r of its group (csrc/include/verispec/quant.h). The int8
+    of row r stored at 16 x + c r of its group (csrc/include/verispec/layers/quant.h). The int8
     kernel then loads each field as it is and reads a group as one stream. Pass the result
     to ``quant_linear`` with ``packed_rows=N``."""
     from verispec.models.quantized import QUANT_FORMATS, row_bytes

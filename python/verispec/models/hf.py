@@ -355,7 +355,7 @@ class _Plan:
     def _write_attend_native(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              pool: int, scaling: float, window: Optional[int]
                              ) -> Optional[torch.Tensor]:
-        """A float32 CPU layer in verispec's paged kernel (verispec/decode_ops.h: each
+        """A float32 CPU layer in verispec's paged kernel (verispec/layers/decode_ops.h: each
         token's keys in cache order, the same bits whatever shares the pass), in one native
         call that writes the new tokens' K/V to the pools and attends, reading the strided
         [1, heads, T, D] tensors the module passes (no views, transposes or copies made
@@ -677,7 +677,7 @@ _ROPE_CHECK_SHAPES = ((4, 2, 3, 8), (3, 1, 1, 64), (2, 2, 5, 128))
 
 def _rope_native(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """rotate_half_rope_f32 (verispec/decode_ops.h) of a forward's [1, heads, T, D] queries
+    """rotate_half_rope_f32 (verispec/layers/decode_ops.h) of a forward's [1, heads, T, D] queries
     and keys with [1, T, D] cos / sin rows, all float32 on the CPU, the last dimension
     dense; -> contiguous (q, k) as transformers' apply_rotary_pos_emb returns them, or
     None for any other input (the caller then runs the original)."""

@@ -485,7 +485,7 @@ class _TorchLayerOps:
 
 class _NativeLayerOps:
     """A forward's steps between the matrix products in verispec's CPU kernels
-    (verispec/decode_ops.h; float32 CPU tensors, contiguous pools): three native calls a
+    (verispec/layers/decode_ops.h; float32 CPU tensors, contiguous pools): three native calls a
     layer. Every row attends in the paged kernel (one rounding for decode, verify, tree,
     batched rows and prefill chunks) except rows of more than KERNEL_MAX_QUERIES new
     tokens without a tree (a long prompt at once), which attend row by row in SDPA."""
@@ -799,7 +799,7 @@ class LlamaModel:
         self.native_decode_layers = self._decode_layers is not None
         #: The rest of a layer between the products (RoPE with the cache write, attention,
         #: residual adds with the norms, SwiGLU) in verispec's CPU kernels, three calls a
-        #: layer (float32 on CPU, verispec/decode_ops.h): a token attends bit for bit the
+        #: layer (float32 on CPU, verispec/layers/decode_ops.h): a token attends bit for bit the
         #: same whatever shares its pass. Set False (or native_norm False) to use torch's
         #: ops.
         self.native_layer_ops = self._native_norm_ok

@@ -1,12 +1,12 @@
 """Matrices kept in a GGUF file's quantized block formats (CPU), read by verispec's
 native kernels (verispec._C.quant_linear; the formats and the arithmetic are documented
-in csrc/include/verispec/quant.h and docs/design.md).
+in csrc/include/verispec/layers/quant.h and docs/design.md).
 
 A QuantizedMatrix is [N, K] as one or more row ranges ("parts"), each a uint8 tensor
 [rows, row_bytes] of one format: a fused projection (q|k|v, gate|up) whose pieces the
 file stores in different formats stays quantized part by part. ``pack()`` stores each
 part in the packed layout the int8 kernel reads fastest (the same bytes, 16 rows' fields
-side by side: QuantLayout::kPacked16 in verispec/quant.h); the models put their matrices
+side by side: QuantLayout::kPacked16 in verispec/layers/quant.h); the models put their matrices
 in the layout of ARITHMETIC once at load (``for_arithmetic``).
 """
 
@@ -244,7 +244,7 @@ class QuantizedMatrix:
 
     def linear(self, x: torch.Tensor, num_threads: int) -> torch.Tensor:
         """x [M, K] float32 (contiguous) @ self^T -> [M, N]: the native kernel in
-        ARITHMETIC (batch invariant, verispec/quant.h) for any M with int8 and for M <=
+        ARITHMETIC (batch invariant, verispec/layers/quant.h) for any M with int8 and for M <=
         KERNEL_MAX_ROWS with float; the float arithmetic's longer products (prefill) run
         dequantized tiles of PREFILL_TILE_ROWS rows into torch.mm."""
         m = x.shape[0]

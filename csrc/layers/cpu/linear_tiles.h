@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "verispec/linear.h"
+#include "verispec/layers/linear.h"
 
 namespace verispec {
 namespace linear_detail {

@@ -81,7 +81,7 @@
 #include <cstdint>
 #include <string>
 
-#include "verispec/linear.h"
+#include "verispec/layers/linear.h"
 
 namespace verispec {
 

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string>
 
-#include "verispec/quant.h"
+#include "verispec/layers/quant.h"
 
 namespace verispec {
 namespace quant_detail {

@@ -1,10 +1,10 @@
-// y = x w^T over GGUF-quantized weights (verispec/quant.h): a tile of weight rows is
+// y = x w^T over GGUF-quantized weights (verispec/layers/quant.h): a tile of weight rows is
 // dequantized to float32 into a per-thread buffer (it stays in L1/L2), then linear.cpp's
 // float32 tile kernels read it for every block of kLinearRowBlock rows of x. The
 // quantized weights are read from memory once per call; the float tile never leaves the
 // cache. Each output is linear_f32's float sequence over the dequantized row, so the
 // rounding rule (and batch invariance) of linear.h holds as it is.
-#include "verispec/quant.h"
+#include "verispec/layers/quant.h"
 
 #include <algorithm>
 #include <array>

@@ -1,5 +1,10 @@
-// Binding of the few-rows CPU linear layer (verispec/linear.h): y = x w^T, float32.
-// Destination passing like the sampling ops; the GIL is released around the kernel.
+// Bindings of the model layers (csrc/layers/, headers under verispec/layers/): the CPU
+// linear layer, the quantized products and their packing, RMS norms, RoPE, SiLU-mul and
+// paged decode attention. `linear` and the quantized entry points checked here are the
+// public ones (verispec.ops); the `_*_unchecked` entry points take raw pointers and are
+// for the model layers' Python side alone (verispec.models), which has checked the
+// shapes once per pass. Destination passing like the sampling ops; the GIL is released
+// around every kernel.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -8,10 +13,10 @@
 
 #include "bindings.h"
 #include "tensor_view.h"
-#include "verispec/decode_ops.h"
-#include "verispec/linear.h"
-#include "verispec/norm.h"
-#include "verispec/quant.h"
+#include "verispec/layers/decode_ops.h"
+#include "verispec/layers/linear.h"
+#include "verispec/layers/norm.h"
+#include "verispec/layers/quant.h"
 
 namespace py = pybind11;
 
@@ -555,7 +560,7 @@ void rotate_half_rope_unchecked(uintptr_t q, int64_t q_head_stride, int64_t q_to
   if (!error.empty()) throw py::value_error(error);
 }
 
-void register_linear(py::module_& m) {
+void register_layers(py::module_& m) {
   m.def("linear", &linear, py::arg("x"), py::arg("weight"), py::arg("out"),
         py::arg("num_threads"), py::arg("isa") = "auto", py::arg("own_threads") = false,
         "out[M, N] = x[M, K] @ weight[N, K]^T (float32, CPU); see verispec.ops.linear");
@@ -575,7 +580,7 @@ void register_linear(py::module_& m) {
         py::arg("head_dim"), py::arg("positions_ptr"), py::arg("cos_ptr"), py::arg("sin_ptr"),
         py::arg("max_position"), py::arg("slots_ptr"), py::arg("k_pool_ptr"),
         py::arg("v_pool_ptr"), py::arg("num_slots"), py::arg("q_out_ptr"), py::arg("isa") = "auto",
-        "RoPE of q and k, k and v written to the cache slots (verispec/decode_ops.h)");
+        "RoPE of q and k, k and v written to the cache slots (verispec/layers/decode_ops.h)");
   m.def("_paged_attention_unchecked", &paged_attention_unchecked, py::arg("q_ptr"),
         py::arg("k_pool_ptr"), py::arg("v_pool_ptr"), py::arg("num_slots"), py::arg("tokens"),
         py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("rows"),
@@ -584,7 +589,7 @@ void register_linear(py::module_& m) {
         py::arg("tree_mask_ptr"), py::arg("block_size"), py::arg("scale"), py::arg("out_ptr"),
         py::arg("max_queries"), py::arg("num_threads"), py::arg("isa") = "auto",
         py::arg("check_only") = false, py::arg("window") = 0, py::arg("share_keys") = true,
-        "attention of new tokens over the paged cache (verispec/decode_ops.h)");
+        "attention of new tokens over the paged cache (verispec/layers/decode_ops.h)");
   m.def("_write_attend_unchecked", &write_attend_unchecked, py::arg("q_ptr"),
         py::arg("q_head_stride"), py::arg("q_token_stride"), py::arg("k_ptr"),
         py::arg("k_head_stride"), py::arg("k_token_stride"), py::arg("v_ptr"),
@@ -596,17 +601,17 @@ void register_linear(py::module_& m) {
         py::arg("tree_mask_ptr"), py::arg("block_size"), py::arg("scale"), py::arg("out_ptr"),
         py::arg("num_threads"), py::arg("window") = 0,
         "strided new tokens' K/V written to the cache, then their attention "
-        "(verispec/decode_ops.h write_attend_f32; verispec.models.HFModel's hot path)");
+        "(verispec/layers/decode_ops.h write_attend_f32; verispec.models.HFModel's hot path)");
   m.def("_rotate_half_rope_unchecked", &rotate_half_rope_unchecked, py::arg("q_ptr"),
         py::arg("q_head_stride"), py::arg("q_token_stride"), py::arg("num_heads"),
         py::arg("k_ptr"), py::arg("k_head_stride"), py::arg("k_token_stride"),
         py::arg("num_kv_heads"), py::arg("tokens"), py::arg("head_dim"), py::arg("cos_ptr"),
         py::arg("sin_ptr"), py::arg("cs_stride"), py::arg("q_out_ptr"), py::arg("k_out_ptr"),
         "transformers' rotate-half RoPE of strided queries and keys, bit for bit "
-        "(verispec/decode_ops.h rotate_half_rope_f32; verispec.models.HFModel)");
+        "(verispec/layers/decode_ops.h rotate_half_rope_f32; verispec.models.HFModel)");
   m.def("_silu_mul_unchecked", &silu_mul_unchecked, py::arg("gate_up_ptr"), py::arg("rows"),
         py::arg("inter"), py::arg("ld"), py::arg("out_ptr"), py::arg("ldo"), py::arg("isa") = "auto",
-        "out = silu(gate) * up of a fused [rows, 2 inter] product (verispec/decode_ops.h)");
+        "out = silu(gate) * up of a fused [rows, 2 inter] product (verispec/layers/decode_ops.h)");
   py::class_<QuantDecodeLayers>(m, "_QuantDecodeLayers",
                                 "a quantized Llama's decoder layers run in one native call "
                                 "(verispec.models.llama; decode_layers_f32)")
@@ -640,7 +645,7 @@ void register_linear(py::module_& m) {
   m.def("quant_pack16", &quant_pack16_py, py::arg("weight"), py::arg("quant_type"), py::arg("k"),
         py::arg("out"),
         "out (uint8 [ceil(N / 16), 16 * row_bytes]) = weight (uint8 [N, row_bytes]) in the "
-        "packed layout the int8 kernel reads (16 rows' fields side by side; verispec/quant.h)");
+        "packed layout the int8 kernel reads (16 rows' fields side by side; verispec/layers/quant.h)");
   m.def("quant_unpack16", &quant_unpack16_py, py::arg("packed"), py::arg("quant_type"), py::arg("k"),
         py::arg("n"), py::arg("out"),
         "out (uint8 [N, row_bytes]) = the N rows of a packed matrix in the file's layout");

@@ -18,8 +18,8 @@
 #include <cstdint>
 #include <string>
 
-#include "verispec/linear.h"
-#include "verispec/quant.h"
+#include "verispec/layers/linear.h"
+#include "verispec/layers/quant.h"
 
 namespace verispec {
 

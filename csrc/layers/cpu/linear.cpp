@@ -1,4 +1,4 @@
-// y = x w^T for a few rows (verispec/linear.h): one read of each weight row serves up to
+// y = x w^T for a few rows (verispec/layers/linear.h): one read of each weight row serves up to
 // kLinearRowBlock rows of x; the N dimension is split between threads.
 //
 // Every output element runs the same float sequence, whatever the blocking: a vector of
@@ -6,7 +6,7 @@
 // chunk (zeros in the unused lanes), then one fixed horizontal sum. The row block, the
 // number of weight rows in flight (R), the thread split and the strides only decide
 // which elements are computed together, never how one is computed.
-#include "verispec/linear.h"
+#include "verispec/layers/linear.h"
 
 #include "linear_tiles.h"
 

@@ -1,4 +1,4 @@
-// The int8 arithmetic of quant_linear_f32 (verispec/quant.h, QuantArith::kInt8): each row
+// The int8 arithmetic of quant_linear_f32 (verispec/layers/quant.h, QuantArith::kInt8): each row
 // of x is quantized to int8 per block of 32 (row-local: a row's int8 values do not depend
 // on the other rows), each 32-weight block's quants are unpacked to 8-bit integers in
 // registers, and their products with x's int8 values are summed exactly in int32 lanes
@@ -16,7 +16,7 @@
 
 #include "linear_tiles.h"
 #include "quant_internal.h"
-#include "verispec/quant.h"
+#include "verispec/layers/quant.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define VERISPEC_X86 1

@@ -1,5 +1,5 @@
-// RMSNorm of float32 rows (verispec/norm.h).
-#include "verispec/norm.h"
+// RMSNorm of float32 rows (verispec/layers/norm.h).
+#include "verispec/layers/norm.h"
 
 #include <cmath>
 #include <string>

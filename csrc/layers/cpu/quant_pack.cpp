@@ -1,4 +1,4 @@
-// QuantLayout::kPacked16 (verispec/quant.h): 16 rows' chunks side by side. One rule for
+// QuantLayout::kPacked16 (verispec/layers/quant.h): 16 rows' chunks side by side. One rule for
 // every format: a row is cut into 2-byte chunks (its IEEE half fields) and 4-byte chunks
 // (the rest), and the chunk of c bytes at offset x of row r of a group is stored at
 // 16 x + c r of the group's bytes.
@@ -7,7 +7,7 @@
 #include <string>
 
 #include "quant_internal.h"
-#include "verispec/quant.h"
+#include "verispec/layers/quant.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define VERISPEC_X86 1

@@ -1,18 +1,18 @@
-// The small per-layer ops of a decoder step (verispec/decode_ops.h).
+// The small per-layer ops of a decoder step (verispec/layers/decode_ops.h).
 //
 // Each op is written once, as plain loops over fixed 16-lane accumulators, and compiled
 // for AVX-512, AVX2 and baseline x86-64 (the bodies are inlined into three entry points
 // with different target attributes, and the compiler vectorizes the lane loops). The
 // lanes fix the order of every sum, this file is compiled with -ffp-contract=off (no
 // fused multiply-add), and exp is one polynomial, so every path computes the same bits.
-#include "verispec/decode_ops.h"
+#include "verispec/layers/decode_ops.h"
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "linear_tiles.h"
-#include "verispec/norm.h"
+#include "verispec/layers/norm.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define VERISPEC_X86 1
