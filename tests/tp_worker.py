@@ -147,9 +147,9 @@ def run_decodes(target, draft_model, cases=None) -> dict:
 
     out = {}
     for name, kind, k, kwargs in (decode_cases() if cases is None else cases):
-        draft = {"ngram": NGram(1, 3), "model": draft_model,
-                 "skewed": SkewedDraft(draft_model, 0.006),
-                 "early_exit": EarlyExit(target, num_layers=1)}[kind]
+        draft = {"ngram": lambda: NGram(1, 3), "model": lambda: draft_model,
+                 "skewed": lambda: SkewedDraft(draft_model, 0.006),
+                 "early_exit": lambda: EarlyExit(target, num_layers=1)}[kind]()
         dec = SpecDecoder(target, draft, k=k, max_k=4, num_blocks=64, block_size=4)
         results = dec.generate(PROMPTS, max_new_tokens=14, **kwargs)
         out[name] = dict(tokens=[r.tokens for r in results],
@@ -209,6 +209,41 @@ def run_hf(tp) -> dict:
     return out
 
 
+# The decode cases of the quantized scenario: greedy text (plain speculation with an
+# n-gram draft at a fixed and an adaptive k, the target's early exit) and a seeded sample.
+QUANT_DECODE_CASES = ("ngram-k3-greedy", "ngram-auto-greedy", "early_exit-k3-greedy",
+                      "early_exit-k3-seeded")
+
+
+def quant_cases():
+    return [c for c in decode_cases() if c[0] in QUANT_DECODE_CASES]
+
+
+def quant_layout(model) -> dict:
+    """What a (sharded) quantized LlamaModel holds: per matrix its class, formats and
+    shape ({"layers": [{"wqkv": [class, formats, shape], ...}], "lm_head": ..., ...})."""
+    def one(m):
+        return [type(m).__name__, list(getattr(m, "formats", ())), list(m.shape)]
+
+    w = model.weights
+    return dict(quantized=model.quantized, embed=one(w.embed), lm_head=one(w.lm_head),
+                layers=[{name: one(getattr(lw, name)) for name in
+                         ("wqkv", "wo", "w_gate_up", "w_down")} for lw in w.layers],
+                kv_heads=model.geometry.num_kv_heads)
+
+
+def run_quant(tp, out_dir: str) -> dict:
+    """The quantized scenario: OUT_DIR/model.gguf (written by the test) loaded as one
+    process loads it (dtype None on the CPU: quantized) and sharded; what each rank holds,
+    its logits and its decodes."""
+    from verispec import distributed
+    from verispec.models import load_model
+
+    target = distributed.shard(load_model(os.path.join(out_dir, "model.gguf")), tp)
+    return dict(layout=quant_layout(target), logits=prefill_logits(target),
+                decodes=run_decodes(target, None, quant_cases()))
+
+
 def main() -> int:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
@@ -220,6 +255,9 @@ def main() -> int:
     tp = distributed.init(timeout_s=timeout, check_every=2)
     result: dict = {"rank": tp.rank}
     try:
+        if scenario == "quant":
+            result.update(run_quant(tp, out_dir))
+            return 0
         target = distributed.shard(tiny_model(0), tp)
         if scenario == "main":
             draft = distributed.shard(tiny_model(1, layers=1), tp)
@@ -259,7 +297,7 @@ def main() -> int:
             result["seconds_to_error"] = time.monotonic() - start
             result["steps"] = steps
         else:
-            raise ValueError(f"tp_worker: scenario must be 'main', 'hf', 'kill' or 'stall', "
+            raise ValueError(f"tp_worker: scenario must be 'main', 'hf', 'quant', 'kill' or 'stall', "
                              f"got {scenario!r}")
     finally:
         with open(os.path.join(out_dir, f"rank{tp.rank}.json"), "w") as f:

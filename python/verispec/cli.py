@@ -221,7 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--tp", type=_int_at_least(1), default=1, metavar="N",
                     help="split the target (a native Llama, or a transformers model along its "
                          "config's tensor-parallel plan) over N processes: torchrun's "
-                         "WORLD_SIZE; rank 0 prints (default: %(default)s)")
+                         "WORLD_SIZE; a GGUF keeps its quantized formats as with one "
+                         "process (--dtype float32 dequantizes it); rank 0 prints "
+                         "(default: %(default)s)")
     tp.add_argument("--tp-timeout", type=_float_in(0, 3600, low_open=True), default=60.0,
                     metavar="S", help="seconds a collective may wait for a rank before every "
                                       "rank stops with an error (default: %(default)s)")
@@ -675,9 +677,8 @@ def _generate(args: argparse.Namespace, tp) -> int:
     _check_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    # (under --tp too: a GGUF's shards keep its quantized formats, cut at whole blocks)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    if tp is not None and dtype is None:
-        dtype = torch.float32  # shards slice float weights (a GGUF is not kept quantized)
     k = args.k
     if args.trace:
         _check_writable(args.trace, "--trace")

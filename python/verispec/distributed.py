@@ -232,7 +232,10 @@ def shard(model: Any, tp: TensorParallel) -> Any:
     collectives of ``tp``. Every rank must call it with the same model and the same
     ``tp`` world.
 
-    A LlamaModel's shard is a new LlamaModel (the whole model's tensors are not kept).
+    A LlamaModel's shard is a new LlamaModel (the whole model's tensors are not kept);
+    a quantized one's shards keep the GGUF's formats (``shard_weights``): ValueError,
+    naming the tensor, its format and block, where a row-parallel cut would split a
+    block.
     An HFModel's transformers modules are cut in place, along the config's
     ``base_model_tp_plan`` (``verispec.models.hf_tp``, docs/distributed.md): the shard is
     a new HFModel over them, and the HFModel passed in refuses to run afterwards.
@@ -256,11 +259,9 @@ def shard(model: Any, tp: TensorParallel) -> Any:
                         f"{type(model).__name__}")
     if model.tp is not None:
         raise ValueError(f"shard: model is already a shard ({model.shard})")
-    if model.quantized:
-        raise ValueError("shard: model keeps quantized weights (a GGUF loaded on the CPU); "
-                         "tensor parallelism slices float weights: load it with "
-                         "dtype=torch.float32")
-    s = TPShard.of(model.config, tp.rank, tp.world_size)
+    # A quantized model (a GGUF on the CPU) keeps its formats: its shards are cut at whole
+    # blocks (TPShard.for_weights refuses, naming the tensor, where they cannot be).
+    s = TPShard.for_weights(model.config, model.weights, tp.rank, tp.world_size)
     out = LlamaModel(model.config, shard_weights(model.config, model.weights, s),
                      max_context=model.geometry.max_context, shard=s, tp=tp)
     for name in ("tokenizer_fingerprint",):

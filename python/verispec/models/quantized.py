@@ -223,6 +223,69 @@ class QuantizedMatrix:
                 parts.append(p)
         return QuantizedMatrix(parts, k)
 
+    # -- slices (tensor parallelism: verispec.models.llama.shard_weights) ---------------
+    # Each returns fresh tensors in the file's layout (the whole matrix can be freed);
+    # callers put the result in their arithmetic's layout (for_arithmetic).
+
+    def select_rows(self, ranges: Sequence[tuple[int, int]]) -> "QuantizedMatrix":
+        """Rows [a, b) of each range, one after another (a column-parallel cut: output
+        features). Whole rows are whole blocks, so any rows can be taken; each keeps its
+        format and bytes."""
+        n = self.shape[0]
+        pieces: list[QuantizedMatrix] = []
+        for a, b in ranges:
+            if not 0 <= a <= b <= n:
+                raise ValueError(f"QuantizedMatrix.select_rows: range [{a}, {b}) is outside "
+                                 f"the matrix's {n} rows")
+            n0 = 0
+            for p in self.parts:
+                lo, hi = max(a, n0), min(b, n0 + p.rows)
+                if lo < hi:
+                    data = p.unpack(self.k).data[lo - n0:hi - n0].clone()
+                    pieces.append(QuantizedMatrix([QuantPart(p.fmt, data)], self.k))
+                n0 += p.rows
+        if not pieces:  # no rows (a rank's empty slice of a small vocabulary)
+            p = self.parts[0]
+            return QuantizedMatrix([QuantPart(p.fmt, torch.empty(
+                (0, row_bytes(p.fmt, self.k)), dtype=torch.uint8))], self.k)
+        return QuantizedMatrix.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    def block_elems(self) -> int:
+        """The largest block of its parts' formats (32, or 256 for K-quants and IQ4_XS):
+        a cut of the K (input) dimension must fall on a multiple of it."""
+        return max(QUANT_FORMATS[p.fmt][1] for p in self.parts)
+
+    def select_columns(self, a: int, b: int) -> "QuantizedMatrix":
+        """Input features [a, b) of every row (a row-parallel cut): the blocks that hold
+        them, bytes unchanged, so a and b must be multiples of each part's block size
+        (ValueError otherwise: a block's scale covers all its weights and cannot be
+        split)."""
+        if not 0 <= a < b <= self.k:
+            raise ValueError(f"QuantizedMatrix.select_columns: [{a}, {b}) must be a non-empty "
+                             f"range inside K = {self.k}")
+        parts = []
+        for p in self.parts:
+            _, block, size = QUANT_FORMATS[p.fmt]
+            if a % block or b % block:
+                raise ValueError(f"QuantizedMatrix.select_columns: [{a}, {b}) does not cut "
+                                 f"{p.fmt} at its blocks of {block} weights")
+            data = p.unpack(self.k).data[:, a // block * size:b // block * size].contiguous()
+            parts.append(QuantPart(p.fmt, data))
+        return QuantizedMatrix(parts, b - a)
+
+    def pad_rows(self, rows: int) -> "QuantizedMatrix":
+        """This matrix with ``rows`` rows of zero bytes after its last: zero weights in
+        every format (all scales 0), e.g. the padding of a vocabulary-parallel LM head."""
+        if rows < 0:
+            raise ValueError(f"QuantizedMatrix.pad_rows: rows must be >= 0, got {rows}")
+        if rows == 0:
+            return self
+        last = self.parts[-1].unpack(self.k)
+        pad = QuantPart(last.fmt, last.data.new_zeros(rows, last.data.shape[1]))
+        return QuantizedMatrix.cat([QuantizedMatrix([p.unpack(self.k) for p in self.parts],
+                                                    self.k),
+                                    QuantizedMatrix([pad], self.k)])
+
     def dequantize(self, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """float32 [len(rows), K] (all rows when None): the exact dequantized weights."""
         if rows is None:
