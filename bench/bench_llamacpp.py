@@ -101,8 +101,8 @@ K_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 # about how large a format's integer quants times its scale fields are (random blocks):
 # the random scales are divided by it so that every weight is about 0.5 / sqrt(K)
 QUANT_MAGNITUDE = {"Q4_0": 8, "Q4_1": 8, "Q5_0": 16, "Q5_1": 16, "Q8_0": 64, "IQ4_NL": 64,
-                   "Q2_K": 16, "Q4_K": 256, "Q5_K": 512, "Q6_K": 1024, "IQ4_XS": 1024, "F16": 1,
-                   "BF16": 1}
+                   "Q2_K": 16, "Q3_K": 32, "Q4_K": 256, "Q5_K": 512, "Q6_K": 1024, "IQ4_XS": 1024,
+                   "F16": 1, "BF16": 1}
 PRESET_DIR = Path("bench/out/presets")
 
 

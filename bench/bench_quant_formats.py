@@ -15,6 +15,12 @@ arithmetic a model loads it in (int8 on the packed layout; F16 / BF16 the float
 arithmetic on the file's layout). Prints a markdown table and writes JSON.
 
     .venv/bin/python bench/bench_quant_formats.py --threads 2 --out bench/out/quant_formats.json
+
+The 256-weight formats (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) need every K a multiple of
+256, which the 360M shape's 960 is not: compare them on the 1.7B shape,
+
+    .venv/bin/python bench/bench_quant_formats.py --shape 1.7B --threads 2 --rounds 21 \
+        --formats Q4_0 Q2_K Q3_K Q4_K
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def min_terms(data: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
     """C_b per block of 32 of each row (float64 [n, k / 32]): the size of the block's min
     term, Q4_1 / Q5_1 |m|, Q4_K / Q5_K 63 |dmin| (the largest 6-bit min), Q2_K 15 |dmin|
-    (the largest 4-bit one), else 0."""
+    (the largest 4-bit one), else 0 (Q3_K's and Q6_K's quants have offsets, not mins)."""
     _, block, size = QUANT_FORMATS[fmt]
     n = data.shape[0]
     # the min's byte offset and the largest integer it is multiplied by
@@ -429,7 +429,7 @@ HIDDEN, INTER, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 300, 2
 LAYER_FORMATS = [
     {"attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K", "attn_output": "Q5_0",
      "ffn_gate": "Q4_0", "ffn_up": "Q4_1", "ffn_down": "IQ4_XS"},
-    {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "BF16", "attn_output": "F16",
+    {"attn_q": "Q8_0", "attn_k": "Q3_K", "attn_v": "BF16", "attn_output": "F16",
      "ffn_gate": "Q5_1", "ffn_up": "Q2_K", "ffn_down": "IQ4_NL"},
 ]
 # quants of about 8x the 4-bit ones' size: random scales 8x smaller

@@ -62,6 +62,14 @@ float reference_weight(QuantType t, const uint8_t* b, int e) {
       return (half_bits_to_float(u16(b + 80)) * static_cast<float>(b[g] & 15)) * static_cast<float>(q) -
              half_bits_to_float(u16(b + 82)) * static_cast<float>(b[g] >> 4);
     }
+    case QuantType::kQ3_K: {
+      const int sub = e / 32, l = e % 32, g = e / 16;  // g: the 16 elements' scale
+      const int low = (b[32 + 32 * (sub / 4) + l] >> (2 * (sub % 4))) & 3, high = (b[l] >> sub) & 1;
+      const int sc_lo = g < 8 ? b[96 + g] & 15 : b[96 + g - 8] >> 4;
+      const int sc_hi = (b[104 + g % 4] >> (2 * (g / 4))) & 3;
+      return (half_bits_to_float(u16(b + 108)) * static_cast<float>((sc_lo | (sc_hi << 4)) - 32)) *
+             static_cast<float>(low + 4 * high - 4);
+    }
     case QuantType::kIQ4_XS: {
       static const int kValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
       const int sub = e / 32, l = e % 32;
@@ -125,6 +133,7 @@ std::vector<uint8_t> random_rows(QuantType t, int64_t n, int64_t k, std::mt19937
   std::vector<int> halves;
   if (t == QuantType::kQ6_K) halves = {208};
   else if (t == QuantType::kQ2_K) halves = {80, 82};
+  else if (t == QuantType::kQ3_K) halves = {108};
   else if (t == QuantType::kQ4_1 || t == QuantType::kQ5_1 || t == QuantType::kQ4_K ||
            t == QuantType::kQ5_K)
     halves = {0, 2};

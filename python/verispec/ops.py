@@ -318,8 +318,8 @@ def quant_linear(x, weight, fmt, *, out=None, num_threads=None, isa="auto", arit
     """``x @ dequantize(weight).T`` with ``weight`` kept in a GGUF block format: ``x``
     float32 CPU [M, K]; ``weight`` uint8 CPU [N, row_bytes], each row K / block blocks of
     format ``fmt`` (a name of ``verispec._C.quant_formats()``: "Q8_0", "Q4_0", "Q4_1",
-    "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"; "F16" or "BF16": 16-bit floats, always the
-    float arithmetic) -> float32 [M, N].
+    "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"; "F16" or
+    "BF16": 16-bit floats, always the float arithmetic) -> float32 [M, N].
     With ``packed_rows=N``, ``weight`` is those N rows in the packed layout of
     ``quant_pack`` (the int8 arithmetic reads it fastest; the same bits either way).
 
@@ -330,7 +330,8 @@ def quant_linear(x, weight, fmt, *, out=None, num_threads=None, isa="auto", arit
     Against a float64 product of the dequantized weights the error is within
     sum_b 0.50003 * amax_b / 127 * sum_{k in b} |w_k| + (K/32 + 8) * 2^-23 *
     sum_k (|x_k| + amax_b / 254) * (|w_k| + C_b) (amax_b: max |x| of block b; C_b the
-    block's min term, Q4_1 |m|, Q4_K/Q5_K 63 |dmin|, else 0); see csrc/include/verispec/layers/quant.h.
+    block's min term, Q4_1/Q5_1 |m|, Q4_K/Q5_K 63 |dmin|, Q2_K 15 |dmin|, else 0); see
+    csrc/include/verispec/layers/quant.h.
 
     ``arithmetic="float"``: the kernel dequantizes a few weight rows at a time into cache
     and runs ``linear``'s float32 arithmetic on them: each output is the float32 dot

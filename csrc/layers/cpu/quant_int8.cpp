@@ -111,7 +111,7 @@ void quantize_x(const QuantLinearArgs& a, QuantX* out) {
 //
 // For a row's 32-weight block b: u[32] the quants (unsigned; Q8_0, IQ4_NL: signed), the
 // offset o (the block's integer product is sum u q - o * sum q: quant_offset), the
-// multipliers (Q6_K: the sub-scales of elements 0..15 and 16..31; else 1), the float scale
+// multipliers (Q6_K, Q2_K, Q3_K: the sub-scales of elements 0..15 and 16..31; else 1), the float scale
 // ws (x's block scale is multiplied by it once) and the min coefficient wc (Q4_1, Q5_1: m;
 // Q4_K, Q5_K: -(dmin * min); times dx it multiplies the sum of x's block).
 // Q2_K: the min's integer is min_lo * (sum of x's values 0..15) + min_hi * (16..31); else
@@ -180,6 +180,16 @@ inline WBlock decode_block(QuantType type, const uint8_t* row, int64_t b, uint8_
         const uint8_t* q = s + 16 + 32 * (j / 4);
         for (int l = 0; l < 32; ++l) u[l] = static_cast<uint8_t>((q[l] >> (2 * (j % 4))) & 3);
       }
+      return w;
+    }
+    case QuantType::kQ3_K: {
+      const uint8_t* s = row + 110 * (b / 8);
+      const int j = static_cast<int>(b % 8);
+      w.ws = half_to_float(s + 108);
+      w.mul_lo = q3k_scale(s + 96, 2 * j);
+      w.mul_hi = q3k_scale(s + 96, 2 * j + 1);
+      if (u)
+        for (int l = 0; l < 32; ++l) u[l] = static_cast<uint8_t>(q3k_quant(s, j, l));
       return w;
     }
     case QuantType::kIQ4_XS: {

@@ -15,11 +15,14 @@ namespace quant_detail {
 
 // K-quants (and IQ4_XS): super-blocks of 256 weights (8 blocks of 32); the rest: blocks of 32.
 constexpr bool is_k_quant(QuantType t) {
-  return t == QuantType::kQ2_K || t == QuantType::kQ4_K || t == QuantType::kQ5_K ||
-         t == QuantType::kQ6_K || t == QuantType::kIQ4_XS;
+  return t == QuantType::kQ2_K || t == QuantType::kQ3_K || t == QuantType::kQ4_K ||
+         t == QuantType::kQ5_K || t == QuantType::kQ6_K || t == QuantType::kIQ4_XS;
 }
-// Formats with a multiplier per half block of 16 (Q6_K's int8 sub-scales, Q2_K's 4-bit ones).
-constexpr bool half_scales(QuantType t) { return t == QuantType::kQ6_K || t == QuantType::kQ2_K; }
+// Formats with a multiplier per half block of 16 (Q6_K's int8 sub-scales, Q2_K's 4-bit
+// ones, Q3_K's 6-bit ones less 32).
+constexpr bool half_scales(QuantType t) {
+  return t == QuantType::kQ6_K || t == QuantType::kQ2_K || t == QuantType::kQ3_K;
+}
 // Bytes of a block (K-quants: of a super-block).
 constexpr int64_t block_bytes(QuantType t) {
   switch (t) {
@@ -34,6 +37,7 @@ constexpr int64_t block_bytes(QuantType t) {
     case QuantType::kIQ4_NL: return 18;
     case QuantType::kIQ4_XS: return 136;
     case QuantType::kQ2_K: return 84;
+    case QuantType::kQ3_K: return 110;
     case QuantType::kF16:
     case QuantType::kBF16: return 64;
   }
@@ -55,7 +59,23 @@ constexpr int iq4xs_scale(uint32_t scales_h, uint32_t scales_l, int j) {
 }
 // The offset subtracted from the unsigned quants (w = d * (q - offset)).
 constexpr int32_t quant_offset(QuantType t) {
-  return t == QuantType::kQ4_0 ? 8 : t == QuantType::kQ5_0 ? 16 : t == QuantType::kQ6_K ? 32 : 0;
+  return t == QuantType::kQ4_0   ? 8
+         : t == QuantType::kQ5_0 ? 16
+         : t == QuantType::kQ6_K ? 32
+         : t == QuantType::kQ3_K ? 4
+                                 : 0;
+}
+// Q3_K: scale g (0..15, of elements 16g..16g + 15) of a block's 12 scale bytes, as the
+// signed multiplier (the 6-bit field less 32): its low 4 bits are the low (g < 8) or high
+// nibble of byte g % 8, its high 2 bits bits 2 (g / 4).. of byte 8 + g % 4.
+constexpr int q3k_scale(const uint8_t* s, int g) {
+  return static_cast<int>(((s[g % 8] >> (4 * (g / 8))) & 0x0F) | (((s[8 + g % 4] >> (2 * (g / 4))) & 3) << 4)) - 32;
+}
+// Q3_K: the unsigned quant (0..7, offset 4) of element l (0..31) of sub-block j (0..7) of a
+// block: 2 bits at bit 2 (j % 4) of byte 32 (j / 4) + l of the 64 quant bytes at 32, the
+// third bit j of hmask byte l.
+constexpr int q3k_quant(const uint8_t* block, int j, int l) {
+  return ((block[32 + 32 * (j / 4) + l] >> (2 * (j % 4))) & 3) | (((block[l] >> j) & 1) << 2);
 }
 // Q5_0 / Q5_1: where the 4 bytes of high bits and the 16 of nibbles lie in a block.
 constexpr int64_t q5_high_bits_at(QuantType t) { return t == QuantType::kQ5_1 ? 4 : 2; }

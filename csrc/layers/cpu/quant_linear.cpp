@@ -101,6 +101,17 @@ __attribute__((always_inline)) inline void dequant_row(QuantType type,
         }
       }
       return;
+    case QuantType::kQ3_K:
+      for (int64_t b = 0; b < blocks; ++b, src += 110, dst += 256) {
+        const float d = half_to_float(src + 108);
+        for (int g = 0; g < 16; ++g) {  // 16 elements: scale g, quants of sub-block g / 2
+          const float a = d * static_cast<float>(quant_detail::q3k_scale(src + 96, g));
+          const int j = g / 2, l0 = 16 * (g & 1);
+          for (int l = l0; l < l0 + 16; ++l)
+            dst[32 * j + l] = a * static_cast<float>(quant_detail::q3k_quant(src, j, l) - 4);
+        }
+      }
+      return;
     case QuantType::kIQ4_XS:
       for (int64_t b = 0; b < blocks; ++b, src += 136, dst += 256) {
         const float d = half_to_float(src);
@@ -605,6 +616,7 @@ const char* quant_type_name(QuantType type) {
     case QuantType::kIQ4_NL: return "IQ4_NL";
     case QuantType::kIQ4_XS: return "IQ4_XS";
     case QuantType::kQ2_K: return "Q2_K";
+    case QuantType::kQ3_K: return "Q3_K";
     case QuantType::kF16: return "F16";
     case QuantType::kBF16: return "BF16";
   }

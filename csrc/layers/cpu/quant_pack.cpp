@@ -38,6 +38,7 @@ HalfFields half_fields(QuantType type) {
     case QuantType::kQ6_K: return {1, {208, 0}};
     case QuantType::kIQ4_XS: return {2, {0, 2}};  // d, and the 16-bit scales_h
     case QuantType::kQ2_K: return {2, {80, 82}};
+    case QuantType::kQ3_K: return {1, {108, 0}};  // d at the end
   }
   return {0, {0, 0}};
 }

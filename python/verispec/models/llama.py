@@ -164,9 +164,10 @@ class LlamaWeights:
         ``state`` may be lazy (any Mapping): each tensor is read once, converted, fused.
         ``quantized`` (CPU, float32 activations; ``state`` a LlamaGGUF): matrices stay in
         the file's formats as QuantizedMatrix where verispec has a kernel for them
-        (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS, F16, BF16); a fused
-        projection with a piece in any other format is dequantized to ``dtype``, and its
-        pieces are listed in ``converted`` ("blk.0.attn_q.weight (IQ2_XXS)").
+        (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, F16,
+        BF16); a fused projection with a piece in any other format is dequantized to
+        ``dtype``, and its pieces are listed in ``converted`` ("blk.0.attn_q.weight
+        (IQ2_XXS)").
         """
         if quantized and (torch.device(device).type != "cpu" or dtype != torch.float32
                           or not hasattr(state, "quantized")):

@@ -18,8 +18,8 @@ Weights come from safetensors (single or sharded through model.safetensors.index
 A name like "org/name" that is no path is looked up in the local Hugging Face cache only
 ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub): verispec never
 downloads. ``dtype=None``: on the CPU float32 activations, a GGUF's matrices kept in
-their quantized formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS,
-F16 and BF16 as 16-bit values: verispec's quantized kernels; ``dtype=torch.float32``
+their quantized formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+IQ4_XS, F16 and BF16 as 16-bit values: verispec's quantized kernels; ``dtype=torch.float32``
 dequantizes them at load); on a GPU the checkpoint's dtype (config.json "dtype" /
 "torch_dtype") for Hugging Face folders, float32 for GGUF.
 ``device=None``: the CPU.

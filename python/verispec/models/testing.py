@@ -22,8 +22,8 @@ from verispec.models.base import KVPools, Model, PagedBatch
 # Byte offsets of the 2-byte fields in each quantized format's block: its IEEE half scales
 # (d, m, dmin; and IQ4_XS's 16-bit scales_h, which any value fills).
 QUANT_HALF_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
-                     "IQ4_NL": [0], "IQ4_XS": [0, 2], "Q2_K": [80, 82], "Q4_K": [0, 2],
-                     "Q5_K": [0, 2], "Q6_K": [208], "F16": [], "BF16": []}
+                     "IQ4_NL": [0], "IQ4_XS": [0, 2], "Q2_K": [80, 82], "Q3_K": [108],
+                     "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "F16": [], "BF16": []}
 
 
 def random_quant_blocks(fmt: str, n: int, k: int, *, seed: int, scale: float = 0.01) -> torch.Tensor:

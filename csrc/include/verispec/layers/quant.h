@@ -22,6 +22,11 @@
 //   Q2_K (256 elems, 84 B): 16 B of scales (one byte per 16 elements: low nibble sc, high
 //        nibble mn), 64 B of 2-bit quants (sub-block j = 4h + i of 32: bits 2i of bytes
 //        32h..32h + 31), d, dmin             w = (d*sc) * q - (dmin*mn), per 16 elements
+//   Q3_K (256 elems, 110 B): 32 B hmask (bit j of byte l: the high bit of element 32j + l),
+//        64 B of 2-bit quants as Q2_K's, 12 B of 16 6-bit scales (scale g: low 4 bits the
+//        low (g < 8) or high (g >= 8) nibble of byte g % 8, high 2 bits bits 2 (g / 4),
+//        2 (g / 4) + 1 of byte 8 + g % 4), d at the end
+//                       q = quant + 4 * bit, w = (d * (sc - 32)) * (q - 4), per 16 elements
 //   IQ4_XS (256 elems, 136 B): d, 16-bit scales_h (2 bits per sub-block j of 32: bits 2j,
 //        2j + 1), 4 B scales_l (4 bits per sub-block: bits 4j..4j + 3 of the uint32), 128 B
 //        of nibbles (sub-block j: bytes 16j.., low nibbles elements 0..15, high 16..31),
@@ -52,11 +57,12 @@
 // integers u (Q8_0, IQ4_NL, IQ4_XS: signed, IQ4_NL's / IQ4_XS's the table's values; Q4_0: 0..15 with offset
 // 8; Q5_0: 0..31 with offset 16; Q4_1, Q5_1, Q4_K, Q5_K: 0..15 / 0..31;
 // Q6_K: 0..63 with offset 32 and one int8 sub-scale per 16; Q2_K: 0..3 and one 4-bit scale
-// and one 4-bit min per 16) and the block's exact integer
+// and one 4-bit min per 16; Q3_K: 0..7 with offset 4 and one sub-scale sc - 32 (-32..31)
+// per 16) and the block's exact integer
 //   P = sum_k u_k q_k - offset * S        (S = sum of the block's q)
-// (Q6_K, Q2_K: each half's such sum times its sub-scale, added) is formed (vpdpbusd on AVX-512
+// (Q6_K, Q2_K, Q3_K: each half's such sum times its sub-scale, added) is formed (vpdpbusd on AVX-512
 // VNNI / AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2, C++). With ws the block's weight scale
-// (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/Q6_K/Q2_K: d; Q4_K/Q5_K: d * sc; IQ4_XS: d * (ls - 32); exact) and wc its min
+// (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL/Q6_K/Q2_K/Q3_K: d; Q4_K/Q5_K: d * sc; IQ4_XS: d * (ls - 32); exact) and wc its min
 // (Q4_1/Q5_1: m; Q4_K/Q5_K:
 // -(dmin * mn), exact; else none), one float accumulator per output takes the blocks in
 // order:
@@ -96,13 +102,14 @@ std::string quant_int8_force_path(const std::string& name);
 
 // ggml's type ids for the supported formats.
 enum class QuantType : int32_t {
-  kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ4_K = 12, kQ5_K = 13,
-  kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kBF16 = 30
+  kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11,
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23, kBF16 = 30
 };
 // Every supported format, in ggml's id order.
 constexpr QuantType kQuantTypes[] = {QuantType::kF16,   QuantType::kQ4_0, QuantType::kQ4_1,
                                      QuantType::kQ5_0,  QuantType::kQ5_1, QuantType::kQ8_0,
-                                     QuantType::kQ2_K,  QuantType::kQ4_K,  QuantType::kQ5_K, QuantType::kQ6_K,
+                                     QuantType::kQ2_K,  QuantType::kQ3_K, QuantType::kQ4_K,
+                                     QuantType::kQ5_K,  QuantType::kQ6_K,
                                      QuantType::kIQ4_NL, QuantType::kIQ4_XS, QuantType::kBF16};
 // F16 and BF16: 16-bit float weights, products in the float arithmetic only.
 constexpr bool quant_is_float16(QuantType t) { return t == QuantType::kF16 || t == QuantType::kBF16; }
