@@ -1,0 +1,282 @@
+"""The batch-invariant mode (issue 45): a token's logits the same bits whatever shares its
+pass, in the torch implementation (verispec.models.batch_invariant) that runs on GPUs,
+forced on here on the CPU; and the power of the checks: torch's own path on the CPU
+rounds a token differently by pass."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from verispec.decoder import SpecDecoder  # noqa: E402
+from verispec.drafters import EarlyExit, NGram  # noqa: E402
+from verispec.models import batch_invariant as bi  # noqa: E402
+from verispec.models.llama import LlamaConfig, LlamaModel, LlamaWeights  # noqa: E402
+from verispec.models.testing import PagedRunner  # noqa: E402
+
+VOCAB = 96
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 64, 160, 4, 2, 16
+
+
+def _state(seed: int, layers: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    h, q, kv = HIDDEN, HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    names = {"model.embed_tokens.weight": (VOCAB, h), "lm_head.weight": (VOCAB, h),
+             "model.norm.weight": (h,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        names.update({p + "input_layernorm.weight": (h,),
+                      p + "post_attention_layernorm.weight": (h,),
+                      p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                      p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                      p + "mlp.gate_proj.weight": (INTER, h), p + "mlp.up_proj.weight": (INTER, h),
+                      p + "mlp.down_proj.weight": (h, INTER)})
+    return {name: (1 + 0.1 * torch.randn(shape, generator=g)) if len(shape) == 1
+            else 0.3 * torch.randn(shape, generator=g) for name, shape in names.items()}
+
+
+def tiny_llama(*, mode: str, seed: int = 0, layers: int = 2, dtype=torch.float32) -> LlamaModel:
+    """mode "bi-torch": the torch batch-invariant path forced on; "torch": torch's own
+    path (torch.mm, SDPA / batched matmuls), verispec's CPU kernels off."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+                         num_hidden_layers=layers, num_attention_heads=HEADS,
+                         num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, max_position_embeddings=1024,
+                         tie_word_embeddings=False)
+    weights = LlamaWeights.from_state_dict(config, _state(seed, layers), dtype=dtype)
+    model = LlamaModel(config, weights, batch_invariant=mode == "bi-torch")
+    if mode == "bi-torch":
+        model.batch_invariant_torch = True
+    else:
+        model.native_linear = model.native_norm = model.native_layer_ops = False
+        model.native_decode_layers = False
+    return model
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+
+# A: the sequence whose logits are compared; its prompt and the tokens that follow.
+A_PROMPT = _prompt(1, 21)
+A_NEXT = _prompt(2, 6)
+OTHERS = [_prompt(3, 40), _prompt(4, 5), _prompt(5, 70)]
+
+
+def _reference(model) -> list[torch.Tensor]:
+    """A alone: its prompt in one pass, then A_NEXT one token a pass; the logits of every
+    token (prompt and next) in order."""
+    run = PagedRunner(model, num_blocks=128, block_size=16)
+    a = run.add_sequence()
+    out = list(run.step({a: A_PROMPT})[0])
+    for t in A_NEXT:
+        out.append(run.step({a: [t]})[0][0])
+    return out
+
+
+def _crowded(model) -> list[torch.Tensor]:
+    """A next to other rows: its prompt in a pass with two other prompts, then A_NEXT in
+    one verify-sized pass while the others decode, prefill a chunk or sit between."""
+    run = PagedRunner(model, num_blocks=128, block_size=16)
+    x, a, y, z = (run.add_sequence() for _ in range(4))
+    first = run.step({x: OTHERS[0], a: A_PROMPT, y: OTHERS[1]})
+    out = list(first[1])
+    run.step({z: OTHERS[2]})
+    rest = run.step({x: [7], z: [3, 4], a: A_NEXT, y: [9]})
+    return out + list(rest[2])
+
+
+def _tree(model) -> list[torch.Tensor]:
+    """A's prompt alone, then one tree pass (next to a decoding row) whose nodes are
+    A_NEXT[0] -> A_NEXT[1] -> A_NEXT[2] plus decoys: a sibling of A_NEXT[1] and a child of
+    the sibling, placed between the chain's nodes in the cache. The logits of the
+    prompt and of the chain's three nodes."""
+    run = PagedRunner(model, num_blocks=128, block_size=16)
+    x, a = run.add_sequence(), run.add_sequence()
+    run.step({x: OTHERS[0]})
+    out = list(run.step({a: A_PROMPT})[0])
+    n0 = len(A_PROMPT)
+    # input order: root, decoy sibling, chain child, decoy grandchild, chain grandchild
+    nodes = [A_NEXT[0], 5, A_NEXT[1], 11, A_NEXT[2]]
+    parent = [None, 0, 0, 1, 2]
+    depth = [0, 1, 1, 2, 2]
+    batch = run.make_batch({x: [13], a: nodes})
+    t = 1 + len(nodes)
+    mask = torch.zeros(t, t, dtype=torch.bool)
+    mask[0, 0] = True
+    for i in range(len(nodes)):
+        j = i
+        while j is not None:
+            mask[1 + i, 1 + j] = True
+            j = parent[j]
+    positions = batch.positions.clone()
+    positions[1:] = torch.tensor([n0 + d for d in depth])
+    batch = dataclasses.replace(batch, positions=positions, tree_mask=mask)
+    logits = model.forward(batch)
+    return out + [logits[1], logits[3], logits[5]]
+
+
+def _same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[int]:
+    """Indices of the logits rows that differ in any bit."""
+    assert len(a) == len(b)
+    return [i for i, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
+
+
+@pytest.fixture(params=["default", "small"])
+def chunks(request, monkeypatch):
+    """The shipped chunk sizes, and small ones (2-row products, 8-key chunks): many
+    chunks, padding and fully hidden chunks in every pass."""
+    if request.param == "small":
+        monkeypatch.setattr(bi, "ROWS", 2)
+        monkeypatch.setattr(bi, "ATTN_ROWS", 3)
+        monkeypatch.setattr(bi, "KEY_CHUNK", 8)
+    return request.param
+
+
+def test_row_logits_are_bit_identical_in_any_pass(chunks):
+    model = tiny_llama(mode="bi-torch")
+    ref = _reference(model)
+    assert _same_bits(ref, _crowded(model)) == []
+    n = len(A_PROMPT)
+    assert _same_bits(ref[:n + 3], _tree(model)) == []
+
+
+def test_bfloat16_row_logits_are_bit_identical_in_any_pass():
+    model = tiny_llama(mode="bi-torch", dtype=torch.bfloat16)
+    ref = _reference(model)
+    assert _same_bits(ref, _crowded(model)) == []
+    assert _same_bits(ref[:len(A_PROMPT) + 3], _tree(model)) == []
+
+
+def test_torch_default_path_rounds_a_row_by_pass():
+    """Power: the same comparisons on torch's own path (torch.mm, SDPA and batched
+    matmuls, torch's RMSNorm) find rows whose bits differ on this CPU."""
+    model = tiny_llama(mode="torch")
+    ref = _reference(model)
+    differing = _same_bits(ref, _crowded(model)) + _same_bits(ref[:len(A_PROMPT) + 3],
+                                                               _tree(model))
+    assert differing, "torch's default path gave every row the same bits in every pass"
+
+
+def test_batch_invariant_logits_match_the_default_path_to_rounding():
+    """The mode computes the same function: its logits agree with torch's path within
+    float32 rounding (a wrong mask, scale or merge misses by far more)."""
+    fast, slow = tiny_llama(mode="torch"), tiny_llama(mode="bi-torch")
+    for want, got in zip(_crowded(fast) + _tree(fast), _crowded(slow) + _tree(slow)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_long_context_attention_merges_key_chunks(monkeypatch):
+    """Rows longer than one key chunk: the merged chunks give the full softmax (to
+    rounding) and the same bits alone and next to a longer row."""
+    monkeypatch.setattr(bi, "KEY_CHUNK", 16)
+    fast, slow = tiny_llama(mode="torch"), tiny_llama(mode="bi-torch")
+    prompt, other = _prompt(6, 50), _prompt(7, 90)
+
+    def run(model, crowd):
+        r = PagedRunner(model, num_blocks=128, block_size=16)
+        a = r.add_sequence()
+        if crowd:
+            b = r.add_sequence()
+            logits = r.step({b: other, a: prompt})[1]
+            return torch.cat([logits, r.step({a: [1, 2, 3], b: [4]})[0]])
+        logits = r.step({a: prompt})[0]
+        return torch.cat([logits] + [r.step({a: [t]})[0] for t in (1, 2, 3)])
+
+    alone = run(slow, False)
+    assert torch.equal(alone, run(slow, True))
+    torch.testing.assert_close(alone, run(fast, False), rtol=1e-4, atol=1e-4)
+
+
+def test_attention_honours_window_softcap_and_sinks():
+    """batch_invariant.attention against a direct softmax over each token's keys, with a
+    sliding window, a softcap and attention sinks; and a token's output alone equals
+    its output next to other tokens."""
+    g = torch.Generator().manual_seed(0)
+    t, h, kvh, d, slots = 5, 4, 2, 8, 64
+    q = torch.randn(t, h, d, generator=g)
+    k = torch.randn(slots, kvh, d, generator=g)
+    v = torch.randn(slots, kvh, d, generator=g)
+    sinks = torch.randn(h, generator=g)
+
+    class Plan(bi.KeyPlan):
+        def __init__(self, lens):  # token i sees slots 0..lens[i]-1, positions = slot
+            self.device = torch.device("cpu")
+            self.slots = torch.arange(slots).expand(len(lens), slots).clone()
+            self.visible = torch.arange(slots)[None, :] < torch.tensor(lens)[:, None]
+            self.q_pos = torch.tensor(lens) - 1
+            self.key_pos = self.slots.clone()
+            self._keys = {}
+
+    lens = [40, 3, 17, 64, 1]
+    for window, softcap, use_sinks in [(None, None, False), (8, None, False), (None, 2.0, True),
+                                       (5, 3.0, True)]:
+        s = sinks if use_sinks else None
+        got = bi.attention(q, k, v, Plan(lens), scaling=0.3, window=window, softcap=softcap,
+                           sinks=s)
+        for i, n in enumerate(lens):
+            lo = 0 if window is None else max(0, n - window)
+            kk = k[lo:n].repeat_interleave(h // kvh, dim=1)                 # [L, H, D]
+            vv = v[lo:n].repeat_interleave(h // kvh, dim=1)
+            scores = torch.einsum("hd,lhd->hl", q[i], kk) * 0.3
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            if s is not None:
+                scores = torch.cat([scores, s[:, None]], dim=1)
+            p = torch.softmax(scores, -1)[:, :n - lo]
+            want = torch.einsum("hl,lhd->hd", p, vv)
+            torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+            alone = bi.attention(q[i:i + 1], k, v, Plan([n]), scaling=0.3, window=window,
+                                 softcap=softcap, sinks=s)
+            assert torch.equal(alone[0], got[i])
+
+
+def test_linear_rows_are_bit_identical_alone_and_in_a_batch():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(45, 256, generator=g)
+    w = torch.randn(300, 256, generator=g)
+    b = torch.randn(300, generator=g)
+    full = bi.linear(x, w, b)
+    torch.testing.assert_close(full, x @ w.t() + b, rtol=1e-4, atol=1e-4)
+    for i in (0, 5, 31, 32, 44):
+        assert torch.equal(bi.linear(x[i:i + 1], w, b)[0], full[i])
+    assert torch.equal(bi.linear(x[3:40], w, b), full[3:40])
+
+
+def test_torch_mm_rounds_a_row_by_the_products_rows():
+    """Power of the linear check: torch.mm on this CPU gives some row different bits at
+    M = 1 than inside a larger product."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(45, 256, generator=g)
+    w = torch.randn(300, 256, generator=g)
+    full = x @ w.t()
+    assert any(not torch.equal(x[i:i + 1] @ w.t(), full[i:i + 1]) for i in range(45))
+
+
+@pytest.mark.parametrize("source", ["ngram", "early_exit", "draft"])
+def test_greedy_speculation_equals_plain_greedy(source):
+    target = tiny_llama(mode="bi-torch", layers=3)
+    draft = {"ngram": lambda: NGram(1, 3), "early_exit": lambda: EarlyExit(target, num_layers=1),
+             "draft": lambda: tiny_llama(mode="bi-torch", seed=1, layers=1)}[source]()
+    prompts = [A_PROMPT, OTHERS[1], A_PROMPT[:7] * 3]
+    plain = SpecDecoder(target, None, num_blocks=96, block_size=8)
+    want = [r.tokens for r in plain.generate(prompts, max_new_tokens=24, greedy=True)]
+    dec = SpecDecoder(target, draft, k=3, num_blocks=96, block_size=8)
+    got = [r.tokens for r in dec.generate(prompts, max_new_tokens=24, greedy=True)]
+    assert got == want
+
+
+def test_batch_invariant_argument_errors():
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+                         num_hidden_layers=1, num_attention_heads=HEADS,
+                         num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=False)
+    weights = LlamaWeights.from_state_dict(config, _state(0, 1))
+    with pytest.raises(TypeError, match="batch_invariant must be a bool, got 'yes'"):
+        LlamaModel(config, weights, batch_invariant="yes")
