@@ -1002,6 +1002,8 @@ def _row_local(func: Any, args: tuple) -> bool:
     if name in _PRODUCT_OPS:
         a = args[_PRODUCT_OPS[name]]
         return isinstance(a, torch.Tensor) and a.shape[-1] == 1
+    if name in ("dropout", "feature_dropout", "alpha_dropout"):  # identity in eval mode
+        return len(args) > 2 and args[2] is False
     return False
 
 
@@ -1022,9 +1024,15 @@ def _batch_invariant_problems(run) -> list[str]:
                 found.setdefault(f"aten.{func.overloadpacket.__name__} (in {where})")
             return func(*args, **(kwargs or {}))
 
-    pre = nn_module.register_module_forward_pre_hook(
-        lambda m, a: stack.append(type(m).__name__))
-    post = nn_module.register_module_forward_hook(lambda m, a, o: stack.pop() if stack else None)
+    def enter(module, args) -> None:
+        stack.append(type(module).__name__)
+
+    def leave(module, args, output) -> None:  # returns None: the output stays
+        if stack:
+            stack.pop()
+
+    pre = nn_module.register_module_forward_pre_hook(enter)
+    post = nn_module.register_module_forward_hook(leave)
     try:
         with Check():
             run()
