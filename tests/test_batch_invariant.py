@@ -387,3 +387,87 @@ def test_hf_batch_invariant_argument_errors():
     assert not model.capture and not model.native_attention
     with pytest.raises(ValueError, match="HFModel.capture: a batch-invariant model runs eagerly"):
         model.capture = True
+
+
+# --- verispec's CPU kernels in the mode ---------------------------------------------------
+
+
+def test_native_cpu_mode_covers_passes_past_the_kernels_row_limits():
+    """A float32 CPU model in the mode keeps verispec's kernels (no torch implementation),
+    and a decoding row next to a 200-token prefill (past NATIVE_LINEAR_MAX_ROWS, where
+    the default falls back to torch.mm) keeps its bits; the default mode does not."""
+    from verispec.models import llama
+
+    def decode_logits(model, crowd: bool) -> torch.Tensor:
+        run = PagedRunner(model, num_blocks=128, block_size=16)
+        a, b = run.add_sequence(), run.add_sequence()
+        run.step({a: A_PROMPT})
+        if crowd:
+            return run.step({a: [A_NEXT[0]], b: _prompt(8, 200)})[0][0]
+        return run.step({a: [A_NEXT[0]]})[0][0]
+
+    assert 200 > llama.NATIVE_LINEAR_MAX_ROWS
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
+                         num_hidden_layers=2, num_attention_heads=HEADS,
+                         num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, max_position_embeddings=1024,
+                         tie_word_embeddings=False)
+    weights = LlamaWeights.from_state_dict(config, _state(0, 2))
+    invariant = LlamaModel(config, weights, batch_invariant=True)
+    if not invariant.native_linear:
+        pytest.skip("verispec's CPU linear kernel needs AVX2 or AVX-512 here")
+    probe = PagedRunner(invariant)
+    assert not invariant._batch_invariant_torch(probe.make_batch({probe.add_sequence(): [1]}))
+    assert torch.equal(decode_logits(invariant, False), decode_logits(invariant, True))
+    default = LlamaModel(config, weights)
+    assert not torch.equal(decode_logits(default, False), decode_logits(default, True))
+
+
+# --- the GPU check (issue 45): speculative vs plain greedy on a random ~1B model ------------
+
+
+def spec_vs_plain_on_random_llama(device: str, *, batch_invariant: bool, shape: dict,
+                                  prompts: int, tokens: int, dtype=torch.bfloat16) -> int:
+    """Tokens where n-gram speculation differs from plain greedy decoding, ``prompts``
+    random prompts (a segment said four times, so n-gram drafts get verified) x
+    ``tokens`` new tokens each, all in one batch, on a random Llama."""
+    from verispec.models.testing import random_llama
+
+    model = random_llama(**shape, device=device, dtype=dtype, max_context=512,
+                         batch_invariant=batch_invariant)
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(0, shape["vocab"], (16,), generator=g).tolist() * 4
+             for _ in range(prompts)]
+    plain = SpecDecoder(model, None, num_blocks=prompts * 16 + 8, block_size=16)
+    want = [r.tokens for r in plain.generate(batch, max_new_tokens=tokens, greedy=True)]
+    dec = SpecDecoder(model, NGram(1, 4), k=4, num_blocks=prompts * 16 + 8, block_size=16)
+    got = [r.tokens for r in dec.generate(batch, max_new_tokens=tokens, greedy=True)]
+    return sum(a != b for x, y in zip(want, got) for a, b in zip(x, y))
+
+
+SMALL_SHAPE = dict(vocab=512, hidden=128, intermediate=352, layers=2, heads=4, kv_heads=2,
+                   head_dim=32)
+GPU_SHAPE = dict(vocab=32000, hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4,
+                 head_dim=64)  # TinyLlama-1.1B's
+
+
+def test_spec_vs_plain_helper_runs_on_the_cpu():
+    """The GPU check's code on a small model on the CPU (bfloat16: the torch path, the
+    batch-invariant one in the mode): the mode gives 0 differing tokens."""
+    assert spec_vs_plain_on_random_llama("cpu", batch_invariant=True, shape=SMALL_SHAPE,
+                                         prompts=3, tokens=12) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_speculative_greedy_equals_plain_greedy_in_the_mode(record_property):
+    """16 prompts x 128 tokens on a random TinyLlama-shaped model in bfloat16: without the
+    mode speculation may drift from plain greedy (recorded, not asserted: it may
+    agree); with it, not one token differs."""
+    off = spec_vs_plain_on_random_llama("cuda", batch_invariant=False, shape=GPU_SHAPE,
+                                        prompts=16, tokens=128)
+    record_property("differing_tokens_default", off)
+    print(f"\nspeculative vs plain greedy, default mode: {off} of {16 * 128} tokens differ")
+    on = spec_vs_plain_on_random_llama("cuda", batch_invariant=True, shape=GPU_SHAPE,
+                                       prompts=16, tokens=128)
+    record_property("differing_tokens_batch_invariant", on)
+    assert on == 0
