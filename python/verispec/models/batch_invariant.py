@@ -43,7 +43,7 @@ import torch.nn.functional as F
 #: Rows per product and per row-wise module call (the P of every GEMM's (P, in) shape).
 ROWS = 32
 #: (token, KV head) rows per attention call.
-ATTN_ROWS = 32
+ATTN_ROWS = 64
 #: Keys per attention chunk; the grid starts at each row's first visible key.
 KEY_CHUNK = 256
 
@@ -63,10 +63,12 @@ class _Inside:
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x [n, d] zero-padded to a multiple of ``rows`` rows (x itself when it is one)."""
+    """x [n, d] zero-padded to a multiple of ``rows`` rows, in a fresh buffer (x itself
+    when it is one already, contiguous and 256-byte aligned: cuBLAS picks kernels by the
+    operands' alignment too, so every chunk starts as aligned whatever the pass)."""
     n = x.shape[0]
     pad = -n % rows
-    if pad == 0 and x.is_contiguous():
+    if pad == 0 and x.is_contiguous() and x.data_ptr() % 256 == 0:
         return x
     out = x.new_zeros((n + pad, *x.shape[1:]))
     out[:n] = x
