@@ -297,16 +297,17 @@ class _Plan:
                            f"mask ({_describe(mask)}), which verispec's paged attention cannot "
                            f"apply (the construction probe saw none)")
 
-    def prepare(self, native: bool, batch_invariant: bool = False) -> None:
+    def prepare_batch_invariant(self) -> None:
+        """Every layer attends in ``batch_invariant.attention`` (HFModel's batch-invariant
+        mode), over the key plan built now, before the first layer writes the cache."""
+        self.keys = _bi.KeyPlan(self._batch, self.device)
+
+    def prepare(self, native: bool) -> None:
         """Decides, before the first layer writes the cache, how layers attend: with
-        ``batch_invariant``, every layer in ``batch_invariant.attention`` over the key plan
-        built now; with ``native`` (HFModel.native_attention), layers without softcap or
-        sinks attend in verispec's paged CPU kernel unless a chain row has more than
-        KERNEL_MAX_QUERIES new tokens, and its checks of the batch run now; otherwise the
-        padded groups are built now (their checks too)."""
-        if batch_invariant:
-            self.keys = _bi.KeyPlan(self._batch, self.device)
-            return
+        ``native`` (HFModel.native_attention), layers without softcap or sinks attend in
+        verispec's paged CPU kernel unless a chain row has more than KERNEL_MAX_QUERIES
+        new tokens, and its checks of the batch run now; otherwise the padded groups are
+        built now (their checks too)."""
         self.native = native and self._native_index() is not None
         if not self.native:
             self.groups  # noqa: B018 - built (and checked) before any write
@@ -1474,7 +1475,10 @@ class HFModel:
         device = g.device
         plan = _Plan(batch, self._pool_of, device)
         plan.kernels = self._kernels  # read by the RoPE dispatcher (_rope_dispatch)
-        plan.prepare(self.native_attention, self.batch_invariant)
+        if self.batch_invariant:
+            plan.prepare_batch_invariant()
+        else:
+            plan.prepare(self.native_attention)
         if max(plan.ctx_lens) > g.max_context:
             raise ValueError(f"HFModel.forward: context_lens must be <= max_context = "
                              f"{g.max_context}, got {max(plan.ctx_lens)}")
