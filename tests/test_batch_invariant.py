@@ -480,3 +480,20 @@ def test_gpu_speculative_greedy_equals_plain_greedy_in_the_mode(record_property)
                                        prompts=16, tokens=128)
     record_property("differing_tokens_batch_invariant", on)
     assert on == 0
+
+
+@pytest.mark.parametrize("torch_ops", [False, True])
+def test_quantized_row_logits_are_bit_identical_in_any_pass(tmp_path, torch_ops):
+    """A GGUF kept quantized on the CPU, in the mode on verispec's kernels and with the
+    torch ops forced on (its quantized products stay in verispec's kernels, its norms
+    and attention in the torch ops)."""
+    pytest.importorskip("gguf")
+    from test_quant import write_quantized_gguf
+    from verispec.models import load_model
+
+    model = load_model(write_quantized_gguf(tmp_path / "q.gguf"), batch_invariant=True)
+    assert model.quantized
+    model.batch_invariant_torch = torch_ops
+    ref = _reference(model)
+    assert _same_bits(ref, _crowded(model)) == []
+    assert _same_bits(ref[:len(A_PROMPT) + 3], _tree(model)) == []
