@@ -537,3 +537,53 @@ def test_no_command_and_version(capsys):
     assert code == 2 and "generate" in err
     code, out, _ = run(capsys, "--version")
     assert code == 0 and out.startswith("verispec ")
+
+
+# --------------------------------------------------------------------------- batch-invariant
+
+
+@pytest.mark.parametrize("which", ["native", "transformers"])
+def test_generate_batch_invariant(capsys, tiny_model, tiny_qwen2, which):
+    """--batch-invariant builds the target in the mode (LlamaModel, HFModel) and says so;
+    speculation still equals plain greedy."""
+    folder = tiny_model if which == "native" else tiny_qwen2
+    prompt = "the quick brown fox the quick brown fox"
+    code, out, err = run(capsys, "generate", "--model", folder, "--prompt", prompt, "--greedy",
+                         "--max-new-tokens", 12, "--ignore-eos", "--batch-invariant")
+    assert code == 0, err
+    assert ", batch-invariant, loaded in" in err and "greedy outputs identical: yes" in err, err
+    code, _, err = run(capsys, "generate", "--model", folder, "--prompt", prompt, "--greedy",
+                       "--max-new-tokens", 4)
+    assert code == 0 and "batch-invariant" not in err, err
+
+    from verispec.decoder import SpecDecoder
+    from verispec.models import load
+
+    model, tok = load(folder, batch_invariant=True)
+    assert model.batch_invariant
+    (r,) = SpecDecoder(model, None, k=0).generate([tok.encode(prompt)], max_new_tokens=12,
+                                                  greedy=True)
+    assert out == tok.decode(r.tokens, skip_special_tokens=True) + "\n"
+
+
+def test_serve_batch_invariant_builds_the_target_in_the_mode(capsys, tiny_model, monkeypatch):
+    from verispec import server
+
+    served = {}
+    monkeypatch.setattr(server, "serve", lambda dec, tok, name, **kw: served.update(dec=dec))
+    code, _, err = run(capsys, "serve", "--model", tiny_model, "--batch-invariant")
+    assert code == 0, err
+    assert served["dec"].target.batch_invariant and ", batch-invariant, loaded" in err, err
+    code, _, err = run(capsys, "serve", "--model", tiny_model)
+    assert code == 0 and not served["dec"].target.batch_invariant, err
+
+
+def test_batch_invariant_with_tensor_parallelism_is_a_usage_error(tiny_model):
+    """--tp with --batch-invariant: distributed.shard refuses the mode (the all-reduce's
+    order follows the message size), which the CLI reports as an --tp usage error."""
+    from verispec import distributed
+    from verispec.models import load
+
+    model, _ = load(tiny_model, batch_invariant=True)
+    with pytest.raises(ValueError, match="shard: model is batch-invariant"):
+        distributed.shard(model, object())

@@ -160,6 +160,13 @@ def _device_arguments(g: argparse.ArgumentParser) -> None:
                         "checkpoint's dtype on a GPU (float32 for GGUF); float32 dequantizes "
                         "a GGUF at load (default: %(default)s)")
     g.add_argument("--threads", type=_int_at_least(1), help="torch CPU threads (default: torch's)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="the target gives a token the same logits bits whatever shares its "
+                        "pass (1 token, a verify pass, a tree, other requests), so speculative "
+                        "greedy equals plain greedy bit for bit on a GPU too; slower there "
+                        "(fixed-shape products and attention; docs/design.md). A float32 model "
+                        "on the CPU is batch-invariant already up to 128-token passes; the "
+                        "flag extends that to every pass")
 
 
 # --- the parser -----------------------------------------------------------------------
@@ -361,7 +368,8 @@ def _check_device(device: str, arg: str = "--device") -> None:
                          f"{torch.cuda.device_count()}, got {device!r}")
 
 
-def _load(name: str, arg: str, *, device: str = "cpu", dtype: Any = None):
+def _load(name: str, arg: str, *, device: str = "cpu", dtype: Any = None,
+          batch_invariant: bool = False):
     """models.load(name) with the loaders' actionable errors turned into UsageError
     (dtype None: the loaders' default)."""
     try:
@@ -369,7 +377,7 @@ def _load(name: str, arg: str, *, device: str = "cpu", dtype: Any = None):
     except ModuleNotFoundError as e:
         raise UsageError(_missing_package(e, "loading models")) from None
     try:
-        return models.load(name, device=device, dtype=dtype)
+        return models.load(name, device=device, dtype=dtype, batch_invariant=batch_invariant)
     except ModuleNotFoundError as e:
         raise UsageError(f"argument {arg}: {_missing_package(e, f'loading {name!r}')}") from None
     except (FileNotFoundError, ValueError, KeyError) as e:
@@ -684,7 +692,8 @@ def _generate(args: argparse.Namespace, tp) -> int:
         _check_writable(args.trace, "--trace")
 
     t0 = time.perf_counter()
-    model, tok = _load(args.model, "--model", device=args.device, dtype=dtype)
+    model, tok = _load(args.model, "--model", device=args.device, dtype=dtype,
+                       batch_invariant=args.batch_invariant)
     if tp is not None:
         model = _tp_shard(model, tp, "--model")
     load_s = time.perf_counter() - t0
@@ -719,7 +728,8 @@ def _generate(args: argparse.Namespace, tp) -> int:
     shard = (f", tensor parallel over {tp.world_size} ranks ({model.geometry.num_kv_heads} KV "
              f"heads here)" if tp is not None else "")
     print(f"[{args.model}: {_model_kind(model)}{shard}, {model.geometry.num_layers} layers, "
-          f"{_weights_desc(model)} on {args.device}, "
+          f"{_weights_desc(model)} on {args.device}"
+          f"{', batch-invariant' if args.batch_invariant else ''}, "
           f"loaded in {load_s:.1f} s; prompt {len(prompt)} tokens; draft {draft_desc}, "
           f"k {k if k != 'auto' else f'auto (<= {args.max_k})'}; {_describe_policy(policy)}"
           f"{'; block verification' if args.verify == 'block' else ''}"
@@ -872,7 +882,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     t0 = time.perf_counter()
-    model, tok = _load(args.model, "--model", device=args.device, dtype=dtype)
+    model, tok = _load(args.model, "--model", device=args.device, dtype=dtype,
+                       batch_invariant=args.batch_invariant)
     load_s = time.perf_counter() - t0
     draft, draft_desc, draft_arg = _make_draft(args, model, tok, args.device, dtype)
     k = 0 if draft is None else args.k
@@ -886,7 +897,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"argument {draft_arg or '--k'}: {e}") from None
     name = args.served_model_name or args.model
     print(f"[verispec serve: {args.model} ({_model_kind(model)}, {model.geometry.num_layers} "
-          f"layers, {_weights_desc(model)} on {args.device}, loaded "
+          f"layers, {_weights_desc(model)} on {args.device}"
+          f"{', batch-invariant' if args.batch_invariant else ''}, loaded "
           f"in {load_s:.1f} s) as {name!r}; draft {draft_desc}, "
           f"k {k if k != 'auto' else f'auto (<= {args.max_k})'}; {args.num_blocks} KV blocks "
           f"of {BLOCK_SIZE} tokens; http://{args.host}:{args.port}/v1]", file=sys.stderr, flush=True)

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _nn_module  # its global hooks (_fast_call)
 
+from verispec.models import batch_invariant as _bi
 from verispec.models import hf_capture
 from verispec.models.base import (KVWrite, ModelGeometry, PagedBatch, attention_groups,
                                   check_batch)
@@ -286,6 +287,7 @@ class _Plan:
         self._groups: Optional[list[_Group]] = None
         self._batch = batch
         self.native = False
+        self.keys: Optional[_bi.KeyPlan] = None  # the batch-invariant mode's key plan
         self._native: Optional[dict[str, Any]] = None
         self._native_rows: tuple = ()  # the paged kernel's per-forward row arguments
         self._pools: dict[int, tuple] = {}
@@ -294,6 +296,11 @@ class _Plan:
         raise RuntimeError(f"HFModel.forward: {type(module).__name__} passed its own attention "
                            f"mask ({_describe(mask)}), which verispec's paged attention cannot "
                            f"apply (the construction probe saw none)")
+
+    def prepare_batch_invariant(self) -> None:
+        """Every layer attends in ``batch_invariant.attention`` (HFModel's batch-invariant
+        mode), over the key plan built now, before the first layer writes the cache."""
+        self.keys = _bi.KeyPlan(self._batch, self.device)
 
     def prepare(self, native: bool) -> None:
         """Decides, before the first layer writes the cache, how layers attend: with
@@ -411,6 +418,10 @@ class _Plan:
         v_flat = self.kv.v[pool].view(-1, kvh, dv)
         self.write(k_flat, key[0].transpose(0, 1))
         self.write(v_flat, value[0].transpose(0, 1))
+        if self.keys is not None:
+            return _bi.attention(query[0].transpose(0, 1), k_flat, v_flat, self.keys,
+                                 scaling=scaling, window=window, softcap=softcap,
+                                 sinks=sinks)[None]
         if len(self.groups) == 1 and self.groups[0].lean and softcap is None and sinks is None:
             return self._attend_lean(self.groups[0], query[0], k_flat, v_flat, scaling, window)
         q = query[0].transpose(0, 1)                                           # [T, H, Dk]
@@ -881,6 +892,7 @@ def _uninstall_cpu_kernels(model: torch.nn.Module) -> None:
                     m.bias.data = m.bias.data.clone()
                 del m._verispec_siblings, m._verispec_sibling
             vars(m).pop("forward", None)
+            vars(m).pop("_verispec_class_forward", None)
             del m._verispec_kernels
 
 
@@ -902,6 +914,133 @@ def _is_plain_rms_norm(module: torch.nn.Module) -> bool:
         return False
     module._verispec_eps = eps
     return True
+
+
+# --- the batch-invariant mode (verispec.models.batch_invariant) ---------------------------
+
+
+@hf_capture.opaque
+def _bi_linear_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward in the batch-invariant mode: fixed (ROWS, in) x (in, out) products."""
+    return _bi.linear(x, self.weight, self.bias)
+
+
+@hf_capture.opaque
+def _bi_rows_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A norm module's own forward in the batch-invariant mode, on fixed chunks of ROWS rows."""
+    forward = self._verispec_class_forward
+    return _bi.rows(lambda c: forward(self, c), x)
+
+
+def _norm_is_row_wise(module: torch.nn.Module) -> bool:
+    """Whether a norm module normalizes each row over its last dimension alone, so that
+    running it on chunks of rows changes nothing but rounding: its output on a random
+    [3, 5, d] input against the chunked one."""
+    d = None
+    for p in module.parameters(recurse=False):
+        if p.dim() == 1:
+            d = p.shape[0]
+    d = d or getattr(module, "normalized_shape", (None,))[-1]
+    if not isinstance(d, int) or d < 1:
+        return False
+    p0 = next(module.parameters(), None)
+    dtype = p0.dtype if p0 is not None else torch.float32
+    device = p0.device if p0 is not None else torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, d, generator=g) * 3).to(device=device, dtype=dtype)
+    forward = type(module).forward
+    try:
+        with torch.no_grad():
+            want = forward(module, x)
+            got = _bi.rows(lambda c: forward(module, c), x, 4)
+    except Exception:  # noqa: BLE001 - a norm that needs more than one input: not wrapped
+        return False
+    return (torch.is_tensor(want) and want.shape == got.shape
+            and torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2))
+
+
+def _install_batch_invariant(model: torch.nn.Module) -> None:
+    """Puts the batch-invariant ops under a model's nn.Linear layers and row-wise norm
+    modules (instance-level forwards, undone by _uninstall_cpu_kernels)."""
+    import types
+
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module._verispec_kernels = None
+            module.forward = types.MethodType(_bi_linear_forward, module)
+        elif (type(module).__name__.endswith("Norm") and not list(module.children())
+              and _norm_is_row_wise(module)):
+            module._verispec_kernels = None
+            module._verispec_class_forward = type(module).forward
+            module.forward = types.MethodType(_bi_rows_forward, module)
+
+
+# aten ops that compute each output element from inputs without summing floats (data
+# movement, allocation, masks), besides the pointwise-tagged ops and views
+_ROW_LOCAL_OPS = frozenset((
+    "embedding", "index_select", "index", "gather", "cat", "stack", "clone", "copy_", "copy",
+    "_to_copy", "empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones",
+    "ones_like", "full", "full_like", "arange", "new_zeros", "new_empty", "new_ones",
+    "new_full", "new_empty_strided", "fill_", "fill", "index_copy_", "index_copy",
+    "index_put_", "index_put", "scatter", "scatter_", "repeat", "repeat_interleave",
+    "_unsafe_view", "split", "split_with_sizes", "unbind", "chunk", "flip", "roll",
+    "lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "scalar_tensor", "triu", "tril",
+    "masked_fill", "masked_fill_", "where", "constant_pad_nd", "slice_scatter",
+    "select_scatter", "detach", "alias", "contiguous", "resize_", "set_", "sym_size",
+    "sym_stride", "sym_numel", "_assert_async", "is_nonzero"))
+# products that are exact when they reduce over one term (RoPE's angle outer products)
+_PRODUCT_OPS = {"mm": 0, "bmm": 0, "matmul": 0, "addmm": 1, "baddbmm": 1, "dot": 0, "mv": 0}
+
+
+def _row_local(func: Any, args: tuple) -> bool:
+    """Whether an aten op's result for one token cannot depend on the others in its pass."""
+    name = func.overloadpacket.__name__
+    if torch.Tag.pointwise in func.tags or func.is_view or name in _ROW_LOCAL_OPS:
+        return True
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if tensors and not any(t.is_floating_point() or t.is_complex() for t in tensors):
+        return True  # integer and boolean arithmetic is exact in any order
+    if name in _PRODUCT_OPS:
+        a = args[_PRODUCT_OPS[name]]
+        return isinstance(a, torch.Tensor) and a.shape[-1] == 1
+    if name in ("dropout", "feature_dropout", "alpha_dropout"):  # identity in eval mode
+        return len(args) > 2 and args[2] is False
+    return False
+
+
+def _batch_invariant_problems(run) -> list[str]:
+    """The ops of one forward ``run()`` outside the batch-invariant ops (linear layers,
+    wrapped norms, attention) that may round a token by what shares its pass, as
+    "aten.op (in Module)"; empty when there are none."""
+    from torch.nn.modules import module as nn_module
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    stack: list[str] = []
+    found: dict[str, None] = {}
+
+    class Check(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if _bi._depth == 0 and not _row_local(func, args):
+                where = stack[-1] if stack else "the model's forward"
+                found.setdefault(f"aten.{func.overloadpacket.__name__} (in {where})")
+            return func(*args, **(kwargs or {}))
+
+    def enter(module, args) -> None:
+        stack.append(type(module).__name__)
+
+    def leave(module, args, output) -> None:  # returns None: the output stays
+        if stack:
+            stack.pop()
+
+    pre = nn_module.register_module_forward_pre_hook(enter)
+    post = nn_module.register_module_forward_hook(leave)
+    try:
+        with Check():
+            run()
+    finally:
+        pre.remove()
+        post.remove()
+    return list(found)
 
 
 def _shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -942,14 +1081,33 @@ class HFModel:
     ``capture`` (default True): run decode and verify forwards as captured programs
     (``HFModel.capture``, ``verispec.models.hf_capture``); off for tensor parallelism and
     for a model compiled with ``torch.compile``.
+    ``batch_invariant``: every forward gives a token's logits the same bits whatever the
+    number of tokens in its pass and whatever shares it (docs/design.md, "Batch-invariant
+    mode"), on any device: the model's ``nn.Linear`` layers and its row-wise norm modules
+    run on fixed chunks of rows and every layer attends in
+    ``verispec.models.batch_invariant.attention`` (windows, softcaps, sinks and trees as
+    the paged attention honours them); ``cpu_kernels`` and ``capture`` are then off.
+    Refused (ValueError naming the ops and modules) where one recording forward shows
+    the model computing anything else that torch may round by the pass's shape, e.g. a
+    mixture-of-experts router's softmax and top-k or expert products outside
+    ``nn.Linear``; and with ``tp``.
     """
 
     def __init__(self, hf_model: Any, *, max_context: Optional[int] = None,
                  tokenizer: Any = None, cpu_kernels: bool = True, tp: Any = None,
-                 capture: bool = True) -> None:
+                 capture: bool = True, batch_invariant: bool = False) -> None:
         if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "config"):
             raise TypeError(f"HFModel: hf_model must be a loaded transformers model "
                             f"(*ForCausalLM), got {type(hf_model).__name__}")
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"HFModel: batch_invariant must be a bool, got {batch_invariant!r}")
+        if batch_invariant and tp is not None:
+            raise ValueError("HFModel: batch_invariant=True cannot run tensor-parallel (got "
+                             "tp): the all-reduce of the ranks' partial products picks its "
+                             "algorithm, hence its summation order, by message size, i.e. by "
+                             "the number of tokens in the pass")
+        #: See the class docstring (fixed at construction).
+        self.batch_invariant = batch_invariant
         register_attention()
         _uninstall_cpu_kernels(hf_model)  # wrapped before: start from the modules' own code
         config = hf_model.config
@@ -1042,6 +1200,19 @@ class HFModel:
                 self._shard(tp, layers, int(logits.shape[-1]), device)
                 probe, logits = self._probe(device)  # this rank's heads
                 layers = probe.layers
+            if batch_invariant:
+                _install_batch_invariant(hf_model)
+                problems = _batch_invariant_problems(lambda: self._probe(device))
+                if problems:
+                    _uninstall_cpu_kernels(hf_model)
+                    shown = ", ".join(problems[:6]) + (", ..." if len(problems) > 6 else "")
+                    raise _refuse(hf_model, f"batch_invariant=True: its forward computes "
+                                            f"{shown} outside its nn.Linear layers, row-wise "
+                                            f"norms and attention; torch may round such an "
+                                            f"op's result for a token by how many tokens share "
+                                            f"the pass (a float reduction or product whose "
+                                            f"kernel follows the shape, e.g. a mixture-of-"
+                                            f"experts router's softmax and top-k)")
         except BaseException:
             hf_model.train(was_training)
             if previous is not None and previous != ATTN_IMPLEMENTATION:
@@ -1073,14 +1244,17 @@ class HFModel:
         #: a forward holds a chain row of more than KERNEL_MAX_QUERIES new tokens (float32
         #: CPU models): a token attends bit for bit the same whatever shares its pass and
         #: however its prompt was chunked. Set False to use the padded torch paths.
-        self.native_attention = device.type == "cpu" and dtype == torch.float32
+        self.native_attention = (device.type == "cpu" and dtype == torch.float32
+                                 and not batch_invariant)
         self._kernels: Optional[_CpuKernels] = None
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32 and (
-                _C.linear_best_isa() != "scalar"):
+                _C.linear_best_isa() != "scalar") and not batch_invariant:
             self._kernels = _install_cpu_kernels(hf_model, lambda: self._probe(device))
         #: Captured forwards of decode and verify passes (verispec.models.hf_capture);
-        #: ``capture=False`` (or tensor parallelism) runs every forward eagerly.
+        #: ``capture=False`` (or tensor parallelism, or the batch-invariant mode, whose
+        #: attention steps follow the context lengths) runs every forward eagerly.
         self._captures = (hf_capture.Captures(hf_model) if capture and tp is None
+                          and not batch_invariant
                           and getattr(hf_model, "_compiled_call_impl", None) is None else None)
         self.tokenizer_fingerprint: Optional[str] = None
         if tokenizer is not None:
@@ -1136,6 +1310,10 @@ class HFModel:
 
     @capture.setter
     def capture(self, on: bool) -> None:
+        if on and self.batch_invariant:
+            raise ValueError("HFModel.capture: a batch-invariant model runs eagerly (its "
+                             "attention's steps follow the rows' context lengths, which a "
+                             "captured program would fix)")
         if on and self._captures is None:
             if self.tp is not None or self.model is None:
                 raise ValueError("HFModel.capture: a tensor-parallel shard runs eagerly "
@@ -1177,6 +1355,7 @@ class HFModel:
         draft.tp = self.tp  # the draft runs the shared (cut) modules, collectives included
         draft._kernels = self._kernels
         draft.native_attention = self.native_attention
+        draft.batch_invariant = self.batch_invariant
         draft.tokenizer_fingerprint = self.tokenizer_fingerprint
         draft._captures = None
         probe, _ = draft._probe(self.geometry.device)
@@ -1296,7 +1475,10 @@ class HFModel:
         device = g.device
         plan = _Plan(batch, self._pool_of, device)
         plan.kernels = self._kernels  # read by the RoPE dispatcher (_rope_dispatch)
-        plan.prepare(self.native_attention)
+        if self.batch_invariant:
+            plan.prepare_batch_invariant()
+        else:
+            plan.prepare(self.native_attention)
         if max(plan.ctx_lens) > g.max_context:
             raise ValueError(f"HFModel.forward: context_lens must be <= max_context = "
                              f"{g.max_context}, got {max(plan.ctx_lens)}")

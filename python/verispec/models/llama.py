@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from verispec import _C
 from verispec.models.base import (KVWrite, ModelGeometry, PagedBatch, attention_groups,
                                   check_batch)
+from verispec.models import batch_invariant as _bi
 from verispec.models import quantized as _quantized
 from verispec.models.quantized import QUANT_FORMATS, QuantizedMatrix
 
@@ -484,6 +485,31 @@ class _TorchLayerOps:
         return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
 
+class _BatchInvariantOps(_TorchLayerOps):
+    """A forward's steps between the products in the torch batch-invariant mode
+    (``verispec.models.batch_invariant``): RMSNorm in fixed chunks of ROWS rows, every
+    token's attention over its own visible keys in fixed-shape steps; RoPE, the cache
+    write, residual adds and SwiGLU are element-wise as in _TorchLayerOps."""
+
+    def __init__(self, model: "LlamaModel", batch: PagedBatch, num_tokens: int,
+                 positions: torch.Tensor):
+        g = model.geometry
+        self.model, self.nh, self.nkv, self.hd = model, model._nh, model._nkv, model.config.head_dim
+        self.keys = _bi.KeyPlan(batch, g.device)
+        self.write = KVWrite(batch.host_tensor("slot_mapping"), g.device)
+        eps = model.config.rms_norm_eps
+        self.norm = lambda x, weight: _bi.rms_norm(x, weight, eps)
+        self.cos = model._cos[positions][:, None, :]                          # [T, 1, hd]
+        self.sin = model._sin[positions][:, None, :]
+        self.num_tokens = num_tokens
+        self.scaling = 1.0 / math.sqrt(self.hd)
+
+    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        out = _bi.attention(q, k_pool.view(-1, self.nkv, self.hd), v_pool.view(-1, self.nkv, self.hd),
+                            self.keys, scaling=self.scaling)
+        return out.reshape(self.num_tokens, self.nh * self.hd)
+
+
 class _NativeLayerOps:
     """A forward's steps between the matrix products in verispec's CPU kernels
     (verispec/layers/decode_ops.h; float32 CPU tensors, contiguous pools): three native calls a
@@ -511,7 +537,8 @@ class _NativeLayerOps:
         self.num_slots = batch.kv.k[0].shape[0] * self.block_size
         starts = self.query_start.tolist()  # rising from 0 to T: check_batch
         # Rows attended in SDPA instead (long prefills): (first token, last + 1, row).
-        self.long_rows = [] if self.tree is not None else [
+        # None in the batch-invariant mode: SDPA rounds by the row's length.
+        self.long_rows = [] if self.tree is not None or model.batch_invariant else [
             (starts[r], starts[r + 1], r) for r in range(len(starts) - 1)
             if starts[r + 1] - starts[r] > KERNEL_MAX_QUERIES]
         # Positions, context lengths and block tables checked once, before the first
@@ -806,14 +833,34 @@ class LlamaModel:
 
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, *,
                  max_context: Optional[int] = None, shard: Optional["TPShard"] = None,
-                 tp: Any = None):
+                 tp: Any = None, batch_invariant: bool = False):
         """``shard`` and ``tp`` together make a tensor-parallel rank: ``weights`` are then
         that rank's shard (``shard_weights``) and ``tp`` the collectives (an object with
         ``all_reduce(t)`` and ``gather_vocab(t, vocab_size)``, e.g.
-        ``verispec.distributed.TensorParallel``); see ``verispec.distributed.shard``."""
+        ``verispec.distributed.TensorParallel``); see ``verispec.distributed.shard``.
+
+        ``batch_invariant``: every forward gives a token's logits the same bits whatever
+        the number of tokens in the pass (1, a verify pass, a tree) and whatever other
+        rows share it, so speculative greedy equals plain greedy bit for bit on any
+        device (docs/design.md, "Batch-invariant mode"). A float32 CPU model keeps
+        verispec's CPU kernels, which round a row alone at every size then (no torch.mm
+        for long products, no SDPA for long rows); elsewhere (a GPU, other dtypes) the
+        forward runs ``verispec.models.batch_invariant``'s fixed-shape torch ops. Not
+        with tensor parallelism (the all-reduce's algorithm follows the message size)."""
         if (shard is None) != (tp is None):
             raise ValueError(f"LlamaModel: shard and tp must be given together, got "
                              f"shard={shard!r}, tp={tp!r}")
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"LlamaModel: batch_invariant must be a bool, got {batch_invariant!r}")
+        if batch_invariant and tp is not None:
+            raise ValueError("LlamaModel: batch_invariant=True cannot run tensor-parallel (got "
+                             "tp): the all-reduce of the ranks' partial products picks its "
+                             "algorithm, hence its summation order, by message size, i.e. by "
+                             "the number of tokens in the pass")
+        #: See __init__. Set ``batch_invariant_torch`` too to run the torch implementation
+        #: where verispec's CPU kernels would (tests and comparisons on a CPU).
+        self.batch_invariant = batch_invariant
+        self.batch_invariant_torch = False
         self.config = config
         self.weights = weights
         self.shard = shard
@@ -916,6 +963,8 @@ class LlamaModel:
         draft.native_norm = self.native_norm and draft._native_norm_ok
         draft.native_layer_ops = self.native_layer_ops and draft._native_norm_ok
         draft.native_decode_layers = self.native_decode_layers and draft._decode_layers is not None
+        draft.batch_invariant = self.batch_invariant
+        draft.batch_invariant_torch = self.batch_invariant_torch
         return draft
 
     def __call__(self, batch: PagedBatch) -> torch.Tensor:
@@ -941,12 +990,17 @@ class LlamaModel:
         if ctx_max > g.max_context:
             raise ValueError(f"LlamaModel.forward: context_lens must be <= max_context = "
                              f"{g.max_context}, got {ctx_max}")
-        ops = (_NativeLayerOps(self, batch, num_tokens) if self._use_native_ops(batch)
-               else _TorchLayerOps(self, batch, num_tokens, positions))
-        linear = self._linear(num_tokens)
+        bi_torch = self._batch_invariant_torch(batch)
+        if bi_torch:
+            ops = _BatchInvariantOps(self, batch, num_tokens, positions)
+        elif self._use_native_ops(batch):
+            ops = _NativeLayerOps(self, batch, num_tokens)
+        else:
+            ops = _TorchLayerOps(self, batch, num_tokens, positions)
+        linear = self._batch_invariant_linear() if bi_torch else self._linear(num_tokens)
         x = (w.embed.dequantize(ids) if isinstance(w.embed, QuantizedMatrix)
              else F.embedding(ids, w.embed))
-        if (isinstance(ops, _NativeLayerOps) and self.native_decode_layers
+        if (type(ops) is _NativeLayerOps and self.native_decode_layers
                 and self._decode_layers is not None and not ops.long_rows
                 and _quantized.on_kernel(num_tokens)):
             ops.run_layers(self._decode_layers, x, batch.kv, inter)
@@ -972,21 +1026,65 @@ class LlamaModel:
             logits = self.tp.gather_vocab(logits, c.vocab_size)
         return logits
 
-    def _linear(self, num_tokens: int):
-        """x [T, in] @ w[out, in]^T for this forward: verispec's kernel or torch.mm (a
-        QuantizedMatrix: its own products, QuantizedMatrix.linear)."""
-        dense = self._dense_linear(num_tokens)
-        if not self.quantized:
-            return dense
+    def _batch_invariant_torch(self, batch: PagedBatch) -> bool:
+        """Whether this forward runs _BatchInvariantOps and batch_invariant.linear: the
+        batch-invariant mode where verispec's CPU kernels do not run every step (a GPU,
+        a dtype other than float32, a CPU without their vector instructions) or when
+        ``batch_invariant_torch`` asks for it."""
+        if not self.batch_invariant:
+            return False
+        return (self.batch_invariant_torch or not self._use_native_ops(batch)
+                or not (self.native_linear and self._native_linear_ok))
+
+    def _batch_invariant_linear(self):
+        """Products of the torch batch-invariant mode: dense matrices in fixed
+        (ROWS, in) x (in, out) GEMMs; a QuantizedMatrix in verispec's kernels, which
+        round a row alone (in chunks of at most KERNEL_MAX_ROWS rows: past that the float
+        arithmetic would dequantize tiles into torch.mm)."""
         threads = torch.get_num_threads()
 
         def linear(x: torch.Tensor, w) -> torch.Tensor:
             if isinstance(w, QuantizedMatrix):
-                return w.linear(x if x.is_contiguous() else x.contiguous(), threads)
+                x = x if x.is_contiguous() else x.contiguous()
+                step = _quantized.KERNEL_MAX_ROWS
+                return torch.cat([w.linear(x[i:i + step], threads)
+                                  for i in range(0, x.shape[0], step)])
+            return _bi.linear(x, w)
+        return linear
+
+    def _linear(self, num_tokens: int):
+        """x [T, in] @ w[out, in]^T for this forward: verispec's kernel or torch.mm (a
+        QuantizedMatrix: its own products, QuantizedMatrix.linear). In the batch-invariant
+        mode on verispec's kernels, a product of more rows than they take at once runs
+        in chunks of them (a row rounds alike in any chunk)."""
+        dense = self._dense_linear(num_tokens)
+        if not self.quantized:
+            return dense
+        threads = torch.get_num_threads()
+        step = (_quantized.KERNEL_MAX_ROWS if self.batch_invariant and not _quantized.on_kernel(num_tokens)
+                else num_tokens)
+
+        def linear(x: torch.Tensor, w) -> torch.Tensor:
+            if isinstance(w, QuantizedMatrix):
+                x = x if x.is_contiguous() else x.contiguous()
+                if step >= x.shape[0]:
+                    return w.linear(x, threads)
+                return torch.cat([w.linear(x[i:i + step], threads)
+                                  for i in range(0, x.shape[0], step)])
             return dense(x, w)
         return linear
 
     def _dense_linear(self, num_tokens: int):
+        if (self.batch_invariant and self.native_linear and self._native_linear_ok
+                and num_tokens > NATIVE_LINEAR_MAX_ROWS):
+            threads = torch.get_num_threads()
+            step = NATIVE_LINEAR_MAX_ROWS
+
+            def chunked(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                x = x if x.is_contiguous() else x.contiguous()
+                return torch.cat([native_linear(x[i:i + step], w, threads)
+                                  for i in range(0, x.shape[0], step)])
+            return chunked
         if (self.native_linear and self._native_linear_ok
                 and NATIVE_LINEAR_MIN_ROWS <= num_tokens <= NATIVE_LINEAR_MAX_ROWS):
             threads = torch.get_num_threads()

@@ -207,11 +207,14 @@ def _check_arguments(device: Optional[DeviceLike], dtype: Optional[torch.dtype])
 
 
 def load_model(name_or_path: PathLike, *, device: Optional[DeviceLike] = None,
-               dtype: Optional[torch.dtype] = None, max_context: Optional[int] = None) -> Any:
+               dtype: Optional[torch.dtype] = None, max_context: Optional[int] = None,
+               batch_invariant: bool = False) -> Any:
     """The model alone (LlamaModel or HFModel). ``max_context`` caps the context (default:
-    the config's). Its ``tokenizer_fingerprint`` is None when the source has no tokenizer
-    verispec reads."""
-    return _load(name_or_path, device, dtype, max_context, need_tokenizer=False)[0]
+    the config's). ``batch_invariant``: the model's batch-invariant mode (LlamaModel's and
+    HFModel's argument of that name). Its ``tokenizer_fingerprint`` is None when the
+    source has no tokenizer verispec reads."""
+    return _load(name_or_path, device, dtype, max_context, need_tokenizer=False,
+                 batch_invariant=batch_invariant)[0]
 
 
 def load_tokenizer(name_or_path: PathLike) -> Tokenizer:
@@ -226,18 +229,24 @@ def load_tokenizer(name_or_path: PathLike) -> Tokenizer:
 
 
 def load(name_or_path: PathLike, *, device: Optional[DeviceLike] = None,
-         dtype: Optional[torch.dtype] = None,
-         max_context: Optional[int] = None) -> tuple[Any, Tokenizer]:
+         dtype: Optional[torch.dtype] = None, max_context: Optional[int] = None,
+         batch_invariant: bool = False) -> tuple[Any, Tokenizer]:
     """(model, tokenizer) from "smollm2", a .gguf file, a Hugging Face folder or a model id
     in the local Hugging Face cache. The model is a LlamaModel (native) or an HFModel
-    (transformers); see the module's docstring for which, and for the defaults."""
-    model, tokenizer = _load(name_or_path, device, dtype, max_context, need_tokenizer=True)
+    (transformers); see the module's docstring for which, and for the defaults.
+    ``batch_invariant``: the model's batch-invariant mode (a token's logits the same bits
+    whatever shares its pass; LlamaModel's and HFModel's argument of that name)."""
+    model, tokenizer = _load(name_or_path, device, dtype, max_context, need_tokenizer=True,
+                             batch_invariant=batch_invariant)
     assert tokenizer is not None
     return model, tokenizer
 
 
 def _load(name_or_path: PathLike, device: Optional[DeviceLike], dtype: Optional[torch.dtype],
-          max_context: Optional[int], *, need_tokenizer: bool) -> tuple[Any, Optional[Tokenizer]]:
+          max_context: Optional[int], *, need_tokenizer: bool,
+          batch_invariant: bool = False) -> tuple[Any, Optional[Tokenizer]]:
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"load: batch_invariant must be a bool, got {batch_invariant!r}")
     device = _check_arguments(device, dtype)
     kind, path = resolve(name_or_path)
     tokenizer: Optional[Tokenizer] = None
@@ -260,7 +269,7 @@ def _load(name_or_path: PathLike, device: Optional[DeviceLike], dtype: Optional[
         # (verispec's quantized kernels); dtype=torch.float32 dequantizes them at load.
         quantized = dtype is None and device.type == "cpu"
         model = _native(state.config, state, device, dtype or torch.float32, max_context,
-                        quantized=quantized)
+                        quantized=quantized, batch_invariant=batch_invariant)
     else:
         from verispec.models.hf_folder import SafetensorsFolder, check_safetensors, read_hf_config
 
@@ -271,25 +280,28 @@ def _load(name_or_path: PathLike, device: Optional[DeviceLike], dtype: Optional[
         tokenizer = read_tokenizer(lambda: tokenizer_from_hf_folder(path))
         if backend == "native":
             model = _native(read_hf_config(path), SafetensorsFolder(path), device, dtype,
-                            max_context)
+                            max_context, batch_invariant=batch_invariant)
         else:
-            model = _transformers(path, reason, device, dtype, max_context, tokenizer)
+            model = _transformers(path, reason, device, dtype, max_context, tokenizer,
+                                  batch_invariant=batch_invariant)
     model.tokenizer_fingerprint = None if tokenizer is None else vocabulary_fingerprint(tokenizer)
     return model, tokenizer
 
 
 def _native(config, state, device: torch.device, dtype: torch.dtype,
-            max_context: Optional[int], quantized: bool = False) -> Any:
+            max_context: Optional[int], quantized: bool = False,
+            batch_invariant: bool = False) -> Any:
     from verispec.models.llama import LlamaModel, LlamaWeights
 
     with torch.no_grad():
         weights = LlamaWeights.from_state_dict(config, state, device=device, dtype=dtype,
                                                quantized=quantized)
-    return LlamaModel(config, weights, max_context=max_context)
+    return LlamaModel(config, weights, max_context=max_context, batch_invariant=batch_invariant)
 
 
 def _transformers(folder: str, reason: Optional[str], device: torch.device, dtype: torch.dtype,
-                  max_context: Optional[int], tokenizer: Optional[Tokenizer]) -> Any:
+                  max_context: Optional[int], tokenizer: Optional[Tokenizer],
+                  batch_invariant: bool = False) -> Any:
     """AutoModelForCausalLM.from_pretrained(folder) with verispec's paged attention, on
     ``device`` in ``dtype``, as an HFModel."""
     try:
@@ -310,4 +322,5 @@ def _transformers(folder: str, reason: Optional[str], device: torch.device, dtyp
         raise ValueError(f"{folder}: transformers {transformers.__version__} could not load "
                          f"it as a causal LM ({type(e).__name__}: {e}); verispec's native "
                          f"model does not run it either: {reason}") from e
-    return HFModel(hf_model.to(device), max_context=max_context, tokenizer=tokenizer)
+    return HFModel(hf_model.to(device), max_context=max_context, tokenizer=tokenizer,
+                   batch_invariant=batch_invariant)

@@ -127,3 +127,45 @@ def randomize_weights(module: torch.nn.Module, seed: int, *, norm_spread: float 
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
     return module
+
+
+def random_llama(*, vocab: int = 32000, hidden: int = 2048, intermediate: int = 5632,
+                 layers: int = 22, heads: int = 32, kv_heads: int = 4, head_dim: int = 64,
+                 max_context: int = 2048, seed: int = 0, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, batch_invariant: bool = False):
+    """A LlamaModel with random weights made on ``device`` in ``dtype`` (default: the
+    shape of TinyLlama-1.1B, ~1.1 B parameters): norm weights 1 + 0.1 N(0, 1), matrices
+    N(0, 1 / fan_in), embeddings N(0, 1), so activations and logits stay O(1)."""
+    from verispec.models.llama import LlamaConfig, LlamaModel, LlamaWeights
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, max_position_embeddings=max_context,
+                         tie_word_embeddings=False)
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def matrix(n: int, k: int, scale: float) -> torch.Tensor:
+        return (torch.randn(n, k, generator=g, device=device) * scale).to(dtype)
+
+    def norm() -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(hidden, generator=g, device=device)).to(dtype)
+
+    q, kv = heads * head_dim, kv_heads * head_dim
+    state = {"model.embed_tokens.weight": matrix(vocab, hidden, 1.0),
+             "lm_head.weight": matrix(vocab, hidden, hidden ** -0.5), "model.norm.weight": norm()}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        state.update({
+            p + "input_layernorm.weight": norm(), p + "post_attention_layernorm.weight": norm(),
+            p + "self_attn.q_proj.weight": matrix(q, hidden, hidden ** -0.5),
+            p + "self_attn.k_proj.weight": matrix(kv, hidden, hidden ** -0.5),
+            p + "self_attn.v_proj.weight": matrix(kv, hidden, hidden ** -0.5),
+            p + "self_attn.o_proj.weight": matrix(hidden, q, q ** -0.5),
+            p + "mlp.gate_proj.weight": matrix(intermediate, hidden, hidden ** -0.5),
+            p + "mlp.up_proj.weight": matrix(intermediate, hidden, hidden ** -0.5),
+            p + "mlp.down_proj.weight": matrix(hidden, intermediate, intermediate ** -0.5)})
+    with torch.no_grad():
+        weights = LlamaWeights.from_state_dict(config, state, device=device, dtype=dtype)
+    del state
+    return LlamaModel(config, weights, max_context=max_context, batch_invariant=batch_invariant)
