@@ -66,8 +66,11 @@ Reported per case:
 - host-device synchronisations per step (CUDA): torch's own, counted as the warnings of
   torch.cuda.set_sync_debug_mode("warn") during a short run, with their call sites; and
   verispec's native op calls (apply_policy, sample, verify), each of which reads the
-  op's error record back, counted through SpecDecoder's ``ops`` argument. transformers'
-  generate is counted the same way.
+  op's error record back, counted through SpecDecoder's ``ops`` argument (outside
+  ``deferred_errors()``); and on any device the step's staging counters
+  (verispec.models.staging: ``blocking_reads_per_step``, the design's one being the
+  result download, and ``staged_uploads_per_step``). transformers' generate is counted
+  the same way (torch's syncs).
 
 transformers runs prompt lookup and assisted generation at batch size 1 only; at larger
 batches its error message is recorded instead of a time. The JSON is rewritten after
