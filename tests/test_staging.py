@@ -86,8 +86,11 @@ def test_audit_sees_unstaged_uploads_and_device_reads():
         host = torch.tensor([1, 2, 3])              # host values: no transfer
         host.tolist()
         (host + 1).tolist()
+        host[host > 1].nonzero()
         weights.sum().item()                        # a device read
-    assert audit.unstaged_uploads == 2 and audit.reads == 1, audit.sites
+        weights[weights > 0]                        # a boolean mask on the device
+        bool(weights.any())                         # and a device value as a bool
+    assert audit.unstaged_uploads == 2 and audit.reads == 3, audit.sites
 
 
 # --- a decode step -------------------------------------------------------------------------
@@ -124,12 +127,15 @@ def _prompts(batch):
 
 
 def _decoder(model, source):
+    if source == "ngram_tree":
+        return SpecDecoder(model, NGram(1, 3, branches=2), k=3, num_blocks=8 * 40, block_size=4)
     draft = NGram(1, 3) if source == "ngram" else EarlyExit(model, num_layers=1)
-    return SpecDecoder(model, draft, k=3, num_blocks=8 * 40, block_size=4)
+    return SpecDecoder(model, draft, k=3, num_blocks=8 * 40, block_size=4,
+                       draft_branches=2 if source == "draft_tree" else 1)
 
 
 @pytest.mark.parametrize("name", ["llama", "hf"])
-@pytest.mark.parametrize("source", ["ngram", "draft"])
+@pytest.mark.parametrize("source", ["ngram", "draft", "ngram_tree", "draft_tree"])
 @pytest.mark.parametrize("batch", [1, 8, 32])
 def test_a_step_makes_one_blocking_transfer(models, name, source, batch):
     model = models[name]

@@ -682,10 +682,14 @@ class SpecDecoder:
                 if keys is not None:  # keyed rows are chains: one keyed sample of q
                     first = self._keyed_proposals(tokens[:, 0], probs, rows, keys, j)
                     tokens = torch.cat([first[:, None].to(tokens.dtype), tokens[:, 1:]], dim=1)
-            count = _view(inputs, p["num_children"], R, torch.int64)
-            where = _view(inputs, p["draft_index"], R, torch.int64)[:, None] + children
-            valid = children[None, :] < count[:, None]
-            flat_tokens.index_copy_(0, where[valid], tokens[valid].to(torch.int32))
+            # the drawn children that exist (child c < the row's num_children), chosen on
+            # the host from the plan's copy: a boolean mask on the device would wait for it
+            count = _view(host, p["num_children"], R, torch.int64)
+            valid = (torch.arange(f)[None, :] < count[:, None]).view(-1).nonzero().view(-1)
+            pick = self.staging.put(valid)
+            where = (_view(inputs, p["draft_index"], R, torch.int64)[:, None] + children).view(-1)
+            flat_tokens.index_copy_(0, where.index_select(0, pick),
+                                    tokens.reshape(-1).index_select(0, pick).to(torch.int32))
             flat_q.index_copy_(0, _view(inputs, p["q_index"], R, torch.int64), probs.float())
             previous = tokens[:, 0]
         return q

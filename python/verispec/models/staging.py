@@ -191,8 +191,9 @@ class TransferAudit(torch.overrides.TorchFunctionMode):
     """Counts, while active, the calls that on CUDA would block the host or upload
     outside the staging: ``unstaged_uploads`` (torch.tensor / as_tensor / asarray with an
     explicit non-CPU-host ``device``, i.e. a synchronous pageable copy on CUDA),
-    ``reads`` (Tensor.cpu / item / tolist / numpy on a tensor that is not a host tensor
-    the step planned with) and their call sites. On any device, so a CPU test can assert
+    ``reads`` (Tensor.cpu / item / tolist / numpy / bool() / int() / float() of a tensor
+    that is not a host tensor, and nonzero, masked_select or boolean-mask indexing of
+    one: a result sized by device values) and their call sites. On any device, so a CPU test can assert
     a step's transfers; on CUDA torch.cuda.set_sync_debug_mode sees the syncs themselves.
 
     Host tensors are not transfers when read: CPU tensors when the device is not the
@@ -203,7 +204,12 @@ class TransferAudit(torch.overrides.TorchFunctionMode):
     """
 
     _FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
-    _READS = {torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy}
+    _READS = {torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy,
+              torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+              torch.Tensor.__index__}
+    # results whose size depends on device values: the host waits to learn it
+    _DATA_SIZED = {torch.Tensor.nonzero, torch.nonzero, torch.masked_select,
+                   torch.Tensor.masked_select}
 
     def __init__(self, device: Union[torch.device, str], staging: Optional[PlanStaging] = None):
         super().__init__()
@@ -265,6 +271,12 @@ class TransferAudit(torch.overrides.TorchFunctionMode):
                 self.reads += 1
                 self._site("read")
             result_host = True  # on the host now
+        elif (func in self._DATA_SIZED or (func is torch.Tensor.__getitem__ and any(
+                t.dtype in (torch.bool, torch.uint8) for t in tensors[1:]))) and not all(
+                self._is_host(t) for t in tensors):
+            self.reads += 1  # a boolean mask or nonzero on the device
+            self._site("read")
+            result_host = False
         elif (func in (torch.Tensor.to, torch.Tensor.cuda) and tensors
               and self._is_host(tensors[0])
               and (func is torch.Tensor.cuda or self._moves_to_device(args, kwargs))):
