@@ -83,7 +83,8 @@
 # WORK_DIR (scratch; default a fresh /tmp dir), TOTAL_BUDGET_S, CUDA_ARCH (default
 # 90-real), SMOLLM2_PARTS (files concatenated, in order, into SmolLM2's GGUF; checked
 # against a smollm2.sha256 beside the last one) or SMOLLM2_GGUF (the file itself),
-# NCU_SET (default: full, or basic when under 150 s are left).
+# NCU_SET (default: full, or basic when under 150 s are left), E2E_S (the end-to-end
+# phase's seconds, default 240; e.g. 330 with GPU_CHECK_ONLY="tests step e2e").
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -633,7 +634,7 @@ if ! wanted e2e; then
   skip e2e "not selected (GPU_CHECK_ONLY)"
 elif ((built)); then
   # what stays for the step benchmark, when there is one
-  seconds=$(limit 240 "$([[ -f bench/bench_step.py ]] && echo 60 || echo 20)")
+  seconds=$(limit "${E2E_S:-240}" "$([[ -f bench/bench_step.py ]] && echo 60 || echo 20)")
   e2e_args=(--device cuda --out "$OUT_DIR/e2e_gpu.json" --work-dir "$WORK/e2e"
             --budget-s $((seconds > 80 ? seconds - 45 : seconds / 2)))
   if [[ -n $SMOLLM2_FILE ]]; then e2e_args+=(--smollm2 "$SMOLLM2_FILE"); fi
