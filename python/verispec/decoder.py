@@ -31,6 +31,7 @@ from verispec import _C
 from verispec._policy import fold_greedy, policy_error
 from verispec.drafters import EarlyExit, NGram
 from verispec.models.base import KVPools, Model, PagedBatch
+from verispec.models.staging import PlanStaging
 
 _INT32_MAX = 2**31 - 1
 
@@ -362,8 +363,8 @@ class SpecDecoder:
                 self._pools[_DRAFT] = KVPools.allocate(draft.geometry, draft_num_blocks, block_size)
         self._nvtx = _nvtx_range(self.device)
         self._q: torch.Tensor | None = None        # draft probabilities, reused across steps
-        self._staging: torch.Tensor | None = None  # pinned host buffer for the step's inputs
-        self._staging_done: Any = None             # event: the last upload has read it
+        # every host -> device upload of a step and its one download (models/staging.py)
+        self.staging = PlanStaging(self.device)
         # logprobs: what each sequence asked for (top-n) and what it got so far; under
         # _lp_lock, which add() holds until its id is recorded (a step that plans the
         # sequence reads the request after that)
@@ -466,6 +467,7 @@ class SpecDecoder:
     def _run(self, plan: dict, start: float) -> list:
         data = plan["inputs"]
         host = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+        self.staging.begin_step()
         inputs = self._upload(host)
         for role, key in ((_TARGET, "target_copies"), (_DRAFT, "draft_copies")):
             if plan[key]:
@@ -502,7 +504,7 @@ class SpecDecoder:
             lp = self._logprobs(logits, result[0], policy, lp_rows) if lp_rows else None
             records = errors.records() if errors is not None else None
             tokens, emitted, accepted, drafts, host_records, host_lp, host_nodes = self._download(
-                result, draft_tokens if plan["draft_model"] else None, records, lp, nodes)
+                self.staging, result, draft_tokens if plan["draft_model"] else None, records, lp, nodes)
             if records is not None:
                 errors.raise_first(host_records)
         times = self._agreed_times(
@@ -563,7 +565,7 @@ class SpecDecoder:
         policy-applied and raw log-probabilities, then the top n (token id as a float,
         logprob, raw logprob); n the largest asked in the step (at most V). Stays on the
         device."""
-        rows = torch.tensor([b for b, _, _ in lp_rows], device=logits.device)
+        rows = self.staging.put([b for b, _, _ in lp_rows], torch.int64)
         n = self._top_width(lp_rows)
         sel = logits.index_select(0, rows)                                    # [r, K + 1, V]
         r, positions, vocab = sel.shape
@@ -620,7 +622,7 @@ class SpecDecoder:
         flags = _view(host, pol["keyed_rows"], B, torch.int32).tolist()
         rows = [b for b, f in enumerate(flags) if f]
         return dict(all=pol["all_keyed"], rows=rows,
-                    index=torch.tensor(rows, dtype=torch.int64, device=self.device),
+                    index=self.staging.put(rows, torch.int64),
                     seeds=_view(inputs, pol["seed_rows"], B, torch.int64),
                     positions=_view(inputs, pol["position_rows"], B, torch.int64))
 
@@ -680,10 +682,14 @@ class SpecDecoder:
                 if keys is not None:  # keyed rows are chains: one keyed sample of q
                     first = self._keyed_proposals(tokens[:, 0], probs, rows, keys, j)
                     tokens = torch.cat([first[:, None].to(tokens.dtype), tokens[:, 1:]], dim=1)
-            count = _view(inputs, p["num_children"], R, torch.int64)
-            where = _view(inputs, p["draft_index"], R, torch.int64)[:, None] + children
-            valid = children[None, :] < count[:, None]
-            flat_tokens.index_copy_(0, where[valid], tokens[valid].to(torch.int32))
+            # the drawn children that exist (child c < the row's num_children), chosen on
+            # the host from the plan's copy: a boolean mask on the device would wait for it
+            count = _view(host, p["num_children"], R, torch.int64)
+            valid = (torch.arange(f)[None, :] < count[:, None]).view(-1).nonzero().view(-1)
+            pick = self.staging.put(valid)
+            where = (_view(inputs, p["draft_index"], R, torch.int64)[:, None] + children).view(-1)
+            flat_tokens.index_copy_(0, where.index_select(0, pick),
+                                    tokens.reshape(-1).index_select(0, pick).to(torch.int32))
             flat_q.index_copy_(0, _view(inputs, p["q_index"], R, torch.int64), probs.float())
             previous = tokens[:, 0]
         return q
@@ -879,13 +885,15 @@ class SpecDecoder:
             # embedding for (the prompt's, the target's corrections) as its last id: its
             # proposals get worse, never wrong (q stays what they are drawn from)
             input_ids = input_ids.clamp(max=self._vocab[role] - 1)
-        tree_mask = None
+        tree_mask = host_tree = None
         if p.get("has_tree_mask"):
-            tree_mask = _view(inputs, p["tree_mask"], T * T, torch.uint8).view(torch.bool).view(T, T)
+            def tree(buf):
+                return _view(buf, p["tree_mask"], T * T, torch.uint8).view(torch.bool).view(T, T)
+            tree_mask, host_tree = tree(inputs), tree(host)
+        host_fields = dict(fields(host), tree_mask=host_tree)
         batch = PagedBatch(
-            input_ids=input_ids,
-            kv=self._pools[role], host=on_device if host is inputs else fields(host),
-            tree_mask=tree_mask, **on_device)
+            input_ids=input_ids, kv=self._pools[role], host=host_fields, tree_mask=tree_mask,
+            staging=self.staging, **on_device)
         with torch.inference_mode():
             logits = self._models[role].forward(batch)
         expect = (p["num_logits"], self._vocab[role])
@@ -899,23 +907,12 @@ class SpecDecoder:
         return logits
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        """The step's packed inputs on the model's device: one copy (through a pinned
-        buffer on CUDA, asynchronous)."""
-        if self.device.type != "cuda":
-            return host if self.device.type == "cpu" else host.to(self.device)
-        n = host.numel()
-        if self._staging is None or self._staging.numel() < n:
-            self._staging = torch.empty(max(n, 1 << 16), dtype=torch.uint8, pin_memory=True)
-        elif self._staging_done is not None:
-            self._staging_done.synchronize()  # the previous upload has read the buffer
-        self._staging[:n].copy_(host)
-        out = self._staging[:n].to(self.device, non_blocking=True)
-        self._staging_done = torch.cuda.Event()
-        self._staging_done.record()
-        return out
+        """The step's packed inputs on the model's device: one asynchronous copy through
+        the step's staging (a pinned host buffer on CUDA; models/staging.py)."""
+        return self.staging.put(host)
 
     @staticmethod
-    def _download(result, draft_tokens, records, logprobs=None, accepted_nodes=None):
+    def _download(staging, result, draft_tokens, records, logprobs=None, accepted_nodes=None):
         """verify's results, a draft model's proposals, the ops' deferred error records and
         the logprobs asked for (float32, carried bit for bit as int32) on the host: one
         copy (the step's one wait for the device)."""
@@ -925,7 +922,7 @@ class SpecDecoder:
                  logprobs.reshape(-1).view(torch.int32) if logprobs is not None else None,
                  accepted_nodes.reshape(-1) if accepted_nodes is not None else None]
         present = [t.to(torch.int32) for t in parts if t is not None]
-        flat = torch.cat(present).cpu().numpy()
+        flat = staging.download(torch.cat(present)).numpy()
         out, at = [], 0
         for t in parts:
             if t is None:

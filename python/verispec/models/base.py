@@ -28,7 +28,7 @@ Wrapping your own module::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -126,9 +126,13 @@ class PagedBatch:
                                ancestors. None: token t sees the row's keys
                                0..positions[t] (a chain)
     host           dict | None the caller's CPU copies of the index tensors (every field
-                               above but input_ids and kv), when it has them: a model that
-                               plans on the host reads them through host_tensor() without
-                               waiting for the device
+                               above but input_ids and kv; tree_mask too when set), when it
+                               has them: a model that plans on the host reads them through
+                               host_tensor() without waiting for the device
+    staging        PlanStaging | None  where the forward uploads what it plans on the host
+                               (verispec.models.staging.upload: pinned, asynchronous, into
+                               the step's device arena); SpecDecoder sets it. None: plain
+                               copies
     """
 
     input_ids: torch.Tensor
@@ -141,9 +145,10 @@ class PagedBatch:
     kv: KVPools
     host: Optional[dict] = None
     tree_mask: Optional[torch.Tensor] = None
+    staging: Optional[Any] = None
 
     _HOST_FIELDS = ("positions", "slot_mapping", "block_tables", "context_lens", "query_start",
-                    "logits_indices")
+                    "logits_indices", "tree_mask")
 
     @property
     def num_rows(self) -> int:
@@ -157,7 +162,8 @@ class PagedBatch:
                              f"got {name!r}")
         if self.host is not None and name in self.host:
             return self.host[name]
-        return getattr(self, name).cpu()
+        value = getattr(self, name)
+        return None if value is None else value.cpu()
 
 
 @runtime_checkable
@@ -243,6 +249,7 @@ def check_batch(batch: PagedBatch, geometry: ModelGeometry, who: str) -> None:
         raise ValueError(f"{who}: query_start must rise from 0 to T = {t}, got {starts}")
     tree = batch.tree_mask
     if tree is not None:
+        tree = batch.host_tensor("tree_mask")  # the host copy: no wait for the device
         if tuple(tree.shape) != (t, t) or tree.dtype != torch.bool:
             raise ValueError(f"{who}: batch.tree_mask must be bool [T, T] = [{t}, {t}], got "
                              f"{tree.dtype} {list(tree.shape)}")
@@ -259,7 +266,10 @@ class KVWrite:
     verifying in its own blocks) are one slice copy; anything else an index_copy_.
     """
 
-    def __init__(self, slot_mapping: torch.Tensor, device: torch.device):
+    def __init__(self, slot_mapping: torch.Tensor, device: torch.device,
+                 staging: Optional[Any] = None):
+        from verispec.models.staging import upload
+
         slots = slot_mapping.tolist()
         self.start: Optional[int] = None
         self.index: Optional[torch.Tensor] = None
@@ -270,8 +280,8 @@ class KVWrite:
                 self.start = slots[0]
                 return
         else:
-            self.src = torch.tensor(kept, dtype=torch.long, device=device)
-        self.index = torch.tensor([slots[i] for i in kept], dtype=torch.long, device=device)
+            self.src = upload(staging, kept, torch.long, device)
+        self.index = upload(staging, [slots[i] for i in kept], torch.long, device)
 
     def __call__(self, flat_pool: torch.Tensor, values: torch.Tensor) -> None:
         """flat_pool [slots, kv_heads, head_dim] <- values [T, kv_heads, head_dim]."""

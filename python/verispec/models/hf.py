@@ -56,6 +56,7 @@ from verispec.models.base import (KVWrite, ModelGeometry, PagedBatch, attention_
 # float32 CPU model run their linear layers on verispec's CPU kernel, as LlamaModel's do.
 from verispec.models.llama import (KERNEL_MAX_QUERIES, NATIVE_LINEAR_MAX_ROWS,
                                    NATIVE_LINEAR_MIN_ROWS, native_linear, native_rms_norm)
+from verispec.models.staging import upload
 
 __all__ = ["ATTN_IMPLEMENTATION", "HFModel"]
 
@@ -229,12 +230,13 @@ class _Group:
         # one row of few queries whose keys are a slice of the pool: the lean path
         self.lean = b == 1 and n <= SMALL_ROW_QUERIES and self.key_start is not None
         self.device = plan.device
+        self.staging = plan.staging
         if self.q_index is not None:
-            self.q_index = self.q_index.to(self.device)
+            self.q_index = upload(self.staging, self.q_index, torch.long, self.device)
         if self.tokens is not None:
-            self.tokens = self.tokens.to(self.device)
+            self.tokens = upload(self.staging, self.tokens, torch.long, self.device)
         if self.key_slots is not None:
-            self.key_slots = self.key_slots.to(self.device)
+            self.key_slots = upload(self.staging, self.key_slots, torch.long, self.device)
 
     def mask(self, window: Optional[int]) -> Optional[torch.Tensor]:
         """bool [b, n, l] of the keys each query sees under a sliding window (transformers'
@@ -247,7 +249,8 @@ class _Group:
                 visible = visible & (self.key_pos[:, None, :] > self.q_pos[:, :, None] - window)
                 visible[:, :, 0] |= ~(visible.any(-1))
             all_visible = bool(visible.all())
-            self._masks[window] = None if all_visible else visible.to(self.device)
+            self._masks[window] = (None if all_visible
+                                   else upload(self.staging, visible, torch.bool, self.device))
         return self._masks[window]
 
     def bias(self, window: Optional[int], group: int, dtype: torch.dtype):
@@ -281,8 +284,9 @@ class _Plan:
         self.pool_of = pool_of
         self.calls = 0
         # checked by check_batch: bool [T, T], a True diagonal
-        self.tree = None if batch.tree_mask is None else batch.tree_mask.cpu()
-        self.write = KVWrite(batch.host_tensor("slot_mapping"), device)
+        self.tree = batch.host_tensor("tree_mask")  # the host copy: no wait for the device
+        self.staging = batch.staging  # where the plan's host-built tensors are uploaded
+        self.write = KVWrite(batch.host_tensor("slot_mapping"), device, batch.staging)
         self.q_lens = [starts[r + 1] - starts[r] for r in range(len(self.ctx_lens))]
         self._groups: Optional[list[_Group]] = None
         self._batch = batch

@@ -49,6 +49,7 @@ from verispec.models.base import (KVWrite, ModelGeometry, PagedBatch, attention_
 from verispec.models import batch_invariant as _bi
 from verispec.models import quantized as _quantized
 from verispec.models.quantized import QUANT_FORMATS, QuantizedMatrix
+from verispec.models.staging import upload
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # A row of at most this many queries attends with two batched matmuls (its scores,
@@ -336,6 +337,7 @@ class _AttentionPlan:
         self.ctx_lens = batch.host_tensor("context_lens").tolist()
         self.starts = starts
         self.num_rows = b = len(self.ctx_lens)
+        self.staging = batch.staging  # where the plan's host-built indices are uploaded
         q_lens = [starts[i + 1] - starts[i] for i in range(b)]
         l_max = max(self.ctx_lens)
         bs = batch.kv.block_size
@@ -354,7 +356,7 @@ class _AttentionPlan:
             return
         tables = batch.block_tables.to(device=device, dtype=torch.long)
         # ctx_slots[b, j]: pool slot of row b's token j (padding -> slot of token 0).
-        lens = torch.tensor(self.ctx_lens, device=device)
+        lens = batch.context_lens.to(device=device, dtype=torch.long)  # already there
         key_valid = key_pos[None, :] < lens[:, None]                          # [B, L_max]
         j = torch.where(key_valid, key_pos[None, :], 0)
         self.ctx_slots = (torch.gather(tables, 1, j // bs) * bs + j % bs).clamp_(min=0)  # [B, L_max]
@@ -380,7 +382,7 @@ class _AttentionPlan:
             self.key_start = table[0] * bs
         else:
             j = key_pos[:ctx]
-            blocks = torch.tensor(table, dtype=torch.long, device=device)
+            blocks = upload(batch.staging, table, torch.long, device)
             self.key_slots = (blocks[j // bs] * bs + j % bs).clamp_(min=0)
         # Queries: one query sees every key; a long fresh prefill is SDPA's plain causal
         # attention; otherwise (verify rows, short prefills, padding) query t sees keys
@@ -419,15 +421,15 @@ class _RowGroup:
         # the group's tokens in the batch (None: all of them, in order)
         self.tokens: Optional[torch.Tensor] = (
             None if index == list(range(num_tokens))
-            else torch.tensor(index, dtype=torch.long, device=device))
-        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+            else upload(plan.staging, index, torch.long, device))
+        rows_t = upload(plan.staging, rows, torch.long, device)
         self.slots = plan.ctx_slots.index_select(0, rows_t)[:, :l_max].reshape(-1)  # [b * L]
         # token i of the group sits at padded index pad_index[i] (None: no query padding)
         self.pad_index: Optional[torch.Tensor] = None
         if any(q_lens[r] != n for r in rows):
-            self.pad_index = torch.tensor(
-                [i * n + j for i, r in enumerate(rows) for j in range(q_lens[r])],
-                dtype=torch.long, device=device)
+            self.pad_index = upload(
+                plan.staging, [i * n + j for i, r in enumerate(rows) for j in range(q_lens[r])],
+                torch.long, device)
         same_len = self.pad_index is None and all(c == l_max for c in ctx)
         # Fresh prefills of one length are plain causal attention; decode rows of one
         # context length see every key; otherwise an explicit mask.
@@ -454,7 +456,7 @@ class _TorchLayerOps:
         self.model, self.nh, self.nkv, self.hd = model, model._nh, model._nkv, model.config.head_dim
         self.plan = _AttentionPlan(batch, num_tokens, g.device, dtype=g.dtype,
                                    group=self.nh // self.nkv)
-        self.write = KVWrite(batch.host_tensor("slot_mapping"), g.device)
+        self.write = KVWrite(batch.host_tensor("slot_mapping"), g.device, batch.staging)
         self.norm = model._norm_fn()
         self.cos = model._cos[positions][:, None, :]                          # [T, 1, hd]
         self.sin = model._sin[positions][:, None, :]

@@ -1,0 +1,215 @@
+"""The step's plan reaches the device through verispec.models.staging.PlanStaging: values
+round-trip, device addresses repeat step after step, growth is geometric, and a decode
+step makes one blocking device -> host transfer and no unstaged upload (batch 1, 8, 32;
+n-gram and early-exit drafts; LlamaModel's and HFModel's torch plan paths). On CUDA the
+same step is checked with torch.cuda.set_sync_debug_mode."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from verispec.decoder import SpecDecoder  # noqa: E402
+from verispec.drafters import EarlyExit, NGram  # noqa: E402
+from verispec.models.loaders import load_model  # noqa: E402
+from verispec.models.staging import MIN_BYTES, PlanStaging, TransferAudit, upload  # noqa: E402
+from verispec.models.testing import randomize_weights  # noqa: E402
+
+VOCAB = 97
+
+
+def test_put_round_trips_values_and_shapes():
+    st = PlanStaging("cpu")
+    st.begin_step()
+    a = st.put([3, -1, 7], torch.int64)
+    b = st.put(torch.tensor([[True, False], [False, True]]))
+    c = st.put(torch.arange(5, dtype=torch.int32), torch.float32)
+    assert a.dtype == torch.int64 and a.tolist() == [3, -1, 7]
+    assert b.dtype == torch.bool and b.tolist() == [[True, False], [False, True]]
+    assert c.dtype == torch.float32 and c.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    for t in (a, b, c):  # 64-byte aligned: any dtype's view, vector loads
+        assert t.data_ptr() % 64 == 0
+    assert st.uploads == 3 and st.upload_bytes == 24 + 4 + 20 and st.blocking_reads == 0
+    with pytest.raises(ValueError, match="dtype is required"):
+        st.put([1, 2])
+
+
+def test_same_step_shapes_get_the_same_device_addresses():
+    st = PlanStaging("cpu")
+    ptrs = []
+    for step in range(4):
+        st.begin_step()
+        x = st.put(list(range(10 + step % 2)), torch.int64)  # 80 or 88 bytes: one 64-byte slot pair
+        y = st.put([step] * 3, torch.int32)
+        assert x.tolist()[:3] == [0, 1, 2] and y.tolist() == [step] * 3
+        ptrs.append((x.data_ptr(), y.data_ptr()))
+    assert len(set(ptrs)) == 1, ptrs
+    assert st.device_buffers == 1 and st.host_buffers == 1 and st.host_rollovers == 0
+
+
+def test_growth_is_geometric_and_keeps_earlier_views():
+    st = PlanStaging("cpu")
+    st.begin_step()
+    small = st.put([1, 2, 3], torch.int64)
+    big = st.put(list(range(MIN_BYTES)), torch.int64)  # 8x the first arena
+    assert small.tolist() == [1, 2, 3], "a view carved before growth changed"
+    assert big[-1].item() == MIN_BYTES - 1
+    size = st.stats()["device_bytes"]
+    assert size >= 8 * MIN_BYTES + 64 and size & (size - 1) == 0, size  # a power of two
+    before = st.device_buffers
+    for _ in range(3):  # the whole step now fits: no more allocations
+        st.begin_step()
+        st.put([1, 2, 3], torch.int64)
+        st.put(list(range(MIN_BYTES)), torch.int64)
+    assert st.device_buffers == before and st.host_buffers == 2, st.stats()
+
+
+def test_upload_without_staging_or_for_another_device_copies_plainly():
+    t = upload(None, [4, 5], torch.int32, torch.device("cpu"))
+    assert t.tolist() == [4, 5] and t.dtype == torch.int32
+    st = PlanStaging("cpu")
+    st.begin_step()
+    assert upload(st, [4, 5], torch.int32, torch.device("cpu")).tolist() == [4, 5]
+    assert st.uploads == 1
+
+
+def test_audit_sees_unstaged_uploads_and_device_reads():
+    device = torch.device("cpu")
+    weights = torch.randn(4)  # a "device" tensor: not declared host
+    with TransferAudit(device) as audit:
+        torch.tensor([1, 2], device=device)         # an upload outside the staging
+        torch.tensor([1, 2]).to(device)             # a host tensor moved to the device
+        host = torch.tensor([1, 2, 3])              # host values: no transfer
+        host.tolist()
+        (host + 1).tolist()
+        host[host > 1].nonzero()
+        weights.sum().item()                        # a device read
+        weights[weights > 0]                        # a boolean mask on the device
+        bool(weights.any())                         # and a device value as a bool
+    assert audit.unstaged_uploads == 2 and audit.reads == 3, audit.sites
+
+
+# --- a decode step -------------------------------------------------------------------------
+
+
+def _tiny_llama(folder):
+    cfg = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
+        tie_word_embeddings=False)
+    hf = randomize_weights(transformers.LlamaForCausalLM(cfg), 3, norm_spread=0.1)
+    hf.save_pretrained(folder, safe_serialization=True)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("staging_llama")
+    hf = _tiny_llama(folder)
+    llama = load_model(folder)
+    # the torch plan path (_AttentionPlan / KVWrite), the one a GPU runs, not the CPU kernels
+    llama.native_layer_ops = False
+    from verispec.models.hf import HFModel
+
+    wrapped = HFModel(hf.eval())
+    wrapped.native_attention = False  # the padded-group plan (_Group), as on a GPU
+    return {"llama": llama, "hf": wrapped}
+
+
+def _prompts(batch):
+    g = torch.Generator().manual_seed(batch)
+    base = torch.randint(1, VOCAB, (6,), generator=g).tolist()
+    return [(base * 3)[b % 5:b % 5 + 12 + b % 3] for b in range(batch)]  # ragged, repetitive
+
+
+def _decoder(model, source):
+    if source == "ngram_tree":
+        return SpecDecoder(model, NGram(1, 3, branches=2), k=3, num_blocks=8 * 40, block_size=4)
+    draft = NGram(1, 3) if source == "ngram" else EarlyExit(model, num_layers=1)
+    return SpecDecoder(model, draft, k=3, num_blocks=8 * 40, block_size=4,
+                       draft_branches=2 if source == "draft_tree" else 1)
+
+
+@pytest.mark.parametrize("name", ["llama", "hf"])
+@pytest.mark.parametrize("source", ["ngram", "draft", "ngram_tree", "draft_tree"])
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_a_step_makes_one_blocking_transfer(models, name, source, batch):
+    model = models[name]
+    dec = _decoder(model, source)
+    seqs = [dec.add(p, max_new_tokens=12, greedy=True) for p in _prompts(batch)]
+    dec.step()  # the prefill
+    steps = 0
+    audit = TransferAudit(model.geometry.device, dec.staging)
+    before = dec.staging.stats()
+    while dec.has_running() and steps < 4:
+        with audit:
+            dec.step()
+        steps += 1
+    after = dec.staging.stats()
+    assert steps >= 2
+    # the one blocking read: the step's results, through the staging
+    assert after["blocking_reads"] - before["blocking_reads"] == steps, (before, after)
+    assert audit.reads == steps, audit.sites
+    assert audit.unstaged_uploads == 0, audit.sites
+    # the inputs and the plan's indices went through the staging
+    assert after["uploads"] - before["uploads"] >= steps
+    assert after["host_rollovers"] == 0
+    while dec.has_running():
+        dec.step()
+    plain = SpecDecoder(model, None, num_blocks=8 * 40, block_size=4)
+    want = [r.tokens for r in plain.generate(_prompts(batch), max_new_tokens=12, greedy=True)]
+    assert [dec.result(s).tokens for s in seqs] == want  # still exact
+
+
+def test_the_audit_fails_a_plan_that_uploads_directly(models, monkeypatch):
+    """The check above can fail: a plan that builds its indices with torch.tensor(...,
+    device=...) (the old way) is counted."""
+    from verispec.models import llama as llama_module
+
+    def unstaged(staging, values, dtype, device):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    monkeypatch.setattr(llama_module, "upload", unstaged)
+    model = models["llama"]
+    dec = _decoder(model, "ngram")
+    for p in _prompts(8):
+        dec.add(p, max_new_tokens=6, greedy=True)
+    dec.step()
+    with TransferAudit(model.geometry.device, dec.staging) as audit:
+        dec.step()
+    assert audit.unstaged_uploads > 0, audit.sites
+    assert any("llama.py" in site for site in audit.sites), audit.sites
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("source", ["ngram", "draft"])
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_a_cuda_step_synchronises_once(tmp_path, source, batch):
+    """torch's own count: set_sync_debug_mode("warn") flags every synchronising call."""
+    _tiny_llama(tmp_path)
+    model = load_model(tmp_path, device="cuda", dtype=torch.bfloat16)
+    dec = _decoder(model, source)
+    for p in _prompts(batch):
+        dec.add(p, max_new_tokens=12, greedy=True)
+    dec.step()
+    dec.step()
+    torch.cuda.synchronize()
+    steps, syncs = 0, []
+    while dec.has_running() and steps < 4:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                dec.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs.append([f"{w.filename}:{w.lineno}" for w in caught
+                      if "synchroniz" in str(w.message).lower()])
+        steps += 1
+    assert steps >= 1
+    assert all(len(s) <= 1 for s in syncs), syncs
