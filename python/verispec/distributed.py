@@ -241,13 +241,13 @@ def shard(model: Any, tp: TensorParallel) -> Any:
     a new HFModel over them, and the HFModel passed in refuses to run afterwards.
     """
     from verispec.models.hf import HFModel
+    from verispec.models import batch_invariant as _bi
     from verispec.models.llama import LlamaModel, TPShard, shard_weights
 
     if getattr(model, "batch_invariant", False):
         raise ValueError(f"shard: model is batch-invariant ({type(model).__name__} with "
-                         f"batch_invariant=True), which tensor parallelism cannot keep: the "
-                         f"all-reduce of the ranks' partial products picks its summation order "
-                         f"by message size, i.e. by the number of tokens in the pass")
+                         f"batch_invariant=True), which tensor parallelism cannot keep: "
+                         + _bi.TP_REASON)
     if isinstance(model, HFModel):
         if model.tp is not None:
             raise ValueError(f"shard: model is already a shard (rank {model.tp.rank} of "

@@ -62,6 +62,20 @@ class _Inside:
         _depth -= 1
 
 
+# Why the mode and tensor parallelism exclude each other, said once for every refusal.
+TP_REASON = ("the all-reduce of the ranks' partial products picks its algorithm, hence its "
+             "summation order, by message size, i.e. by the number of tokens in the pass")
+
+
+def refuse_tp(owner: str, batch_invariant: bool, tp: object) -> None:
+    """The constructors' check: ``batch_invariant`` is a bool, and not with ``tp``."""
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"{owner}: batch_invariant must be a bool, got {batch_invariant!r}")
+    if batch_invariant and tp is not None:
+        raise ValueError(f"{owner}: batch_invariant=True cannot run tensor-parallel (got tp): "
+                         + TP_REASON)
+
+
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     """x [n, d] zero-padded to a multiple of ``rows`` rows, in a fresh buffer (x itself
     when it is one already, contiguous and 256-byte aligned: cuBLAS picks kernels by the

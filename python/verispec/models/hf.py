@@ -1103,13 +1103,7 @@ class HFModel:
         if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "config"):
             raise TypeError(f"HFModel: hf_model must be a loaded transformers model "
                             f"(*ForCausalLM), got {type(hf_model).__name__}")
-        if not isinstance(batch_invariant, bool):
-            raise TypeError(f"HFModel: batch_invariant must be a bool, got {batch_invariant!r}")
-        if batch_invariant and tp is not None:
-            raise ValueError("HFModel: batch_invariant=True cannot run tensor-parallel (got "
-                             "tp): the all-reduce of the ranks' partial products picks its "
-                             "algorithm, hence its summation order, by message size, i.e. by "
-                             "the number of tokens in the pass")
+        _bi.refuse_tp("HFModel", batch_invariant, tp)
         #: See the class docstring (fixed at construction).
         self.batch_invariant = batch_invariant
         register_attention()

@@ -852,13 +852,7 @@ class LlamaModel:
         if (shard is None) != (tp is None):
             raise ValueError(f"LlamaModel: shard and tp must be given together, got "
                              f"shard={shard!r}, tp={tp!r}")
-        if not isinstance(batch_invariant, bool):
-            raise TypeError(f"LlamaModel: batch_invariant must be a bool, got {batch_invariant!r}")
-        if batch_invariant and tp is not None:
-            raise ValueError("LlamaModel: batch_invariant=True cannot run tensor-parallel (got "
-                             "tp): the all-reduce of the ranks' partial products picks its "
-                             "algorithm, hence its summation order, by message size, i.e. by "
-                             "the number of tokens in the pass")
+        _bi.refuse_tp("LlamaModel", batch_invariant, tp)
         #: See __init__. Set ``batch_invariant_torch`` too to run the torch implementation
         #: where verispec's CPU kernels would (tests and comparisons on a CPU).
         self.batch_invariant = batch_invariant
