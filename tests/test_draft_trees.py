@@ -42,14 +42,14 @@ class Watch:
         real_forward, real_verify = SpecDecoder._forward, SpecDecoder._verify_tree
         watch = self
 
-        def forward(self, role, p, host, inputs, input_ids=None):
+        def forward(self, role, p, s, input_ids=None):
             watch.tree_passes += bool(p.get("has_tree_mask"))
             if role == _C.ModelRole.target:
                 watch.verify_passes.append(bool(p.get("has_tree_mask")))
-            return real_forward(self, role, p, host, inputs, input_ids)
+            return real_forward(self, role, p, s, input_ids)
 
-        def verify_tree(self, plan, *args):
-            tokens, emitted, accepted, nodes = real_verify(self, plan, *args)
+        def verify_tree(self, s, *args):
+            tokens, emitted, accepted, nodes = real_verify(self, s, *args)
             f = self.draft_branches
             j = torch.arange(nodes.shape[1])
             off = (j[None, :] < accepted[:, None]) & (nodes.long() % f != 0)
@@ -130,9 +130,9 @@ def test_greedy_draft_tree_candidates_are_the_drafts_top_f(monkeypatch):
     passes = []
     real = SpecDecoder._draft_tree_passes
 
-    def spy(self, plan, host, inputs, draft_tokens, *rest):
-        q = real(self, plan, host, inputs, draft_tokens, *rest)
-        passes.append((len(plan["passes"]) - 1, plan["row_k"], draft_tokens.clone()))
+    def spy(self, s):
+        q = real(self, s)
+        passes.append((len(s.plan["passes"]) - 1, s.plan["row_k"], s.draft_tokens.clone()))
         return q
 
     monkeypatch.setattr(SpecDecoder, "_draft_tree_passes", spy)

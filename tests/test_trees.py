@@ -8,6 +8,7 @@ moved); cache truth after tree steps; no leaked blocks; failed steps change noth
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -189,9 +190,9 @@ def _count_tree_passes(monkeypatch):
     seen = {"tree": 0}
     real = SpecDecoder._forward
 
-    def counted(self, role, p, host, inputs, input_ids=None):
+    def counted(self, role, p, s, input_ids=None):
         seen["tree"] += bool(p.get("has_tree_mask"))
-        return real(self, role, p, host, inputs, input_ids)
+        return real(self, role, p, s, input_ids)
 
     monkeypatch.setattr(SpecDecoder, "_forward", counted)
     return seen
@@ -279,10 +280,10 @@ def test_adaptive_k_runs_an_ngram_trie_only_where_its_branches_pay(monkeypatch):
     passes = []
     real_forward = SpecDecoder._forward
 
-    def forward(self, role, p, host, inputs, input_ids=None):
+    def forward(self, role, p, s, input_ids=None):
         if role == _C.ModelRole.target:
             passes.append(bool(p.get("has_tree_mask")))
-        return real_forward(self, role, p, host, inputs, input_ids)
+        return real_forward(self, role, p, s, input_ids)
 
     monkeypatch.setattr(SpecDecoder, "_forward", forward)
     coin = torch.randint(2, (64,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -365,8 +366,9 @@ def test_power_a_chain_mask_instead_of_the_ancestor_mask_fails(monkeypatch):
     subtrees included): the target reads wrong prefixes and the test must reject it."""
     real = SpecDecoder._forward
 
-    def causal_mask(self, role, p, host, inputs, input_ids=None):
+    def causal_mask(self, role, p, s, input_ids=None):
         if p.get("has_tree_mask"):
+            host, inputs = s.host, s.inputs
             T = p["num_tokens"]
             p = dict(p)
             mask = torch.ones(T, T, dtype=torch.bool).tril()
@@ -378,9 +380,9 @@ def test_power_a_chain_mask_instead_of_the_ancestor_mask_fails(monkeypatch):
             mask &= row[:, None] == row[None, :]
             offset = len(host)
             inputs = torch.cat([inputs, mask.view(-1).to(torch.uint8)])
-            host = inputs
+            s = dataclasses.replace(s, host=inputs, inputs=inputs)
             p["tree_mask"] = offset
-        return real(self, role, p, host, inputs, input_ids)
+        return real(self, role, p, s, input_ids)
 
     monkeypatch.setattr(SpecDecoder, "_forward", causal_mask)
     policy = dict(temperature=1.0)

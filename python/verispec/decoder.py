@@ -151,6 +151,30 @@ class _Timer:
         return [e - s for s, e in self.spans[name]]
 
 
+@dataclass
+class _StepState:
+    """What a step's phases share, built once by ``_run``: the core's plan, its packed
+    inputs on the host (``host``, the plan's bytes) and on the model's device (``inputs``,
+    one staged copy), the batch (``batch`` rows, ``k`` draft positions), the draft tokens'
+    device view [B, K], the policy (scalars, or per-row device tensors), the keyed rows
+    (None without any) and the phases' timer."""
+
+    plan: dict
+    host: torch.Tensor
+    inputs: torch.Tensor
+    batch: int
+    k: int
+    draft_tokens: torch.Tensor
+    policy: dict
+    keys: dict | None
+    timer: _Timer
+
+    def view(self, offset: int, n: int, dtype: torch.dtype, *, on_host: bool = False):
+        """``n`` values of ``dtype`` at ``offset`` of the packed inputs (device copy, or
+        the host's with ``on_host``)."""
+        return _view(self.host if on_host else self.inputs, offset, n, dtype)
+
+
 _SIZES = {torch.int64: 8, torch.int32: 4, torch.float32: 4, torch.uint8: 1}
 
 
@@ -473,13 +497,16 @@ class SpecDecoder:
             if plan[key]:
                 self._pools[_TARGET if self.shares_target_cache else role].copy_blocks(plan[key])
         B, K = plan["batch"], plan["k"]
-        draft_tokens = _view(inputs, plan["draft_tokens"], B * K, torch.int32).view(B, K)
-        policy = self._policy(plan["policy"], inputs, B)
-        keys = self._keys(plan["policy"], host, inputs, B)
-        timer = _Timer(self.device)
+        s = _StepState(plan, host, inputs, B, K,
+                       draft_tokens=_view(inputs, plan["draft_tokens"], B * K,
+                                          torch.int32).view(B, K),
+                       policy=self._policy(plan["policy"], inputs, B),
+                       keys=self._keys(plan["policy"], host, inputs, B),
+                       timer=_Timer(self.device))
+        timer = s.timer
         if B == 0:  # prefill chunks only: the target caches them, nothing is verified
             with timer("target_forward"), self._nvtx("verispec.target_forward"):
-                self._forward(_TARGET, plan["passes"][-1], host, inputs)
+                self._forward(_TARGET, plan["passes"][-1], s)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the chunk is cached before the commit
             none = torch.empty(0, dtype=torch.int32).numpy()
@@ -493,18 +520,18 @@ class SpecDecoder:
             lp_rows = [(b, seq, self._lp[seq][0]) for b, seq in enumerate(plan["seqs"])
                        if seq in self._lp]
         with deferred() if deferred is not None else contextlib.nullcontext() as errors:
-            q = self._draft_passes(plan, host, inputs, draft_tokens, policy, keys, timer)
-            result, logits = self._verify_pass(plan, host, inputs, draft_tokens, q, policy,
-                                               keys, timer)
+            q = self._draft_passes(s)
+            result, logits = self._verify_pass(s, q)
             nodes = None
             if plan["tree"]:  # the accepted path's K/V into place; its logits rows
                 result, nodes = result[:3], result[3]
-                self._move_accepted(plan, inputs, nodes, result[2])
+                self._move_accepted(s, nodes, result[2])
                 logits = self._path_logits(logits, nodes, result[2]) if lp_rows else logits
-            lp = self._logprobs(logits, result[0], policy, lp_rows) if lp_rows else None
+            lp = self._logprobs(logits, result[0], s.policy, lp_rows) if lp_rows else None
             records = errors.records() if errors is not None else None
             tokens, emitted, accepted, drafts, host_records, host_lp, host_nodes = self._download(
-                self.staging, result, draft_tokens if plan["draft_model"] else None, records, lp, nodes)
+                self.staging, result, s.draft_tokens if plan["draft_model"] else None, records,
+                lp, nodes)
             if records is not None:
                 errors.raise_first(host_records)
         times = self._agreed_times(
@@ -523,7 +550,7 @@ class SpecDecoder:
                                         total)
         return draft_forward, draft_sample, target_forward, verify, total
 
-    def _move_accepted(self, plan, inputs, nodes, num_accepted) -> None:
+    def _move_accepted(self, s: _StepState, nodes, num_accepted) -> None:
         """Tree steps: the accepted path's K/V moved to consecutive positions, the one
         place of this rule. Row b's node i was cached at index C + i (the slot of its
         verify input root + 1 + i, root being the row's last committed input); accepted
@@ -531,12 +558,12 @@ class SpecDecoder:
         below their destination (nodes[b, j] >= j), and the copy reads every source
         before it writes (gather, then scatter), so the order of the moves is free. The
         rest is dropped by commit's rollback to C + a. On the device, no wait."""
-        B, K = plan["batch"], plan["k"]
+        B, K = s.batch, s.k
         if K == 0:
             return
-        p = plan["passes"][-1]
-        slots = _view(inputs, p["slot_mapping"], p["num_tokens"], torch.int32).long()
-        root = _view(inputs, p["logits_indices"], B * (K + 1), torch.int64).view(B, K + 1)[:, :1]
+        p = s.plan["passes"][-1]
+        slots = s.view(p["slot_mapping"], p["num_tokens"], torch.int32).long()
+        root = s.view(p["logits_indices"], B * (K + 1), torch.int64).view(B, K + 1)[:, :1]
         j = torch.arange(K, device=root.device)
         valid = j[None, :] < num_accepted.long()[:, None]
         # padding moves the root's own slot onto itself (never a destination)
@@ -626,71 +653,71 @@ class SpecDecoder:
                     seeds=_view(inputs, pol["seed_rows"], B, torch.int64),
                     positions=_view(inputs, pol["position_rows"], B, torch.int64))
 
-    def _draft_passes(self, plan, host, inputs, draft_tokens, policy, keys, timer):
+    def _draft_passes(self, s: _StepState):
         """K draft passes; each row's proposals go to draft_tokens[row, j] and q[row, j]
         on the device (pass j >= 1 reads its input from pass j - 1's proposals)."""
+        plan = s.plan
         if not plan["draft_model"]:
             return None
         if plan["draft_tree"]:
-            return self._draft_tree_passes(plan, host, inputs, draft_tokens, policy, keys, timer)
-        B, K = plan["batch"], plan["k"]
+            return self._draft_tree_passes(s)
+        B, K, timer = s.batch, s.k, s.timer
         q = self._draft_probs(B, K)
-        flat_tokens, flat_q = draft_tokens.view(-1), q.view(B * K, -1)
+        flat_tokens, flat_q = s.draft_tokens.view(-1), q.view(B * K, -1)
         previous = None
         for j, p in enumerate(plan["passes"][:-1]):
             ids = None
             if j > 0:
-                ids = previous.index_select(0, _view(inputs, p["prev_index"], p["num_rows"],
-                                                     torch.int64)).long()
+                ids = previous.index_select(0, s.view(p["prev_index"], p["num_rows"],
+                                                      torch.int64)).long()
             with timer("draft_forward"), self._nvtx("verispec.draft_forward"):
-                logits = self._forward(_DRAFT, p, host, inputs, ids)
-            rows = _view(inputs, p["rows"], p["num_rows"], torch.int64)
+                logits = self._forward(_DRAFT, p, s, ids)
+            rows = s.view(p["rows"], p["num_rows"], torch.int64)
             with timer("draft_sample"), self._nvtx("verispec.draft_sample"):
-                tokens, probs = self._sample_draft(logits, self._rows_policy(policy, rows, B),
+                tokens, probs = self._sample_draft(logits, self._rows_policy(s.policy, rows, B),
                                                    plan["seed"], plan["offset"] + 1 + j)
-                if keys is not None:  # keyed rows race q at their own seed and position
-                    tokens = self._keyed_proposals(tokens, probs, rows, keys, j)
-            where = _view(inputs, p["draft_index"], p["num_rows"], torch.int64)
+                if s.keys is not None:  # keyed rows race q at their own seed and position
+                    tokens = self._keyed_proposals(tokens, probs, rows, s.keys, j)
+            where = s.view(p["draft_index"], p["num_rows"], torch.int64)
             flat_tokens.index_copy_(0, where, tokens.to(torch.int32))
             flat_q.index_copy_(0, where, probs.float())
             previous = tokens
         return q
 
-    def _draft_tree_passes(self, plan, host, inputs, draft_tokens, policy, keys, timer):
+    def _draft_tree_passes(self, s: _StepState):
         """Draft-tree steps (draft_branches = f > 1; the shape is in spec_decoder.h "Draft
         trees"): pass j draws each row's num_children children of level j from one q and
         stores q at the row's q_index of the [B, K + 1, V] draft probabilities; pass j >= 1
         reads the first child of the previous level (the spine). Returns those probabilities."""
-        B, K, f = plan["batch"], plan["k"], self.draft_branches
+        plan, B, K, f, timer = s.plan, s.batch, s.k, self.draft_branches, s.timer
         q = self._draft_probs(B, K + 1)
-        flat_tokens, flat_q = draft_tokens.view(-1), q.view(B * (K + 1), -1)
+        flat_tokens, flat_q = s.draft_tokens.view(-1), q.view(B * (K + 1), -1)
         children = torch.arange(f, device=self.device)
         previous = None
         for j, p in enumerate(plan["passes"][:-1]):
             R = p["num_rows"]
             ids = None
             if j > 0:
-                ids = previous.index_select(0, _view(inputs, p["prev_index"], R,
-                                                     torch.int64)).long()
+                ids = previous.index_select(0, s.view(p["prev_index"], R, torch.int64)).long()
             with timer("draft_forward"), self._nvtx("verispec.draft_forward"):
-                logits = self._forward(_DRAFT, p, host, inputs, ids)
-            rows = _view(inputs, p["rows"], R, torch.int64)
-            row_policy = self._rows_policy(policy, rows, B)
+                logits = self._forward(_DRAFT, p, s, ids)
+            rows = s.view(p["rows"], R, torch.int64)
+            row_policy = self._rows_policy(s.policy, rows, B)
             with timer("draft_sample"), self._nvtx("verispec.draft_sample"):
                 tokens, probs = self._sample_children(logits, row_policy, plan["seed"],
                                                       plan["offset"] + 1 + j)
-                if keys is not None:  # keyed rows are chains: one keyed sample of q
-                    first = self._keyed_proposals(tokens[:, 0], probs, rows, keys, j)
+                if s.keys is not None:  # keyed rows are chains: one keyed sample of q
+                    first = self._keyed_proposals(tokens[:, 0], probs, rows, s.keys, j)
                     tokens = torch.cat([first[:, None].to(tokens.dtype), tokens[:, 1:]], dim=1)
             # the drawn children that exist (child c < the row's num_children), chosen on
             # the host from the plan's copy: a boolean mask on the device would wait for it
-            count = _view(host, p["num_children"], R, torch.int64)
+            count = s.view(p["num_children"], R, torch.int64, on_host=True)
             valid = (torch.arange(f)[None, :] < count[:, None]).view(-1).nonzero().view(-1)
             pick = self.staging.put(valid)
-            where = (_view(inputs, p["draft_index"], R, torch.int64)[:, None] + children).view(-1)
+            where = (s.view(p["draft_index"], R, torch.int64)[:, None] + children).view(-1)
             flat_tokens.index_copy_(0, where.index_select(0, pick),
                                     tokens.reshape(-1).index_select(0, pick).to(torch.int32))
-            flat_q.index_copy_(0, _view(inputs, p["q_index"], R, torch.int64), probs.float())
+            flat_q.index_copy_(0, s.view(p["q_index"], R, torch.int64), probs.float())
             previous = tokens[:, 0]
         return q
 
@@ -779,23 +806,26 @@ class SpecDecoder:
         is_keyed[keys["index"]] = True
         return torch.where(is_keyed.index_select(0, rows), keyed.to(tokens.dtype), tokens)
 
-    def _verify_pass(self, plan, host, inputs, draft_tokens, q, policy, keys, timer):
-        B, K = plan["batch"], plan["k"]
+    def _verify_pass(self, s: _StepState, q):
+        """The target's pass over every row's inputs and drafts, then verify: ((tokens,
+        num_emitted, num_accepted[, accepted_nodes for a tree]), the target's logits
+        [B, K + 1, V])."""
+        plan, B, K, timer = s.plan, s.batch, s.k, s.timer
+        draft_tokens, policy, keys = s.draft_tokens, s.policy, s.keys
         p = plan["passes"][-1]
         ids = None
         if p["num_fill"]:
-            ids = _view(inputs, p["input_ids"], p["num_tokens"], torch.int64).clone()
-            fill = _view(inputs, p["fill_positions"], p["num_fill"], torch.int64)
-            src = _view(inputs, p["fill_sources"], p["num_fill"], torch.int64)
+            ids = s.view(p["input_ids"], p["num_tokens"], torch.int64).clone()
+            fill = s.view(p["fill_positions"], p["num_fill"], torch.int64)
+            src = s.view(p["fill_sources"], p["num_fill"], torch.int64)
             ids.index_copy_(0, fill, draft_tokens.view(-1).index_select(0, src).long())
         with timer("target_forward"), self._nvtx("verispec.target_forward"):
-            logits = self._forward(_TARGET, p, host, inputs, ids)
+            logits = self._forward(_TARGET, p, s, ids)
         target = logits.view(B, K + 1, -1)
-        num_draft = _view(inputs, plan["num_draft"], B, torch.int32)
+        num_draft = s.view(plan["num_draft"], B, torch.int32)
         if plan["tree"]:
             with timer("verify"), self._nvtx("verispec.verify"):
-                return self._verify_tree(plan, inputs, target, draft_tokens, num_draft, q,
-                                         policy, keys), target
+                return self._verify_tree(s, target, num_draft, q), target
         with timer("verify"), self._nvtx("verispec.verify"):
             out = None
             if keys is None or not keys["all"]:
@@ -821,13 +851,14 @@ class SpecDecoder:
                     out = tuple(o.index_copy(0, index, kd.to(o.dtype)) for o, kd in zip(out, keyed))
         return out, target
 
-    def _verify_tree(self, plan, inputs, target, draft_tokens, num_draft, q, policy, keys):
+    def _verify_tree(self, s: _StepState, target, num_draft, q):
         """A tree step's verify: ops.verify_tree over every row's nodes (a chain row is a
         tree too); keyed rows (chains) take verify_keyed's outputs, their accepted nodes
         being 0..a-1. Returns (tokens, num_emitted, num_accepted, accepted_nodes)."""
-        B, K = plan["batch"], plan["k"]
+        plan, B, K = s.plan, s.batch, s.k
+        draft_tokens, policy, keys = s.draft_tokens, s.policy, s.keys
         _check_tree_ops(self._ops)  # ops may have been swapped since construction
-        parents = _view(inputs, plan["tree_parents"], B * K, torch.int32).view(B, K)
+        parents = s.view(plan["tree_parents"], B * K, torch.int32).view(B, K)
         extra = {}
         if q is not None:  # a draft model's tree: its children were drawn from q
             extra = dict(replacement=self.draft_replacement)
@@ -865,8 +896,12 @@ class SpecDecoder:
                 _checked(op, "num_emitted", out[1], (B,), integer=True),
                 _checked(op, "num_accepted", out[2], (B,), integer=True))
 
-    def _forward(self, role, p, host, inputs, input_ids=None) -> torch.Tensor:
+    def _forward(self, role, p, s: _StepState, input_ids=None) -> torch.Tensor:
+        """One pass ``p`` of the plan through the ``role``'s model: its PagedBatch from the
+        packed inputs (device views, and the host's copy for plans built on the host),
+        the logits [p.num_logits, V] checked for shape and device."""
         B, T, M = p["num_rows"], p["num_tokens"], p["max_blocks"]
+        host, inputs = s.host, s.inputs
 
         def fields(buf):
             return dict(
