@@ -21,8 +21,8 @@ Needs the ``serve`` extra (``pip install 'verispec[serve]'``: fastapi and uvicor
 
 The package, one unit per job: ``engine`` (the decode thread), ``params`` (a request's
 parameters, checked, and the errors in OpenAI's shape), ``text`` (detokenizing, stop
-strings, logprobs, server-sent events, metrics) and ``app`` (the FastAPI app: the routes
-and one generation, streamed or whole).
+strings, logprobs, server-sent events, metrics), ``app`` (the FastAPI app: its routes
+and a request's checks) and ``generation`` (one request answered, streamed or whole).
 """
 
 from __future__ import annotations
