@@ -1,0 +1,128 @@
+"""``verispec info``: the build, torch, the GPUs, the packages and the default model, as
+text or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import sys
+
+from verispec.cli.common import DEFAULT_MODEL
+
+
+def _quant_arithmetic() -> str:
+    """The quantized kernels' arithmetic and code path: "int8 avx512-vnni" or "float avx512"
+    (VERISPEC_QUANT_ARITHMETIC)."""
+    import verispec
+    from verispec.models import quantized
+
+    if quantized.ARITHMETIC == "int8":
+        return f"int8 {verispec._C.quant_int8_path()}"
+    return f"float {verispec._C.linear_best_isa()}"
+
+
+def collect_info() -> dict:
+    """Everything ``verispec info`` reports, as a JSON-able dict."""
+    import verispec
+
+    info: dict = {"verispec": verispec.__version__, "build": verispec.build_info(),
+                  "python": platform.python_version(),
+                  "python_executable": sys.executable, "platform": platform.platform(),
+                  "machine": platform.machine(), "cpu_count": os.cpu_count()}
+    try:
+        import torch
+    except ImportError:
+        info["torch"] = None
+    else:
+        cuda = torch.cuda.is_available()
+        info["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda,
+                         "cuda_available": cuda, "num_threads": torch.get_num_threads(),
+                         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                         if cuda else [],
+                         # how the ops take torch tensors: the DLPack C exchange API or __dlpack__
+                         "tensor_import": verispec._C._dlpack_import_path(torch.empty(0))}
+    info["packages"] = {name: importlib.util.find_spec(name) is not None
+                        for name in ("gguf", "safetensors", "tokenizers", "jinja2", "matplotlib",
+                                     "scipy", "transformers")}
+    model: dict = {"name": DEFAULT_MODEL}
+    try:
+        from verispec.models.loaders import KNOWN_MODELS, resolve
+
+        model["package"] = KNOWN_MODELS[DEFAULT_MODEL].package
+        model["install"] = KNOWN_MODELS[DEFAULT_MODEL].pip_install
+        model["path"] = resolve(DEFAULT_MODEL)[1]
+        model["installed"] = True
+        from verispec.models.gguf_file import GGUFFile
+        from verispec.models.quantized import quant_format_name
+
+        # which kernel each of its matrices runs in when loaded on the CPU (dtype auto)
+        types = sorted({(quant_format_name(t.ggml_type) or "float32 (dequantized)")
+                        for t in GGUFFile(model["path"]).tensors.values() if len(t.shape) == 2})
+        model["cpu_matrix_kernels"] = types
+    except (ImportError, FileNotFoundError, ValueError) as e:
+        model["installed"] = False
+        model["error"] = str(e)
+    info["default_model"] = model
+    from verispec.models import quantized
+
+    info["cpu_kernels"] = {
+        "float32_linear": f"{verispec._C.linear_best_isa()} (float32 models: verify passes of "
+                          f"2-16 tokens; 1 token and prefill: torch.mm)",
+        "quantized_linear": f"{_quant_arithmetic()}, formats "
+                            f"{', '.join(verispec._C.quant_formats())} (GGUF on CPU, dtype auto: "
+                            f"int8: every product; float: 1-{quantized.KERNEL_MAX_ROWS} tokens, "
+                            f"longer prefills: dequantized {quantized.PREFILL_TILE_ROWS}-row "
+                            f"tiles into torch.mm)",
+        "threads": verispec._C.linear_threads()}
+    loading: dict = {"native": "GGUF files, Hugging Face Llama folders",
+                     "transformers": "other Hugging Face causal LM folders (HFModel)",
+                     "transformers_installed": info["packages"]["transformers"]}
+    try:
+        from verispec.models.loaders import hf_cache_dir
+
+        loading["hf_cache"] = hf_cache_dir()
+    except ImportError:
+        loading["hf_cache"] = None
+    info["model_loading"] = loading
+    return info
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    info = collect_info()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    b, t, m, ml = info["build"], info["torch"], info["default_model"], info["model_loading"]
+    archs = b.get("cuda_architectures") or "-"
+    lines = [
+        f"verispec      {info['verispec']}",
+        f"native build  CUDA kernels {'compiled (' + archs + ')' if b.get('cuda_compiled') else 'not compiled'}"
+        f", {b.get('compiler', '?')}, DLPack {b.get('dlpack_version', '?')}",
+        f"GPU (runtime) {b.get('num_gpus', 0)} seen by verispec"
+        + ("" if b.get("gpu_available") else " (CPU path only)"),
+        f"CPU linear    {info['cpu_kernels']['float32_linear']}",
+        f"CPU quantized {info['cpu_kernels']['quantized_linear']}",
+    ]
+    if t is None:
+        lines.append("torch         not installed (pip install torch)")
+    else:
+        gpus = ", ".join(t["gpus"]) if t["gpus"] else "none"
+        lines.append(f"torch         {t['version']} (CUDA {t['cuda'] or '-'}; "
+                     f"available: {t['cuda_available']}; GPUs: {gpus}; {t['num_threads']} threads)")
+        lines.append(f"tensor import {t['tensor_import']} (how the ops take torch tensors)")
+    lines += [
+        f"python        {info['python']} ({info['python_executable']})",
+        f"platform      {info['platform']}, {info['cpu_count']} CPUs",
+        "packages      " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in info["packages"].items()),
+        f"default model {m['name']}: " + (f"installed ({m['path']}; CPU matrix kernels: "
+                                          f"{', '.join(m['cpu_matrix_kernels'])})" if m["installed"]
+                                          else f"NOT installed: {m['install'] if 'install' in m else m['error']}"),
+        f"model loading native: {ml['native']}; through transformers: {ml['transformers']}"
+        + ("" if ml["transformers_installed"] else " (needs: pip install transformers)"),
+        f"HF cache      {ml['hf_cache'] or '-'} (model ids resolve here; verispec never downloads)",
+    ]
+    print("\n".join(lines))
+    return 0
