@@ -220,7 +220,7 @@ class PagedPlan:
         return self._groups
 
     @property
-    def native(self) -> NativeIndex:
+    def native_index(self) -> NativeIndex:
         """The batch's index as the paged CPU kernels read it (built at first use)."""
         if self._native is None:
             self._native = NativeIndex(self.batch)
