@@ -365,6 +365,8 @@ def profile(args) -> dict:
     (T = k + 1) on the copy-heavy prompt's context: adapter vs native wall time (paired
     rounds), exclusive time and aten ops per module kind / function, for each model."""
     from verispec.models import hf as hf_module
+    from verispec.models import llama as llama_module
+    from verispec.models.layers import attention as layers_attention
     from verispec.models.testing import PagedRunner
 
     transformers = benchmark._import_transformers()
@@ -416,11 +418,12 @@ def profile(args) -> dict:
                 handles = regions.hook(wrapped)
                 undo = [_patched(hf_module._Plan, {"attend": "attention fn: _Plan.attend",
                                                    "__init__": "_Plan.__init__"}, regions),
-                        _patched(hf_module, {"_attend_matmul": "attention fn: _attend_matmul"},
+                        _patched(layers_attention, {"attend_matmul": "attention fn: attend_matmul"},
                                  regions)]
             else:
                 handles = []
-                undo = [_patched(model, {"_attend": "attention (_attend)"}, regions)]
+                undo = [_patched(llama_module._NativeLayerOps,
+                                 {"attend": "attention (_NativeLayerOps.attend)"}, regions)]
                 linear, norm_fn = model._linear, model._norm_fn
                 model._linear = lambda n: regions.wrap("linear", linear(n))
                 model._norm_fn = lambda: regions.wrap("rms norm", norm_fn())

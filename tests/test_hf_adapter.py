@@ -28,6 +28,7 @@ import verispec.models.hf as hf_mod
 from verispec.models import HFModel
 from verispec.models.base import KVPools, PagedBatch
 from verispec.models.testing import PagedRunner, randomize_weights
+from verispec.models.layers.attention import TorchAttention
 
 ATOL = 1e-5  # absolute, float32 logits of O(1..10)
 # With a feature's handling switched off, the comparison must miss by far more than ATOL.
@@ -433,13 +434,13 @@ def test_schedule_covers_what_it_claims(monkeypatch):
     through a non-consecutive block table and sliced from consecutive blocks."""
     _torch_attention_only(monkeypatch)
     seen = []
-    original = hf_mod._Plan._attend_group
+    original = TorchAttention._attend_group
 
-    def spy(g, q, k_flat, v_flat, scaling, window, softcap, sinks):
+    def spy(g, q, k_flat, v_flat, scaling, window, softcap, sinks, sdpa_groups=False):
         seen.append((g.b, g.n, g.key_start is None))
-        return original(g, q, k_flat, v_flat, scaling, window, softcap, sinks)
+        return original(g, q, k_flat, v_flat, scaling, window, softcap, sinks, sdpa_groups)
 
-    monkeypatch.setattr(hf_mod._Plan, "_attend_group", staticmethod(spy))
+    monkeypatch.setattr(TorchAttention, "_attend_group", staticmethod(spy))
     d = _run_schedule("llama")
     # chunked prefill, verify and decode rows whose block tables have holes
     assert {(1, "B"), (2, "A"), (2, "B"), (3, "C"), (7, "E")} <= set(d.noncontiguous)
@@ -459,13 +460,13 @@ def test_schedule_covers_what_it_claims(monkeypatch):
 def lean(monkeypatch) -> list[int]:
     """The query counts of the calls that took the lean one-row attention path."""
     calls: list[int] = []
-    original = hf_mod._Plan._attend_lean
+    original = TorchAttention._attend_lean
 
     def spy(g, q, k_flat, v_flat, scaling, window):
         calls.append(g.n)
         return original(g, q, k_flat, v_flat, scaling, window)
 
-    monkeypatch.setattr(hf_mod._Plan, "_attend_lean", staticmethod(spy))
+    monkeypatch.setattr(TorchAttention, "_attend_lean", staticmethod(spy))
     _torch_attention_only(monkeypatch)
     return calls
 

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import torch
 
-from verispec.models.hf import _refuse as hf_refuse
+from verispec.models.hf_attention import refuse as hf_refuse
 from verispec.models.llama import split_evenly, split_heads, split_vocab
 
 #: Plan styles verispec applies.

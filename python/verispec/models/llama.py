@@ -44,24 +44,19 @@ import torch
 import torch.nn.functional as F
 
 from verispec import _C
-from verispec.models.base import (KVWrite, ModelGeometry, PagedBatch, attention_groups,
-                                  check_batch)
+from verispec.models.base import KVWrite, ModelGeometry, PagedBatch, check_batch
 from verispec.models import batch_invariant as _bi
 from verispec.models import quantized as _quantized
+from verispec.models.layers import kernels
+from verispec.models.layers.attention import (FlashInferAttention, TorchAttention,
+                                              attend_long_row, select_backend)
+# native_linear, native_rms_norm and the two constants are imported from here too
+from verispec.models.layers.kernels import native_linear, native_rms_norm  # noqa: F401
+from verispec.models.layers.paged import (KERNEL_MAX_QUERIES, SMALL_ROW_QUERIES,  # noqa: F401
+                                          NativeIndex, PagedPlan)
 from verispec.models.quantized import QUANT_FORMATS, QuantizedMatrix
-from verispec.models.staging import upload
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# A row of at most this many queries attends with two batched matmuls (its scores,
-# [kv_heads, queries * group, keys], stay small); longer rows (prefill) call SDPA.
-SMALL_ROW_QUERIES = 16
-# Rows of up to this many new tokens attend in verispec's paged kernel on a float32 CPU
-# model (LlamaModel.native_layer_ops, HFModel.native_attention): every decode, verify,
-# tree and serving row and prefill chunks up to this size, so a token's attention does
-# not depend on how its prompt was chunked or what shares its pass (as the quantized
-# products' KERNEL_MAX_ROWS). Longer rows (a long prompt at once) use SDPA's blocked
-# kernel: ~2x faster at 512 tokens, ~6x at 1024, rounded differently.
-KERNEL_MAX_QUERIES = 512
 # Products of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS rows (tokens in a forward:
 # plain decoding, verify passes, serving batches, prefill chunks) use verispec's CPU
 # linear kernel when the model is float32 on CPU (LlamaModel.native_linear). On
@@ -250,34 +245,6 @@ def matmul_layout(w: torch.Tensor) -> torch.Tensor:
     return w if w.t().is_contiguous() else w.t().contiguous().t()
 
 
-def native_linear(x: torch.Tensor, w: torch.Tensor, threads: int) -> torch.Tensor:
-    """x @ w^T on verispec's float32 CPU kernel (``_C._linear_unchecked``): x [..., k]
-    contiguous, w [n, k] row-major or column-major (read as w^T [k, n]; matmul_layout's
-    two layouts), both float32 CPU, checked by the caller -> a new [..., n], written in
-    its final shape (no view around it: at a decode step's sizes the Python around a
-    product costs about as much as the product)."""
-    dims = list(x.shape)  # (a list: torch.empty parses a sliced torch.Size ~2x slower)
-    k = dims[-1]
-    n = dims[-1] = w.shape[0]
-    out = torch.empty(dims, dtype=torch.float32)
-    ld_n, ld_k = w.stride()
-    kn = ld_k != 1
-    _C._linear_unchecked(x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // k, n, k, k,
-                         ld_k if kn else ld_n, n, threads, kn)
-    return out
-
-
-def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension in one pass of verispec's float32 CPU kernel
-    (``_C._rms_norm_unchecked``; rounds as transformers' float32 RMSNorm): x [..., dim]
-    and weight [dim] contiguous float32 CPU, checked by the caller -> a new tensor."""
-    dim = weight.shape[0]
-    out = torch.empty_like(x)
-    _C._rms_norm_unchecked(x.data_ptr(), x.numel() // dim if dim else 0, dim, dim,
-                           weight.data_ptr(), eps, out.data_ptr(), dim)
-    return out
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm with the statistics in float32, rounded back before the weight (as transformers)."""
     xf = x.float()
@@ -293,160 +260,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def _attend_small_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                      bias_weight: float) -> torch.Tensor:
-    """A row's few queries against its keys with two batched matmuls (no SDPA set-up).
-
-    q [n, nh, hd]; k, v [L, nkv, hd]; bias [n * group, L] additive mask (0 / -inf; row
-    i * group + j for query i, head j of a group) with bias_weight 1, or any tensor with
-    bias_weight 0 when every query sees every key (baddbmm then ignores it) ->
-    [n, nh * hd]. Query head h reads kv head h // group (group = nh / nkv), as
-    transformers' repeat_kv does.
-    """
-    n, nh, hd = q.shape
-    nkv = k.shape[1]
-    group = nh // nkv
-    qg = q.reshape(n, nkv, group, hd).transpose(0, 1).reshape(nkv, n * group, hd)
-    scores = torch.baddbmm(bias, qg, k.permute(1, 2, 0), beta=bias_weight,
-                           alpha=1.0 / math.sqrt(hd))                    # bias + q k^T / sqrt(hd)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)  # [nkv, n * group, L]
-    out = torch.bmm(probs, v.transpose(0, 1))                               # [nkv, n * group, hd]
-    return out.view(nkv, n, group, hd).transpose(0, 1).reshape(n, nh * hd)
-
-
-def _tree_row_mask(tree: torch.Tensor, lo: int, hi: int, ctx: int) -> torch.Tensor:
-    """[n, ctx] bool: row tokens lo..hi-1 (PagedBatch.tree_mask's layout) see every key
-    cached before the row's new tokens and the new tokens the mask lets them see."""
-    n = hi - lo
-    before = torch.ones((n, ctx - n), dtype=torch.bool, device=tree.device)
-    return torch.cat([before, tree[lo:hi, lo:hi]], dim=1)
-
-
-class _AttentionPlan:
-    """Per-forward index work shared by all layers.
-
-    One row (the common decode / verify / prefill call) reads its keys as a slice of
-    the pool when its blocks are consecutive, else through one index. Several rows go
-    in groups (``attention_groups``, the rule shared with HFModel), each padded to its
-    [b, n_max] queries and [b, L_max] keys and attended in one SDPA call.
-    """
-
-    def __init__(self, batch: PagedBatch, num_tokens: int, device: torch.device, *,
-                 dtype: torch.dtype = torch.float32, group: int = 1):
-        starts = batch.host_tensor("query_start").tolist()  # rising: check_batch
-        self.ctx_lens = batch.host_tensor("context_lens").tolist()
-        self.starts = starts
-        self.num_rows = b = len(self.ctx_lens)
-        self.staging = batch.staging  # where the plan's host-built indices are uploaded
-        q_lens = [starts[i + 1] - starts[i] for i in range(b)]
-        l_max = max(self.ctx_lens)
-        bs = batch.kv.block_size
-        positions = batch.positions.to(device=device, dtype=torch.long)
-        key_pos = torch.arange(l_max, device=device)
-        self.single = b == 1
-        tree = batch.tree_mask
-        if tree is not None:
-            tree = tree.to(device)
-            for i in range(b):
-                if q_lens[i] > self.ctx_lens[i]:
-                    raise ValueError(f"LlamaModel.forward: row {i} has {q_lens[i]} new tokens "
-                                     f"but context_lens {self.ctx_lens[i]}")
-        if self.single:
-            self._plan_row(batch, positions, key_pos, bs, device, dtype, group, tree)
-            return
-        tables = batch.block_tables.to(device=device, dtype=torch.long)
-        # ctx_slots[b, j]: pool slot of row b's token j (padding -> slot of token 0).
-        lens = batch.context_lens.to(device=device, dtype=torch.long)  # already there
-        key_valid = key_pos[None, :] < lens[:, None]                          # [B, L_max]
-        j = torch.where(key_valid, key_pos[None, :], 0)
-        self.ctx_slots = (torch.gather(tables, 1, j // bs) * bs + j % bs).clamp_(min=0)  # [B, L_max]
-        if tree is not None:  # a tree attends row by row (each row its own ancestor mask)
-            self.groups: list[_RowGroup] = []
-            self.row_masks = [_tree_row_mask(tree, starts[i], starts[i + 1], self.ctx_lens[i])
-                              for i in range(b)]
-            return
-        self.groups = [_RowGroup(rows, self, q_lens, positions, key_pos, key_valid, num_tokens)
-                       for rows in attention_groups(q_lens, self.ctx_lens)]
-
-    def _plan_row(self, batch: PagedBatch, positions: torch.Tensor, key_pos: torch.Tensor,
-                  bs: int, device: torch.device, dtype: torch.dtype, group: int,
-                  tree: Optional[torch.Tensor]) -> None:
-        n, ctx = self.starts[1], self.ctx_lens[0]
-        self.n = n
-        table = batch.host_tensor("block_tables")[0, :-(-ctx // bs)].tolist()
-        # Keys: a slice of the pool when the row's blocks are consecutive (the allocator
-        # hands a lone sequence blocks 0, 1, 2, ...), else one index_select per layer.
-        self.key_start: Optional[int] = None
-        self.key_slots: Optional[torch.Tensor] = None
-        if table and table[0] >= 0 and table == list(range(table[0], table[0] + len(table))):
-            self.key_start = table[0] * bs
-        else:
-            j = key_pos[:ctx]
-            blocks = upload(batch.staging, table, torch.long, device)
-            self.key_slots = (blocks[j // bs] * bs + j % bs).clamp_(min=0)
-        # Queries: one query sees every key; a long fresh prefill is SDPA's plain causal
-        # attention; otherwise (verify rows, short prefills, padding) query t sees keys
-        # 0..positions[t], as a boolean mask for SDPA or an additive one for the matmuls.
-        self.small = n <= SMALL_ROW_QUERIES
-        self.is_causal = n == ctx and n > 1 and not self.small and tree is None
-        self.mask: Optional[torch.Tensor] = None
-        self.bias = torch.zeros((), dtype=dtype, device=device)
-        self.bias_weight = 0.0
-        if n > 1 and not self.is_causal:
-            if tree is not None:
-                self.mask = _tree_row_mask(tree, 0, n, ctx)                    # [n, L]
-            else:
-                self.mask = key_pos[None, :ctx] <= positions[:, None]            # [n, L]
-            if self.small:
-                bias = torch.zeros(self.mask.shape, dtype=dtype, device=device)
-                bias.masked_fill_(~self.mask, -math.inf)
-                self.bias = bias.repeat_interleave(group, dim=0)            # [n * group, L]
-                self.bias_weight = 1.0
-
-
-class _RowGroup:
-    """Rows of a batch attended in one padded SDPA call: their queries (gathered by
-    ``tokens`` unless the group is the whole batch in order), keys and mask."""
-
-    def __init__(self, rows: list[int], plan: _AttentionPlan, q_lens: list[int],
-                 positions: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor,
-                 num_tokens: int):
-        device = positions.device
-        starts = plan.starts
-        self.b = b = len(rows)
-        self.n = n = max(q_lens[r] for r in rows)
-        ctx = [plan.ctx_lens[r] for r in rows]
-        self.l = l_max = max(ctx)
-        index = [t for r in rows for t in range(starts[r], starts[r + 1])]
-        # the group's tokens in the batch (None: all of them, in order)
-        self.tokens: Optional[torch.Tensor] = (
-            None if index == list(range(num_tokens))
-            else upload(plan.staging, index, torch.long, device))
-        rows_t = upload(plan.staging, rows, torch.long, device)
-        self.slots = plan.ctx_slots.index_select(0, rows_t)[:, :l_max].reshape(-1)  # [b * L]
-        # token i of the group sits at padded index pad_index[i] (None: no query padding)
-        self.pad_index: Optional[torch.Tensor] = None
-        if any(q_lens[r] != n for r in rows):
-            self.pad_index = upload(
-                plan.staging, [i * n + j for i, r in enumerate(rows) for j in range(q_lens[r])],
-                torch.long, device)
-        same_len = self.pad_index is None and all(c == l_max for c in ctx)
-        # Fresh prefills of one length are plain causal attention; decode rows of one
-        # context length see every key; otherwise an explicit mask.
-        self.is_causal = same_len and n == l_max and n > 1
-        self.mask: Optional[torch.Tensor] = None
-        if not (self.is_causal or (same_len and n == 1)):
-            pos = positions if self.tokens is None else positions.index_select(0, self.tokens)
-            q_pos = torch.zeros(b * n, dtype=torch.long, device=device)  # padding: key 0
-            if self.pad_index is None:
-                q_pos = pos
-            else:
-                q_pos[self.pad_index] = pos
-            valid = key_valid.index_select(0, rows_t)[:, :l_max]
-            mask = (key_pos[None, None, :l_max] <= q_pos.view(b, n, 1)) & valid[:, None, :]
-            self.mask = mask[:, None]                                         # [b, 1, n, L]
-
-
 class _TorchLayerOps:
     """A forward's steps between the matrix products in torch ops (any device, dtype)."""
 
@@ -454,9 +267,12 @@ class _TorchLayerOps:
                  positions: torch.Tensor):
         g = model.geometry
         self.model, self.nh, self.nkv, self.hd = model, model._nh, model._nkv, model.config.head_dim
-        self.plan = _AttentionPlan(batch, num_tokens, g.device, dtype=g.dtype,
-                                   group=self.nh // self.nkv)
-        self.write = KVWrite(batch.host_tensor("slot_mapping"), g.device, batch.staging)
+        # the forward's paged plan, its groups built (and checked) before any write
+        self.plan = PagedPlan(batch, g.device, who="LlamaModel.forward")
+        self.plan.groups  # noqa: B018
+        self.write = self.plan.write
+        self.attention = model._torch_attention()
+        self.scaling = 1.0 / math.sqrt(self.hd)
         self.norm = model._norm_fn()
         self.cos = model._cos[positions][:, None, :]                          # [T, 1, hd]
         self.sin = model._sin[positions][:, None, :]
@@ -473,8 +289,13 @@ class _TorchLayerOps:
         return qk[:, :nh]
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        return self.model._attend(q, k_pool.view(-1, self.nkv, self.hd),
-                                  v_pool.view(-1, self.nkv, self.hd), self.plan)
+        """q [T, nh, hd] against each row's cached context -> [T, nh * hd]."""
+        if self.attention.name == "flashinfer":
+            out = self.attention.attend(self.plan, q, k_pool, v_pool, scaling=self.scaling)
+        else:
+            out = self.attention.attend(self.plan, q, k_pool.view(-1, self.nkv, self.hd),
+                                        v_pool.view(-1, self.nkv, self.hd), scaling=self.scaling)
+        return out.reshape(self.num_tokens, self.nh * self.hd)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor,
                  weight: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -514,10 +335,11 @@ class _BatchInvariantOps(_TorchLayerOps):
 
 class _NativeLayerOps:
     """A forward's steps between the matrix products in verispec's CPU kernels
-    (verispec/layers/decode_ops.h; float32 CPU tensors, contiguous pools): three native calls a
-    layer. Every row attends in the paged kernel (one rounding for decode, verify, tree,
-    batched rows and prefill chunks) except rows of more than KERNEL_MAX_QUERIES new
-    tokens without a tree (a long prompt at once), which attend row by row in SDPA."""
+    (``layers.kernels``: verispec/layers/decode_ops.h; float32 CPU tensors, contiguous
+    pools): three native calls a layer. Every row attends in the paged kernel (one
+    rounding for decode, verify, tree, batched rows and prefill chunks) except rows of
+    more than KERNEL_MAX_QUERIES new tokens without a tree (a long prompt at once), which
+    attend row by row in SDPA."""
 
     def __init__(self, model: "LlamaModel", batch: PagedBatch, num_tokens: int):
         self.nh, self.nkv, self.hd = model._nh, model._nkv, model.config.head_dim
@@ -525,22 +347,12 @@ class _NativeLayerOps:
         self.eps = model.config.rms_norm_eps
         self.threads = torch.get_num_threads()
         self.cos, self.sin = model._cos, model._sin
-        host = batch.host_tensor
         # Index tensors as the kernels read them (kept alive for the forward's calls).
-        self.positions = host("positions").to(torch.int64).contiguous()
-        self.slots = host("slot_mapping").to(torch.int32).contiguous()
-        self.query_start = host("query_start").to(torch.int64).contiguous()
-        self.context_lens = host("context_lens").to(torch.int32).contiguous()
-        tables = host("block_tables").to(torch.int32)
-        self.tables = tables if tables.stride(1) == 1 else tables.contiguous()
-        self.tree = (None if batch.tree_mask is None
-                     else batch.tree_mask.to("cpu").contiguous())
-        self.block_size = batch.kv.block_size
-        self.num_slots = batch.kv.k[0].shape[0] * self.block_size
-        starts = self.query_start.tolist()  # rising from 0 to T: check_batch
+        self.index = index = NativeIndex(batch)
+        starts = index.query_start.tolist()  # rising from 0 to T: check_batch
         # Rows attended in SDPA instead (long prefills): (first token, last + 1, row).
         # None in the batch-invariant mode: SDPA rounds by the row's length.
-        self.long_rows = [] if self.tree is not None or model.batch_invariant else [
+        self.long_rows = [] if index.tree is not None or model.batch_invariant else [
             (starts[r], starts[r + 1], r) for r in range(len(starts) - 1)
             if starts[r + 1] - starts[r] > KERNEL_MAX_QUERIES]
         # Positions, context lengths and block tables checked once, before the first
@@ -552,26 +364,15 @@ class _NativeLayerOps:
 
     def rope_write(self, qkv: torch.Tensor, k_pool: torch.Tensor,
                    v_pool: torch.Tensor) -> torch.Tensor:
-        t, nh, hd = self.num_tokens, self.nh, self.hd
-        q = torch.empty((t, nh, hd), dtype=torch.float32)
-        _C._rope_kv_write_unchecked(
-            qkv.data_ptr(), qkv.stride(0), t, nh, self.nkv, hd, self.positions.data_ptr(),
-            self.cos.data_ptr(), self.sin.data_ptr(), self.cos.shape[0], self.slots.data_ptr(),
-            k_pool.data_ptr(), v_pool.data_ptr(), self.num_slots, q.data_ptr())
-        return q
+        return kernels.rope_kv_write(qkv, self.nh, self.nkv, self.hd, self.index, self.cos,
+                                     self.sin, k_pool, v_pool)
 
     def _attention(self, k_pool: torch.Tensor, v_pool: torch.Tensor, q: Optional[torch.Tensor],
                    out: Optional[torch.Tensor], check_only: bool = False) -> None:
-        tables = self.tables
-        q_ptr = k_pool.data_ptr() if q is None else q.data_ptr()          # unread when checking
-        out_ptr = k_pool.data_ptr() if out is None else out.data_ptr()
-        _C._paged_attention_unchecked(
-            q_ptr, k_pool.data_ptr(), v_pool.data_ptr(), self.num_slots, self.num_tokens,
-            self.nh, self.nkv, self.hd, tables.shape[0], self.query_start.data_ptr(),
-            self.positions.data_ptr(), self.context_lens.data_ptr(), tables.data_ptr(),
-            tables.stride(0), tables.shape[1], 0 if self.tree is None else self.tree.data_ptr(),
-            self.block_size, 1.0 / math.sqrt(self.hd), out_ptr,
-            KERNEL_MAX_QUERIES if self.long_rows else 0, self.threads, check_only=check_only)
+        kernels.paged_attention(self.index, k_pool, v_pool, q, out, self.nh, self.nkv, self.hd,
+                                1.0 / math.sqrt(self.hd),
+                                KERNEL_MAX_QUERIES if self.long_rows else 0, self.threads,
+                                check_only=check_only)
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         t, nh, nkv, hd = self.num_tokens, self.nh, self.nkv, self.hd
@@ -579,59 +380,29 @@ class _NativeLayerOps:
         self._attention(k_pool, v_pool, q, out)
         k_flat, v_flat = k_pool.view(-1, nkv, hd), v_pool.view(-1, nkv, hd)
         for lo, hi, r in self.long_rows:
-            out[lo:hi] = self._attend_long_row(q[lo:hi], k_flat, v_flat, r)
+            out[lo:hi] = attend_long_row(self.index, r, q[lo:hi], k_flat, v_flat).reshape(
+                hi - lo, nh * hd)
         return out
-
-    def _attend_long_row(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                         row: int) -> torch.Tensor:
-        """Row ``row``'s n new tokens (a prefill chunk) through SDPA: token t sees keys
-        0..positions[t] -> [n, nh * hd]."""
-        n, nh, hd = q.shape
-        ctx, bs = int(self.context_lens[row]), self.block_size
-        j = torch.arange(ctx)
-        slots = self.tables[row].to(torch.long)[j // bs] * bs + j % bs
-        k = k_flat.index_select(0, slots).transpose(0, 1)[None]               # [1, nkv, L, hd]
-        v = v_flat.index_select(0, slots).transpose(0, 1)[None]
-        pos = self.positions[int(self.query_start[row]):int(self.query_start[row]) + n]
-        fresh = n == ctx and bool((pos == j).all())
-        mask = None if fresh else j[None, :] <= pos[:, None]                   # [n, L]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask,
-                                           is_causal=fresh, enable_gqa=nh != self.nkv)
-        return o[0].transpose(0, 1).reshape(n, nh * hd)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor,
                  weight: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """x += delta in place, and the norm of the sum with ``weight`` (None: no norm)."""
         delta = delta if delta.is_contiguous() else delta.contiguous()
-        rows, dim = x.shape
         if weight is None:
             x += delta
             return x, None
-        out = torch.empty_like(x)
-        _C._add_rms_norm_unchecked(x.data_ptr(), rows, dim, dim, delta.data_ptr(), dim,
-                                   weight.data_ptr(), self.eps, out.data_ptr(), dim)
-        return x, out
+        return x, kernels.add_rms_norm(x, delta, weight, self.eps)
 
     def run_layers(self, layers: Any, x: torch.Tensor, kv: Any, inter: int) -> None:
         """Every decoder layer of a quantized model in one native call
         (_C._QuantDecodeLayers): x [T, hidden] becomes the last layer's output."""
-        t = self.tables
-        layers.run(
-            x.data_ptr(), self.num_tokens, x.shape[1], inter, self.eps,
-            [p.data_ptr() for p in kv.k], [p.data_ptr() for p in kv.v], self.nh, self.nkv,
-            self.hd, self.positions.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
-            self.cos.shape[0], self.slots.data_ptr(), self.num_slots, t.shape[0],
-            self.query_start.data_ptr(), self.context_lens.data_ptr(), t.data_ptr(), t.stride(0),
-            t.shape[1], 0 if self.tree is None else self.tree.data_ptr(), self.block_size,
-            1.0 / math.sqrt(self.hd), self.threads, _quantized.ARITHMETIC == "int8")
+        kernels.quant_decode_layers(layers, x, kv, inter, self.eps, self.nh, self.nkv, self.hd,
+                                    self.index, self.cos, self.sin, self.threads,
+                                    _quantized.ARITHMETIC == "int8")
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-        rows = gate_up.shape[0]
-        out = torch.empty((rows, inter), dtype=torch.float32)
-        _C._silu_mul_unchecked(gate_up.data_ptr(), rows, inter, gate_up.stride(0), out.data_ptr(),
-                               inter)
-        return out
+        return kernels.silu_mul(gate_up, inter)
 
 
 def _matrix_ref(m: QuantizedMatrix) -> tuple:
@@ -884,6 +655,7 @@ class LlamaModel:
         cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         self._cos = torch.cat([cos, cos], dim=-1).to(device)
         self._sin = torch.cat([-sin, sin], dim=-1).to(device)
+        self._attention_backend = "auto"
         self._bind_weights()
 
     def _bind_weights(self) -> None:
@@ -935,6 +707,30 @@ class LlamaModel:
         self.native_layer_ops = self._native_norm_ok
 
     @property
+    def attention_backend(self) -> str:
+        """How layers attend: "auto" (default: verispec's CPU kernels where
+        ``native_layer_ops`` runs them, else FlashInfer on a CUDA device where it
+        imports, else SDPA), "native" (as "auto", on a float32 CPU model only), "sdpa"
+        (the torch path, ``layers.attention.TorchAttention``) or "flashinfer" (a CUDA
+        device with the flashinfer package); ValueError naming the backend where it
+        cannot run (``layers.attention.select_backend``)."""
+        return self._attention_backend
+
+    @attention_backend.setter
+    def attention_backend(self, name: str) -> None:
+        select_backend(name, self.geometry.device, self.geometry.dtype,
+                       who="LlamaModel.attention_backend")
+        self._attention_backend = name
+
+    def _torch_attention(self):
+        """The attention of a forward off the native kernels: FlashInfer where the backend
+        resolves to it, else SDPA with LlamaModel's rounding."""
+        g = self.geometry
+        if select_backend(self._attention_backend, g.device, g.dtype) == "flashinfer":
+            return FlashInferAttention(TorchAttention(sdpa_groups=True))
+        return TorchAttention(sdpa_groups=True)
+
+    @property
     def num_layers(self) -> int:
         return self.geometry.num_layers
 
@@ -961,6 +757,7 @@ class LlamaModel:
         draft.native_decode_layers = self.native_decode_layers and draft._decode_layers is not None
         draft.batch_invariant = self.batch_invariant
         draft.batch_invariant_torch = self.batch_invariant_torch
+        draft._attention_backend = self._attention_backend
         return draft
 
     def __call__(self, batch: PagedBatch) -> torch.Tensor:
@@ -1108,6 +905,7 @@ class LlamaModel:
         and SwiGLU in verispec's CPU kernels (_NativeLayerOps): a float32 CPU model whose
         pools are contiguous."""
         return (self.native_layer_ops and self.native_norm and self._native_norm_ok
+                and self._attention_backend in ("auto", "native")
                 and all(p.is_contiguous() for p in (batch.kv.k[0], batch.kv.v[0])))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -1115,59 +913,6 @@ class LlamaModel:
             # torch's fused kernel; in float32 it rounds exactly as transformers' RMSNorm
             return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
         return rms_norm(x, weight, self.config.rms_norm_eps)
-
-    def _attend(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
-                plan: _AttentionPlan) -> torch.Tensor:
-        """q [T, nh, hd] against each row's cached context -> [T, nh * hd]."""
-        num_tokens, nh, hd = q.shape
-        nkv = k_flat.shape[1]
-        if plan.single:
-            ctx = plan.ctx_lens[0]
-            if plan.key_start is not None:
-                k = k_flat[plan.key_start:plan.key_start + ctx]                # [L, nkv, hd]
-                v = v_flat[plan.key_start:plan.key_start + ctx]
-            else:
-                k = k_flat.index_select(0, plan.key_slots)
-                v = v_flat.index_select(0, plan.key_slots)
-            if plan.small:
-                return _attend_small_row(q, k, v, plan.bias, plan.bias_weight)
-            # 4-D [1, heads, tokens, hd] like transformers: SDPA's fused CPU kernel
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                attn_mask=plan.mask, is_causal=plan.is_causal, enable_gqa=nh != nkv)  # [1, nh, n, hd]
-            return out[0].transpose(0, 1).reshape(num_tokens, nh * hd)
-        if plan.groups:
-            out = None if plan.groups[0].tokens is None else q.new_empty(num_tokens, nh * hd)
-            for g in plan.groups:
-                qg = q if g.tokens is None else q.index_select(0, g.tokens)
-                if g.pad_index is not None:
-                    q_pad = qg.new_zeros(g.b * g.n, nh, hd)
-                    q_pad[g.pad_index] = qg
-                    qg = q_pad
-                qg = qg.reshape(g.b, g.n, nh, hd).transpose(1, 2)              # [b, nh, n, hd]
-                k = k_flat.index_select(0, g.slots).view(g.b, -1, nkv, hd).transpose(1, 2)
-                v = v_flat.index_select(0, g.slots).view(g.b, -1, nkv, hd).transpose(1, 2)
-                o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask,
-                                                   is_causal=g.is_causal, enable_gqa=nh != nkv)
-                o = o.transpose(1, 2).reshape(g.b * g.n, nh * hd)
-                if g.pad_index is not None:
-                    o = o[g.pad_index]
-                if g.tokens is None:
-                    return o
-                out.index_copy_(0, g.tokens, o)
-            return out
-        out = q.new_empty(num_tokens, nh * hd)
-        for i in range(plan.num_rows):  # a tree: row by row, each with its ancestor mask
-            lo, hi, ctx = plan.starts[i], plan.starts[i + 1], plan.ctx_lens[i]
-            if hi == lo:
-                continue
-            row_slots = plan.ctx_slots[i, :ctx]
-            o = F.scaled_dot_product_attention(
-                q[lo:hi].transpose(0, 1), k_flat.index_select(0, row_slots).transpose(0, 1),
-                v_flat.index_select(0, row_slots).transpose(0, 1), attn_mask=plan.row_masks[i],
-                enable_gqa=nh != nkv)                                          # [nh, n, hd]
-            out[lo:hi] = o.transpose(0, 1).reshape(hi - lo, nh * hd)
-        return out
 
     def _check(self, batch: PagedBatch) -> None:
         check_batch(batch, self.geometry, "LlamaModel.forward")

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from verispec import _C
+from verispec.models.layers import kernels
 
 #: name -> (ggml type id, weights per block, bytes per block) of the supported formats.
 QUANT_FORMATS: dict[str, tuple[int, int, int]] = dict(_C.quant_formats())
@@ -318,10 +319,8 @@ class QuantizedMatrix:
         for p in self.parts:
             n, tid = p.rows, QUANT_FORMATS[p.fmt][0]
             if kernel:
-                _C._quant_linear_unchecked(x.data_ptr(), p.data.data_ptr(),
-                                           out.data_ptr() + 4 * n0, m, n, self.k, x.stride(0),
-                                           p.data.stride(0), out.stride(0), tid, num_threads,
-                                           int8, p.packed)
+                kernels.quant_linear(x, p.data, out, n0, n, self.k, tid, num_threads, int8,
+                                     p.packed)
             else:
                 tile = torch.empty((min(n, PREFILL_TILE_ROWS), self.k), dtype=torch.float32)
                 for r0 in range(0, n, PREFILL_TILE_ROWS):  # packed: whole groups of 16 rows
