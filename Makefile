@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.verispec-deps
 BUILD_DEPS := scikit-build-core pybind11 apache-tvm-ffi ninja
-TEST_DEPS := pytest hypothesis scipy numpy gguf safetensors tokenizers jinja2 transformers accelerate matplotlib \
+TEST_DEPS := pytest pytest-xdist hypothesis scipy numpy gguf safetensors tokenizers jinja2 transformers accelerate matplotlib \
   fastapi uvicorn openai httpx
 TORCH := torch==2.13.0
 # Every package of BUILD_DEPS and TEST_DEPS and what pip resolved for them, at the versions
@@ -47,8 +47,11 @@ build: $(STAMP)
 	$(PIP) install --quiet --no-build-isolation --no-deps $(BUILD_ARGS) .
 	$(PY) -c "import verispec, json; print(json.dumps(verispec.build_info()))"
 
+# The suite runs in one worker per core (pytest-xdist), a test file per worker so that a
+# file's module-level fixtures are built once; PYTEST_WORKERS= runs it in one process.
+PYTEST_WORKERS ?= -n auto --dist loadfile
 pytest: build
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # The C++ core under AddressSanitizer + UndefinedBehaviorSanitizer.
 native-test: $(STAMP)
