@@ -80,12 +80,32 @@ struct SplitSpace {
   ChunkStats* data() { return reinterpret_cast<ChunkStats*>(words.data()); }
 };
 
+// ops.cu split_filter_launches, in the simulation.
+template <typename T, typename Rows>
+void sim_split_filters(const Rows& rows, int64_t n_rows, const PolicyParams& policy,
+                       int64_t vocab, const SplitPlan& plan, ChunkStats* chunks) {
+  const auto grid = static_cast<unsigned>(n_rows);
+  const auto split_grid = static_cast<unsigned>(n_rows * plan.chunks);
+  cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
+    split_filter_begin_kernel<kSimSplitBlock>(rows, vocab, plan, chunks);
+  });
+  for_each_filter_step(policy, vocab, [&](int step) {
+    cuda_sim::run_grid(split_grid, kSimSplitBlock, [&] {
+      split_filter_pass_kernel<T, kSimSplitBlock>(rows, vocab, plan, chunks, step);
+    });
+    if (step < kFilterSteps) {
+      cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
+        split_filter_select_kernel<kSimSplitBlock>(rows, vocab, chunks, step);
+      });
+    }
+  });
+}
+
 template <typename T, int BLOCK = kSimBlock>
 OpStatus sim_apply_policy(const ApplyPolicyArgs& a) {
   unsigned long long record = kNoDeviceError;
   const bool filter = policy_may_filter(a.policy, a.vocab);
-  const SplitPlan plan = filter ? SplitPlan{1, static_cast<int>(a.vocab)}
-                                : split_plan(a.rows, a.vocab, g_sim_sms);
+  const SplitPlan plan = split_plan(a.rows, a.vocab, g_sim_sms);
   if (plan.chunks > 1) {
     SplitSpace chunks;
     const auto grid = static_cast<unsigned>(a.rows * plan.chunks);
@@ -93,8 +113,13 @@ OpStatus sim_apply_policy(const ApplyPolicyArgs& a) {
     cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
       split_stats_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
     });
+    if (filter) sim_split_filters<T>(rows, a.rows, a.policy, a.vocab, plan, chunks.data());
     cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-      apply_policy_split_write_kernel<T, kSimSplitBlock>(a, plan, chunks.data(), &record);
+      if (filter) {
+        apply_policy_split_write_kernel<T, kSimSplitBlock, true>(a, plan, chunks.data(), &record);
+      } else {
+        apply_policy_split_write_kernel<T, kSimSplitBlock, false>(a, plan, chunks.data(), &record);
+      }
     });
     return record_status(OpKind::kApplyPolicy, record);
   }
@@ -139,8 +164,7 @@ OpStatus sim_verify_as(const VerifyArgs& a) {
   const bool filter = verify_may_filter(a);
   const int64_t positions = a.batch * (a.num_spec + 1);
   std::vector<RowStats> stats(static_cast<size_t>(positions));
-  const SplitPlan plan = filter ? SplitPlan{1, static_cast<int>(a.vocab)}
-                                : split_plan(positions, a.vocab, g_sim_sms);
+  const SplitPlan plan = split_plan(positions, a.vocab, g_sim_sms);
   if (plan.chunks > 1) {
     SplitSpace chunks;
     const auto grid = static_cast<unsigned>(positions * plan.chunks);
@@ -148,8 +172,13 @@ OpStatus sim_verify_as(const VerifyArgs& a) {
     cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
       split_stats_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
     });
+    if (filter) sim_split_filters<T>(rows, positions, a.policy, a.vocab, plan, chunks.data());
     cuda_sim::run_grid(static_cast<unsigned>(positions), 32, [&] {
-      verify_split_stats_kernel<T>(a, plan, chunks.data(), stats.data(), &record);
+      if (filter) {
+        verify_split_stats_kernel<T, true>(a, plan, chunks.data(), stats.data(), &record);
+      } else {
+        verify_split_stats_kernel<T, false>(a, plan, chunks.data(), stats.data(), &record);
+      }
     });
   } else {
     cuda_sim::run_grid(static_cast<unsigned>(positions), BLOCK, [&] {
@@ -1070,16 +1099,17 @@ void test_memory_traffic() {
   // 2.000 (the statistics in one pass, sampling_math.h tiles; the write), sample 2.032
   // (max, sum, the target's chunk), verify 2.002 (the statistics of every position in one
   // pass; the residual's total and the walk along one thread's chunk), q 1.002 (its check
-  // in the residual's pass); with top-k + top-p one block a row reads them 8 times
-  // (statistics 1, each threshold's radix selection 3, the write or the residual 1).
-  // Before the tiles and the radix selection: 3, 2.033, 3.002, q 2.002, 31 blocks; 20 / 21
-  // with top-k + top-p (8-way threshold searches).
+  // in the residual's pass); with top-k + top-p they read them 8 times (statistics 1,
+  // each threshold's radix selection 3, the write or the residual 1), the row split over
+  // 32 blocks too (the chunks' histograms added a row: split_kernels.cuh, rows with a
+  // filter; one block a row before). Before the tiles and the radix selection: 3, 2.033,
+  // 3.002, q 2.002, 31 blocks; 20 / 21 with top-k + top-p (8-way threshold searches).
   const Pin pins[] = {
       {"apply_policy", &plain, 2.0, 0.0, 32},
-      {"apply_policy", &knobs, 8.0, 0.0, 1},
+      {"apply_policy", &knobs, 8.0, 0.0, 32},
       {"sample", &plain, 2.04, 0.0, 32},
       {"verify", &plain, 2.01, 1.01, 32},
-      {"verify", &knobs, 8.01, 1.01, 1},
+      {"verify", &knobs, 8.01, 1.01, 32},
   };
   for (const Pin& pin : pins) {
     const Traffic t = measure(pin.op, *pin.policy);

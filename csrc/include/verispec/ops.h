@@ -265,13 +265,17 @@ constexpr size_t kCudaErrorRecordBytes = 256;     // error record, padded for al
 // Launches with few rows split each row over several blocks, whose per-chunk statistics
 // (24 bytes each) and per-tile statistics (the maximum and fixed-point sum of each 1024
 // values, 12 bytes; sampling_math.h kStatsTile) live in the workspace: at most
-// kCudaSplitMaxRows rows of kCudaSplitMaxChunks chunks and kMaxVocab / 1024 tiles
-// (kernels/cuda/split_kernels.cuh).
+// kCudaSplitMaxRows rows of kCudaSplitMaxChunks chunks and kMaxVocab / 1024 tiles; then,
+// for rows with a filter (top-k, top-p, min-p), each row's statistics, filter progress and
+// radix histogram (2048 bins of a count and a fixed-point mass; kCudaSplitFilterRowBytes a
+// row) (kernels/cuda/split_kernels.cuh).
 constexpr int64_t kCudaSplitMaxRows = 128;
 constexpr int64_t kCudaSplitMaxChunks = 32;
 constexpr int64_t kCudaSplitMaxTiles = 1024;
+constexpr size_t kCudaSplitFilterRowBytes = 24832;
 constexpr size_t kCudaSplitBytes =
-    kCudaSplitMaxRows * kCudaSplitMaxChunks * 24 + kCudaSplitMaxRows * kCudaSplitMaxTiles * 12;
+    kCudaSplitMaxRows * kCudaSplitMaxChunks * 24 + kCudaSplitMaxRows * kCudaSplitMaxTiles * 12 +
+    kCudaSplitMaxRows * kCudaSplitFilterRowBytes;
 constexpr size_t kVerifyStatsBytesPerPosition = 32;
 // Layout: [error record][split chunk statistics][op payload].
 constexpr size_t kCudaWorkspaceHeadBytes = kCudaErrorRecordBytes + kCudaSplitBytes;

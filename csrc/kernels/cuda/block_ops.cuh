@@ -216,11 +216,18 @@ struct RowStats {
 };
 static_assert(sizeof(RowStats) <= kVerifyStatsBytesPerPosition, "RowStats outgrew the workspace");
 
+// The probability of logit l before the filters (p_raw), and the largest (the argmax has
+// weight exp(0) = 1): what the filters' thresholds are found among.
+__device__ inline float raw_prob(float l, const RowStats& s, float temperature) {
+  return softmax_weight(l, s.row_max, temperature) / s.norm;
+}
+__device__ inline float raw_prob_max(const RowStats& s) { return 1.0f / s.norm; }
+
 // The policy probability of logit l at index i (the same formula as cpu_policy.h).
 __device__ inline float policy_prob(float l, int i, const RowStats& s, float temperature,
                                     bool greedy) {
   if (greedy) return i == s.argmax ? 1.0f : 0.0f;
-  const float p = softmax_weight(l, s.row_max, temperature) / s.norm;
+  const float p = raw_prob(l, s, temperature);
   if (s.threshold > 0.0f) return p >= s.threshold ? p / s.kept : 0.0f;
   return p;
 }
@@ -467,13 +474,9 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
   const float temperature = pol.temperature;
   s.norm = fixed_to_float(tiled_norm<BLOCK>(rec, tiles, s.row_max, temperature, ops));
   if constexpr (FILTER) {  // only instantiated here: its shared histogram too
-    const float norm = s.norm;
-    const float row_max = s.row_max;
-    auto p_raw = [&](int i) {
-      return softmax_weight(to_float(ld(x + i)), row_max, temperature) / norm;
-    };
-    const float p_max = 1.0f / norm;  // the argmax has weight exp(0) = 1
-    filter_threshold<BLOCK>(p_raw, V, pol, p_max, ops, &s);
+    const RowStats unfiltered = s;
+    auto p_raw = [&](int i) { return raw_prob(to_float(ld(x + i)), unfiltered, temperature); };
+    filter_threshold<BLOCK>(p_raw, V, pol, raw_prob_max(s), ops, &s);
   }
   *stats = s;
   return static_cast<int>(kLogitsOk);

@@ -17,6 +17,26 @@ using namespace kernels::cuda;
 constexpr int kBlock = kLaunchBlock;
 constexpr int kSplitBlock = 256;  // a split block's chunk is 3072+ values: 12+ a thread
 
+// The filters of split rows (split_kernels.cuh, rows with a filter), after
+// split_stats_kernel: the rows' statistics, then each step's pass over every chunk and
+// (but min-p's) its selection a row.
+template <typename T, typename Rows>
+void split_filter_launches(const Rows& rows, int64_t n_rows, const PolicyParams& policy,
+                           int64_t vocab, const SplitPlan& plan, ChunkStats* chunks,
+                           cudaStream_t stream) {
+  const auto grid = static_cast<unsigned>(n_rows);
+  const auto split_grid = static_cast<unsigned>(n_rows * plan.chunks);
+  split_filter_begin_kernel<kSplitBlock><<<grid, kSplitBlock, 0, stream>>>(rows, vocab, plan, chunks);
+  for_each_filter_step(policy, vocab, [&](int step) {
+    split_filter_pass_kernel<T, kSplitBlock>
+        <<<split_grid, kSplitBlock, 0, stream>>>(rows, vocab, plan, chunks, step);
+    if (step < kFilterSteps) {
+      split_filter_select_kernel<kSplitBlock>
+          <<<grid, kSplitBlock, 0, stream>>>(rows, vocab, chunks, step);
+    }
+  });
+}
+
 }  // namespace
 
 // apply_policy: one block per row, compiled with or without the filter code
@@ -31,8 +51,7 @@ OpStatus apply_policy_cuda(const ApplyPolicyArgs& a, const CudaLaunch& launch) {
   s = op.start(apply_policy_cuda_workspace_bytes());
   if (!s.ok()) return s;
   const bool filter = policy_may_filter(a.policy, a.vocab);
-  const SplitPlan plan = filter ? SplitPlan{1, static_cast<int>(a.vocab)}
-                                : split_plan(a.rows, a.vocab, sm_count(launch.device));
+  const SplitPlan plan = split_plan(a.rows, a.vocab, sm_count(launch.device));
   dispatch_dtype(a.logits_dtype, a.logits, [&](const auto* logits) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
     const auto grid = static_cast<unsigned>(a.rows);
@@ -42,8 +61,14 @@ OpStatus apply_policy_cuda(const ApplyPolicyArgs& a, const CudaLaunch& launch) {
       const PolicyRows<T> rows{a};
       split_stats_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
           rows, a.vocab, plan, chunks);
-      apply_policy_split_write_kernel<T, kSplitBlock>
-          <<<split_grid, kSplitBlock, 0, op.stream()>>>(a, plan, chunks, op.record());
+      if (filter) {
+        split_filter_launches<T>(rows, a.rows, a.policy, a.vocab, plan, chunks, op.stream());
+        apply_policy_split_write_kernel<T, kSplitBlock, true>
+            <<<split_grid, kSplitBlock, 0, op.stream()>>>(a, plan, chunks, op.record());
+      } else {
+        apply_policy_split_write_kernel<T, kSplitBlock, false>
+            <<<split_grid, kSplitBlock, 0, op.stream()>>>(a, plan, chunks, op.record());
+      }
     } else if (filter) {
       apply_policy_kernel<T, kBlock, true><<<grid, kBlock, 0, op.stream()>>>(a, op.record());
     } else {
@@ -104,8 +129,7 @@ OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
   auto* stats = static_cast<RowStats*>(op.payload());
   const bool filter = verify_may_filter(a);
   const int64_t width = a.num_spec + 1;
-  const SplitPlan plan = filter ? SplitPlan{1, static_cast<int>(a.vocab)}
-                                : split_plan(a.batch * width, a.vocab, sm_count(launch.device));
+  const SplitPlan plan = split_plan(a.batch * width, a.vocab, sm_count(launch.device));
   dispatch_dtype(a.target_logits_dtype, a.target_logits, [&](const auto* logits) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
     const auto positions = static_cast<unsigned>(a.batch * width);
@@ -115,8 +139,15 @@ OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
       const VerifyRows<T> rows{a};
       split_stats_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
           rows, a.vocab, plan, chunks);
-      verify_split_stats_kernel<T><<<positions, 32, 0, op.stream()>>>(a, plan, chunks, stats,
-                                                                      op.record());
+      if (filter) {
+        split_filter_launches<T>(rows, a.batch * width, a.policy, a.vocab, plan, chunks,
+                                 op.stream());
+        verify_split_stats_kernel<T, true>
+            <<<positions, 32, 0, op.stream()>>>(a, plan, chunks, stats, op.record());
+      } else {
+        verify_split_stats_kernel<T, false>
+            <<<positions, 32, 0, op.stream()>>>(a, plan, chunks, stats, op.record());
+      }
     } else if (filter) {
       verify_policy_kernel<T, kBlock, true>
           <<<positions, kBlock, 0, op.stream()>>>(a, stats, op.record());
