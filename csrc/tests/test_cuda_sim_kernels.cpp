@@ -429,7 +429,7 @@ VerifyCase perturbed_case(int64_t vocab, uint32_t seed, float noise) {
 }
 
 struct Tally {
-  int rows = 0, differ = 0, rejected = 0, bonus = 0;
+  int rows = 0, differ = 0, rejected = 0, bonus = 0, accepted = 0;  // accepted: 1+ drafts
 };
 
 // The simulated kernels and the CPU on case c: both OK, every row well formed and
@@ -449,6 +449,7 @@ void compare_verify(const VerifyCase& c, Tally* tally) {
     ++tally->rows;
     tally->rejected += sim.accepted[static_cast<size_t>(b)] < c.n(b);
     tally->bonus += sim.accepted[static_cast<size_t>(b)] == c.n(b);
+    tally->accepted += sim.accepted[static_cast<size_t>(b)] > 0;
   }
 }
 
@@ -1252,6 +1253,146 @@ void test_split_rows_match_the_cpu() {
   for (int64_t b = 0; b < c.batch; ++b) CHECK(split.row_equal(one_block, b, c.k));
 }
 
+
+// Rows with a filter split over blocks (split_kernels.cuh, rows with a filter): the
+// chunks' radix histograms added a row must give the one-block threshold and kept mass,
+// so the CPU's bits. Vocabularies of 2 to 5 chunks (12289: a last chunk of one value),
+// rows built to meet the selection's edges (ties at the threshold, values one ulp apart,
+// thresholds that underflow), scalar filters and per-row mixes (each filter alone, none,
+// greedy, a bad policy), both dtypes, split and unsplit launches; then verify.
+void test_split_filters_match_the_cpu() {
+  struct Filter {
+    int top_k;
+    float top_p, min_p;
+  };
+  const Filter filters[] = {{1, 1.0f, 0.0f},  {50, 1.0f, 0.0f},   {0, 0.5f, 0.0f},
+                            {0, 1e-6f, 0.0f}, {0, 0.999f, 0.0f},  {50, 0.9f, 0.0f},
+                            {10, 0.9f, 0.05f}, {0, 0.95f, 0.5f},  {0, 1.0f, 0.01f},
+                            {4000, 0.3f, 0.0f}};
+  constexpr int kRows = 4;
+  int cases = 0, differ = 0, split_cases = 0;
+  for (int V : {8192, 12289, 20000}) {
+    CHECK(split_plan(kRows, V, 132).chunks >= 2);
+    std::mt19937 rng(static_cast<uint32_t>(V) + 5u);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    std::vector<float> x(static_cast<size_t>(kRows * V));
+    for (int i = 0; i < V; ++i) x[static_cast<size_t>(i)] = static_cast<float>(rng() % 6);  // few levels
+    float v = 2.0f;
+    for (int i = 0; i < V; ++i) {  // one ulp apart, shuffled
+      x[static_cast<size_t>(V + i)] = v;
+      v = std::nextafter(v, 0.0f);
+    }
+    std::shuffle(x.begin() + V, x.begin() + 2 * V, rng);
+    for (int i = 0; i < V; ++i) x[static_cast<size_t>(2 * V + i)] = 40.0f * normal(rng);  // underflow
+    for (int i = 0; i < V; ++i) x[static_cast<size_t>(3 * V + i)] = normal(rng);
+    const std::vector<BFloat16> xb = convert<BFloat16>(x);
+    // Per row: top-k only, top-p only, min-p only, then every filter; or none, greedy, a
+    // bad top_p (row 2), top-k + min-p.
+    const float t_mix[2][kRows] = {{1.0f, 0.8f, 1.0f, 1.2f}, {1.0f, 0.0f, 0.7f, 1.0f}};
+    const int32_t k_mix[2][kRows] = {{20, 0, 0, 30}, {0, 5, 0, 3}};
+    const float p_mix[2][kRows] = {{1.0f, 0.9f, 1.0f, 0.8f}, {1.0f, 0.5f, 1.5f, 1.0f}};
+    const float m_mix[2][kRows] = {{0.0f, 0.0f, 0.1f, 0.02f}, {0.0f, 0.0f, 0.0f, 0.3f}};
+    std::vector<PolicyParams> policies;
+    for (const Filter& f : filters) {
+      for (float temperature : {1.0f, 0.4f}) policies.push_back(scalar_policy(temperature, f.top_k, f.top_p, f.min_p));
+    }
+    for (int m = 0; m < 2; ++m) {
+      PolicyParams p;
+      p.temperature_per_row = t_mix[m];
+      p.top_k_per_row = k_mix[m];
+      p.top_p_per_row = p_mix[m];
+      p.min_p_per_row = m_mix[m];
+      policies.push_back(p);
+    }
+    for (const PolicyParams& pol : policies) {
+      for (bool bf16 : {false, true}) {
+        if (bf16 && V != 12289) continue;
+        ApplyPolicyArgs a;
+        a.logits = bf16 ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data());
+        a.logits_dtype = bf16 ? LogitsDType::kBFloat16 : LogitsDType::kFloat32;
+        a.logits_row_stride = V;
+        a.rows = kRows;
+        a.vocab = V;
+        a.policy = pol;
+        a.probs_row_stride = V;
+        std::vector<float> want(x.size(), 7.0f), got(x.size(), 7.0f);
+        a.probs = want.data();
+        const OpStatus cpu = apply_policy_cpu(a);
+        for (int sms : {132, 0}) {
+          g_sim_sms = sms;
+          std::fill(got.begin(), got.end(), 7.0f);
+          a.probs = got.data();
+          const OpStatus sim = bf16 ? sim_apply_policy<BFloat16>(a) : sim_apply_policy<float>(a);
+          CHECK(same_fault(sim, cpu));
+          differ += policy_rows_differ(got, want, kRows, V);
+          split_cases += sms > 0;
+          ++cases;
+        }
+        g_sim_sms = 132;
+      }
+    }
+    // A fault in a filtered split row: the lowest bad index of its row, its probabilities 0.
+    std::vector<float> bad = x;
+    bad[static_cast<size_t>(3 * V + V - 2)] = std::nanf("");
+    bad[static_cast<size_t>(3 * V + split_plan(kRows, V, 132).chunk_len + 3)] = INFINITY;
+    std::fill(bad.begin() + V, bad.begin() + 2 * V, -INFINITY);  // row 1: all masked
+    ApplyPolicyArgs a;
+    a.logits = bad.data();
+    a.logits_row_stride = V;
+    a.rows = kRows;
+    a.vocab = V;
+    a.policy = scalar_policy(1.0f, 50, 0.9f, 0.0f);
+    a.probs_row_stride = V;
+    std::vector<float> got(x.size(), 7.0f), want(x.size(), 7.0f);
+    a.probs = got.data();
+    const OpStatus sim_bad = sim_apply_policy<float>(a);
+    a.probs = want.data();
+    const OpStatus cpu_bad = apply_policy_cpu(a);
+    CHECK(!cpu_bad.ok() && same_fault(sim_bad, cpu_bad));
+    CHECK(policy_rows_differ(got, want, kRows, V) == 0);
+  }
+  std::printf("split filters: %d cases (%d split), %d rows differ from the CPU\n", cases,
+              split_cases, differ);
+  CHECK(differ == 0);
+  // verify with filters on split rows: token and block, sampled and one-hot drafts.
+  const float row_temperature[] = {1.0f, 0.0f};
+  const int32_t row_top_k[] = {8, 0};
+  const float row_top_p[] = {0.9f, 1.0f};
+  const float row_min_p[] = {0.0f, 0.1f};
+  PolicyParams per_row;
+  per_row.temperature_per_row = row_temperature;
+  per_row.top_k_per_row = row_top_k;
+  per_row.top_p_per_row = row_top_p;
+  per_row.min_p_per_row = row_min_p;
+  const PolicyParams verify_policies[] = {scalar_policy(1.0f, 50, 0.9f, 0.0f),
+                                          scalar_policy(0.7f, 0, 0.8f, 0.05f),
+                                          scalar_policy(1.2f, 3, 1.0f, 0.0f), per_row};
+  Tally tally;
+  for (bool with_q : {true, false}) {
+    VerifyCase c = perturbed_case(12289, 77u, 1.0f);
+    c.batch = 2;
+    c.num_draft = {3, 2};
+    for (int64_t j = 0; j < 2; ++j) {  // row 0 proposes the target's top tokens: accepted
+      const float* t = &c.logits[static_cast<size_t>(j * c.vocab)];
+      c.drafts[static_cast<size_t>(j)] = static_cast<int32_t>(std::max_element(t, t + c.vocab) - t);
+    }
+    if (!with_q) c.draft_probs.clear();
+    for (const PolicyParams& pol : verify_policies) {
+      for (VerifyMethod method : {VerifyMethod::kToken, VerifyMethod::kBlock}) {
+        c.policy = pol;
+        c.method = method;
+        for (uint64_t seed = 1; seed <= 4; ++seed) {
+          c.seed = seed;
+          compare_verify(c, &tally);
+        }
+      }
+    }
+  }
+  std::printf("split filters, verify: %d rows, %d differ from the CPU, %d rejected, %d accepted a draft\n",
+              tally.rows, tally.differ, tally.rejected, tally.accepted);
+  CHECK(tally.differ == 0 && tally.rejected * 5 >= tally.rows && tally.accepted * 5 >= tally.rows);
+}
+
 }  // namespace
 
 int main() {
@@ -1268,6 +1409,7 @@ int main() {
   test_split_rows_match_the_cpu();
   test_tiles_match_the_cpu();
   test_filters_match_the_cpu();
+  test_split_filters_match_the_cpu();
   test_memory_traffic();
   return native_check::check_summary("test_cuda_sim_kernels");
 }
