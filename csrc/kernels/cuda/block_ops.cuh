@@ -264,7 +264,7 @@ struct RadixHist {
 struct RadixScratch {  // a one-block row's shared histogram: 24 KB
   unsigned long long mass[kRadixBins];
   int count[kRadixBins];
-  RadixHist hist() { return RadixHist{count, mass}; }
+  __device__ RadixHist hist() { return RadixHist{count, mass}; }
 };
 
 // The filters' searches, in order: top-k, then top-p on its survivors; each is
