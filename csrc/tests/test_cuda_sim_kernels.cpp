@@ -163,7 +163,10 @@ OpStatus sim_verify_as(const VerifyArgs& a) {
   unsigned long long record = kNoDeviceError;
   const bool filter = verify_may_filter(a);
   const int64_t positions = a.batch * (a.num_spec + 1);
-  std::vector<RowStats> stats(static_cast<size_t>(positions));
+  // The verify payload: RowStats, then BlockMass, of every position.
+  std::vector<RowStats> stats(
+      (static_cast<size_t>(positions) * (sizeof(RowStats) + sizeof(BlockMass)) + sizeof(RowStats) - 1) /
+      sizeof(RowStats));
   const SplitPlan plan = split_plan(positions, a.vocab, g_sim_sms);
   if (plan.chunks > 1) {
     SplitSpace chunks;
@@ -188,6 +191,14 @@ OpStatus sim_verify_as(const VerifyArgs& a) {
         verify_policy_kernel<T, BLOCK, false>(a, stats.data(), &record);
       }
     });
+  }
+  if (verify_needs_block_residuals(a) && plan.chunks > 1) {
+    cuda_sim::run_grid(static_cast<unsigned>(positions * plan.chunks), kSimSplitBlock, [&] {
+      block_residual_kernel<T, kSimSplitBlock>(a, plan, stats.data());
+    });
+  } else if (verify_needs_block_residuals(a)) {
+    cuda_sim::run_grid(static_cast<unsigned>(positions), BLOCK,
+                       [&] { block_residual_kernel<T, BLOCK>(a, plan, stats.data()); });
   }
   cuda_sim::run_grid(static_cast<unsigned>(a.batch), BLOCK,
                      [&] { verify_sample_kernel<T, BLOCK>(a, stats.data(), &record); });

@@ -276,7 +276,9 @@ constexpr size_t kCudaSplitFilterRowBytes = 24832;
 constexpr size_t kCudaSplitBytes =
     kCudaSplitMaxRows * kCudaSplitMaxChunks * 24 + kCudaSplitMaxRows * kCudaSplitMaxTiles * 12 +
     kCudaSplitMaxRows * kCudaSplitFilterRowBytes;
-constexpr size_t kVerifyStatsBytesPerPosition = 32;
+// verify's payload per (row, position): its policy statistics (32 bytes), then block
+// verification's residual mass and q check (16 bytes).
+constexpr size_t kVerifyStatsBytesPerPosition = 48;
 // Layout: [error record][split chunk statistics][op payload].
 constexpr size_t kCudaWorkspaceHeadBytes = kCudaErrorRecordBytes + kCudaSplitBytes;
 

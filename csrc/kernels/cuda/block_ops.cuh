@@ -203,7 +203,7 @@ __device__ unsigned long long tiled_norm(TileRecords rec, int tiles, float row_m
 // ---- the policy of one row --------------------------------------------------------------
 
 // What the policy of a row reduces to: p_i = policy_prob(l_i, i). 32 bytes: the verify
-// workspace holds one per (row, position) (kVerifyStatsBytesPerPosition).
+// workspace holds one per (row, position) (kVerifyStatsBytesPerPosition, with BlockMass).
 struct RowStats {
   float row_max;    // max logit
   float norm;       // sum of softmax weights: p_raw = weight / norm
@@ -214,7 +214,7 @@ struct RowStats {
   float q_y;        // verify: q(proposal)
   int32_t valid;    // verify: 1 once computed; 0 if the position is at fault
 };
-static_assert(sizeof(RowStats) <= kVerifyStatsBytesPerPosition, "RowStats outgrew the workspace");
+static_assert(sizeof(RowStats) == 32, "the verify payload is an array of 32-byte RowStats");
 
 // The probability of logit l before the filters (p_raw), and the largest (the argmax has
 // weight exp(0) = 1): what the filters' thresholds are found among.

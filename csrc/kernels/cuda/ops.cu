@@ -114,8 +114,9 @@ OpStatus sample_cuda(const SampleArgs& a, const CudaLaunch& launch) {
   return s;
 }
 
-// verify: verify_policy_kernel, one block per row position (or, with few positions and no
-// filter, the split kernels), into the RowStats of the workspace payload; then
+// verify: verify_policy_kernel, one block per row position (or, with few positions, the
+// split kernels), into the RowStats of the workspace payload; block verification's
+// residual masses, every position in parallel (block_residual_kernel, split alike); then
 // verify_sample_kernel, one block per row.
 OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
   OpStatus s = check_verify_args(a);
@@ -154,6 +155,14 @@ OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
     } else {
       verify_policy_kernel<T, kBlock, false>
           <<<positions, kBlock, 0, op.stream()>>>(a, stats, op.record());
+    }
+    if (verify_needs_block_residuals(a) && plan.chunks > 1) {
+      block_residual_kernel<T, kSplitBlock>
+          <<<static_cast<unsigned>(a.batch * width * plan.chunks), kSplitBlock, 0, op.stream()>>>(
+              a, plan, stats);
+    } else if (verify_needs_block_residuals(a)) {
+      block_residual_kernel<T, kBlock>
+          <<<positions, kBlock, 0, op.stream()>>>(a, plan, stats);
     }
     verify_sample_kernel<T, kBlock>
         <<<static_cast<unsigned>(a.batch), kBlock, 0, op.stream()>>>(a, stats, op.record());

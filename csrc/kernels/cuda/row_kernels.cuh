@@ -137,9 +137,12 @@ __global__ void __launch_bounds__(BLOCK) sample_kernel(SampleArgs a, unsigned lo
 //   1. verify_policy_kernel, one block per (row b, position j <= n_b): the policy of
 //      target_logits[b, j] as RowStats (max, normaliser, threshold, kept mass) plus
 //      p_j(y_j) and q_j(y_j), into the stats workspace. All positions run in parallel.
+//   (block verification: block_residual_kernel, split_kernels.cuh, every position's
+//      residual mass R_j and q's check in parallel, into BlockMass)
 //   2. verify_sample_kernel, one block per row: thread 0 walks the acceptance tests on
 //      those scalars; the block then samples the correction (residual max(p - q, 0),
-//      roundoff rule: p) or the bonus (p_n) with a block-wide inverse CDF.
+//      roundoff rule: p) or the bonus (p_n) with a block-wide inverse CDF: the one row
+//      read again.
 // Checks match the CPU: per row, policy, num_draft, tokens, NaN/Inf in every position
 // <= n, q(y) for j < n, and the q row read at a rejection.
 __device__ inline int64_t row_num_draft(const VerifyArgs& a, int64_t b) {
@@ -188,6 +191,21 @@ __device__ inline void finish_position_stats(const VerifyArgs& a, int64_t b, int
   s->valid = ok ? 1 : 0;
 }
 
+// Block verification's part of a position's payload, after the RowStats of every
+// position (kVerifyStatsBytesPerPosition): the residual mass R_j of the walk's weight w_j
+// (block_residual_kernel; fixed point, chunks add theirs) and whether q's row j has a bad
+// value (a count of the blocks that saw one). The stats kernels zero it.
+struct BlockMass {
+  unsigned long long mass;
+  unsigned long long q_bad;
+};
+static_assert(sizeof(RowStats) + sizeof(BlockMass) <= kVerifyStatsBytesPerPosition,
+              "the verify payload per position");
+
+__device__ inline BlockMass* verify_masses(const VerifyArgs& a, const RowStats* stats) {
+  return reinterpret_cast<BlockMass*>(const_cast<RowStats*>(stats) + a.batch * (a.num_spec + 1));
+}
+
 // Position `index` of a [batch, K + 1] launch: its row b, position j, policy and num_draft;
 // false where the walk never reads it (a bad policy or num_draft, reported by
 // verify_sample_kernel, or padding past num_draft).
@@ -217,6 +235,7 @@ __global__ void __launch_bounds__(BLOCK)
   if (threadIdx.x != 0) return;
   finish_position_stats<T>(a, p.b, p.j, p.n, p.pol, verdict, &s, record);
   stats[blockIdx.x] = s;
+  verify_masses(a, stats)[blockIdx.x] = BlockMass{0, 0};
 }
 
 // grid: batch blocks.
@@ -255,10 +274,12 @@ __global__ void __launch_bounds__(BLOCK)
   float w_tau = 1.0f;  // block verification: the weight scaling p in the final residual
   if (!fault && block_method) {
     // Block verification (ops.h): tau = the last j with eta_j < h_j; every thread runs the
-    // same loop, the residual masses R_j are block sums over the vocabulary.
+    // same loop on scalars: q's checks and the residual masses R_j of every position were
+    // found in parallel (block_residual_kernel).
+    const BlockMass* masses = verify_masses(a, stats) + b * width;  // [K + 1]
     float w = 1.0f;
     int tau = 0;
-    for (int64_t j = 0; j <= n && !fault; ++j) {
+    for (int64_t j = 0; j <= n; ++j) {
       if (j == n) {
         if (n > 0 && block_keep(uniform(seed, offset, row32, static_cast<uint32_t>(j - 1),
                                         Purpose::kAccept), w)) {
@@ -267,23 +288,14 @@ __global__ void __launch_bounds__(BLOCK)
         }
         break;
       }
-      const float* q = a.draft_probs + b * a.draft_probs_stride_b + j * a.draft_probs_stride_k;
-      int bad = 0;
-      for (int i = tid; i < V; i += BLOCK) bad |= not_a_probability(ld(q + i));
-      if (__syncthreads_or(bad)) {
+      const BlockMass m = masses[j];
+      if (m.q_bad != 0) {
         if (tid == 0) report_error(record, b, StatusCode::kInvalidProbs, j);
         fault = true;
         break;
       }
       if (j >= 1) {
-        const T* x = logits_at<T>(a, b, j);
-        const RowStats sj = rs[j];
-        unsigned long long part = 0;
-        for (int i = tid; i < V; i += BLOCK) {
-          part += fixed_weight(block_residual_weight(
-              w, policy_prob(to_float(ld(x + i)), i, sj, pol.temperature, false), ld(q + i)));
-        }
-        const float h = block_keep_probability(fixed_to_float(ops.sum_fixed(part)), w);
+        const float h = block_keep_probability(fixed_to_float(m.mass), w);
         if (block_keep(uniform(seed, offset, row32, static_cast<uint32_t>(j - 1), Purpose::kAccept),
                        h)) {
           tau = static_cast<int>(j);

@@ -423,6 +423,7 @@ __global__ void __launch_bounds__(32)
     const int verdict = split_filtered_stats(split_filter_rows(chunks)[blockIdx.x], p.pol, &s);
     finish_position_stats<T>(a, p.b, p.j, p.n, p.pol, verdict, &s, record);
     stats[blockIdx.x] = s;
+    verify_masses(a, stats)[blockIdx.x] = BlockMass{0, 0};
     return;
   }
   const TileRecords tiles = split_tiles(chunks, blockIdx.x);
@@ -441,6 +442,62 @@ __global__ void __launch_bounds__(32)
   if (threadIdx.x != 0) return;
   finish_position_stats<T>(a, p.b, p.j, p.n, p.pol, verdict, &s, record);
   stats[blockIdx.x] = s;
+  verify_masses(a, stats)[blockIdx.x] = BlockMass{0, 0};
+}
+
+// Whether a verify launch runs block_residual_kernel: block verification of sampled
+// drafts, some row not greedy.
+inline bool verify_needs_block_residuals(const VerifyArgs& a) {
+  const bool all_greedy = !a.policy.temperature_per_row && a.policy.temperature == 0.0f;
+  return a.method == VerifyMethod::kBlock && a.draft_probs && !all_greedy;
+}
+
+// Block verification (ops.h): every position's residual mass and q's check, in parallel.
+// grid: batch * (K + 1) * plan.chunks blocks (plan.chunks 1: a block a position; else a
+// split launch's plan), after the stats kernels. Position j < n of a sampled row gets
+// R_j = the fixed-point sum of block_residual_weight(w_j, p_j, q_j) over the vocabulary
+// (chunks add theirs: integers, any order) and its q row's check; w_j, the walk's weight
+// before j, is a product of earlier positions' scalars, so each block finds it alone.
+// Positions the walk never tests (after w reaches 0, or of a row at fault) are skipped;
+// position 0 needs only q's check (the walk tests h from position 1).
+template <typename T, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+    block_residual_kernel(VerifyArgs a, SplitPlan plan, const RowStats* stats) {
+  __shared__ BlockOps<BLOCK> ops;
+  const int64_t index = blockIdx.x / plan.chunks;
+  VerifyPosition p;
+  if (!verify_position(a, index, &p) || p.j >= p.n || p.pol.greedy()) return;
+  const RowStats* rs = stats + p.b * (a.num_spec + 1);  // [K + 1]
+  float w = 1.0f;
+  for (int64_t j = 0; j < p.j; ++j) {
+    if (rs[j].valid == 0) return;
+    w = block_weight(w, rs[j].p_y, rs[j].q_y);
+    if (!(w > 0.0f)) return;
+  }
+  const RowStats sj = rs[p.j];
+  if (sj.valid == 0) return;
+  const int V = static_cast<int>(a.vocab);
+  const int begin = static_cast<int>(blockIdx.x % plan.chunks) * plan.chunk_len;
+  const int end = min(begin + plan.chunk_len, V);
+  const T* x = logits_at<T>(a, p.b, p.j);  // [V]
+  const float* q = a.draft_probs + p.b * a.draft_probs_stride_b + p.j * a.draft_probs_stride_k;
+  const float temperature = p.pol.temperature;
+  unsigned long long part = 0;
+  int bad = 0;
+  for (int i = begin + static_cast<int>(threadIdx.x); i < end; i += BLOCK) {
+    const float qi = ld(q + i);
+    const bool invalid = not_a_probability(qi);
+    bad |= invalid;
+    if (p.j == 0) continue;
+    const float pi = policy_prob(to_float(ld(x + i)), i, sj, temperature, false);
+    part += fixed_weight(block_residual_weight(w, pi, invalid ? 0.0f : qi));
+  }
+  part = ops.sum_fixed(part);
+  bad = __syncthreads_or(bad);
+  if (threadIdx.x != 0) return;
+  BlockMass& m = verify_masses(a, stats)[index];
+  atomicAdd(&m.mass, part);
+  if (bad) atomicAdd(&m.q_bad, 1ull);
 }
 
 // ---- apply_policy --------------------------------------------------------------------
