@@ -849,6 +849,19 @@ void test_launch_block_size_at_a_large_vocabulary() {
   CHECK(kept >= 1 && kept <= 50);  // top-k 50, then top-p 0.9
 }
 
+// apply_policy's arguments over rows of V logits, float32 (x) or bf16 (xb).
+ApplyPolicyArgs rows_args(const std::vector<float>& x, const std::vector<BFloat16>& xb, bool bf16,
+                          int rows, int V) {
+  ApplyPolicyArgs a;
+  a.logits = bf16 ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data());
+  a.logits_dtype = bf16 ? LogitsDType::kBFloat16 : LogitsDType::kFloat32;
+  a.logits_row_stride = V;
+  a.rows = rows;
+  a.vocab = V;
+  a.probs_row_stride = V;
+  return a;
+}
+
 // ---- the normaliser in tiles -------------------------------------------------------------
 
 // Rows whose tiles differ in kind: a tile of masked logits only, the maximum in the last
@@ -878,14 +891,8 @@ void test_tiles_match_the_cpu() {
     for (int sms : {0, 132}) {
       g_sim_sms = sms;
       for (bool bf16 : {false, true}) {
-        ApplyPolicyArgs a;
-        a.logits = bf16 ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data());
-        a.logits_dtype = bf16 ? LogitsDType::kBFloat16 : LogitsDType::kFloat32;
-        a.logits_row_stride = V;
-        a.rows = kRows;
-        a.vocab = V;
+        ApplyPolicyArgs a = rows_args(x, xb, bf16, kRows, V);
         a.policy.temperature = temperature;
-        a.probs_row_stride = V;
         std::vector<float> want(x.size()), got32(x.size()), got64(x.size()), got_split(x.size());
         a.probs = want.data();
         CHECK(apply_policy_cpu(a).ok());
@@ -1327,14 +1334,8 @@ void test_split_filters_match_the_cpu() {
     for (const PolicyParams& pol : policies) {
       for (bool bf16 : {false, true}) {
         if (bf16 && V != 12289) continue;
-        ApplyPolicyArgs a;
-        a.logits = bf16 ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data());
-        a.logits_dtype = bf16 ? LogitsDType::kBFloat16 : LogitsDType::kFloat32;
-        a.logits_row_stride = V;
-        a.rows = kRows;
-        a.vocab = V;
+        ApplyPolicyArgs a = rows_args(x, xb, bf16, kRows, V);
         a.policy = pol;
-        a.probs_row_stride = V;
         std::vector<float> want(x.size(), 7.0f), got(x.size(), 7.0f);
         a.probs = want.data();
         const OpStatus cpu = apply_policy_cpu(a);
@@ -1356,13 +1357,8 @@ void test_split_filters_match_the_cpu() {
     bad[static_cast<size_t>(3 * V + V - 2)] = std::nanf("");
     bad[static_cast<size_t>(3 * V + split_plan(kRows, V, 132).chunk_len + 3)] = INFINITY;
     std::fill(bad.begin() + V, bad.begin() + 2 * V, -INFINITY);  // row 1: all masked
-    ApplyPolicyArgs a;
-    a.logits = bad.data();
-    a.logits_row_stride = V;
-    a.rows = kRows;
-    a.vocab = V;
+    ApplyPolicyArgs a = rows_args(bad, xb, false, kRows, V);
     a.policy = scalar_policy(1.0f, 50, 0.9f, 0.0f);
-    a.probs_row_stride = V;
     std::vector<float> got(x.size(), 7.0f), want(x.size(), 7.0f);
     a.probs = got.data();
     const OpStatus sim_bad = sim_apply_policy<float>(a);
