@@ -692,8 +692,38 @@ struct TreeCase {
     const VerifyTreeArgs a = args(&o);
     unsigned long long record = kNoDeviceError;
     std::vector<float> scratch(static_cast<size_t>(batch * 2 * vocab));
+    const int64_t positions = batch * (n + 1);
+    std::vector<RowStats> stats(static_cast<size_t>(positions));
+    // ops.cu verify_tree_cuda's launches.
+    const bool all_greedy = !policy.temperature_per_row && policy.temperature == 0.0f;
+    const bool filter = !all_greedy && policy_may_filter(policy, vocab);
+    const SplitPlan plan = split_plan(positions, vocab, g_sim_sms);
+    const auto grid = static_cast<unsigned>(positions);
+    if (plan.chunks > 1) {
+      SplitSpace chunks;
+      const TreeRows<float> rows{a};
+      cuda_sim::run_grid(static_cast<unsigned>(positions * plan.chunks), kSimSplitBlock, [&] {
+        split_stats_kernel<float, kSimSplitBlock>(rows, vocab, plan, chunks.data());
+      });
+      if (filter) sim_split_filters<float>(rows, positions, policy, vocab, plan, chunks.data());
+      cuda_sim::run_grid(grid, 32, [&] {
+        if (filter) {
+          tree_split_stats_kernel<true>(a, plan, chunks.data(), stats.data());
+        } else {
+          tree_split_stats_kernel<false>(a, plan, chunks.data(), stats.data());
+        }
+      });
+    } else {
+      cuda_sim::run_grid(grid, kSimBlock, [&] {
+        if (filter) {
+          tree_policy_kernel<float, kSimBlock, true>(a, stats.data());
+        } else {
+          tree_policy_kernel<float, kSimBlock, false>(a, stats.data());
+        }
+      });
+    }
     cuda_sim::run_grid(static_cast<unsigned>(batch), kSimBlock, [&] {
-      verify_tree_kernel<float, kSimBlock, true>(a, scratch.data(), &record);
+      verify_tree_kernel<float, kSimBlock>(a, scratch.data(), stats.data(), &record);
     });
     o.status = record_status(OpKind::kVerifyTree, record);
     return o;
@@ -758,9 +788,9 @@ void test_verify_tree_matches_the_cpu() {
       scalar_policy(1.0f, 0, 1.0f, 0.0f), scalar_policy(0.7f, 8, 1.0f, 0.0f),
       scalar_policy(1.2f, 20, 0.9f, 0.05f), scalar_policy(0.0f, 0, 1.0f, 0.0f)};
   for (int mode = 0; mode < 3; ++mode) {
-    for (int64_t V : {40, 130}) {
+    for (int64_t V : {40, 130, 12289}) {  // 12289: node rows split over 4 blocks
       TreeCase c = tree_case(V, 100u + static_cast<uint32_t>(V + mode), mode > 0, mode != 2);
-      for (uint64_t seed = 1; seed <= 4; ++seed) {
+      for (uint64_t seed = 1; seed <= (V > 1000 ? 2u : 4u); ++seed) {
         c.seed = seed;
         c.offset = seed + 11;
         for (const PolicyParams& pol : policies) {
@@ -1073,6 +1103,20 @@ Traffic measure(const std::string& op, const PolicyParams& policy) {
     t.blocks = cuda_sim::traffic.max_blocks_per_row("probs");
     return t;
   }
+  if (op == "verify_tree") {  // one row, the 6-node tree of tree_case, drafts from q
+    TreeCase c = tree_case(V, 3u, true, true);
+    c.batch = 1;
+    c.num_nodes = {6};
+    c.policy = policy;
+    cuda_sim::traffic.watch("logits", c.logits.data(), 7, V * sizeof(float));
+    cuda_sim::traffic.watch("q", c.q.data(), 7, V * sizeof(float));
+    const TreeCase::Out out = c.sim();
+    CHECK(out.status.ok() && out.emitted[0] >= 1);
+    t.logit_passes = cuda_sim::traffic.max_read_passes("logits");
+    t.q_passes = cuda_sim::traffic.max_read_passes("q");
+    t.blocks = cuda_sim::traffic.max_blocks_per_row("logits");
+    return t;
+  }
   VerifyCase c;
   c.batch = 1;
   c.k = 4;
@@ -1128,6 +1172,12 @@ void test_memory_traffic() {
   // residual masses and q's checks are found for every position at once
   // (block_residual_kernel, 32 blocks a row) where one block a row walked the positions'
   // rows in turn (the same passes, read by one SM: q 2 passes, a check and the mass).
+  // verify_tree (B = 1, tree_case's 6 nodes, drafts from q): logits 2.006 / 8.000, q
+  // 2.001 / 3.001: every node row's statistics in parallel (tree_policy_kernel or the
+  // split kernels, 32 blocks a row) before the walk, whose one block reads a row again
+  // only for its draws and residuals; before, the walk's block checked every row (a
+  // pass), then computed each visited row's statistics itself (1, or 7 with top-k +
+  // top-p), one block a row.
   const Pin pins[] = {
       {"apply_policy", &plain, 2.0, 0.0, 32},
       {"apply_policy", &knobs, 8.0, 0.0, 32},
@@ -1136,6 +1186,8 @@ void test_memory_traffic() {
       {"verify", &knobs, 8.01, 1.01, 32},
       {"block_verify", &plain, 2.01, 2.01, 32},
       {"block_verify", &knobs, 8.01, 2.01, 32},
+      {"verify_tree", &plain, 2.01, 2.01, 32},
+      {"verify_tree", &knobs, 8.01, 3.01, 32},
   };
   for (const Pin& pin : pins) {
     const Traffic t = measure(pin.op, *pin.policy);

@@ -290,10 +290,13 @@ inline size_t verify_cuda_workspace_bytes(int64_t batch, int64_t num_spec) {
              kVerifyStatsBytesPerPosition;
 }
 // verify_tree: the head, then two float rows of vocab per batch row (the residual r and
-// the sibling q without replacement).
-inline size_t verify_tree_cuda_workspace_bytes(int64_t batch, int64_t vocab) {
+// the sibling q without replacement), then the policy statistics of every (row, node
+// row) (kVerifyStatsBytesPerPosition each).
+inline size_t verify_tree_cuda_workspace_bytes(int64_t batch, int64_t max_nodes, int64_t vocab) {
   return kCudaWorkspaceHeadBytes +
-         static_cast<size_t>(batch) * 2 * static_cast<size_t>(vocab) * sizeof(float);
+         static_cast<size_t>(batch) * 2 * static_cast<size_t>(vocab) * sizeof(float) +
+         static_cast<size_t>(batch) * static_cast<size_t>(max_nodes + 1) *
+             kVerifyStatsBytesPerPosition;
 }
 
 // In a build without CUDA these return kCudaNotCompiled.

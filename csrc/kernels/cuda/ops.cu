@@ -179,25 +179,46 @@ OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
   return s;
 }
 
-// verify_tree: one block per row walks its tree; the workspace payload holds each row's
-// residual and sibling-q rows.
+// verify_tree: the policy of every node row in parallel (tree_policy_kernel, or with few
+// node rows the split kernels), then one block per row walks its tree; the workspace
+// payload holds each row's residual and sibling-q rows, then the node rows' RowStats.
 OpStatus verify_tree_cuda(const VerifyTreeArgs& a, const CudaLaunch& launch) {
   OpStatus s = check_verify_tree_args(a);
   if (!s.ok() || a.batch == 0) return s;
+  if (a.batch * (a.max_nodes + 1) > INT_MAX) {
+    return invalid_argument("batch * (N + 1) must be < 2^31 on CUDA");
+  }
   OpLaunch op(launch);
-  s = op.start(verify_tree_cuda_workspace_bytes(a.batch, a.vocab));
+  s = op.start(verify_tree_cuda_workspace_bytes(a.batch, a.max_nodes, a.vocab));
   if (!s.ok()) return s;
   auto* scratch = static_cast<float*>(op.payload());
+  auto* stats = reinterpret_cast<RowStats*>(scratch + a.batch * 2 * a.vocab);
   const bool all_greedy = !a.policy.temperature_per_row && a.policy.temperature == 0.0f;
   const bool filter = !all_greedy && policy_may_filter(a.policy, a.vocab);
+  const int64_t positions = a.batch * (a.max_nodes + 1);
+  const SplitPlan plan = split_plan(positions, a.vocab, sm_count(launch.device));
   dispatch_dtype(a.target_logits_dtype, a.target_logits, [&](const auto* logits) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
-    const auto grid = static_cast<unsigned>(a.batch);
-    if (filter) {
-      verify_tree_kernel<T, kBlock, true><<<grid, kBlock, 0, op.stream()>>>(a, scratch, op.record());
+    const auto grid = static_cast<unsigned>(positions);
+    if (plan.chunks > 1) {  // few node rows: each split over plan.chunks blocks
+      auto* chunks = static_cast<ChunkStats*>(op.split());
+      const TreeRows<T> rows{a};
+      split_stats_kernel<T, kSplitBlock>
+          <<<static_cast<unsigned>(positions * plan.chunks), kSplitBlock, 0, op.stream()>>>(
+              rows, a.vocab, plan, chunks);
+      if (filter) {
+        split_filter_launches<T>(rows, positions, a.policy, a.vocab, plan, chunks, op.stream());
+        tree_split_stats_kernel<true><<<grid, 32, 0, op.stream()>>>(a, plan, chunks, stats);
+      } else {
+        tree_split_stats_kernel<false><<<grid, 32, 0, op.stream()>>>(a, plan, chunks, stats);
+      }
+    } else if (filter) {
+      tree_policy_kernel<T, kBlock, true><<<grid, kBlock, 0, op.stream()>>>(a, stats);
     } else {
-      verify_tree_kernel<T, kBlock, false><<<grid, kBlock, 0, op.stream()>>>(a, scratch, op.record());
+      tree_policy_kernel<T, kBlock, false><<<grid, kBlock, 0, op.stream()>>>(a, stats);
     }
+    verify_tree_kernel<T, kBlock><<<static_cast<unsigned>(a.batch), kBlock, 0, op.stream()>>>(
+        a, scratch, stats, op.record());
   });
   s = op.finish(OpKind::kVerifyTree);
   switch (s.code) {

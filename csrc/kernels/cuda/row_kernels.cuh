@@ -394,10 +394,12 @@ __global__ void __launch_bounds__(BLOCK)
 }
 
 // ---- verify_tree ---------------------------------------------------------------------
-// grid: batch blocks, one per row; scratch: [batch, 2, V] floats (the residual r and, without
-// replacement, q minus the removed siblings). The row's checks run first (nodes in order,
-// then every logits row j <= n), one fault reported per row as the CPU does; then the walk
-// of ops.h, node by node: the policy of the node's row as RowStats, the draw (block_pick)
+// Two steps on one stream: the policy of every node row of every tree in parallel
+// (tree_policy_kernel, or with few rows the split kernels: split_kernels.cuh), then the
+// walk, grid: batch blocks, one per row; scratch: [batch, 2, V] floats (the residual r and,
+// without replacement, q minus the removed siblings). The row's checks run first (nodes
+// in order, then every logits row j <= n from the verdicts), one fault reported per row as
+// the CPU does; then the walk of ops.h, node by node: the node row's RowStats, the draw (block_pick)
 // or the sibling tests (uniform across the block: every thread makes the same decision),
 // the residual updates as block passes over V.
 template <typename T>
@@ -419,9 +421,43 @@ __device__ inline StatusCode tree_node_fault(const VerifyTreeArgs& a, const int3
   return StatusCode::kOk;
 }
 
+// Node row `index` of a [batch, N + 1] launch: its row b, node row j and policy; false
+// where the walk never reads it (a bad policy or num_nodes, reported by the walk, or past
+// num_nodes).
+struct TreePosition {
+  int64_t b, j;
+  RowPolicy pol;
+};
+__device__ inline bool tree_position(const VerifyTreeArgs& a, int64_t index, TreePosition* p) {
+  const int64_t width = a.max_nodes + 1;
+  p->b = index / width;
+  p->j = index % width;
+  p->pol = resolve_policy(a.policy, p->b);
+  const int64_t n = a.num_nodes ? a.num_nodes[p->b] : a.max_nodes;
+  return invalid_policy_field(p->pol) < 0 && n >= 0 && n <= a.max_nodes && p->j <= n;
+}
+
+// The statistics of every node row of every tree, in parallel, before the walk: stats
+// [batch, N + 1], each RowStats with `valid` holding compute_row_stats' verdict (the walk
+// reports the first bad row). grid: batch * (N + 1) blocks.
 template <typename T, int BLOCK, bool FILTER>
 __global__ void __launch_bounds__(BLOCK)
-    verify_tree_kernel(VerifyTreeArgs a, float* scratch, unsigned long long* record) {
+    tree_policy_kernel(VerifyTreeArgs a, RowStats* stats) {
+  __shared__ BlockOps<BLOCK> ops;
+  TreePosition p;
+  if (!tree_position(a, blockIdx.x, &p)) return;
+  RowStats s{};
+  const int verdict = compute_row_stats<T, BLOCK, FILTER>(
+      tree_logits_at<T>(a, p.b, p.j), static_cast<int>(a.vocab), p.pol, p.pol.greedy(), ops, &s);
+  if (threadIdx.x != 0) return;
+  s.valid = verdict;
+  stats[blockIdx.x] = s;
+}
+
+template <typename T, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+    verify_tree_kernel(VerifyTreeArgs a, float* scratch, const RowStats* stats,
+                       unsigned long long* record) {
   __shared__ BlockOps<BLOCK> ops;
   const int64_t b = blockIdx.x;
   const int tid = threadIdx.x;
@@ -458,17 +494,8 @@ __global__ void __launch_bounds__(BLOCK)
       if (tid == 0) report_error(record, b, tree_node_fault(a, tok, par, first, distinct), first);
       fault = true;
     }
-    for (int64_t j = 0; j <= n && !fault; ++j) {
-      const T* x = tree_logits_at<T>(a, b, j);
-      int bad = 0, finite = 0;
-      for (int i = tid; i < V; i += BLOCK) {
-        const float v = to_float(ld(x + i));
-        bad |= !logit_valid(v);
-        finite |= is_finite(v);
-      }
-      bad = __syncthreads_or(bad);
-      finite = __syncthreads_or(finite);
-      if (bad || !finite) {
+    for (int64_t j = 0; j <= n && !fault; ++j) {  // tree_policy_kernel's verdicts
+      if (stats[b * width + j].valid != kLogitsOk) {
         if (tid == 0) report_error(record, b, StatusCode::kNanOrInfLogits, j);
         fault = true;
       }
@@ -484,8 +511,7 @@ __global__ void __launch_bounds__(BLOCK)
   while (!fault) {
     const int64_t row = cur + 1;
     const T* x = tree_logits_at<T>(a, b, row);  // [V]
-    RowStats st;
-    compute_row_stats<T, BLOCK, FILTER>(x, V, pol, greedy, ops, &st);  // checked above
+    const RowStats st = stats[b * width + row];  // checked above
     const float temperature = pol.temperature;
     auto p_at = [&](int i) { return policy_prob(to_float(ld(x + i)), i, st, temperature, greedy); };
     auto p_fixed = [&](int i) { return static_cast<unsigned long long>(fixed_weight(p_at(i))); };

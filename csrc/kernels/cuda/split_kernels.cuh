@@ -133,6 +133,20 @@ struct PolicyRows {
   static constexpr bool kProbs = false;
 };
 
+template <typename T>
+struct TreeRows {
+  using Value = T;
+  VerifyTreeArgs a;
+  __device__ bool row(int64_t r, const T** x, RowPolicy* pol) const {
+    TreePosition p;
+    if (!tree_position(a, r, &p)) return false;
+    *pol = p.pol;
+    *x = tree_logits_at<T>(a, p.b, p.j);
+    return true;
+  }
+  static constexpr bool kProbs = false;
+};
+
 struct SampleRows {
   using Value = float;
   SampleArgs a;
@@ -408,37 +422,39 @@ __global__ void __launch_bounds__(BLOCK)
 
 // ---- verify ---------------------------------------------------------------------------
 
+// A split row's RowStats (compute_row_stats<.., FILTERED>'s) and verdict, by one warp
+// (every lane): from the chunk and tile records (the warp adds the tiles' terms), or
+// (FILTERED) from the row's filter record.
+template <bool FILTERED>
+__device__ inline int warp_split_row_stats(ChunkStats* chunks, const SplitPlan& plan, int64_t r,
+                                           int64_t vocab, const RowPolicy& pol, RowStats* s) {
+  if constexpr (FILTERED) {
+    return split_filtered_stats(split_filter_rows(chunks)[r], pol, s);
+  } else {
+    const TileRecords tiles = split_tiles(chunks, r);
+    const int n_tiles = static_cast<int>(stats_tiles(vocab));
+    const float temperature = pol.temperature;
+    auto norm = [&](float row_max) {
+      unsigned long long z = 0;
+      for (int t = static_cast<int>(threadIdx.x); t < n_tiles; t += 32) {
+        z += tile_norm_term(tiles.sum[t], tiles.max[t], row_max, temperature);
+      }
+      return warp_sum(z);
+    };
+    return split_row_stats(chunks + r * plan.chunks, plan.chunks, pol.greedy(), norm, s);
+  }
+}
+
 // grid: batch * (K + 1) blocks of one warp; what verify_policy_kernel<.., FILTERED>
-// writes, from the chunk and tile records (the warp adds the tiles' terms), or (FILTERED)
-// from the position's filter record.
+// writes (warp_split_row_stats).
 template <typename T, bool FILTERED>
 __global__ void __launch_bounds__(32)
     verify_split_stats_kernel(VerifyArgs a, SplitPlan plan, ChunkStats* chunks,
                               RowStats* stats, unsigned long long* record) {
   VerifyPosition p;
   if (!verify_position(a, blockIdx.x, &p)) return;
-  if constexpr (FILTERED) {  // split_filter_begin_kernel and the steps made them
-    if (threadIdx.x != 0) return;
-    RowStats s{};
-    const int verdict = split_filtered_stats(split_filter_rows(chunks)[blockIdx.x], p.pol, &s);
-    finish_position_stats<T>(a, p.b, p.j, p.n, p.pol, verdict, &s, record);
-    stats[blockIdx.x] = s;
-    verify_masses(a, stats)[blockIdx.x] = BlockMass{0, 0};
-    return;
-  }
-  const TileRecords tiles = split_tiles(chunks, blockIdx.x);
-  const int n_tiles = static_cast<int>(stats_tiles(a.vocab));
-  const float temperature = p.pol.temperature;
-  auto norm = [&](float row_max) {
-    unsigned long long z = 0;
-    for (int t = static_cast<int>(threadIdx.x); t < n_tiles; t += 32) {
-      z += tile_norm_term(tiles.sum[t], tiles.max[t], row_max, temperature);
-    }
-    return warp_sum(z);
-  };
   RowStats s{};
-  const int verdict = split_row_stats(chunks + blockIdx.x * plan.chunks, plan.chunks,
-                                      p.pol.greedy(), norm, &s);
+  const int verdict = warp_split_row_stats<FILTERED>(chunks, plan, blockIdx.x, a.vocab, p.pol, &s);
   if (threadIdx.x != 0) return;
   finish_position_stats<T>(a, p.b, p.j, p.n, p.pol, verdict, &s, record);
   stats[blockIdx.x] = s;
@@ -498,6 +514,22 @@ __global__ void __launch_bounds__(BLOCK)
   BlockMass& m = verify_masses(a, stats)[index];
   atomicAdd(&m.mass, part);
   if (bad) atomicAdd(&m.q_bad, 1ull);
+}
+
+// ---- verify_tree -----------------------------------------------------------------------
+
+// grid: batch * (N + 1) blocks of one warp; what tree_policy_kernel<.., FILTERED> writes
+// (warp_split_row_stats).
+template <bool FILTERED>
+__global__ void __launch_bounds__(32)
+    tree_split_stats_kernel(VerifyTreeArgs a, SplitPlan plan, ChunkStats* chunks, RowStats* stats) {
+  TreePosition p;
+  if (!tree_position(a, blockIdx.x, &p)) return;
+  RowStats s{};
+  const int verdict = warp_split_row_stats<FILTERED>(chunks, plan, blockIdx.x, a.vocab, p.pol, &s);
+  if (threadIdx.x != 0) return;
+  s.valid = verdict;
+  stats[blockIdx.x] = s;
 }
 
 // ---- apply_policy --------------------------------------------------------------------
