@@ -106,19 +106,40 @@ __device__ inline SplitRow combine_chunks(const ChunkStats* rec, int chunks, boo
 // row(r, &x, &pol): whether row r is computed (a valid policy, a position the walk reads)
 // and its values; kind: logits (softmax weights) or probabilities (sample).
 
+// The positions of verify (a row's K + 1 logits rows) and of verify_tree (its N + 1 node
+// rows): their positions and logits by overload.
+__device__ inline bool position_of(const VerifyArgs& a, int64_t r, VerifyPosition* p) {
+  return verify_position(a, r, p);
+}
+__device__ inline bool position_of(const VerifyTreeArgs& a, int64_t r, TreePosition* p) {
+  return tree_position(a, r, p);
+}
 template <typename T>
-struct VerifyRows {
+__device__ inline const T* position_logits(const VerifyArgs& a, int64_t b, int64_t j) {
+  return logits_at<T>(a, b, j);
+}
+template <typename T>
+__device__ inline const T* position_logits(const VerifyTreeArgs& a, int64_t b, int64_t j) {
+  return tree_logits_at<T>(a, b, j);
+}
+
+template <typename T, typename Args, typename Position>
+struct PositionRows {
   using Value = T;
-  VerifyArgs a;
+  Args a;
   __device__ bool row(int64_t r, const T** x, RowPolicy* pol) const {
-    VerifyPosition p;
-    if (!verify_position(a, r, &p)) return false;
+    Position p;
+    if (!position_of(a, r, &p)) return false;
     *pol = p.pol;
-    *x = logits_at<T>(a, p.b, p.j);
+    *x = position_logits<T>(a, p.b, p.j);
     return true;
   }
   static constexpr bool kProbs = false;
 };
+template <typename T>
+using VerifyRows = PositionRows<T, VerifyArgs, VerifyPosition>;
+template <typename T>
+using TreeRows = PositionRows<T, VerifyTreeArgs, TreePosition>;
 
 template <typename T>
 struct PolicyRows {
@@ -128,20 +149,6 @@ struct PolicyRows {
     *pol = resolve_policy(a.policy, r);
     if (invalid_policy_field(*pol) >= 0) return false;
     *x = static_cast<const T*>(a.logits) + r * a.logits_row_stride;
-    return true;
-  }
-  static constexpr bool kProbs = false;
-};
-
-template <typename T>
-struct TreeRows {
-  using Value = T;
-  VerifyTreeArgs a;
-  __device__ bool row(int64_t r, const T** x, RowPolicy* pol) const {
-    TreePosition p;
-    if (!tree_position(a, r, &p)) return false;
-    *pol = p.pol;
-    *x = tree_logits_at<T>(a, p.b, p.j);
     return true;
   }
   static constexpr bool kProbs = false;
