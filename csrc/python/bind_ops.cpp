@@ -559,7 +559,8 @@ void register_ops(py::module_& m) {
   m.def("verify_workspace_bytes", &verify_cuda_workspace_bytes, py::arg("batch"),
         py::arg("num_spec"), "Bytes of the CUDA workspace of verify for [B, K].");
   m.def("verify_tree_workspace_bytes", &verify_tree_cuda_workspace_bytes, py::arg("batch"),
-        py::arg("vocab"), "Bytes of the CUDA workspace of verify_tree for B rows of V tokens.");
+        py::arg("max_nodes"), py::arg("vocab"),
+        "Bytes of the CUDA workspace of verify_tree for B rows of N nodes over V tokens.");
   m.def("raise_device_error", &raise_device_error, py::arg("op"), py::arg("record"),
         "Raises the error of a device error record (a workspace's first 8 bytes as uint64, "
         "after a call with check_errors=False); does nothing if it records none.");

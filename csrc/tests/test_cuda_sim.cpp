@@ -141,7 +141,7 @@ void test_row_stats_ties_and_bad_logits() {
   CHECK(sim_row_stats<true>(masked, top3).verdict == static_cast<int>(kLogitsAllMasked));
 }
 
-// radix_largest_enough (the filters' thresholds) against brute force over sets built for
+// radix selection (radix_hist_add, radix_select: the filters' thresholds) against brute force over sets built for
 // its edges: ties, zeros, values one ulp apart (the answer decided in the last digit),
 // fewer values than bins, and both kinds of enough (a count, a fraction of the mass).
 void test_radix_select() {
@@ -189,22 +189,30 @@ void test_radix_select() {
           break;
         }
       }
-      std::vector<float> got(kSimBlock);
-      std::vector<RadixStat> at(kSimBlock);
-      unsigned long long seen_total = 0;
+      // The search alone: top-k (kind 0) or top-p without top-k (kind 1, of every value's
+      // mass), its passes as filter_threshold runs them.
+      const RowPolicy pol = kind == 0 ? make_policy(1.0f, k, 1.0f, 0.0f)
+                                      : make_policy(1.0f, 0, fraction, 0.0f);
+      std::vector<FilterRun> got(kSimBlock);
       cuda_sim::run_block(kSimBlock, [&] {
-        RadixStat a{};
-        got[threadIdx.x] = radix_largest_enough<kSimBlock>(
-            [&p](int i) { return p[static_cast<size_t>(i)]; }, n, enough,
-            [&seen_total](const RadixStat& t) { seen_total = t.mass; }, *ops, *scratch, &a);
-        at[threadIdx.x] = a;
+        FilterRun run = filter_run_start();
+        for (int pass = 0; pass < kRadixPasses; ++pass) {
+          radix_hist_clear<kSimBlock>(scratch->hist());
+          __syncthreads();
+          radix_hist_add<kSimBlock>([&p](int i) { return p[static_cast<size_t>(i)]; }, 0, n, pass,
+                                    run.prefix, scratch->hist());
+          __syncthreads();
+          radix_select<kSimBlock>(&run, kind, pass, pol, scratch->hist(), *ops);
+        }
+        got[threadIdx.x] = run;
       });
       const RadixStat want_at = stat_at(want);
       for (int t = 0; t < kSimBlock; ++t) {  // every thread holds the answer
-        CHECK(got[static_cast<size_t>(t)] == want);
-        CHECK(at[static_cast<size_t>(t)].count == want_at.count && at[static_cast<size_t>(t)].mass == want_at.mass);
+        const FilterRun& r = got[static_cast<size_t>(t)];
+        CHECK(r.threshold == want && r.kept_known == 1);
+        CHECK(r.kept.count == want_at.count && r.kept.mass == want_at.mass);
+        if (kind == 1) CHECK(r.survivors == total);
       }
-      CHECK(seen_total == total);
       ++cases;
     }
   }

@@ -80,12 +80,32 @@ struct SplitSpace {
   ChunkStats* data() { return reinterpret_cast<ChunkStats*>(words.data()); }
 };
 
+// ops.cu split_filter_launches, in the simulation.
+template <typename T, typename Rows>
+void sim_split_filters(const Rows& rows, int64_t n_rows, const PolicyParams& policy,
+                       int64_t vocab, const SplitPlan& plan, ChunkStats* chunks) {
+  const auto grid = static_cast<unsigned>(n_rows);
+  const auto split_grid = static_cast<unsigned>(n_rows * plan.chunks);
+  cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
+    split_filter_begin_kernel<kSimSplitBlock>(rows, vocab, plan, chunks);
+  });
+  for_each_filter_step(policy, vocab, [&](int step) {
+    cuda_sim::run_grid(split_grid, kSimSplitBlock, [&] {
+      split_filter_pass_kernel<T, kSimSplitBlock>(rows, vocab, plan, chunks, step);
+    });
+    if (step < kFilterSteps) {
+      cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
+        split_filter_select_kernel<kSimSplitBlock>(rows, vocab, chunks, step);
+      });
+    }
+  });
+}
+
 template <typename T, int BLOCK = kSimBlock>
 OpStatus sim_apply_policy(const ApplyPolicyArgs& a) {
   unsigned long long record = kNoDeviceError;
   const bool filter = policy_may_filter(a.policy, a.vocab);
-  const SplitPlan plan = filter ? SplitPlan{1, static_cast<int>(a.vocab)}
-                                : split_plan(a.rows, a.vocab, g_sim_sms);
+  const SplitPlan plan = split_plan(a.rows, a.vocab, g_sim_sms);
   if (plan.chunks > 1) {
     SplitSpace chunks;
     const auto grid = static_cast<unsigned>(a.rows * plan.chunks);
@@ -93,8 +113,13 @@ OpStatus sim_apply_policy(const ApplyPolicyArgs& a) {
     cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
       split_stats_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
     });
+    if (filter) sim_split_filters<T>(rows, a.rows, a.policy, a.vocab, plan, chunks.data());
     cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-      apply_policy_split_write_kernel<T, kSimSplitBlock>(a, plan, chunks.data(), &record);
+      if (filter) {
+        apply_policy_split_write_kernel<T, kSimSplitBlock, true>(a, plan, chunks.data(), &record);
+      } else {
+        apply_policy_split_write_kernel<T, kSimSplitBlock, false>(a, plan, chunks.data(), &record);
+      }
     });
     return record_status(OpKind::kApplyPolicy, record);
   }
@@ -138,9 +163,11 @@ OpStatus sim_verify_as(const VerifyArgs& a) {
   unsigned long long record = kNoDeviceError;
   const bool filter = verify_may_filter(a);
   const int64_t positions = a.batch * (a.num_spec + 1);
-  std::vector<RowStats> stats(static_cast<size_t>(positions));
-  const SplitPlan plan = filter ? SplitPlan{1, static_cast<int>(a.vocab)}
-                                : split_plan(positions, a.vocab, g_sim_sms);
+  // The verify payload: RowStats, then BlockMass, of every position.
+  std::vector<RowStats> stats(
+      (static_cast<size_t>(positions) * (sizeof(RowStats) + sizeof(BlockMass)) + sizeof(RowStats) - 1) /
+      sizeof(RowStats));
+  const SplitPlan plan = split_plan(positions, a.vocab, g_sim_sms);
   if (plan.chunks > 1) {
     SplitSpace chunks;
     const auto grid = static_cast<unsigned>(positions * plan.chunks);
@@ -148,8 +175,13 @@ OpStatus sim_verify_as(const VerifyArgs& a) {
     cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
       split_stats_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
     });
+    if (filter) sim_split_filters<T>(rows, positions, a.policy, a.vocab, plan, chunks.data());
     cuda_sim::run_grid(static_cast<unsigned>(positions), 32, [&] {
-      verify_split_stats_kernel<T>(a, plan, chunks.data(), stats.data(), &record);
+      if (filter) {
+        verify_split_stats_kernel<T, true>(a, plan, chunks.data(), stats.data(), &record);
+      } else {
+        verify_split_stats_kernel<T, false>(a, plan, chunks.data(), stats.data(), &record);
+      }
     });
   } else {
     cuda_sim::run_grid(static_cast<unsigned>(positions), BLOCK, [&] {
@@ -159,6 +191,14 @@ OpStatus sim_verify_as(const VerifyArgs& a) {
         verify_policy_kernel<T, BLOCK, false>(a, stats.data(), &record);
       }
     });
+  }
+  if (verify_needs_block_residuals(a) && plan.chunks > 1) {
+    cuda_sim::run_grid(static_cast<unsigned>(positions * plan.chunks), kSimSplitBlock, [&] {
+      block_residual_kernel<T, kSimSplitBlock>(a, plan, stats.data());
+    });
+  } else if (verify_needs_block_residuals(a)) {
+    cuda_sim::run_grid(static_cast<unsigned>(positions), BLOCK,
+                       [&] { block_residual_kernel<T, BLOCK>(a, plan, stats.data()); });
   }
   cuda_sim::run_grid(static_cast<unsigned>(a.batch), BLOCK,
                      [&] { verify_sample_kernel<T, BLOCK>(a, stats.data(), &record); });
@@ -400,7 +440,7 @@ VerifyCase perturbed_case(int64_t vocab, uint32_t seed, float noise) {
 }
 
 struct Tally {
-  int rows = 0, differ = 0, rejected = 0, bonus = 0;
+  int rows = 0, differ = 0, rejected = 0, bonus = 0, accepted = 0;  // accepted: 1+ drafts
 };
 
 // The simulated kernels and the CPU on case c: both OK, every row well formed and
@@ -420,6 +460,7 @@ void compare_verify(const VerifyCase& c, Tally* tally) {
     ++tally->rows;
     tally->rejected += sim.accepted[static_cast<size_t>(b)] < c.n(b);
     tally->bonus += sim.accepted[static_cast<size_t>(b)] == c.n(b);
+    tally->accepted += sim.accepted[static_cast<size_t>(b)] > 0;
   }
 }
 
@@ -651,8 +692,38 @@ struct TreeCase {
     const VerifyTreeArgs a = args(&o);
     unsigned long long record = kNoDeviceError;
     std::vector<float> scratch(static_cast<size_t>(batch * 2 * vocab));
+    const int64_t positions = batch * (n + 1);
+    std::vector<RowStats> stats(static_cast<size_t>(positions));
+    // ops.cu verify_tree_cuda's launches.
+    const bool all_greedy = !policy.temperature_per_row && policy.temperature == 0.0f;
+    const bool filter = !all_greedy && policy_may_filter(policy, vocab);
+    const SplitPlan plan = split_plan(positions, vocab, g_sim_sms);
+    const auto grid = static_cast<unsigned>(positions);
+    if (plan.chunks > 1) {
+      SplitSpace chunks;
+      const TreeRows<float> rows{a};
+      cuda_sim::run_grid(static_cast<unsigned>(positions * plan.chunks), kSimSplitBlock, [&] {
+        split_stats_kernel<float, kSimSplitBlock>(rows, vocab, plan, chunks.data());
+      });
+      if (filter) sim_split_filters<float>(rows, positions, policy, vocab, plan, chunks.data());
+      cuda_sim::run_grid(grid, 32, [&] {
+        if (filter) {
+          tree_split_stats_kernel<true>(a, plan, chunks.data(), stats.data());
+        } else {
+          tree_split_stats_kernel<false>(a, plan, chunks.data(), stats.data());
+        }
+      });
+    } else {
+      cuda_sim::run_grid(grid, kSimBlock, [&] {
+        if (filter) {
+          tree_policy_kernel<float, kSimBlock, true>(a, stats.data());
+        } else {
+          tree_policy_kernel<float, kSimBlock, false>(a, stats.data());
+        }
+      });
+    }
     cuda_sim::run_grid(static_cast<unsigned>(batch), kSimBlock, [&] {
-      verify_tree_kernel<float, kSimBlock, true>(a, scratch.data(), &record);
+      verify_tree_kernel<float, kSimBlock>(a, scratch.data(), stats.data(), &record);
     });
     o.status = record_status(OpKind::kVerifyTree, record);
     return o;
@@ -717,9 +788,9 @@ void test_verify_tree_matches_the_cpu() {
       scalar_policy(1.0f, 0, 1.0f, 0.0f), scalar_policy(0.7f, 8, 1.0f, 0.0f),
       scalar_policy(1.2f, 20, 0.9f, 0.05f), scalar_policy(0.0f, 0, 1.0f, 0.0f)};
   for (int mode = 0; mode < 3; ++mode) {
-    for (int64_t V : {40, 130}) {
+    for (int64_t V : {40, 130, 12289}) {  // 12289: node rows split over 4 blocks
       TreeCase c = tree_case(V, 100u + static_cast<uint32_t>(V + mode), mode > 0, mode != 2);
-      for (uint64_t seed = 1; seed <= 4; ++seed) {
+      for (uint64_t seed = 1; seed <= (V > 1000 ? 2u : 4u); ++seed) {
         c.seed = seed;
         c.offset = seed + 11;
         for (const PolicyParams& pol : policies) {
@@ -808,6 +879,19 @@ void test_launch_block_size_at_a_large_vocabulary() {
   CHECK(kept >= 1 && kept <= 50);  // top-k 50, then top-p 0.9
 }
 
+// apply_policy's arguments over rows of V logits, float32 (x) or bf16 (xb).
+ApplyPolicyArgs rows_args(const std::vector<float>& x, const std::vector<BFloat16>& xb, bool bf16,
+                          int rows, int V) {
+  ApplyPolicyArgs a;
+  a.logits = bf16 ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data());
+  a.logits_dtype = bf16 ? LogitsDType::kBFloat16 : LogitsDType::kFloat32;
+  a.logits_row_stride = V;
+  a.rows = rows;
+  a.vocab = V;
+  a.probs_row_stride = V;
+  return a;
+}
+
 // ---- the normaliser in tiles -------------------------------------------------------------
 
 // Rows whose tiles differ in kind: a tile of masked logits only, the maximum in the last
@@ -837,14 +921,8 @@ void test_tiles_match_the_cpu() {
     for (int sms : {0, 132}) {
       g_sim_sms = sms;
       for (bool bf16 : {false, true}) {
-        ApplyPolicyArgs a;
-        a.logits = bf16 ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data());
-        a.logits_dtype = bf16 ? LogitsDType::kBFloat16 : LogitsDType::kFloat32;
-        a.logits_row_stride = V;
-        a.rows = kRows;
-        a.vocab = V;
+        ApplyPolicyArgs a = rows_args(x, xb, bf16, kRows, V);
         a.policy.temperature = temperature;
-        a.probs_row_stride = V;
         std::vector<float> want(x.size()), got32(x.size()), got64(x.size()), got_split(x.size());
         a.probs = want.data();
         CHECK(apply_policy_cpu(a).ok());
@@ -1025,6 +1103,20 @@ Traffic measure(const std::string& op, const PolicyParams& policy) {
     t.blocks = cuda_sim::traffic.max_blocks_per_row("probs");
     return t;
   }
+  if (op == "verify_tree") {  // one row, the 6-node tree of tree_case, drafts from q
+    TreeCase c = tree_case(V, 3u, true, true);
+    c.batch = 1;
+    c.num_nodes = {6};
+    c.policy = policy;
+    cuda_sim::traffic.watch("logits", c.logits.data(), 7, V * sizeof(float));
+    cuda_sim::traffic.watch("q", c.q.data(), 7, V * sizeof(float));
+    const TreeCase::Out out = c.sim();
+    CHECK(out.status.ok() && out.emitted[0] >= 1);
+    t.logit_passes = cuda_sim::traffic.max_read_passes("logits");
+    t.q_passes = cuda_sim::traffic.max_read_passes("q");
+    t.blocks = cuda_sim::traffic.max_blocks_per_row("logits");
+    return t;
+  }
   VerifyCase c;
   c.batch = 1;
   c.k = 4;
@@ -1037,6 +1129,7 @@ Traffic measure(const std::string& op, const PolicyParams& policy) {
   for (int64_t j = 0; j < 4; ++j) c.draft_probs[static_cast<size_t>(j * V + j)] = 0.99f;
   c.drafts = {0, 1, 2, 3};
   c.policy = policy;
+  if (op == "block_verify") c.method = VerifyMethod::kBlock;
   VerifyOut out;
   const VerifyArgs a = c.args(&out);
   cuda_sim::traffic.watch("logits", c.logits.data(), 5, V * sizeof(float));
@@ -1070,16 +1163,31 @@ void test_memory_traffic() {
   // 2.000 (the statistics in one pass, sampling_math.h tiles; the write), sample 2.032
   // (max, sum, the target's chunk), verify 2.002 (the statistics of every position in one
   // pass; the residual's total and the walk along one thread's chunk), q 1.002 (its check
-  // in the residual's pass); with top-k + top-p one block a row reads them 8 times
-  // (statistics 1, each threshold's radix selection 3, the write or the residual 1).
-  // Before the tiles and the radix selection: 3, 2.033, 3.002, q 2.002, 31 blocks; 20 / 21
-  // with top-k + top-p (8-way threshold searches).
+  // in the residual's pass); with top-k + top-p they read them 8 times (statistics 1,
+  // each threshold's radix selection 3, the write or the residual 1), the row split over
+  // 32 blocks too (the chunks' histograms added a row: split_kernels.cuh, rows with a
+  // filter; one block a row before). Before the tiles and the radix selection: 3, 2.033,
+  // 3.002, q 2.002, 31 blocks; 20 / 21 with top-k + top-p (8-way threshold searches).
+  // Block verification (the same case, method kBlock): logits 2.002 / 8.001, q 2.002; its
+  // residual masses and q's checks are found for every position at once
+  // (block_residual_kernel, 32 blocks a row) where one block a row walked the positions'
+  // rows in turn (the same passes, read by one SM: q 2 passes, a check and the mass).
+  // verify_tree (B = 1, tree_case's 6 nodes, drafts from q): logits 2.006 / 8.000, q
+  // 2.001 / 3.001: every node row's statistics in parallel (tree_policy_kernel or the
+  // split kernels, 32 blocks a row) before the walk, whose one block reads a row again
+  // only for its draws and residuals; before, the walk's block checked every row (a
+  // pass), then computed each visited row's statistics itself (1, or 7 with top-k +
+  // top-p), one block a row.
   const Pin pins[] = {
       {"apply_policy", &plain, 2.0, 0.0, 32},
-      {"apply_policy", &knobs, 8.0, 0.0, 1},
+      {"apply_policy", &knobs, 8.0, 0.0, 32},
       {"sample", &plain, 2.04, 0.0, 32},
       {"verify", &plain, 2.01, 1.01, 32},
-      {"verify", &knobs, 8.01, 1.01, 1},
+      {"verify", &knobs, 8.01, 1.01, 32},
+      {"block_verify", &plain, 2.01, 2.01, 32},
+      {"block_verify", &knobs, 8.01, 2.01, 32},
+      {"verify_tree", &plain, 2.01, 2.01, 32},
+      {"verify_tree", &knobs, 8.01, 3.01, 32},
   };
   for (const Pin& pin : pins) {
     const Traffic t = measure(pin.op, *pin.policy);
@@ -1089,7 +1197,9 @@ void test_memory_traffic() {
     CHECK(t.logit_passes <= pin.logit_passes);
     CHECK(t.q_passes <= pin.q_passes);
     CHECK(t.logit_passes >= 1.0);  // every op reads its rows
-    if (std::string(pin.op) == "verify") CHECK(t.q_passes > 1.0);  // the rejection read q's row
+    if (std::string(pin.op) != "apply_policy" && std::string(pin.op) != "sample") {
+      CHECK(t.q_passes > 1.0);  // the rejection read q's row
+    }
     CHECK(t.blocks == pin.blocks);
     if (std::string(pin.op) == "apply_policy") CHECK(t.write_passes == 1.0);
   }
@@ -1222,6 +1332,135 @@ void test_split_rows_match_the_cpu() {
   for (int64_t b = 0; b < c.batch; ++b) CHECK(split.row_equal(one_block, b, c.k));
 }
 
+
+// Rows with a filter split over blocks (split_kernels.cuh, rows with a filter): the
+// chunks' radix histograms added a row must give the one-block threshold and kept mass,
+// so the CPU's bits. Vocabularies of 2 to 5 chunks (12289: a last chunk of one value),
+// rows built to meet the selection's edges (ties at the threshold, values one ulp apart,
+// thresholds that underflow), scalar filters and per-row mixes (each filter alone, none,
+// greedy, a bad policy), both dtypes, split and unsplit launches; then verify.
+void test_split_filters_match_the_cpu() {
+  struct Filter {
+    int top_k;
+    float top_p, min_p;
+  };
+  const Filter filters[] = {{1, 1.0f, 0.0f},  {50, 1.0f, 0.0f},   {0, 0.5f, 0.0f},
+                            {0, 1e-6f, 0.0f}, {0, 0.999f, 0.0f},  {50, 0.9f, 0.0f},
+                            {10, 0.9f, 0.05f}, {0, 0.95f, 0.5f},  {0, 1.0f, 0.01f},
+                            {4000, 0.3f, 0.0f}};
+  constexpr int kRows = 4;
+  int cases = 0, differ = 0, split_cases = 0;
+  for (int V : {8192, 12289, 20000}) {
+    CHECK(split_plan(kRows, V, 132).chunks >= 2);
+    std::mt19937 rng(static_cast<uint32_t>(V) + 5u);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    std::vector<float> x(static_cast<size_t>(kRows * V));
+    for (int i = 0; i < V; ++i) x[static_cast<size_t>(i)] = static_cast<float>(rng() % 6);  // few levels
+    float v = 2.0f;
+    for (int i = 0; i < V; ++i) {  // one ulp apart, shuffled
+      x[static_cast<size_t>(V + i)] = v;
+      v = std::nextafter(v, 0.0f);
+    }
+    std::shuffle(x.begin() + V, x.begin() + 2 * V, rng);
+    for (int i = 0; i < V; ++i) x[static_cast<size_t>(2 * V + i)] = 40.0f * normal(rng);  // underflow
+    for (int i = 0; i < V; ++i) x[static_cast<size_t>(3 * V + i)] = normal(rng);
+    const std::vector<BFloat16> xb = convert<BFloat16>(x);
+    // Per row: top-k only, top-p only, min-p only, then every filter; or none, greedy, a
+    // bad top_p (row 2), top-k + min-p.
+    const float t_mix[2][kRows] = {{1.0f, 0.8f, 1.0f, 1.2f}, {1.0f, 0.0f, 0.7f, 1.0f}};
+    const int32_t k_mix[2][kRows] = {{20, 0, 0, 30}, {0, 5, 0, 3}};
+    const float p_mix[2][kRows] = {{1.0f, 0.9f, 1.0f, 0.8f}, {1.0f, 0.5f, 1.5f, 1.0f}};
+    const float m_mix[2][kRows] = {{0.0f, 0.0f, 0.1f, 0.02f}, {0.0f, 0.0f, 0.0f, 0.3f}};
+    std::vector<PolicyParams> policies;
+    for (const Filter& f : filters) {
+      for (float temperature : {1.0f, 0.4f}) policies.push_back(scalar_policy(temperature, f.top_k, f.top_p, f.min_p));
+    }
+    for (int m = 0; m < 2; ++m) {
+      PolicyParams p;
+      p.temperature_per_row = t_mix[m];
+      p.top_k_per_row = k_mix[m];
+      p.top_p_per_row = p_mix[m];
+      p.min_p_per_row = m_mix[m];
+      policies.push_back(p);
+    }
+    for (const PolicyParams& pol : policies) {
+      for (bool bf16 : {false, true}) {
+        if (bf16 && V != 12289) continue;
+        ApplyPolicyArgs a = rows_args(x, xb, bf16, kRows, V);
+        a.policy = pol;
+        std::vector<float> want(x.size(), 7.0f), got(x.size(), 7.0f);
+        a.probs = want.data();
+        const OpStatus cpu = apply_policy_cpu(a);
+        for (int sms : {132, 0}) {
+          g_sim_sms = sms;
+          std::fill(got.begin(), got.end(), 7.0f);
+          a.probs = got.data();
+          const OpStatus sim = bf16 ? sim_apply_policy<BFloat16>(a) : sim_apply_policy<float>(a);
+          CHECK(same_fault(sim, cpu));
+          differ += policy_rows_differ(got, want, kRows, V);
+          split_cases += sms > 0;
+          ++cases;
+        }
+        g_sim_sms = 132;
+      }
+    }
+    // A fault in a filtered split row: the lowest bad index of its row, its probabilities 0.
+    std::vector<float> bad = x;
+    bad[static_cast<size_t>(3 * V + V - 2)] = std::nanf("");
+    bad[static_cast<size_t>(3 * V + split_plan(kRows, V, 132).chunk_len + 3)] = INFINITY;
+    std::fill(bad.begin() + V, bad.begin() + 2 * V, -INFINITY);  // row 1: all masked
+    ApplyPolicyArgs a = rows_args(bad, xb, false, kRows, V);
+    a.policy = scalar_policy(1.0f, 50, 0.9f, 0.0f);
+    std::vector<float> got(x.size(), 7.0f), want(x.size(), 7.0f);
+    a.probs = got.data();
+    const OpStatus sim_bad = sim_apply_policy<float>(a);
+    a.probs = want.data();
+    const OpStatus cpu_bad = apply_policy_cpu(a);
+    CHECK(!cpu_bad.ok() && same_fault(sim_bad, cpu_bad));
+    CHECK(policy_rows_differ(got, want, kRows, V) == 0);
+  }
+  std::printf("split filters: %d cases (%d split), %d rows differ from the CPU\n", cases,
+              split_cases, differ);
+  CHECK(differ == 0);
+  // verify with filters on split rows: token and block, sampled and one-hot drafts.
+  const float row_temperature[] = {1.0f, 0.0f};
+  const int32_t row_top_k[] = {8, 0};
+  const float row_top_p[] = {0.9f, 1.0f};
+  const float row_min_p[] = {0.0f, 0.1f};
+  PolicyParams per_row;
+  per_row.temperature_per_row = row_temperature;
+  per_row.top_k_per_row = row_top_k;
+  per_row.top_p_per_row = row_top_p;
+  per_row.min_p_per_row = row_min_p;
+  const PolicyParams verify_policies[] = {scalar_policy(1.0f, 50, 0.9f, 0.0f),
+                                          scalar_policy(0.7f, 0, 0.8f, 0.05f),
+                                          scalar_policy(1.2f, 3, 1.0f, 0.0f), per_row};
+  Tally tally;
+  for (bool with_q : {true, false}) {
+    VerifyCase c = perturbed_case(12289, 77u, 1.0f);
+    c.batch = 2;
+    c.num_draft = {3, 2};
+    for (int64_t j = 0; j < 2; ++j) {  // row 0 proposes the target's top tokens: accepted
+      const float* t = &c.logits[static_cast<size_t>(j * c.vocab)];
+      c.drafts[static_cast<size_t>(j)] = static_cast<int32_t>(std::max_element(t, t + c.vocab) - t);
+    }
+    if (!with_q) c.draft_probs.clear();
+    for (const PolicyParams& pol : verify_policies) {
+      for (VerifyMethod method : {VerifyMethod::kToken, VerifyMethod::kBlock}) {
+        c.policy = pol;
+        c.method = method;
+        for (uint64_t seed = 1; seed <= 4; ++seed) {
+          c.seed = seed;
+          compare_verify(c, &tally);
+        }
+      }
+    }
+  }
+  std::printf("split filters, verify: %d rows, %d differ from the CPU, %d rejected, %d accepted a draft\n",
+              tally.rows, tally.differ, tally.rejected, tally.accepted);
+  CHECK(tally.differ == 0 && tally.rejected * 5 >= tally.rows && tally.accepted * 5 >= tally.rows);
+}
+
 }  // namespace
 
 int main() {
@@ -1238,6 +1477,7 @@ int main() {
   test_split_rows_match_the_cpu();
   test_tiles_match_the_cpu();
   test_filters_match_the_cpu();
+  test_split_filters_match_the_cpu();
   test_memory_traffic();
   return native_check::check_summary("test_cuda_sim_kernels");
 }

@@ -526,7 +526,8 @@ def _verify_tree_eager(target_logits, tree_tokens, parents, draft_probs, num_nod
                    _pick(temperature, temperature_rows), _pick(top_k, top_k_rows),
                    _pick(top_p, top_p_rows), _pick(min_p, min_p_rows),
                    _unsigned(seed, seed_t), _unsigned(offset, offset_t),
-                   **_launch(target_logits, _C.verify_tree_workspace_bytes(b, v), "verify_tree"))
+                   **_launch(target_logits, _C.verify_tree_workspace_bytes(b, n1 - 1, v),
+                             "verify_tree"))
     return tokens, num_emitted, accepted_nodes
 
 

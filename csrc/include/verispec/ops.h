@@ -265,14 +265,20 @@ constexpr size_t kCudaErrorRecordBytes = 256;     // error record, padded for al
 // Launches with few rows split each row over several blocks, whose per-chunk statistics
 // (24 bytes each) and per-tile statistics (the maximum and fixed-point sum of each 1024
 // values, 12 bytes; sampling_math.h kStatsTile) live in the workspace: at most
-// kCudaSplitMaxRows rows of kCudaSplitMaxChunks chunks and kMaxVocab / 1024 tiles
-// (kernels/cuda/split_kernels.cuh).
+// kCudaSplitMaxRows rows of kCudaSplitMaxChunks chunks and kMaxVocab / 1024 tiles; then,
+// for rows with a filter (top-k, top-p, min-p), each row's statistics, filter progress and
+// radix histogram (2048 bins of a count and a fixed-point mass; kCudaSplitFilterRowBytes a
+// row) (kernels/cuda/split_kernels.cuh).
 constexpr int64_t kCudaSplitMaxRows = 128;
 constexpr int64_t kCudaSplitMaxChunks = 32;
 constexpr int64_t kCudaSplitMaxTiles = 1024;
+constexpr size_t kCudaSplitFilterRowBytes = 24832;
 constexpr size_t kCudaSplitBytes =
-    kCudaSplitMaxRows * kCudaSplitMaxChunks * 24 + kCudaSplitMaxRows * kCudaSplitMaxTiles * 12;
-constexpr size_t kVerifyStatsBytesPerPosition = 32;
+    kCudaSplitMaxRows * kCudaSplitMaxChunks * 24 + kCudaSplitMaxRows * kCudaSplitMaxTiles * 12 +
+    kCudaSplitMaxRows * kCudaSplitFilterRowBytes;
+// verify's payload per (row, position): its policy statistics (32 bytes), then block
+// verification's residual mass and q check (16 bytes).
+constexpr size_t kVerifyStatsBytesPerPosition = 48;
 // Layout: [error record][split chunk statistics][op payload].
 constexpr size_t kCudaWorkspaceHeadBytes = kCudaErrorRecordBytes + kCudaSplitBytes;
 
@@ -284,10 +290,13 @@ inline size_t verify_cuda_workspace_bytes(int64_t batch, int64_t num_spec) {
              kVerifyStatsBytesPerPosition;
 }
 // verify_tree: the head, then two float rows of vocab per batch row (the residual r and
-// the sibling q without replacement).
-inline size_t verify_tree_cuda_workspace_bytes(int64_t batch, int64_t vocab) {
+// the sibling q without replacement), then the policy statistics of every (row, node
+// row) (kVerifyStatsBytesPerPosition each).
+inline size_t verify_tree_cuda_workspace_bytes(int64_t batch, int64_t max_nodes, int64_t vocab) {
   return kCudaWorkspaceHeadBytes +
-         static_cast<size_t>(batch) * 2 * static_cast<size_t>(vocab) * sizeof(float);
+         static_cast<size_t>(batch) * 2 * static_cast<size_t>(vocab) * sizeof(float) +
+         static_cast<size_t>(batch) * static_cast<size_t>(max_nodes + 1) *
+             kVerifyStatsBytesPerPosition;
 }
 
 // In a build without CUDA these return kCudaNotCompiled.

@@ -203,7 +203,7 @@ __device__ unsigned long long tiled_norm(TileRecords rec, int tiles, float row_m
 // ---- the policy of one row --------------------------------------------------------------
 
 // What the policy of a row reduces to: p_i = policy_prob(l_i, i). 32 bytes: the verify
-// workspace holds one per (row, position) (kVerifyStatsBytesPerPosition).
+// workspace holds one per (row, position) (kVerifyStatsBytesPerPosition, with BlockMass).
 struct RowStats {
   float row_max;    // max logit
   float norm;       // sum of softmax weights: p_raw = weight / norm
@@ -214,13 +214,20 @@ struct RowStats {
   float q_y;        // verify: q(proposal)
   int32_t valid;    // verify: 1 once computed; 0 if the position is at fault
 };
-static_assert(sizeof(RowStats) <= kVerifyStatsBytesPerPosition, "RowStats outgrew the workspace");
+static_assert(sizeof(RowStats) == 32, "the verify payload is an array of 32-byte RowStats");
+
+// The probability of logit l before the filters (p_raw), and the largest (the argmax has
+// weight exp(0) = 1): what the filters' thresholds are found among.
+__device__ inline float raw_prob(float l, const RowStats& s, float temperature) {
+  return softmax_weight(l, s.row_max, temperature) / s.norm;
+}
+__device__ inline float raw_prob_max(const RowStats& s) { return 1.0f / s.norm; }
 
 // The policy probability of logit l at index i (the same formula as cpu_policy.h).
 __device__ inline float policy_prob(float l, int i, const RowStats& s, float temperature,
                                     bool greedy) {
   if (greedy) return i == s.argmax ? 1.0f : 0.0f;
-  const float p = softmax_weight(l, s.row_max, temperature) / s.norm;
+  const float p = raw_prob(l, s, temperature);
   if (s.threshold > 0.0f) return p >= s.threshold ? p / s.kept : 0.0f;
   return p;
 }
@@ -230,11 +237,13 @@ __device__ inline float policy_prob(float l, int i, const RowStats& s, float tem
 // t}) (top-k: count >= k; top-p: mass >= top_p * the survivors' mass), enough monotone,
 // false for no value and true for all. Float bit patterns of values >= 0 are ordered like
 // the values, so t is found digit by digit from the top of its bits: each of kRadixPasses
-// passes over the row builds a shared histogram (count and fixed-point mass) of the next
-// digit over the values that match the digits found so far, and a block scan from the
-// highest bin finds the one where enough turns true. Integer sums: the same t (the CPU's,
-// cpu_policy.h) in any order, and stat{p >= t} with it, so no pass is needed for the kept
-// mass. 11 + 11 + 10 bits: three passes a threshold.
+// passes over the row builds a histogram (count and fixed-point mass) of the next digit
+// over the values that match the digits found so far (radix_hist_add), and a block scan
+// from the highest bin finds the one where enough turns true (radix_select). Integer sums:
+// the same t (the CPU's, cpu_policy.h) in any order and from any split of the row (one
+// block's shared histogram, or a split row's chunks added into the workspace:
+// split_kernels.cuh), and stat{p >= t} with it, so no pass is needed for the kept mass.
+// 11 + 11 + 10 bits: three passes a threshold.
 constexpr int kRadixPasses = 3;
 constexpr int kRadixBins = 1 << 11;
 VERISPEC_HD constexpr int radix_bits(int pass) { return pass < 2 ? 11 : 10; }
@@ -245,138 +254,190 @@ struct RadixStat {
   unsigned long long mass;
 };
 
-struct RadixScratch {
-  int count[kRadixBins];
-  unsigned long long mass[kRadixBins];
-  int digit;        // the pass's bin
-  RadixStat above;  // the stat of every value above that bin
+// A histogram of one pass's digits (kRadixBins bins of counts and fixed-point masses):
+// shared memory for one block a row; a split row's is in the workspace (SplitFilterRow).
+struct RadixHist {
+  int* count;
+  unsigned long long* mass;
 };
 
-// t as above over p_of(i), i < V (values >= 0, each pass recomputes them); *at =
-// stat{p >= t}. on_total(stat of all values) runs once, before any enough (top-p without
-// top-k learns its survivors' mass there).
-template <int BLOCK, typename PFn, typename Enough, typename OnTotal>
-__device__ float radix_largest_enough(const PFn& p_of, int V, const Enough& enough,
-                                      const OnTotal& on_total, BlockOps<BLOCK>& ops,
-                                      RadixScratch& sc, RadixStat* at) {
-  using ScanU = typename BlockOps<BLOCK>::ScanU;
-  const int tid = threadIdx.x;
-  uint32_t prefix = 0;  // the digits found so far
-  RadixStat above{0, 0};
-  int digit = 0;
-  for (int pass = 0; pass < kRadixPasses; ++pass) {
-    const int bits = radix_bits(pass), shift = radix_shift(pass), bins = 1 << bits;
-    const uint32_t known = pass == 0 ? 0u : ~((uint32_t{1} << (shift + bits)) - 1u);
-    for (int d = tid; d < bins; d += BLOCK) {
-      sc.count[d] = 0;
-      sc.mass[d] = 0;
-    }
-    if (tid == 0) {  // unchanged unless enough turns inside this pass's bins (it does)
-      sc.digit = 0;
-      sc.above = above;
-    }
-    __syncthreads();
-    for (int i = tid; i < V; i += BLOCK) {
-      const float p = p_of(i);
-      const uint32_t u = float_bits(p);
-      if ((u & known) != prefix) continue;
-      const int d = static_cast<int>((u >> shift) & static_cast<uint32_t>(bins - 1));
-      atomicAdd(&sc.count[d], 1);
-      atomicAdd(&sc.mass[d], static_cast<unsigned long long>(fixed_weight(p)));
-    }
-    __syncthreads();
-    // Thread t owns bins [hi - per, hi), hi = bins - t * per: thread 0 the highest, so an
-    // exclusive scan in thread order sums the bins above a thread's.
-    const int per = (bins + BLOCK - 1) / BLOCK;
-    const int hi = bins - tid * per;
-    const int lo = hi - per > 0 ? hi - per : 0;
-    unsigned long long c = 0, m = 0;
-    for (int d = lo; d < hi; ++d) {
-      c += static_cast<unsigned long long>(sc.count[d]);
-      m += sc.mass[d];
-    }
-    unsigned long long c_above, m_above, c_all, m_all;
-    ScanU(ops.temp.s).ExclusiveSum(c, c_above, c_all);
-    __syncthreads();
-    ScanU(ops.temp.s).ExclusiveSum(m, m_above, m_all);
-    __syncthreads();
-    if (pass == 0) on_total(RadixStat{c_all, m_all});
-    RadixStat acc{above.count + c_above, above.mass + m_above};
-    for (int d = hi - 1; d >= lo; --d) {
-      const RadixStat next{acc.count + static_cast<unsigned long long>(sc.count[d]),
-                           acc.mass + sc.mass[d]};
-      if (!enough(acc) && enough(next)) {  // exactly one bin of the row
-        sc.digit = d;
-        sc.above = acc;
-      }
-      acc = next;
-    }
-    __syncthreads();
-    digit = sc.digit;
-    above = sc.above;
-    prefix |= static_cast<uint32_t>(digit) << shift;
-    __syncthreads();  // every thread has read them: the next pass may reset them
+struct RadixScratch {  // a one-block row's shared histogram: 24 KB
+  unsigned long long mass[kRadixBins];
+  int count[kRadixBins];
+  __device__ RadixHist hist() { return RadixHist{count, mass}; }
+};
+
+// The filters' searches, in order: top-k, then top-p on its survivors; each is
+// kRadixPasses passes, so a row's filters take up to kFilterSteps steps (step = search *
+// kRadixPasses + pass), and min-p one more pass for its kept mass where it raises the
+// threshold (split rows: step kFilterSteps).
+constexpr int kFilterSearches = 2;
+constexpr int kFilterSteps = kFilterSearches * kRadixPasses;
+
+VERISPEC_HD inline bool filter_search_active(const RowPolicy& pol, int64_t V, int search) {
+  return search == 0 ? top_k_active(pol.top_k, V) : top_p_active(pol.top_p);
+}
+
+// The filters' progress over a row, the same in every thread (a split row keeps it in the
+// workspace between launches): the current search's digits so far and the stat of the
+// values above them, then each finished search's threshold and kept stat.
+struct FilterRun {
+  RadixStat above;               // stat of the values above the digits found so far
+  RadixStat kept;                // stat{p >= threshold}, where kept_known
+  unsigned long long survivors;  // top-p: the mass its fraction is of
+  uint32_t prefix;               // the current search's digits found so far
+  float threshold;               // 0: keep all
+  int32_t kept_known;
+  int32_t pad;
+};
+
+VERISPEC_HD inline FilterRun filter_run_start() {
+  return FilterRun{RadixStat{0, 0}, RadixStat{0, 0}, 0, 0u, 0.0f, 0, 0};
+}
+
+// Adds p_of(i), i in [begin, end) (this thread: every BLOCK-th), matching run's digits so
+// far to the histogram of `pass` (atomics on integers: the same bins in any order).
+template <int BLOCK, typename PFn>
+__device__ void radix_hist_add(const PFn& p_of, int begin, int end, int pass, uint32_t prefix,
+                               RadixHist h) {
+  const int bits = radix_bits(pass), shift = radix_shift(pass);
+  const uint32_t known = pass == 0 ? 0u : ~((uint32_t{1} << (shift + bits)) - 1u);
+  for (int i = begin + static_cast<int>(threadIdx.x); i < end; i += BLOCK) {
+    const float p = p_of(i);
+    const uint32_t u = float_bits(p);
+    if ((u & known) != prefix) continue;
+    const int d = static_cast<int>((u >> shift) & static_cast<uint32_t>((1 << bits) - 1));
+    atomicAdd(&h.count[d], 1);
+    atomicAdd(&h.mass[d], static_cast<unsigned long long>(fixed_weight(p)));
   }
-  // The last pass's bin is the one value t: its count and mass are still in the histogram.
-  *at = RadixStat{above.count + static_cast<unsigned long long>(sc.count[digit]),
-                  above.mass + sc.mass[digit]};
-  __syncthreads();  // sc is free again
-  return bits_float(prefix);
+}
+
+template <int BLOCK>
+__device__ void radix_hist_clear(RadixHist h) {
+  for (int d = static_cast<int>(threadIdx.x); d < kRadixBins; d += BLOCK) {
+    h.count[d] = 0;
+    h.mass[d] = 0;
+  }
+}
+
+// One pass of search `search` over its complete histogram `h` (every thread calls it; the
+// same *run in each): the bin where enough turns true (a block scan from the highest bin)
+// is the pass's digit. After the last pass, *run holds the search's threshold t, the
+// largest value with enough(stat{p >= t}) (top-k: count >= k; top-p: mass >= top_p * the
+// survivors' mass, mass_at_least), and that stat. Float bit patterns of values >= 0 are
+// ordered like the values, and the sums are of integers: the CPU's t (cpu_policy.h) from
+// any split of the row.
+template <int BLOCK>
+__device__ void radix_select(FilterRun* run, int search, int pass, const RowPolicy& pol,
+                             RadixHist h, BlockOps<BLOCK>& ops) {
+  using ScanU = typename BlockOps<BLOCK>::ScanU;
+  struct Pick {
+    int digit;
+    RadixStat above;
+  };
+  __shared__ Pick pick;
+  const int tid = threadIdx.x;
+  const int bits = radix_bits(pass), shift = radix_shift(pass), bins = 1 << bits;
+  if (tid == 0) pick = Pick{0, run->above};  // enough turns inside this pass's bins: replaced
+  // Thread t owns bins [hi - per, hi), hi = bins - t * per: thread 0 the highest, so an
+  // exclusive scan in thread order sums the bins above a thread's.
+  const int per = (bins + BLOCK - 1) / BLOCK;
+  const int hi = bins - tid * per;
+  const int lo = hi - per > 0 ? hi - per : 0;
+  unsigned long long c = 0, m = 0;
+  for (int d = lo; d < hi; ++d) {
+    c += static_cast<unsigned long long>(h.count[d]);
+    m += h.mass[d];
+  }
+  unsigned long long c_above, m_above, c_all, m_all;
+  ScanU(ops.temp.s).ExclusiveSum(c, c_above, c_all);
+  __syncthreads();
+  ScanU(ops.temp.s).ExclusiveSum(m, m_above, m_all);
+  __syncthreads();
+  // top-p: of the top-k survivors' mass, or (no top-k) of every value's.
+  if (search == 1 && pass == 0) run->survivors = run->kept_known ? run->kept.mass : m_all;
+  const unsigned long long k = static_cast<unsigned long long>(pol.top_k);
+  const float top_p = pol.top_p;
+  const unsigned long long survivors = run->survivors;
+  auto enough = [=](const RadixStat& st) {
+    return search == 0 ? st.count >= k : mass_at_least(st.mass, top_p, survivors);
+  };
+  RadixStat acc{run->above.count + c_above, run->above.mass + m_above};
+  for (int d = hi - 1; d >= lo; --d) {
+    const RadixStat next{acc.count + static_cast<unsigned long long>(h.count[d]),
+                         acc.mass + h.mass[d]};
+    if (!enough(acc) && enough(next)) pick = Pick{d, acc};  // exactly one bin of the row
+    acc = next;
+  }
+  __syncthreads();
+  const Pick got = pick;
+  run->prefix |= static_cast<uint32_t>(got.digit) << shift;
+  run->above = got.above;
+  if (pass == kRadixPasses - 1) {  // the last bin is the one value t: its stat is in h
+    run->kept = RadixStat{got.above.count + static_cast<unsigned long long>(h.count[got.digit]),
+                          got.above.mass + h.mass[got.digit]};
+    run->kept_known = 1;
+    run->threshold = bits_float(run->prefix);
+    run->prefix = 0;
+    run->above = RadixStat{0, 0};
+  }
+  __syncthreads();  // every thread has read pick and h: both may change
+}
+
+// After the searches: min-p (its threshold from p_max) where it is higher. True where the
+// kept mass is then unknown: a pass sums the kept probabilities (filter_result takes it).
+VERISPEC_HD inline bool filter_min_p(FilterRun* run, const RowPolicy& pol, float p_max) {
+  if (!min_p_active(pol.min_p)) return false;
+  const float t = min_p_threshold(pol.min_p, p_max);
+  if (!(t > run->threshold)) return false;
+  run->threshold = t;
+  run->kept_known = 0;
+  return true;
+}
+
+// The filters' threshold and kept mass into s (kept_mass: min-p's pass, where it ran).
+VERISPEC_HD inline void filter_result(const FilterRun& run, unsigned long long kept_mass,
+                                      RowStats* s) {
+  if (!(run.threshold > 0.0f)) return;
+  s->threshold = run.threshold;
+  s->kept = fixed_to_float(run.kept_known ? run.kept.mass : kept_mass);
+}
+
+// The fixed-point mass of p_of(i) >= threshold over this thread's values of [begin, end).
+template <int BLOCK, typename PFn>
+__device__ unsigned long long kept_mass_part(const PFn& p_of, int begin, int end, float threshold) {
+  unsigned long long m = 0;
+  for (int i = begin + static_cast<int>(threadIdx.x); i < end; i += BLOCK) {
+    const float p = p_of(i);
+    if (p >= threshold) m += fixed_weight(p);
+  }
+  return m;
 }
 
 // The filters of a row (top-k, then top-p on the survivors, then min-p) into s->threshold
 // and s->kept, from its probabilities p_raw(i) (largest p_max); the CPU's thresholds
-// (cpu_policy.h policy_row). Every thread calls it; the same result in each.
+// (cpu_policy.h policy_row). Every thread calls it; the same result in each. One block:
+// each pass builds the histogram in shared memory, then selects.
 template <int BLOCK, typename PFn>
 __device__ void filter_threshold(const PFn& p_raw, int V, const RowPolicy& pol, float p_max,
                                  BlockOps<BLOCK>& ops, RowStats* s) {
   __shared__ RadixScratch radix;
-  auto nothing = [](const RadixStat&) {};
-  float threshold = 0.0f;
-  RadixStat kept{0, 0};
-  bool kept_known = false;  // kept = stat{p >= threshold}
-  if (top_k_active(pol.top_k, V)) {
-    // The k-th largest probability: the largest t with count{p >= t} >= k (ties kept).
-    const unsigned long long k = static_cast<unsigned long long>(pol.top_k);
-    threshold = radix_largest_enough<BLOCK>(
-        p_raw, V, [k](const RadixStat& st) { return st.count >= k; }, nothing, ops, radix, &kept);
-    kept_known = true;
-  }
-  if (top_p_active(pol.top_p)) {
-    // The largest t with mass{p >= t} >= top_p * the survivors' mass (mass_at_least, the
-    // CPU's test on the same integers); it is >= the top-k threshold, whose kept mass is
-    // the survivors'. Without top-k every value survives.
-    const float top_p = pol.top_p;
-    unsigned long long survivors = kept.mass;
-    const bool all_survive = !kept_known;
-    threshold = radix_largest_enough<BLOCK>(
-        p_raw, V,
-        [top_p, &survivors](const RadixStat& st) { return mass_at_least(st.mass, top_p, survivors); },
-        [all_survive, &survivors](const RadixStat& total) {
-          if (all_survive) survivors = total.mass;
-        },
-        ops, radix, &kept);
-    kept_known = true;
-  }
-  if (min_p_active(pol.min_p)) {
-    const float t = min_p_threshold(pol.min_p, p_max);
-    if (t > threshold) {
-      threshold = t;
-      kept_known = false;
+  FilterRun run = filter_run_start();
+  for (int search = 0; search < kFilterSearches; ++search) {
+    if (!filter_search_active(pol, V, search)) continue;
+    for (int pass = 0; pass < kRadixPasses; ++pass) {
+      radix_hist_clear<BLOCK>(radix.hist());
+      __syncthreads();
+      radix_hist_add<BLOCK>(p_raw, 0, V, pass, run.prefix, radix.hist());
+      __syncthreads();
+      radix_select<BLOCK>(&run, search, pass, pol, radix.hist(), ops);
     }
   }
-  if (threshold > 0.0f) {
-    if (!kept_known) {  // min-p raised it: one pass for the kept mass
-      unsigned long long m = 0;
-      for (int i = threadIdx.x; i < V; i += BLOCK) {
-        const float p = p_raw(i);
-        if (p >= threshold) m += fixed_weight(p);
-      }
-      kept.mass = ops.sum_fixed(m);
-    }
-    s->threshold = threshold;
-    s->kept = fixed_to_float(kept.mass);
+  unsigned long long kept_mass = 0;
+  if (filter_min_p(&run, pol, p_max)) {
+    kept_mass = ops.sum_fixed(kept_mass_part<BLOCK>(p_raw, 0, V, run.threshold));
   }
+  filter_result(run, kept_mass, s);
 }
 
 // Computes the policy of logits x[0, V) into *stats (same value in every thread). One
@@ -413,13 +474,9 @@ __device__ int compute_row_stats(const T* __restrict__ x, int V, const RowPolicy
   const float temperature = pol.temperature;
   s.norm = fixed_to_float(tiled_norm<BLOCK>(rec, tiles, s.row_max, temperature, ops));
   if constexpr (FILTER) {  // only instantiated here: its shared histogram too
-    const float norm = s.norm;
-    const float row_max = s.row_max;
-    auto p_raw = [&](int i) {
-      return softmax_weight(to_float(ld(x + i)), row_max, temperature) / norm;
-    };
-    const float p_max = 1.0f / norm;  // the argmax has weight exp(0) = 1
-    filter_threshold<BLOCK>(p_raw, V, pol, p_max, ops, &s);
+    const RowStats unfiltered = s;
+    auto p_raw = [&](int i) { return raw_prob(to_float(ld(x + i)), unfiltered, temperature); };
+    filter_threshold<BLOCK>(p_raw, V, pol, raw_prob_max(s), ops, &s);
   }
   *stats = s;
   return static_cast<int>(kLogitsOk);

@@ -17,6 +17,26 @@ using namespace kernels::cuda;
 constexpr int kBlock = kLaunchBlock;
 constexpr int kSplitBlock = 256;  // a split block's chunk is 3072+ values: 12+ a thread
 
+// The filters of split rows (split_kernels.cuh, rows with a filter), after
+// split_stats_kernel: the rows' statistics, then each step's pass over every chunk and
+// (but min-p's) its selection a row.
+template <typename T, typename Rows>
+void split_filter_launches(const Rows& rows, int64_t n_rows, const PolicyParams& policy,
+                           int64_t vocab, const SplitPlan& plan, ChunkStats* chunks,
+                           cudaStream_t stream) {
+  const auto grid = static_cast<unsigned>(n_rows);
+  const auto split_grid = static_cast<unsigned>(n_rows * plan.chunks);
+  split_filter_begin_kernel<kSplitBlock><<<grid, kSplitBlock, 0, stream>>>(rows, vocab, plan, chunks);
+  for_each_filter_step(policy, vocab, [&](int step) {
+    split_filter_pass_kernel<T, kSplitBlock>
+        <<<split_grid, kSplitBlock, 0, stream>>>(rows, vocab, plan, chunks, step);
+    if (step < kFilterSteps) {
+      split_filter_select_kernel<kSplitBlock>
+          <<<grid, kSplitBlock, 0, stream>>>(rows, vocab, chunks, step);
+    }
+  });
+}
+
 }  // namespace
 
 // apply_policy: one block per row, compiled with or without the filter code
@@ -31,8 +51,7 @@ OpStatus apply_policy_cuda(const ApplyPolicyArgs& a, const CudaLaunch& launch) {
   s = op.start(apply_policy_cuda_workspace_bytes());
   if (!s.ok()) return s;
   const bool filter = policy_may_filter(a.policy, a.vocab);
-  const SplitPlan plan = filter ? SplitPlan{1, static_cast<int>(a.vocab)}
-                                : split_plan(a.rows, a.vocab, sm_count(launch.device));
+  const SplitPlan plan = split_plan(a.rows, a.vocab, sm_count(launch.device));
   dispatch_dtype(a.logits_dtype, a.logits, [&](const auto* logits) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
     const auto grid = static_cast<unsigned>(a.rows);
@@ -42,8 +61,14 @@ OpStatus apply_policy_cuda(const ApplyPolicyArgs& a, const CudaLaunch& launch) {
       const PolicyRows<T> rows{a};
       split_stats_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
           rows, a.vocab, plan, chunks);
-      apply_policy_split_write_kernel<T, kSplitBlock>
-          <<<split_grid, kSplitBlock, 0, op.stream()>>>(a, plan, chunks, op.record());
+      if (filter) {
+        split_filter_launches<T>(rows, a.rows, a.policy, a.vocab, plan, chunks, op.stream());
+        apply_policy_split_write_kernel<T, kSplitBlock, true>
+            <<<split_grid, kSplitBlock, 0, op.stream()>>>(a, plan, chunks, op.record());
+      } else {
+        apply_policy_split_write_kernel<T, kSplitBlock, false>
+            <<<split_grid, kSplitBlock, 0, op.stream()>>>(a, plan, chunks, op.record());
+      }
     } else if (filter) {
       apply_policy_kernel<T, kBlock, true><<<grid, kBlock, 0, op.stream()>>>(a, op.record());
     } else {
@@ -89,8 +114,9 @@ OpStatus sample_cuda(const SampleArgs& a, const CudaLaunch& launch) {
   return s;
 }
 
-// verify: verify_policy_kernel, one block per row position (or, with few positions and no
-// filter, the split kernels), into the RowStats of the workspace payload; then
+// verify: verify_policy_kernel, one block per row position (or, with few positions, the
+// split kernels), into the RowStats of the workspace payload; block verification's
+// residual masses, every position in parallel (block_residual_kernel, split alike); then
 // verify_sample_kernel, one block per row.
 OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
   OpStatus s = check_verify_args(a);
@@ -104,8 +130,7 @@ OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
   auto* stats = static_cast<RowStats*>(op.payload());
   const bool filter = verify_may_filter(a);
   const int64_t width = a.num_spec + 1;
-  const SplitPlan plan = filter ? SplitPlan{1, static_cast<int>(a.vocab)}
-                                : split_plan(a.batch * width, a.vocab, sm_count(launch.device));
+  const SplitPlan plan = split_plan(a.batch * width, a.vocab, sm_count(launch.device));
   dispatch_dtype(a.target_logits_dtype, a.target_logits, [&](const auto* logits) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
     const auto positions = static_cast<unsigned>(a.batch * width);
@@ -115,14 +140,29 @@ OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
       const VerifyRows<T> rows{a};
       split_stats_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
           rows, a.vocab, plan, chunks);
-      verify_split_stats_kernel<T><<<positions, 32, 0, op.stream()>>>(a, plan, chunks, stats,
-                                                                      op.record());
+      if (filter) {
+        split_filter_launches<T>(rows, a.batch * width, a.policy, a.vocab, plan, chunks,
+                                 op.stream());
+        verify_split_stats_kernel<T, true>
+            <<<positions, 32, 0, op.stream()>>>(a, plan, chunks, stats, op.record());
+      } else {
+        verify_split_stats_kernel<T, false>
+            <<<positions, 32, 0, op.stream()>>>(a, plan, chunks, stats, op.record());
+      }
     } else if (filter) {
       verify_policy_kernel<T, kBlock, true>
           <<<positions, kBlock, 0, op.stream()>>>(a, stats, op.record());
     } else {
       verify_policy_kernel<T, kBlock, false>
           <<<positions, kBlock, 0, op.stream()>>>(a, stats, op.record());
+    }
+    if (verify_needs_block_residuals(a) && plan.chunks > 1) {
+      block_residual_kernel<T, kSplitBlock>
+          <<<static_cast<unsigned>(a.batch * width * plan.chunks), kSplitBlock, 0, op.stream()>>>(
+              a, plan, stats);
+    } else if (verify_needs_block_residuals(a)) {
+      block_residual_kernel<T, kBlock>
+          <<<positions, kBlock, 0, op.stream()>>>(a, plan, stats);
     }
     verify_sample_kernel<T, kBlock>
         <<<static_cast<unsigned>(a.batch), kBlock, 0, op.stream()>>>(a, stats, op.record());
@@ -139,25 +179,46 @@ OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
   return s;
 }
 
-// verify_tree: one block per row walks its tree; the workspace payload holds each row's
-// residual and sibling-q rows.
+// verify_tree: the policy of every node row in parallel (tree_policy_kernel, or with few
+// node rows the split kernels), then one block per row walks its tree; the workspace
+// payload holds each row's residual and sibling-q rows, then the node rows' RowStats.
 OpStatus verify_tree_cuda(const VerifyTreeArgs& a, const CudaLaunch& launch) {
   OpStatus s = check_verify_tree_args(a);
   if (!s.ok() || a.batch == 0) return s;
+  if (a.batch * (a.max_nodes + 1) > INT_MAX) {
+    return invalid_argument("batch * (N + 1) must be < 2^31 on CUDA");
+  }
   OpLaunch op(launch);
-  s = op.start(verify_tree_cuda_workspace_bytes(a.batch, a.vocab));
+  s = op.start(verify_tree_cuda_workspace_bytes(a.batch, a.max_nodes, a.vocab));
   if (!s.ok()) return s;
   auto* scratch = static_cast<float*>(op.payload());
+  auto* stats = reinterpret_cast<RowStats*>(scratch + a.batch * 2 * a.vocab);
   const bool all_greedy = !a.policy.temperature_per_row && a.policy.temperature == 0.0f;
   const bool filter = !all_greedy && policy_may_filter(a.policy, a.vocab);
+  const int64_t positions = a.batch * (a.max_nodes + 1);
+  const SplitPlan plan = split_plan(positions, a.vocab, sm_count(launch.device));
   dispatch_dtype(a.target_logits_dtype, a.target_logits, [&](const auto* logits) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
-    const auto grid = static_cast<unsigned>(a.batch);
-    if (filter) {
-      verify_tree_kernel<T, kBlock, true><<<grid, kBlock, 0, op.stream()>>>(a, scratch, op.record());
+    const auto grid = static_cast<unsigned>(positions);
+    if (plan.chunks > 1) {  // few node rows: each split over plan.chunks blocks
+      auto* chunks = static_cast<ChunkStats*>(op.split());
+      const TreeRows<T> rows{a};
+      split_stats_kernel<T, kSplitBlock>
+          <<<static_cast<unsigned>(positions * plan.chunks), kSplitBlock, 0, op.stream()>>>(
+              rows, a.vocab, plan, chunks);
+      if (filter) {
+        split_filter_launches<T>(rows, positions, a.policy, a.vocab, plan, chunks, op.stream());
+        tree_split_stats_kernel<true><<<grid, 32, 0, op.stream()>>>(a, plan, chunks, stats);
+      } else {
+        tree_split_stats_kernel<false><<<grid, 32, 0, op.stream()>>>(a, plan, chunks, stats);
+      }
+    } else if (filter) {
+      tree_policy_kernel<T, kBlock, true><<<grid, kBlock, 0, op.stream()>>>(a, stats);
     } else {
-      verify_tree_kernel<T, kBlock, false><<<grid, kBlock, 0, op.stream()>>>(a, scratch, op.record());
+      tree_policy_kernel<T, kBlock, false><<<grid, kBlock, 0, op.stream()>>>(a, stats);
     }
+    verify_tree_kernel<T, kBlock><<<static_cast<unsigned>(a.batch), kBlock, 0, op.stream()>>>(
+        a, scratch, stats, op.record());
   });
   s = op.finish(OpKind::kVerifyTree);
   switch (s.code) {

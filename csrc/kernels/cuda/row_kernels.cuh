@@ -137,9 +137,12 @@ __global__ void __launch_bounds__(BLOCK) sample_kernel(SampleArgs a, unsigned lo
 //   1. verify_policy_kernel, one block per (row b, position j <= n_b): the policy of
 //      target_logits[b, j] as RowStats (max, normaliser, threshold, kept mass) plus
 //      p_j(y_j) and q_j(y_j), into the stats workspace. All positions run in parallel.
+//   (block verification: block_residual_kernel, split_kernels.cuh, every position's
+//      residual mass R_j and q's check in parallel, into BlockMass)
 //   2. verify_sample_kernel, one block per row: thread 0 walks the acceptance tests on
 //      those scalars; the block then samples the correction (residual max(p - q, 0),
-//      roundoff rule: p) or the bonus (p_n) with a block-wide inverse CDF.
+//      roundoff rule: p) or the bonus (p_n) with a block-wide inverse CDF: the one row
+//      read again.
 // Checks match the CPU: per row, policy, num_draft, tokens, NaN/Inf in every position
 // <= n, q(y) for j < n, and the q row read at a rejection.
 __device__ inline int64_t row_num_draft(const VerifyArgs& a, int64_t b) {
@@ -188,6 +191,21 @@ __device__ inline void finish_position_stats(const VerifyArgs& a, int64_t b, int
   s->valid = ok ? 1 : 0;
 }
 
+// Block verification's part of a position's payload, after the RowStats of every
+// position (kVerifyStatsBytesPerPosition): the residual mass R_j of the walk's weight w_j
+// (block_residual_kernel; fixed point, chunks add theirs) and whether q's row j has a bad
+// value (a count of the blocks that saw one). The stats kernels zero it.
+struct BlockMass {
+  unsigned long long mass;
+  unsigned long long q_bad;
+};
+static_assert(sizeof(RowStats) + sizeof(BlockMass) <= kVerifyStatsBytesPerPosition,
+              "the verify payload per position");
+
+__device__ inline BlockMass* verify_masses(const VerifyArgs& a, const RowStats* stats) {
+  return reinterpret_cast<BlockMass*>(const_cast<RowStats*>(stats) + a.batch * (a.num_spec + 1));
+}
+
 // Position `index` of a [batch, K + 1] launch: its row b, position j, policy and num_draft;
 // false where the walk never reads it (a bad policy or num_draft, reported by
 // verify_sample_kernel, or padding past num_draft).
@@ -217,6 +235,7 @@ __global__ void __launch_bounds__(BLOCK)
   if (threadIdx.x != 0) return;
   finish_position_stats<T>(a, p.b, p.j, p.n, p.pol, verdict, &s, record);
   stats[blockIdx.x] = s;
+  verify_masses(a, stats)[blockIdx.x] = BlockMass{0, 0};
 }
 
 // grid: batch blocks.
@@ -255,10 +274,12 @@ __global__ void __launch_bounds__(BLOCK)
   float w_tau = 1.0f;  // block verification: the weight scaling p in the final residual
   if (!fault && block_method) {
     // Block verification (ops.h): tau = the last j with eta_j < h_j; every thread runs the
-    // same loop, the residual masses R_j are block sums over the vocabulary.
+    // same loop on scalars: q's checks and the residual masses R_j of every position were
+    // found in parallel (block_residual_kernel).
+    const BlockMass* masses = verify_masses(a, stats) + b * width;  // [K + 1]
     float w = 1.0f;
     int tau = 0;
-    for (int64_t j = 0; j <= n && !fault; ++j) {
+    for (int64_t j = 0; j <= n; ++j) {
       if (j == n) {
         if (n > 0 && block_keep(uniform(seed, offset, row32, static_cast<uint32_t>(j - 1),
                                         Purpose::kAccept), w)) {
@@ -267,23 +288,14 @@ __global__ void __launch_bounds__(BLOCK)
         }
         break;
       }
-      const float* q = a.draft_probs + b * a.draft_probs_stride_b + j * a.draft_probs_stride_k;
-      int bad = 0;
-      for (int i = tid; i < V; i += BLOCK) bad |= not_a_probability(ld(q + i));
-      if (__syncthreads_or(bad)) {
+      const BlockMass m = masses[j];
+      if (m.q_bad != 0) {
         if (tid == 0) report_error(record, b, StatusCode::kInvalidProbs, j);
         fault = true;
         break;
       }
       if (j >= 1) {
-        const T* x = logits_at<T>(a, b, j);
-        const RowStats sj = rs[j];
-        unsigned long long part = 0;
-        for (int i = tid; i < V; i += BLOCK) {
-          part += fixed_weight(block_residual_weight(
-              w, policy_prob(to_float(ld(x + i)), i, sj, pol.temperature, false), ld(q + i)));
-        }
-        const float h = block_keep_probability(fixed_to_float(ops.sum_fixed(part)), w);
+        const float h = block_keep_probability(fixed_to_float(m.mass), w);
         if (block_keep(uniform(seed, offset, row32, static_cast<uint32_t>(j - 1), Purpose::kAccept),
                        h)) {
           tau = static_cast<int>(j);
@@ -382,10 +394,12 @@ __global__ void __launch_bounds__(BLOCK)
 }
 
 // ---- verify_tree ---------------------------------------------------------------------
-// grid: batch blocks, one per row; scratch: [batch, 2, V] floats (the residual r and, without
-// replacement, q minus the removed siblings). The row's checks run first (nodes in order,
-// then every logits row j <= n), one fault reported per row as the CPU does; then the walk
-// of ops.h, node by node: the policy of the node's row as RowStats, the draw (block_pick)
+// Two steps on one stream: the policy of every node row of every tree in parallel
+// (tree_policy_kernel, or with few rows the split kernels: split_kernels.cuh), then the
+// walk, grid: batch blocks, one per row; scratch: [batch, 2, V] floats (the residual r and,
+// without replacement, q minus the removed siblings). The row's checks run first (nodes
+// in order, then every logits row j <= n from the verdicts), one fault reported per row as
+// the CPU does; then the walk of ops.h, node by node: the node row's RowStats, the draw (block_pick)
 // or the sibling tests (uniform across the block: every thread makes the same decision),
 // the residual updates as block passes over V.
 template <typename T>
@@ -407,9 +421,43 @@ __device__ inline StatusCode tree_node_fault(const VerifyTreeArgs& a, const int3
   return StatusCode::kOk;
 }
 
+// Node row `index` of a [batch, N + 1] launch: its row b, node row j and policy; false
+// where the walk never reads it (a bad policy or num_nodes, reported by the walk, or past
+// num_nodes).
+struct TreePosition {
+  int64_t b, j;
+  RowPolicy pol;
+};
+__device__ inline bool tree_position(const VerifyTreeArgs& a, int64_t index, TreePosition* p) {
+  const int64_t width = a.max_nodes + 1;
+  p->b = index / width;
+  p->j = index % width;
+  p->pol = resolve_policy(a.policy, p->b);
+  const int64_t n = a.num_nodes ? a.num_nodes[p->b] : a.max_nodes;
+  return invalid_policy_field(p->pol) < 0 && n >= 0 && n <= a.max_nodes && p->j <= n;
+}
+
+// The statistics of every node row of every tree, in parallel, before the walk: stats
+// [batch, N + 1], each RowStats with `valid` holding compute_row_stats' verdict (the walk
+// reports the first bad row). grid: batch * (N + 1) blocks.
 template <typename T, int BLOCK, bool FILTER>
 __global__ void __launch_bounds__(BLOCK)
-    verify_tree_kernel(VerifyTreeArgs a, float* scratch, unsigned long long* record) {
+    tree_policy_kernel(VerifyTreeArgs a, RowStats* stats) {
+  __shared__ BlockOps<BLOCK> ops;
+  TreePosition p;
+  if (!tree_position(a, blockIdx.x, &p)) return;
+  RowStats s{};
+  const int verdict = compute_row_stats<T, BLOCK, FILTER>(
+      tree_logits_at<T>(a, p.b, p.j), static_cast<int>(a.vocab), p.pol, p.pol.greedy(), ops, &s);
+  if (threadIdx.x != 0) return;
+  s.valid = verdict;
+  stats[blockIdx.x] = s;
+}
+
+template <typename T, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
+    verify_tree_kernel(VerifyTreeArgs a, float* scratch, const RowStats* stats,
+                       unsigned long long* record) {
   __shared__ BlockOps<BLOCK> ops;
   const int64_t b = blockIdx.x;
   const int tid = threadIdx.x;
@@ -446,17 +494,8 @@ __global__ void __launch_bounds__(BLOCK)
       if (tid == 0) report_error(record, b, tree_node_fault(a, tok, par, first, distinct), first);
       fault = true;
     }
-    for (int64_t j = 0; j <= n && !fault; ++j) {
-      const T* x = tree_logits_at<T>(a, b, j);
-      int bad = 0, finite = 0;
-      for (int i = tid; i < V; i += BLOCK) {
-        const float v = to_float(ld(x + i));
-        bad |= !logit_valid(v);
-        finite |= is_finite(v);
-      }
-      bad = __syncthreads_or(bad);
-      finite = __syncthreads_or(finite);
-      if (bad || !finite) {
+    for (int64_t j = 0; j <= n && !fault; ++j) {  // tree_policy_kernel's verdicts
+      if (stats[b * width + j].valid != kLogitsOk) {
         if (tid == 0) report_error(record, b, StatusCode::kNanOrInfLogits, j);
         fault = true;
       }
@@ -472,8 +511,7 @@ __global__ void __launch_bounds__(BLOCK)
   while (!fault) {
     const int64_t row = cur + 1;
     const T* x = tree_logits_at<T>(a, b, row);  // [V]
-    RowStats st;
-    compute_row_stats<T, BLOCK, FILTER>(x, V, pol, greedy, ops, &st);  // checked above
+    const RowStats st = stats[b * width + row];  // checked above
     const float temperature = pol.temperature;
     auto p_at = [&](int i) { return policy_prob(to_float(ld(x + i)), i, st, temperature, greedy); };
     auto p_fixed = [&](int i) { return static_cast<unsigned long long>(fixed_weight(p_at(i))); };
