@@ -12,7 +12,6 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "linear_tiles.h"
