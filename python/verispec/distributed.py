@@ -222,6 +222,14 @@ def close(tp: Optional[TensorParallel] = None, *, barrier: bool = False) -> None
         if barrier:
             try:
                 dist.barrier()
+                # gloo's barrier can return on one rank before a peer has taken its last
+                # message; a rank that then closed its connections made that peer's
+                # transport thread abort the process at exit ("terminate called without
+                # an active exception", seen under load). Each rank says on the store
+                # that its collectives are over and waits for all the others to say so.
+                store = dist.distributed_c10d._get_default_store()
+                store.set(f"verispec/closing/{dist.get_rank()}", "1")
+                store.wait([f"verispec/closing/{r}" for r in range(dist.get_world_size())])
             except RuntimeError:
                 pass  # a rank is gone: tear down what is left
         dist.destroy_process_group()
