@@ -259,7 +259,7 @@ def test_torch_mm_rounds_a_row_by_the_products_rows():
     assert any(not torch.equal(x[i:i + 1] @ w.t(), full[i:i + 1]) for i in range(45))
 
 
-def near_tie(model: LlamaModel, eps: float = 1e-5) -> LlamaModel:
+def near_tie(model: LlamaModel, eps: float = 1e-6) -> LlamaModel:
     """The model with an LM head whose rows are one random vector plus eps * noise: the
     top logits are a few rounding errors apart, so a pass that rounds a token
     differently flips greedy's choice (the greedy comparisons' power)."""
@@ -297,7 +297,9 @@ def test_greedy_speculation_equals_plain_greedy(source):
 @pytest.mark.parametrize("source", ["ngram", "early_exit"])
 def test_greedy_speculation_drifts_on_the_torch_default_path(source):
     """Power: the same near-tied model on torch's own path gives speculation other
-    tokens than plain greedy (measured: ~75 of 200 tokens differ)."""
+    tokens than plain greedy (measured on an AVX2 EPYC, torch 2.13: 104 (ngram) and 111
+    (early exit) of 128 tokens differ; at eps = 1e-5 there, ngram's speculation matched
+    plain greedy by chance, so the ties are 1e-6 apart)."""
     target = near_tie(tiny_llama(mode="torch", layers=3))
     draft = NGram(1, 3) if source == "ngram" else EarlyExit(target, num_layers=1)
     assert _spec_vs_plain(target, draft) > 0

