@@ -78,6 +78,94 @@ def _shallow_copy(module: torch.nn.Module) -> torch.nn.Module:
     return clone
 
 
+def _refuse_config(hf_model: Any, config: Any, text: Any) -> set:
+    """Refuse (``refuse``'s TypeError) what the config alone shows HFModel cannot run: an
+    encoder-decoder, chunked attention, a hybrid's non-attention layers. Returns the
+    config's layer types."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise _refuse(hf_model, "it is an encoder-decoder model; verispec runs decoder-only "
+                                "causal LMs")
+    layer_types = set(getattr(text, "layer_types", None) or [])
+    if getattr(text, "attention_chunk_size", None) or "chunked_attention" in layer_types:
+        raise _refuse(hf_model, "chunked attention (attention_chunk_size) is applied by "
+                                "transformers' mask, not passed to the attention function")
+    other = sorted(t for t in layer_types if t not in _ATTENTION_LAYER_TYPES)
+    if other:
+        raise _refuse(hf_model, f"a hybrid: its layer types {other} are not plain "
+                                f"attention over the KV cache; they keep state of their own "
+                                f"(recurrent, convolution, or a sparse-attention indexer's "
+                                f"keys) outside verispec's pools, which would need its own "
+                                f"cache and rollback on rejected drafts")
+    return layer_types
+
+
+def _refuse_probe(hf_model: Any, text: Any, layer_types: set, probe: _Probe,
+                  logits: torch.Tensor, max_context: Any) -> None:
+    """Refuse what the recording forward (``HFModel._probe``) shows HFModel cannot run: layers
+    that never call the attention function or call it twice, fewer or more attention layers
+    than the config counts, layers with their own mask, a config window no layer passes
+    down, bidirectional attention, and a forward that ignores ``logits_to_keep``."""
+    layers = probe.layers
+    num_layers = getattr(text, "num_hidden_layers", None)
+    if not layers:
+        raise _refuse(hf_model, "its layers never called the attention function "
+                                "(attention does not go through transformers' "
+                                "AttentionInterface)")
+    if len({id(r.module) for r in layers}) != len(layers):
+        raise _refuse(hf_model, "one attention module is called more than once per "
+                                "forward")
+    if num_layers is not None and len(layers) < num_layers:
+        raise _refuse(hf_model, f"only {len(layers)} of its {num_layers} layers call the "
+                                f"attention function; the others (recurrent, convolution "
+                                f"or custom attention) keep state verispec cannot roll "
+                                f"back")
+    if num_layers is not None and len(layers) > num_layers:
+        raise _refuse(hf_model, f"{len(layers)} attention modules called the attention "
+                                f"function, but its config has num_hidden_layers = "
+                                f"{num_layers} (a decoder whose layers the config does "
+                                f"not count, as an encoder-decoder family's causal LM)")
+    if probe.mask is not None:
+        raise _refuse(hf_model, f"its attention layers compute their own attention "
+                                f"mask ({probe.mask}), which verispec's paged "
+                                f"attention does not apply (it masks by position, "
+                                f"sliding window and tree)")
+    window = getattr(text, "sliding_window", None)
+    limit = (max_context if isinstance(max_context, int)
+             and not isinstance(max_context, bool)
+             else getattr(text, "max_position_embeddings", None))
+    if (isinstance(window, int) and not isinstance(window, bool) and window > 0
+            and (not isinstance(limit, int) or window < limit)
+            and "sliding_attention" in (layer_types or {"sliding_attention"})
+            and not any(r.window for r in layers)):
+        raise _refuse(hf_model, f"its config sets sliding_window = {window}, which "
+                                f"transformers applies through its attention mask, but "
+                                f"no layer passes a window to the attention function; "
+                                f"pass max_context <= {window} to run it without one")
+    if not all(r.causal for r in layers):
+        raise _refuse(hf_model, "its attention is bidirectional (an encoder); verispec "
+                                "runs causal LMs")
+    if logits.dim() != 3 or logits.shape[:2] != (1, 1):
+        raise _refuse(hf_model, f"its forward ignored logits_to_keep (logits "
+                                f"{list(logits.shape)} for one kept row)")
+
+
+def _make_batch_invariant(hf_model: Any, probe: Any) -> None:
+    """Install the batch-invariant modules on ``hf_model``; refused (and uninstalled) where
+    the recording forward ``probe`` shows it computing what torch may round by the pass's
+    shape outside them."""
+    _install_batch_invariant(hf_model)
+    problems = _batch_invariant_problems(probe)
+    if problems:
+        _uninstall_cpu_kernels(hf_model)
+        shown = ", ".join(problems[:6]) + (", ..." if len(problems) > 6 else "")
+        raise _refuse(hf_model, f"batch_invariant=True: its forward computes {shown} outside "
+                                f"its nn.Linear layers, row-wise norms and attention; torch "
+                                f"may round such an op's result for a token by how many "
+                                f"tokens share the pass (a float reduction or product whose "
+                                f"kernel follows the shape, e.g. a mixture-of-experts "
+                                f"router's softmax and top-k)")
+
+
 class HFModel:
     """A transformers ``*ForCausalLM`` (any dtype, any device) as a verispec model.
 
@@ -129,20 +217,7 @@ class HFModel:
         _uninstall_cpu_kernels(hf_model)  # wrapped before: start from the modules' own code
         config = hf_model.config
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        if getattr(config, "is_encoder_decoder", False):
-            raise _refuse(hf_model, "it is an encoder-decoder model; verispec runs decoder-only "
-                                    "causal LMs")
-        layer_types = set(getattr(text, "layer_types", None) or [])
-        if getattr(text, "attention_chunk_size", None) or "chunked_attention" in layer_types:
-            raise _refuse(hf_model, "chunked attention (attention_chunk_size) is applied by "
-                                    "transformers' mask, not passed to the attention function")
-        other = sorted(t for t in layer_types if t not in _ATTENTION_LAYER_TYPES)
-        if other:
-            raise _refuse(hf_model, f"a hybrid: its layer types {other} are not plain "
-                                    f"attention over the KV cache; they keep state of their own "
-                                    f"(recurrent, convolution, or a sparse-attention indexer's "
-                                    f"keys) outside verispec's pools, which would need its own "
-                                    f"cache and rollback on rejected drafts")
+        layer_types = _refuse_config(hf_model, config, text)
         params = [p for p in hf_model.parameters() if p.is_floating_point()]
         if not params:
             raise TypeError(f"HFModel: {type(hf_model).__name__} has no floating-point weights")
@@ -172,64 +247,13 @@ class HFModel:
                                         f"builds no attention mask for it): "
                                         f"{type(e).__name__}: {e}") from e
             layers = probe.layers
-            num_layers = getattr(text, "num_hidden_layers", None)
-            if not layers:
-                raise _refuse(hf_model, "its layers never called the attention function "
-                                        "(attention does not go through transformers' "
-                                        "AttentionInterface)")
-            if len({id(r.module) for r in layers}) != len(layers):
-                raise _refuse(hf_model, "one attention module is called more than once per "
-                                        "forward")
-            if num_layers is not None and len(layers) < num_layers:
-                raise _refuse(hf_model, f"only {len(layers)} of its {num_layers} layers call the "
-                                        f"attention function; the others (recurrent, convolution "
-                                        f"or custom attention) keep state verispec cannot roll "
-                                        f"back")
-            if num_layers is not None and len(layers) > num_layers:
-                raise _refuse(hf_model, f"{len(layers)} attention modules called the attention "
-                                        f"function, but its config has num_hidden_layers = "
-                                        f"{num_layers} (a decoder whose layers the config does "
-                                        f"not count, as an encoder-decoder family's causal LM)")
-            if probe.mask is not None:
-                raise _refuse(hf_model, f"its attention layers compute their own attention "
-                                        f"mask ({probe.mask}), which verispec's paged "
-                                        f"attention does not apply (it masks by position, "
-                                        f"sliding window and tree)")
-            window = getattr(text, "sliding_window", None)
-            limit = (max_context if isinstance(max_context, int)
-                     and not isinstance(max_context, bool)
-                     else getattr(text, "max_position_embeddings", None))
-            if (isinstance(window, int) and not isinstance(window, bool) and window > 0
-                    and (not isinstance(limit, int) or window < limit)
-                    and "sliding_attention" in (layer_types or {"sliding_attention"})
-                    and not any(r.window for r in layers)):
-                raise _refuse(hf_model, f"its config sets sliding_window = {window}, which "
-                                        f"transformers applies through its attention mask, but "
-                                        f"no layer passes a window to the attention function; "
-                                        f"pass max_context <= {window} to run it without one")
-            if not all(r.causal for r in layers):
-                raise _refuse(hf_model, "its attention is bidirectional (an encoder); verispec "
-                                        "runs causal LMs")
-            if logits.dim() != 3 or logits.shape[:2] != (1, 1):
-                raise _refuse(hf_model, f"its forward ignored logits_to_keep (logits "
-                                        f"{list(logits.shape)} for one kept row)")
+            _refuse_probe(hf_model, text, layer_types, probe, logits, max_context)
             if tp is not None:
                 self._shard(tp, layers, int(logits.shape[-1]), device)
                 probe, logits = self._probe(device)  # this rank's heads
                 layers = probe.layers
             if batch_invariant:
-                _install_batch_invariant(hf_model)
-                problems = _batch_invariant_problems(lambda: self._probe(device))
-                if problems:
-                    _uninstall_cpu_kernels(hf_model)
-                    shown = ", ".join(problems[:6]) + (", ..." if len(problems) > 6 else "")
-                    raise _refuse(hf_model, f"batch_invariant=True: its forward computes "
-                                            f"{shown} outside its nn.Linear layers, row-wise "
-                                            f"norms and attention; torch may round such an "
-                                            f"op's result for a token by how many tokens share "
-                                            f"the pass (a float reduction or product whose "
-                                            f"kernel follows the shape, e.g. a mixture-of-"
-                                            f"experts router's softmax and top-k)")
+                _make_batch_invariant(hf_model, lambda: self._probe(device))
         except BaseException:
             hf_model.train(was_training)
             if previous is not None and previous != ATTN_IMPLEMENTATION:
