@@ -90,7 +90,8 @@ class TorchAttention:
     ``sdpa_groups`` keeps LlamaModel's rounding (as before the plans were merged): a
     single-row batch of few queries takes the lean path whether its keys are sliced or
     gathered, every group of several rows calls SDPA (fresh prefills of one length as
-    plain causal attention), and the rows of a tree batch attend one by one.
+    plain causal attention), and the rows of a tree batch without a softcap or sinks
+    attend one by one.
     """
 
     name = "sdpa"
@@ -111,8 +112,8 @@ class TorchAttention:
             return self._attend_lean(groups[0], q, k_flat, v_flat, scaling, window)
         if (not self.sdpa_groups and len(groups) == 1 and groups[0].lean and plain):
             return self._attend_lean(groups[0], q, k_flat, v_flat, scaling, window)
-        if self.sdpa_groups and plan.tree is not None and plan.num_rows > 1:
-            return self._attend_tree_rows(plan, q, k_flat, v_flat, scaling)
+        if self.sdpa_groups and plan.tree is not None and plan.num_rows > 1 and plain:
+            return self._attend_tree_rows(plan, q, k_flat, v_flat, scaling, window)
         g0 = groups[0]
         if len(groups) == 1 and g0.tokens is None and g0.lo == 0 and g0.hi == t:
             return self._attend_group(g0, q, k_flat, v_flat, scaling, window, softcap, sinks,
@@ -172,14 +173,14 @@ class TorchAttention:
         return out if g.q_index is None else out[g.q_index]
 
     @staticmethod
-    def _attend_tree_rows(plan: PagedPlan, q, k_flat, v_flat, scaling):
+    def _attend_tree_rows(plan: PagedPlan, q, k_flat, v_flat, scaling, window):
         """A tree batch row by row in SDPA, each row over its own keys with its ancestor
-        mask (LlamaModel's rounding): q [T, H, Dk] -> [T, H, Dv]."""
+        mask cut by the window (LlamaModel's rounding): q [T, H, Dk] -> [T, H, Dv]."""
         h, kvh = q.shape[1], k_flat.shape[1]
         out = q.new_empty(q.shape[0], h, v_flat.shape[2])
         for g in plan.groups:
             k, v = g.keys(k_flat), g.keys(v_flat)                               # [b, L, KvH, D]
-            mask = g.mask(None)
+            mask = g.mask(window)
             for i, r in enumerate(g.rows):
                 lo, hi, ctx = plan.starts[r], plan.starts[r + 1], plan.ctx_lens[r]
                 o = F.scaled_dot_product_attention(
