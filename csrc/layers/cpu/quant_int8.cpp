@@ -5,6 +5,10 @@
 // (VNNI vpdpbusd on AVX-512 VNNI and AVX-VNNI, vpmaddubsw + vpmaddwd on AVX2, plain C++
 // on the rest). The float part is one fixed sequence (quant.h, "int8 arithmetic"), the
 // same on every instruction set: integers are exact, so every path computes the same bits.
+// This file: x's quantization, the scalar path and the dispatch; the vector paths are
+// quant_int8_{vnni512,avxvnni,avx2}.cpp (quant_int8_body.inc compiled once per
+// instruction set, each its own translation unit so that a build compiles them in
+// parallel).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -15,6 +19,7 @@
 #include <vector>
 
 #include "linear_tiles.h"
+#include "quant_int8_internal.h"
 #include "quant_internal.h"
 #include "verispec/layers/quant.h"
 
@@ -26,27 +31,6 @@
 namespace verispec {
 namespace quant_detail {
 namespace {
-
-// ---- the order of the sums --------------------------------------------------------------
-//
-// Each output y[m, n] is one float accumulator that takes the blocks of the row in order
-// (rows_scalar). The vector paths run 16 weight rows side by side, one per int32 / float
-// lane: the 32 quants of one block of each of the 16 rows are transposed so that a
-// block's integer dot product with x is summed whole in its row's lane (8 instructions
-// for 16 rows, x's four values broadcast), and no sum ever crosses lanes.
-constexpr int kRows = 16;
-
-// ---- activations ------------------------------------------------------------------------
-
-// x quantized, per row m and block b (index i = m * blocks + b): q[32 i ..] its 32 int8
-// values, dx[i] the block's scale, s[i] the sum of its 32 values (exact; sf: as a float,
-// exact), slo / shi the sums of values 0..15 and 16..31.
-struct QuantX {
-  int64_t m = 0, blocks = 0;
-  std::vector<int8_t> q;
-  std::vector<int32_t> s, slo, shi;
-  std::vector<float> dx, sf;
-};
 
 // v rounded to the nearest integer, ties to even (|v| <= 127.5 here).
 inline int round_even(float v) {
@@ -288,49 +272,6 @@ void rows_scalar(const QuantLinearArgs& a, const QuantX& xq, int64_t n0, int64_t
     }
   }
 }
-
-#if VERISPEC_X86
-using RowsFn = void (*)(const QuantLinearArgs&, const QuantX&, int64_t, int64_t);
-
-// The vector paths: quant_int8_body.inc once per instruction set, each compiled for its own
-// target (so the AVX2 path holds no AVX-512 instruction).
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
-#define VS_NS vnni512
-#define VS_ZMM 1
-#define VS_VNNI 1
-#include "quant_int8_body.inc"
-#undef VS_NS
-#undef VS_VNNI
-#undef VS_ZMM
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avxvnni,avx2,fma,f16c")
-#define VS_NS avxvnni
-#define VS_VNNI 1
-#define VS_DOTACC(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
-#include "quant_int8_body.inc"
-#undef VS_NS
-#undef VS_VNNI
-#undef VS_DOTACC
-#pragma GCC pop_options
-
-// AVX2: pairs of u8 x s8 in int16 (at most 2 * 128 * 127 = 32512 here, Q8_0 as |w| times
-// x with w's sign: no saturation), then pairs of those in int32: the same four-product
-// lane sums as vpdpbusd.
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#define VS_NS avx2
-#define VS_VNNI 0
-#define VS_DOTACC(acc, u, s) \
-  _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
-#include "quant_int8_body.inc"
-#undef VS_NS
-#undef VS_VNNI
-#undef VS_DOTACC
-#pragma GCC pop_options
-#endif
 
 struct Job {
   const QuantLinearArgs* args;
