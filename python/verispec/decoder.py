@@ -230,6 +230,83 @@ def _check_tree_ops(ops) -> None:
                          f"need ops with verify_tree; {ops!r} has none")
 
 
+def _check_settings(target: Any, draft: Any, *, k: int | str, max_k: int, max_num_seqs: int,
+                    max_tokens_per_step: int, verify_method: str, draft_branches: int,
+                    draft_replacement: bool) -> tuple[Any, NGram | None, int, bool]:
+    """SpecDecoder's settings checked before anything is built: the types of the integer
+    settings (the core takes int64 and cannot tell a bool from an int; their ranges are
+    the core's, checked once when it is built), the combinations the core does not know
+    of, the models' protocol and the draft's tokenizer and device. Returns (draft model or
+    None, n-gram drafter or None, k, adaptive): k="auto" is max_k, adaptively."""
+    if verify_method not in ("token", "block"):
+        raise ValueError(f"SpecDecoder: verify_method must be 'token' or 'block', "
+                         f"got {verify_method!r}")
+    _config_int("draft_branches", draft_branches)
+    if not isinstance(draft_replacement, bool):
+        raise TypeError(f"SpecDecoder: draft_replacement must be a bool, "
+                        f"got {draft_replacement!r}")
+    if draft_branches > 1 and (draft is None or isinstance(draft, NGram)):
+        raise ValueError(f"SpecDecoder: draft_branches = {draft_branches} (draft trees) needs "
+                         f"a draft model, got {draft!r} (n-gram tries: NGram(branches=b))")
+    if draft_branches > 1 and verify_method == "block":
+        raise ValueError(f"SpecDecoder: verify_method='block' verifies chains; draft trees "
+                         f"(draft_branches = {draft_branches}) are verified by "
+                         f"ops.verify_tree: use verify_method='token' or draft_branches=1")
+    ngram = draft if isinstance(draft, NGram) else None
+    if ngram is not None:
+        draft = None
+    for name, m in (("target", target), ("draft", draft)):
+        if m is not None and not isinstance(m, Model):
+            raise TypeError(f"SpecDecoder: {name} must implement the model protocol "
+                            f"(a .geometry and .forward(batch)), got {type(m).__name__}")
+    adaptive = k == "auto"
+    if adaptive:
+        if isinstance(max_k, bool) or not isinstance(max_k, int) or not 1 <= max_k <= _C.MAX_K:
+            raise ValueError(f"SpecDecoder: max_k must be an int in [1, {_C.MAX_K}], got {max_k!r}")
+        k = max_k
+    _config_int("k", k, "an int or 'auto'")
+    _config_int("max_num_seqs", max_num_seqs)
+    _config_int("max_tokens_per_step", max_tokens_per_step)
+    if draft is not None:
+        g, dg = target.geometry, draft.geometry
+        # Same tokenizer, vocabularies of any size (padded embedding tables): ids below
+        # both sizes mean the same token. Told apart only when both models say which
+        # tokenizer they have (verispec.models.load sets tokenizer_fingerprint).
+        fingerprints = (getattr(target, "tokenizer_fingerprint", None),
+                        getattr(draft, "tokenizer_fingerprint", None))
+        if None not in fingerprints and fingerprints[0] != fingerprints[1]:
+            raise ValueError(f"SpecDecoder: the draft's tokenizer must be the target's; "
+                             f"their vocabularies differ (tokenizer fingerprints: target "
+                             f"{fingerprints[0]}, draft {fingerprints[1]})")
+        if torch.device(dg.device) != torch.device(g.device):
+            raise ValueError(f"SpecDecoder: draft device must be the target's {g.device}, "
+                             f"got {dg.device}")
+    return draft, ngram, k, adaptive
+
+
+def _shared_tp(target: Any, draft: Any) -> Any:
+    """The target's tensor-parallel collectives (None: one process), which a draft model
+    must share: a model (LlamaModel, HFModel) carries tp, a drafter (EarlyExit) its
+    model's."""
+    tp = getattr(target, "tp", None)
+    if draft is not None:
+        draft_tp = getattr(draft, "tp", None) or getattr(getattr(draft, "model", None), "tp", None)
+        if draft_tp is not None and draft_tp is not tp:
+            raise ValueError(f"SpecDecoder: a tensor-parallel draft must share the target's "
+                             f"collectives (target.tp {tp!r}), got {draft_tp!r}")
+    return tp
+
+
+def _draft_pools(draft: Any, target_pools: KVPools, shared: bool, num_blocks: int,
+                 block_size: int) -> KVPools:
+    """The draft model's K/V pools: an early-exit draft's are views of the target's first
+    layers' (``shared``), any other draft's its own."""
+    if shared:
+        n = draft.num_layers
+        return KVPools(k=target_pools.k[:n], v=target_pools.v[:n], block_size=block_size)
+    return KVPools.allocate(draft.geometry, num_blocks, block_size)
+
+
 class SpecDecoder:
     """Speculative decoding of a target model with a draft, exact for the target.
 
@@ -277,52 +354,11 @@ class SpecDecoder:
                  max_num_seqs: int = 0, max_tokens_per_step: int = 0,
                  verify_method: str = "token", draft_branches: int = 1,
                  draft_replacement: bool = True) -> None:
-        if verify_method not in ("token", "block"):
-            raise ValueError(f"SpecDecoder: verify_method must be 'token' or 'block', "
-                             f"got {verify_method!r}")
-        # The integer settings' types are checked here (the core takes int64 and cannot
-        # tell a bool from an int); their ranges by the core, once (_core).
-        _config_int("draft_branches", draft_branches)
-        if not isinstance(draft_replacement, bool):
-            raise TypeError(f"SpecDecoder: draft_replacement must be a bool, "
-                            f"got {draft_replacement!r}")
-        if draft_branches > 1 and (draft is None or isinstance(draft, NGram)):
-            raise ValueError(f"SpecDecoder: draft_branches = {draft_branches} (draft trees) needs "
-                             f"a draft model, got {draft!r} (n-gram tries: NGram(branches=b))")
-        if draft_branches > 1 and verify_method == "block":
-            raise ValueError(f"SpecDecoder: verify_method='block' verifies chains; draft trees "
-                             f"(draft_branches = {draft_branches}) are verified by "
-                             f"ops.verify_tree: use verify_method='token' or draft_branches=1")
-        ngram = draft if isinstance(draft, NGram) else None
-        if ngram is not None:
-            draft = None
-        for name, m in (("target", target), ("draft", draft)):
-            if m is not None and not isinstance(m, Model):
-                raise TypeError(f"SpecDecoder: {name} must implement the model protocol "
-                                f"(a .geometry and .forward(batch)), got {type(m).__name__}")
-        adaptive = k == "auto"
-        if adaptive:
-            if isinstance(max_k, bool) or not isinstance(max_k, int) or not 1 <= max_k <= _C.MAX_K:
-                raise ValueError(f"SpecDecoder: max_k must be an int in [1, {_C.MAX_K}], got {max_k!r}")
-            k = max_k
-        _config_int("k", k, "an int or 'auto'")
-        _config_int("max_num_seqs", max_num_seqs)
-        _config_int("max_tokens_per_step", max_tokens_per_step)
+        draft, ngram, k, adaptive = _check_settings(
+            target, draft, k=k, max_k=max_k, max_num_seqs=max_num_seqs,
+            max_tokens_per_step=max_tokens_per_step, verify_method=verify_method,
+            draft_branches=draft_branches, draft_replacement=draft_replacement)
         g = target.geometry
-        if draft is not None:
-            dg = draft.geometry
-            # Same tokenizer, vocabularies of any size (padded embedding tables): ids below
-            # both sizes mean the same token. Told apart only when both models say which
-            # tokenizer they have (verispec.models.load sets tokenizer_fingerprint).
-            fingerprints = (getattr(target, "tokenizer_fingerprint", None),
-                            getattr(draft, "tokenizer_fingerprint", None))
-            if None not in fingerprints and fingerprints[0] != fingerprints[1]:
-                raise ValueError(f"SpecDecoder: the draft's tokenizer must be the target's; "
-                                 f"their vocabularies differ (tokenizer fingerprints: target "
-                                 f"{fingerprints[0]}, draft {fingerprints[1]})")
-            if torch.device(dg.device) != torch.device(g.device):
-                raise ValueError(f"SpecDecoder: draft device must be the target's {g.device}, "
-                                 f"got {dg.device}")
         if ops is None:
             from verispec import ops
         if draft_branches > 1 or (ngram is not None and ngram.branches > 1):
@@ -363,28 +399,16 @@ class SpecDecoder:
         # A tensor-parallel target (verispec.distributed.shard) carries its collectives:
         # every rank runs this loop in lock-step; the step's times are agreed on (k="auto")
         # and the committed tokens checked (docs/distributed.md).
-        self._tp = getattr(target, "tp", None)
-        if draft is not None:
-            # a model (LlamaModel, HFModel) carries tp; a drafter (EarlyExit) its model's
-            draft_tp = getattr(draft, "tp", None) or getattr(getattr(draft, "model", None),
-                                                             "tp", None)
-            if draft_tp is not None and draft_tp is not self._tp:
-                raise ValueError(f"SpecDecoder: a tensor-parallel draft must share the target's "
-                                 f"collectives (target.tp {self._tp!r}), got {draft_tp!r}")
+        self._tp = _shared_tp(target, draft)
         self._agreement = self._tp.agreement() if self._tp is not None else None
         self.block_size = block_size
         self.shares_target_cache = shared
         self._models = {_TARGET: target}
-        target_pools = KVPools.allocate(g, num_blocks, block_size)
-        self._pools = {_TARGET: target_pools}
+        self._pools = {_TARGET: KVPools.allocate(g, num_blocks, block_size)}
         if draft is not None:
             self._models[_DRAFT] = draft
-            if shared:
-                n = draft.num_layers
-                self._pools[_DRAFT] = KVPools(k=target_pools.k[:n], v=target_pools.v[:n],
-                                              block_size=block_size)
-            else:
-                self._pools[_DRAFT] = KVPools.allocate(draft.geometry, draft_num_blocks, block_size)
+            self._pools[_DRAFT] = _draft_pools(draft, self._pools[_TARGET], shared,
+                                               draft_num_blocks, block_size)
         self._nvtx = _nvtx_range(self.device)
         self._q: torch.Tensor | None = None        # draft probabilities, reused across steps
         # every host -> device upload of a step and its one download (models/staging.py)
