@@ -72,6 +72,12 @@ Reported per case:
   result download, and ``staged_uploads_per_step``). transformers' generate is counted
   the same way (torch's syncs).
 
+- CUDA graphs (``LlamaModel.cuda_graphs``, on by default on CUDA): the same decoder run
+  again with every model's graphs switched off (``verispec_graphs_off``, alternating
+  with the timed runs; ``--no-graphs-off-baseline`` skips it), ``vs_graphs_off`` = on
+  over off, and each model's graph counters (``verispec.graphs``: captured, replayed,
+  refused, eager forwards).
+
 transformers runs prompt lookup and assisted generation at batch size 1 only; at larger
 batches its error message is recorded instead of a time. The JSON is rewritten after
 every case (``"complete": false`` until the end), so a run cut short keeps what it
@@ -338,6 +344,33 @@ class StaticCompiledEngine:
             del self.hf.forward
 
 
+class GraphsOffEngine:
+    """The same verispec engine (its decoder, its pools) with every model's CUDA graphs
+    switched off while it runs (``LlamaModel.graphs.enabled``; the graphs are kept)."""
+
+    def __init__(self, engine, models) -> None:
+        self.engine = engine
+        self.caches = [m.graphs for m in models if getattr(m, "graphs", None) is not None]
+
+    def run(self, prompts, n, eos):
+        saved = [(c, c.enabled) for c in self.caches]
+        for c, _ in saved:
+            c.enabled = False
+        try:
+            return self.engine.run(prompts, n, eos)
+        finally:
+            for c, on in saved:
+                c.enabled = on
+
+
+def graph_models(target, draft) -> list:
+    """The models whose forwards may replay CUDA graphs: the target, a draft's model."""
+    models = [target]
+    if getattr(draft, "model", None) is not None:
+        models.append(draft.model)
+    return [m for m in models if getattr(m, "cuda_graphs", False)]
+
+
 def bandwidth_fraction(weight_bytes: int, tok_s: float | None, batch: int, gbs: float):
     """weights bytes x forwards per second (one per `batch` new tokens) / the bandwidth."""
     if not tok_s:
@@ -389,6 +422,9 @@ def run_case(subject: Subject, pairing: str, batch: int, args, device: torch.dev
     draft = make_draft()
     ours = benchmark._VerispecEngine(target, draft, k, capacity, batch=batch, **decoder_kwargs)
     engines = {"verispec": ours}
+    graphed = graph_models(target, draft)
+    if graphed and args.graphs_off_baseline:
+        engines["verispec_graphs_off"] = GraphsOffEngine(ours, graphed)
     errors = {}
     if tree:
         row["transformers"] = {"error": "not run: transformers has no tree speculation"}
@@ -449,6 +485,11 @@ def run_case(subject: Subject, pairing: str, batch: int, args, device: torch.dev
         row["verispec"]["syncs"] = verispec_syncs(target, make_draft(), k, capacity, batch,
                                                   prompts, eos, device, args.sync_tokens,
                                                   decoder_kwargs)
+        if graphed:
+            row["verispec"]["graphs"] = {f"model{i}": m.graphs.stats()
+                                         for i, m in enumerate(graphed)}
+    if gens.get("verispec") and gens.get("verispec_graphs_off"):
+        row["vs_graphs_off"] = row["verispec"]["tok_s"] / row["verispec_graphs_off"]["tok_s"]
     if gens.get("transformers"):
         row["transformers"]["syncs"] = transformers_syncs(engines["transformers"], prompts, eos,
                                                           device, args.sync_tokens)
@@ -565,20 +606,23 @@ def print_row(r: dict) -> None:
     print(f"{r['model']:>8} {r['batch']:>3} {r['pairing']:>10} | {fmt(a.get('tok_s')):>8} | "
           f"{fmt(bw and 100 * bw):>5}% | {fmt(b.get('tok_s')):>8} | {fmt(c.get('tok_s')):>8} | "
           f"{fmt(r.get('ratio'), '.2f'):>5} | {fmt(r.get('vs_best_chain'), '.2f'):>5} | "
+          f"{fmt(r.get('vs_graphs_off'), '.2f'):>6} | "
           f"{fmt(a.get('acceptance'), '.2f'):>5} | {fmt(share and 100 * share):>5}% | "
           f"{fmt(syncs.get('torch_syncs_per_step'), '.1f'):>5} | "
           f"{fmt(syncs.get('blocking_reads_per_step'), '.1f'):>5} | {same:>4} | {exact:>5}",
           flush=True)
-    for side in ("verispec", "transformers", "transformers_static"):
+    for side in ("verispec", "verispec_graphs_off", "transformers", "transformers_static"):
         if "error" in (r.get(side) or {}):
             print(f"{'':>24} {side}: {r[side]['error'][:300]}", flush=True)
 
 
 HEADER = (f"{'model':>8} {'B':>3} {'pair':>10} | {'vs tok/s':>8} | {'bw':>6} | {'hf tok/s':>8} | "
-          f"{'hf stat.':>8} | {'ratio':>5} | {'tree/':>5} | {'acc':>5} | {'outside':>6} | "
+          f"{'hf stat.':>8} | {'ratio':>5} | {'tree/':>5} | {'graph/':>6} | {'acc':>5} | "
+          f"{'outside':>6} | "
           f"{'t.syn':>5} | {'reads':>5} | {'same':>4} | {'exact':>5}")
 HEADER_NOTE = ("bw: verispec's share of the bandwidth limit (--bandwidth-gbs); hf stat.: "
                "generate with a static cache, compiled; tree/: a tree row over the best chain; "
+               "graph/: CUDA graphs on over off (the same decoder); "
                "t.syn: torch's syncs per step (CUDA); reads: blocking reads per step (staging)")
 
 
@@ -616,6 +660,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth-gbs", type=float, default=H200_GBS,
                     help=f"the device's memory bandwidth in GB/s, for each cell's fraction of "
                          f"the bandwidth limit (default {H200_GBS:g}, an H200)")
+    ap.add_argument("--no-graphs-off-baseline", dest="graphs_off_baseline",
+                    action="store_false",
+                    help="skip the verispec_graphs_off runs (the same decoder with CUDA graphs "
+                         "off, for vs_graphs_off)")
     ap.add_argument("--no-static-compile", dest="static_compile", action="store_false",
                     help="leave out transformers' static-cache + torch.compile baseline")
     ap.add_argument("--compile-backend", default="inductor",

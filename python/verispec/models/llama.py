@@ -50,6 +50,7 @@ from verispec.models import quantized as _quantized
 from verispec.models.layers import kernels
 from verispec.models.layers.attention import (FlashInferAttention, TorchAttention,
                                               attend_long_row, select_backend)
+from verispec.models.layers.graphs import GraphCache, GraphInputs
 # native_linear, native_rms_norm and the two constants are imported from here too
 from verispec.models.layers.kernels import native_linear, native_rms_norm  # noqa: F401
 from verispec.models.layers.paged import (KERNEL_MAX_QUERIES, SMALL_ROW_QUERIES,  # noqa: F401
@@ -330,6 +331,28 @@ class _BatchInvariantOps(_TorchLayerOps):
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         out = _bi.attention(q, k_pool.view(-1, self.nkv, self.hd), v_pool.view(-1, self.nkv, self.hd),
                             self.keys, scaling=self.scaling)
+        return out.reshape(self.num_tokens, self.nh * self.hd)
+
+
+class _BucketLayerOps(_TorchLayerOps):
+    """A captured forward's steps between the products (``layers.graphs``): the torch
+    ops of _TorchLayerOps at a bucket's fixed shapes, writing through the bucket's
+    static slots and attending over each row's gathered keys with the mask the graph
+    builds (nothing read from the host)."""
+
+    def __init__(self, model: "LlamaModel", inputs: GraphInputs):
+        self.model, self.nh, self.nkv, self.hd = model, model._nh, model._nkv, model.config.head_dim
+        self.inputs = inputs
+        self.write = inputs.write
+        self.scaling = 1.0 / math.sqrt(self.hd)
+        self.norm = model._norm_fn()
+        self.cos = model._cos[inputs.positions][:, None, :]                   # [N, 1, hd]
+        self.sin = model._sin[inputs.positions][:, None, :]
+        self.num_tokens = inputs.bucket.tokens
+
+    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        out = self.inputs.attend(q, k_pool.view(-1, self.nkv, self.hd),
+                                 v_pool.view(-1, self.nkv, self.hd), self.scaling)
         return out.reshape(self.num_tokens, self.nh * self.hd)
 
 
@@ -656,6 +679,10 @@ class LlamaModel:
         self._cos = torch.cat([cos, cos], dim=-1).to(device)
         self._sin = torch.cat([-sin, sin], dim=-1).to(device)
         self._attention_backend = "auto"
+        #: The captured forwards (``layers.graphs.GraphCache``; on by default on a CUDA
+        #: device, ``cuda_graphs`` turns them off). Off CUDA None unless a test installs a
+        #: cache of ``layers.graphs.RecordedGraph``.
+        self.graphs: Optional[GraphCache] = GraphCache(device) if device.type == "cuda" else None
         self._bind_weights()
 
     def _bind_weights(self) -> None:
@@ -722,6 +749,27 @@ class LlamaModel:
                        who="LlamaModel.attention_backend")
         self._attention_backend = name
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode and verify forwards that fit a bucket (``layers.graphs``: up to
+        MAX_ROWS rows of up to MAX_QUERIES new tokens) replay CUDA graphs, each checked
+        bit for bit against an eager run before it is trusted. On by default on a CUDA
+        device (off with tensor parallelism, quantized matrices and the batch-invariant
+        mode, which run eagerly); set False to run every forward eagerly."""
+        return self.graphs is not None and self.graphs.enabled
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, on: bool) -> None:
+        if on and self.graphs is None:
+            if self.geometry.device.type != "cuda":
+                raise ValueError(f"LlamaModel.cuda_graphs: CUDA graphs need a CUDA device, "
+                                 f"got {self.geometry.device}")
+            self.graphs = GraphCache(self.geometry.device)
+        if self.graphs is not None:
+            self.graphs.enabled = bool(on)
+            if not on:
+                self.graphs.clear()
+
     def _torch_attention(self):
         """The attention of a forward off the native kernels: FlashInfer where the backend
         resolves to it, else SDPA with LlamaModel's rounding."""
@@ -758,6 +806,11 @@ class LlamaModel:
         draft.batch_invariant = self.batch_invariant
         draft.batch_invariant_torch = self.batch_invariant_torch
         draft._attention_backend = self._attention_backend
+        # its own graphs: its pools and layers are its own
+        draft.graphs = None
+        if self.graphs is not None:
+            draft.graphs = GraphCache(self.graphs.device, graph=self.graphs.graph_type)
+            draft.graphs.enabled = self.graphs.enabled
         return draft
 
     def __call__(self, batch: PagedBatch) -> torch.Tensor:
@@ -783,6 +836,12 @@ class LlamaModel:
         if ctx_max > g.max_context:
             raise ValueError(f"LlamaModel.forward: context_lens must be <= max_context = "
                              f"{g.max_context}, got {ctx_max}")
+        if self._graph_ok(batch):
+            kv = batch.kv
+            logits = self.graphs.forward(batch, lambda inputs: self._bucket_forward(inputs, kv),
+                                         -(-g.max_context // kv.block_size))
+            if logits is not None:
+                return logits
         bi_torch = self._batch_invariant_torch(batch)
         if bi_torch:
             ops = _BatchInvariantOps(self, batch, num_tokens, positions)
@@ -797,13 +856,24 @@ class LlamaModel:
                 and self._decode_layers is not None and not ops.long_rows
                 and _quantized.on_kernel(num_tokens)):
             ops.run_layers(self._decode_layers, x, batch.kv, inter)
-            layers = []
+            layers, h = [], None
         else:
             h = ops.norm(x, self._layers[0][0])
             layers = self._layers
+        x = self._layer_loop(ops, linear, x, h, layers, batch.kv, reduce)
+        x = x[batch.logits_indices.to(device)]
+        logits = linear(ops.norm(x, w.final_norm), w.lm_head)
+        if self.tp is not None:  # this rank's vocabulary slice -> every rank all of it
+            logits = self.tp.gather_vocab(logits, c.vocab_size)
+        return logits
+
+    def _layer_loop(self, ops: Any, linear: Any, x: torch.Tensor, h: Optional[torch.Tensor],
+                    layers: list, kv: Any, reduce: Any) -> torch.Tensor:
+        """The decoder layers over x (h: x normed for the first layer); returns x."""
+        inter = self._inter
         last = len(self._layers) - 1
         for i, ((_, wqkv, wo, mlp_norm, w_gate_up, w_down), k_pool, v_pool) in enumerate(zip(
-                layers, batch.kv.k, batch.kv.v)):
+                layers, kv.k, kv.v)):
             q = ops.rope_write(linear(h, wqkv), k_pool, v_pool)             # [T, nh, hd]
             attn = ops.attend(q, k_pool, v_pool)                            # [T, nh * hd]
             # residual adds after the product (not addmm, which rounds differently)
@@ -812,12 +882,26 @@ class LlamaModel:
             x, h = ops.add_norm(x, reduce(linear(ops.silu_mul(linear(h, w_gate_up), inter),
                                                  w_down)),
                                 None if i == last else self._layers[i + 1][0])
+        return x
 
-        x = x[batch.logits_indices.to(device)]
-        logits = linear(ops.norm(x, w.final_norm), w.lm_head)
-        if self.tp is not None:  # this rank's vocabulary slice -> every rank all of it
-            logits = self.tp.gather_vocab(logits, c.vocab_size)
-        return logits
+    def _graph_ok(self, batch: PagedBatch) -> bool:
+        """Whether this forward may run captured (``layers.graphs``): graphs on, the torch
+        ops path (not verispec's CPU kernels, not the batch-invariant mode), dense
+        weights, one process."""
+        return (self.graphs is not None and self.graphs.enabled and self.tp is None
+                and not self.quantized and not self.batch_invariant
+                and not self._use_native_ops(batch))
+
+    def _bucket_forward(self, inputs: GraphInputs, kv: Any) -> torch.Tensor:
+        """The logits of every token of a bucket's forward from its static inputs (the
+        body a graph captures): the layers of ``forward`` at fixed shapes."""
+        w = self.weights
+        ops = _BucketLayerOps(self, inputs)
+        linear = self._linear(inputs.bucket.tokens)
+        x = F.embedding(inputs.ids, w.embed)
+        x = self._layer_loop(ops, linear, x, ops.norm(x, self._layers[0][0]), self._layers,
+                             kv, lambda t: t)
+        return linear(ops.norm(x, w.final_norm), w.lm_head)
 
     def _batch_invariant_torch(self, batch: PagedBatch) -> bool:
         """Whether this forward runs _BatchInvariantOps and batch_invariant.linear: the

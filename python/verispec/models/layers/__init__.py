@@ -6,6 +6,9 @@
   indices, masks for chains, trees and sliding windows, the native kernels' index).
 - ``attention``: the attention backends over that plan ("native", "sdpa",
   "flashinfer") and ``select_backend``.
+- ``graphs``: LlamaModel's forwards captured as CUDA graphs per (rows, queries, key
+  blocks) bucket, with static inputs, padding that writes nowhere and a bit check
+  against eager before a graph is trusted (``GraphCache``, ``bucket_for``).
 
 The C++ side is ``csrc/layers/`` (headers ``csrc/include/verispec/layers/``).
 """
