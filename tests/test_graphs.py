@@ -303,6 +303,23 @@ def test_a_capture_that_differs_from_eager_is_refused(folder):
     assert stats["eager"] > stats["refused"]  # refused buckets stay eager afterwards
 
 
+class _UncapturableGraph(RecordedGraph):
+    """A body the graph cannot take (on CUDA: an op that synchronises, say)."""
+
+    def capture(self, body):
+        body()
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_capture_that_raises_leaves_the_bucket_eager(folder):
+    broken = _model(folder, graph=_UncapturableGraph)
+    plain = _model(folder, graphs_on=False)
+    assert _generate(broken, "draft", 3) == _generate(plain, "draft", 3)
+    stats = broken.graphs.stats()
+    assert stats["refused"] >= 1 and stats["replays"] == 0, stats
+    assert "not permitted" in broken.graphs.last_error
+
+
 def test_the_cache_keeps_the_most_recent_graphs(folder, monkeypatch):
     monkeypatch.setattr(graphs, "MAX_GRAPHS", 2)
     model = _model(folder)
@@ -386,3 +403,23 @@ def test_cuda_graphs_on_by_default_and_checked(folder, source):
     model.cuda_graphs = False  # the switch: nothing captured or replayed after it
     _decoder(model, source).generate(_prompts(8), max_new_tokens=16, greedy=True)
     assert model.graphs.stats()["graphs"] == 0
+
+
+def test_the_cli_flag_turns_a_models_graphs_off(monkeypatch):
+    from verispec import models
+    from verispec.cli import common
+    from verispec.cli.parser import build_parser
+
+    class Model:  # what the loader hands back on a GPU: graphs on
+        cuda_graphs = True
+
+    monkeypatch.setattr(models, "load", lambda name, **kw: (Model(), "tok"))
+    parser = build_parser()
+    for command in ("generate --prompt hi", "serve"):
+        args = parser.parse_args([*command.split(), "--no-cuda-graphs"])
+        assert args.cuda_graphs is False
+        assert parser.parse_args(command.split()).cuda_graphs is True
+    model, _ = common._load("m", "--model", cuda_graphs=False)
+    assert model.cuda_graphs is False
+    model, _ = common._load("m", "--model")
+    assert model.cuda_graphs is True

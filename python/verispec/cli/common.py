@@ -39,20 +39,24 @@ def _check_device(device: str, arg: str = "--device") -> None:
 
 
 def _load(name: str, arg: str, *, device: str = "cpu", dtype: Any = None,
-          batch_invariant: bool = False):
+          batch_invariant: bool = False, cuda_graphs: bool = True):
     """models.load(name) with the loaders' actionable errors turned into UsageError
-    (dtype None: the loaders' default)."""
+    (dtype None: the loaders' default); ``cuda_graphs`` False turns a CUDA model's
+    graphs off (--no-cuda-graphs)."""
     try:
         from verispec import models
     except ModuleNotFoundError as e:
         raise UsageError(_missing_package(e, "loading models")) from None
     try:
-        return models.load(name, device=device, dtype=dtype, batch_invariant=batch_invariant)
+        model, tok = models.load(name, device=device, dtype=dtype, batch_invariant=batch_invariant)
     except ModuleNotFoundError as e:
         raise UsageError(f"argument {arg}: {_missing_package(e, f'loading {name!r}')}") from None
     except (FileNotFoundError, ValueError, KeyError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         raise UsageError(f"argument {arg}: {message}") from None
+    if not cuda_graphs and getattr(model, "cuda_graphs", False):
+        model.cuda_graphs = False
+    return model, tok
 
 
 def _missing_package(e: ModuleNotFoundError, what: str) -> str:
@@ -184,7 +188,8 @@ def _make_draft(args: argparse.Namespace, model, tok, device: str, dtype):
             raise UsageError(f"argument --early-exit-layers: expected an int in [1, {layers - 1}] "
                              f"(the target has {layers} layers), got {n}")
         return EarlyExit(model, num_layers=n), f"early exit after {n} of {layers} layers", None
-    draft, draft_tok = _load(choice, arg, device=device, dtype=dtype)
+    draft, draft_tok = _load(choice, arg, device=device, dtype=dtype,
+                             cuda_graphs=getattr(args, "cuda_graphs", True))
     # Token ids mean the same in both models only with the same tokenizer; the vocabulary
     # sizes (embedding rows) may differ, the decoder pads the shorter one.
     target_fp, draft_fp = _fingerprint(model, tok), _fingerprint(draft, draft_tok)

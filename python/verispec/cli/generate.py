@@ -125,7 +125,7 @@ def _set_up(args: argparse.Namespace, tp) -> _Setup:
 
     t0 = time.perf_counter()
     model, tok = _load(args.model, "--model", device=args.device, dtype=dtype,
-                       batch_invariant=args.batch_invariant)
+                       batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs)
     if tp is not None:
         model = _tp_shard(model, tp, "--model")
     load_s = time.perf_counter() - t0

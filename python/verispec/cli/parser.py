@@ -136,6 +136,10 @@ def _device_arguments(g: argparse.ArgumentParser) -> None:
                         "checkpoint's dtype on a GPU (float32 for GGUF); float32 dequantizes "
                         "a GGUF at load (default: %(default)s)")
     g.add_argument("--threads", type=_int_at_least(1), help="torch CPU threads (default: torch's)")
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="on a GPU, run every forward eagerly (default: decode and verify "
+                        "forwards of the native Llama replay CUDA graphs, each checked bit "
+                        "for bit against eager before use)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="the target gives a token the same logits bits whatever shares its "
                         "pass (1 token, a verify pass, a tree, other requests), so speculative "

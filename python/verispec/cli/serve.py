@@ -30,7 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     t0 = time.perf_counter()
     model, tok = _load(args.model, "--model", device=args.device, dtype=dtype,
-                       batch_invariant=args.batch_invariant)
+                       batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs)
     load_s = time.perf_counter() - t0
     draft, draft_desc, draft_arg = _make_draft(args, model, tok, args.device, dtype)
     k = 0 if draft is None else args.k

@@ -299,11 +299,14 @@ class GraphCache:
         self._seen: dict[tuple, int] = {}
         self._pool: Any = None
         self._stats = dict(captures=0, replays=0, refused=0, evicted=0, eager=0)
+        #: Why the latest capture failed (None: none did).
+        self.last_error: Optional[str] = None
 
     def stats(self) -> dict[str, int]:
         """Counters since construction: ``captures`` (graphs captured and checked),
         ``replays`` (forwards served by a trusted graph), ``refused`` (captures whose
-        check failed: those buckets stay eager), ``evicted`` and ``eager`` (forwards
+        check failed or that raised, ``last_error``: those buckets stay eager),
+        ``evicted`` and ``eager`` (forwards
         that fit no bucket, or whose bucket is not captured yet or was refused)."""
         return dict(self._stats, graphs=len(self._entries))
 
@@ -355,7 +358,15 @@ class GraphCache:
             self._stats["eager"] += 1
             return None
         if entry.graph is None:
-            return self._capture(entry, body, picks)
+            try:
+                return self._capture(entry, body, picks)
+            except Exception as e:  # noqa: BLE001 - a body that cannot be captured
+                # here: this bucket runs eagerly (the caller's path rewrites the same
+                # slots), and why is kept for stats()
+                entry.refused = True
+                self._stats["refused"] += 1
+                self.last_error = f"{type(e).__name__}: {e}"
+                return None
         entry.graph.replay()
         self._stats["replays"] += 1
         return entry.graph.out.index_select(0, picks)
