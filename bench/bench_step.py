@@ -150,9 +150,20 @@ def measure(model, source: str, B: int, k: int, steps: int, device: str) -> dict
     total = 0.0
     n = 0
     staged_before = dec.staging.stats()
+    # CUDA graphs (LlamaModel.cuda_graphs): a step that captures one waits for its check
+    caches = [c for c in (getattr(model, "graphs", None),
+                          getattr(getattr(getattr(draft, "model", None), "model", None),
+                                  "graphs", None)) if c is not None]
+
+    def graph_events() -> int:
+        return sum(c.stats()["captures"] + c.stats()["refused"] for c in caches)
+
+    capture_steps, plain_syncs = 0, 0
     for _ in range(steps):
         if not dec.has_running():
             break
+        events = graph_events()
+        syncs_before = syncs
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("warn")
@@ -169,6 +180,10 @@ def measure(model, source: str, B: int, k: int, steps: int, device: str) -> dict
                 syncs += 1
                 site = f"{Path(w.filename).name}:{w.lineno}"
                 sync_sites[site] = sync_sites.get(site, 0) + 1
+        if graph_events() != events:
+            capture_steps += 1
+        else:
+            plain_syncs += syncs - syncs_before
         n += 1
     staged = {k: v - staged_before[k] for k, v in dec.staging.stats().items()
               if k in ("uploads", "upload_bytes", "blocking_reads", "host_rollovers")}
@@ -200,6 +215,12 @@ def measure(model, source: str, B: int, k: int, steps: int, device: str) -> dict
         "calls": {key: v / n for key, v in sorted(counts.items())},
         "syncs_per_step": syncs / n if cuda else None,
         "sync_sites": sync_sites if cuda else None,
+        # steps that captured a CUDA graph (each waits for its bit check), and the syncs
+        # per step of the others
+        "graph_capture_steps": capture_steps,
+        "syncs_per_step_without_capture": (plain_syncs / (n - capture_steps)
+                                           if cuda and n > capture_steps else None),
+        "graphs": [c.stats() for c in caches],
         # through the step's PlanStaging (models/staging.py): the one blocking read is
         # the result download; uploads are asynchronous (pinned on CUDA)
         "staged_uploads_per_step": staged["uploads"] / n,
