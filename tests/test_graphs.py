@@ -17,7 +17,6 @@ dropped). Each comparison has a power check next to it.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 import torch
@@ -34,6 +33,7 @@ from verispec.models.layers.graphs import (Bucket, GraphCache, GraphInputs, Reco
 from verispec.models.loaders import load_model  # noqa: E402
 from verispec.models.staging import TransferAudit  # noqa: E402
 from verispec.models.testing import randomize_weights  # noqa: E402
+from test_staging import cuda_sync_sites  # noqa: E402
 
 VOCAB = 97
 
@@ -389,15 +389,9 @@ def test_cuda_graphs_on_by_default_and_checked(folder, source):
     syncs = []
     while dec.has_running():
         captures = model.graphs.stats()["captures"]
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                dec.step()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+        sites = cuda_sync_sites(dec.step)
         if model.graphs.stats()["captures"] == captures:
-            syncs.append(sum("synchroniz" in str(w.message).lower() for w in caught))
+            syncs.append(len(sites))
     assert syncs and max(syncs) <= 1, syncs
     assert model.graphs.stats()["replays"] > stats["replays"]
     model.cuda_graphs = False  # the switch: nothing captured or replayed after it

@@ -187,6 +187,19 @@ def test_the_audit_fails_a_plan_that_uploads_directly(models, monkeypatch):
     assert any("paged.py" in site for site in audit.sites), audit.sites
 
 
+def cuda_sync_sites(step) -> list[str]:
+    """Runs ``step()`` and returns where torch saw it synchronise with the device
+    (set_sync_debug_mode("warn") flags every synchronising call)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("source", ["ngram", "draft"])
@@ -206,15 +219,7 @@ def test_a_cuda_step_synchronises_once(tmp_path, source, batch):
     torch.cuda.synchronize()
     steps, syncs = 0, []
     while dec.has_running() and steps < 4:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                dec.step()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        syncs.append([f"{w.filename}:{w.lineno}" for w in caught
-                      if "synchroniz" in str(w.message).lower()])
+        syncs.append(cuda_sync_sites(dec.step))
         steps += 1
     assert steps >= 1
     assert all(len(s) <= 1 for s in syncs), syncs
