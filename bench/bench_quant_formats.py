@@ -21,6 +21,11 @@ The 256-weight formats (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) need every K a mul
 
     .venv/bin/python bench/bench_quant_formats.py --shape 1.7B --threads 2 --rounds 21 \
         --formats Q4_0 Q2_K Q3_K Q4_K
+
+``--from-cache`` times the arithmetic instead of the memory: one layer's matrices, each cut
+to 256 rows, in every layer (a few MB, from cache); ``--threads 1 --from-cache`` is a
+core's speed per format, which at 2 threads must exceed the machine's read bandwidth for
+the streaming pass to reach it.
 """
 
 from __future__ import annotations
@@ -58,6 +63,10 @@ def main(argv=None) -> int:
                     help="formats of verispec._C.quant_formats(), or F32 (the float32 kernel)")
     ap.add_argument("--rows", type=int, default=1, help="rows of x (tokens in the pass)")
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--from-cache", action="store_true",
+                    help="the arithmetic's own speed: every layer reuses one layer's matrices, "
+                         "each cut to its first 256 rows (a few MB, read from cache), so the "
+                         "pass measures the kernels' arithmetic instead of this machine's memory")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("bench/out/quant_formats.json"))
     args = ap.parse_args(argv)
@@ -69,6 +78,9 @@ def main(argv=None) -> int:
         ap.error("--formats must include Q4_0 (the reference of the ratios)")
     layers = SHAPES[args.shape][5]
     shapes = layer_matrices(args.shape) * layers
+    if args.from_cache:
+        shapes = [(min(n, 256), k) for n, k in shapes]
+    seeds = [i % 7 if args.from_cache else i for i in range(len(shapes))]  # 7 matrices a layer
     for fmt in args.formats:
         block = _C.quant_formats()[fmt][1] if fmt != "F32" else 1
         ks = sorted({k for _, k in shapes if k % block})
@@ -81,7 +93,7 @@ def main(argv=None) -> int:
     for fmt in args.formats:
         if fmt == "F32":
             mats = [torch.randn(n, k, generator=torch.Generator().manual_seed(i)) * 0.02
-                    for i, (n, k) in enumerate(shapes)]
+                    for i, (n, k) in zip(seeds, shapes)]
             nbytes[fmt] = sum(w.numel() * 4 for w in mats)
 
             def run(x, mats=mats):
@@ -92,8 +104,13 @@ def main(argv=None) -> int:
                                          x[k].shape[0], n, k, k, k, n, threads, False)
         else:
             int8 = fmt not in FLOAT16_FORMATS  # F16 / BF16: the float arithmetic, file layout
-            mats = [QuantizedMatrix.from_bytes(random_quant_blocks(fmt, n, k, seed=i), fmt, k)
-                    .for_arithmetic("int8" if int8 else "float") for i, (n, k) in enumerate(shapes)]
+            made = {}  # --from-cache: one object per distinct matrix, so the layers share it
+            for i, (n, k) in zip(seeds, shapes):
+                if (i, n, k) not in made:
+                    made[i, n, k] = QuantizedMatrix.from_bytes(
+                        random_quant_blocks(fmt, n, k, seed=i), fmt, k).for_arithmetic(
+                        "int8" if int8 else "float")
+            mats = [made[i, n, k] for i, (n, k) in zip(seeds, shapes)]
             nbytes[fmt] = sum(m.nbytes for m in mats)
             tid = _C.quant_formats()[fmt][0]
 
@@ -128,7 +145,9 @@ def main(argv=None) -> int:
     h, inter, heads, kv, hd, _ = SHAPES[args.shape]
     title = (f"{args.shape}-shaped decoding pass (hidden {h}, intermediate {inter}, {heads}/{kv} "
              f"heads, {layers} layers, no head), M = {args.rows}, {threads} threads, "
-             f"{args.rounds} rounds, int8 path {_C.quant_int8_path('auto')}")
+             f"{args.rounds} rounds, int8 path {_C.quant_int8_path('auto')}"
+             + (", from cache (one layer's matrices, 256 rows each, in every layer)"
+                if args.from_cache else ""))
     lines = [title, "", "| format | MB | best ms | median ms | GB/s (best) | time / Q4_0 | bytes / Q4_0 |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -138,6 +157,7 @@ def main(argv=None) -> int:
     write_result(args.out, {
         "benchmark": "quantized kernels per format, one decoding pass of a model shape",
         "shape": args.shape, "rows": args.rows, "rounds": args.rounds,
+        "from_cache": args.from_cache,
         "environment": cpu_kernel_environment(threads), "results": rows}, "\n".join(lines))
     return 0
 

@@ -97,5 +97,26 @@ def test_tiny_preset_plain_only_without_llama_cpp(tmp_path):
         "verispec quantized plain", "verispec quantized/float plain", "verispec float32 plain"}
     assert all(r["bandwidth_share"] == pytest.approx(r["gen_tok_s"] / r["bandwidth_bound_tok_s"])
                for r in result["rows"])
+    # each row's bound: the bandwidth samples around its runs (before each of its two runs
+    # and after the second, per round), their median
+    assert all(len(r["read_bandwidth_samples"]) == 3 and min(r["read_bandwidth_samples"]) > 0
+               and r["read_bandwidth_gb_s"] == pytest.approx(sorted(r["read_bandwidth_samples"])[1])
+               for r in result["rows"])
+    assert len(result["read_bandwidth_samples"]) == 3 * len(result["rows"])
+    assert result["targets"]["open chat"]["plain_vs_bandwidth_bound"]["target"] == 0.70
     assert "ngram_vs_llama_cpp_best" not in result["targets"]["open chat"]
     assert "bandwidth share" in p.stdout
+
+
+def test_the_1_7b_q4_k_m_preset_is_held_to_95_percent_of_the_bound():
+    """Issue 47's target: `--preset 1.7B` Q4_K_M at 95% of the read bandwidth; other files
+    at issue 23's 70%. A row at 90% of its bound meets the one and not the other."""
+    bench = _bench()
+    assert bench.BANDWIDTH_TARGETS[("1.7B", "Q4_K_M")] == 0.95
+    rows = [{"prompt": "p", "engine": "verispec quantized plain", "gen_tok_s": 9.0,
+             "bandwidth_bound_tok_s": 10.0}]
+    assert bench.targets(rows, "p")["plain_vs_bandwidth_bound"]["met"] is True
+    strict = bench.targets(rows, "p", bench.BANDWIDTH_TARGETS[("1.7B", "Q4_K_M")])
+    assert strict["plain_vs_bandwidth_bound"] == {
+        "ratio_of": "verispec quantized plain / bandwidth-bound", "ratio": 0.9, "target": 0.95,
+        "met": False}

@@ -6,6 +6,7 @@ the same whatever shares the call) for every instruction set this CPU runs; the 
 split; the argument checks; and the Llama model with and without the kernel.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -270,3 +271,29 @@ def test_model_native_norm_matches_torch():
 
     for a, b in zip(run(True), run(False)):
         assert (a - b).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("nbytes", [0, 7, 8, 64, 1000, 4096 + 24, 1 << 20])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_read_stream_reads_every_whole_word(nbytes, threads):
+    """_C.read_stream (the benchmarks' bandwidth probe) reads each whole 64-bit word once,
+    on any split: its XOR equals numpy's over the same words, whatever the thread count,
+    and a change to one word, including the last one, changes it."""
+    g = torch.Generator().manual_seed(nbytes)
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    words = buf[: nbytes // 8 * 8].numpy().view(np.uint64)
+    want = int(np.bitwise_xor.reduce(words)) if words.size else 0
+    assert _C.read_stream(buf, threads) == want
+    if words.size:
+        last = nbytes // 8 * 8 - 1
+        buf[last] ^= 0x80
+        assert _C.read_stream(buf, threads) == want ^ (0x80 << 56)
+
+
+def test_read_stream_errors():
+    with pytest.raises(ValueError, match="num_threads must be >= 1, got 0"):
+        _C.read_stream(torch.zeros(8, dtype=torch.uint8), 0)
+    with pytest.raises((TypeError, ValueError), match="buffer"):
+        _C.read_stream(torch.zeros(8, dtype=torch.float32), 1)
+    with pytest.raises((TypeError, ValueError), match="buffer"):
+        _C.read_stream(torch.zeros(16, dtype=torch.uint8)[::2], 1)

@@ -665,6 +665,19 @@ void register_layers(py::module_& m) {
   m.def("linear_isas", &supported_isas, "instruction sets the linear kernel can use here");
   m.def("linear_best_isa", [] { return std::string(linear_isa_name(linear_best_isa())); },
         "the instruction set isa='auto' uses");
+  m.def("read_stream",
+        [](const py::handle& buf_obj, int num_threads) {
+          const TensorView buf = TensorView::from(buf_obj, "read_stream", "buffer");
+          buf.expect({DType::kUInt8}, {{"bytes", kAnyDim}}).expect_cpu().expect_contiguous();
+          if (num_threads < 1)
+            throw py::value_error("read_stream: num_threads must be >= 1, got " +
+                                  std::to_string(num_threads));
+          py::gil_scoped_release release;
+          return read_stream(buf.raw_data(), buf.size(0), num_threads);
+        },
+        py::arg("buffer"), py::arg("num_threads"),
+        "reads a 1-D contiguous uint8 CPU tensor once on the product kernels' threads and "
+        "returns its 64-bit words XORed (a memory-bandwidth probe for the benchmarks)");
   m.def("linear_threads", [] { return std::string(linear_threads_name()); },
         "whose threads split calls run on: 'openmp' (the process's runtime) or 'verispec'");
   m.attr("LINEAR_ROW_BLOCK") = kLinearRowBlock;

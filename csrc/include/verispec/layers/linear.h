@@ -55,6 +55,13 @@ struct LinearArgs {
 // torch's) or "verispec" (the kernel's own workers).
 const char* linear_threads_name();
 
+// Reads `bytes` bytes at p once, split in num_threads contiguous parts on the threads the
+// products run on (the same split as linear_f32's), and returns their 64-bit words XORed
+// together (so the reads cannot be left out). The benchmarks time it to measure how fast
+// this machine streams memory to those threads, the bound a decoding step that reads its
+// weights once cannot beat. Words are read whole: bytes % 8 trailing bytes are left out.
+uint64_t read_stream(const void* p, int64_t bytes, int num_threads);
+
 // y = x w^T. Returns an empty string, or what is wrong with the arguments (nothing is
 // written then). y must not overlap x or w.
 std::string linear_f32(const LinearArgs& args);
