@@ -467,12 +467,17 @@ def main(argv=None) -> int:
             t1, tn = (statistics.median(times[p, name][c]) for c in (1, n))
             b = nbytes[id(f_model if "float32" in name else q_model)]
             bw = statistics.median(around[p, name])
+            # per round: that round's two runs over the 3 samples taken around them
+            per_round = [(n - 1) / (tn_r - t1_r) / (statistics.median(around[p, name][3 * r:3 * r + 3])
+                                                    * 1e9 / b)
+                         for r, (t1_r, tn_r) in enumerate(zip(times[p, name][1], times[p, name][n]))]
             rows.append({"prompt": p, "engine": name, "gen_tok_s": (n - 1) / (tn - t1),
                          "incl_prefill_tok_s": n / tn, "total_s": tn, "first_token_s": t1,
                          "prompt_tokens": len(ids), "weight_bytes_per_token": b,
                          "read_bandwidth_gb_s": bw, "read_bandwidth_samples": around[p, name],
                          "bandwidth_bound_tok_s": bw * 1e9 / b,
                          "bandwidth_share": (n - 1) / (tn - t1) / (bw * 1e9 / b),
+                         "bandwidth_share_per_round": per_round,
                          "same_tokens_as_verispec_quantized_plain":
                              tokens[p, name] == tokens[p, "verispec quantized plain"]})
     bandwidth_target = BANDWIDTH_TARGETS.get((args.preset, args.ftype), BANDWIDTH_TARGET)

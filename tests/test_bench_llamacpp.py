@@ -103,6 +103,8 @@ def test_tiny_preset_plain_only_without_llama_cpp(tmp_path):
                and r["read_bandwidth_gb_s"] == pytest.approx(sorted(r["read_bandwidth_samples"])[1])
                for r in result["rows"])
     assert len(result["read_bandwidth_samples"]) == 3 * len(result["rows"])
+    assert all(len(r["bandwidth_share_per_round"]) == 1 and r["bandwidth_share_per_round"][0]
+               == pytest.approx(r["bandwidth_share"]) for r in result["rows"])  # one round
     assert result["targets"]["open chat"]["plain_vs_bandwidth_bound"]["target"] == 0.70
     assert "ngram_vs_llama_cpp_best" not in result["targets"]["open chat"]
     assert "bandwidth share" in p.stdout
