@@ -204,6 +204,31 @@ def test_rows_do_not_depend_on_the_rest_of_the_call(fmt, isa, arithmetic):
 INT8_PATHS = ["scalar", "avx2-maddubs", "avx-vnni", "avx512-vnni"]
 
 
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q4_0"])
+def test_int8_threads_take_every_chunk_once(fmt, packed):
+    """The int8 product's columns are cut in chunks that threads take from their own part's
+    front and, out of their own, from the others' back: with 1..12 threads and column
+    counts that leave a short last group, a short last chunk, parts of one chunk and parts
+    of many, every column is written exactly once (the output starts as NaN) and equals
+    the one-thread bits. A chunk skipped leaves NaN; one taken by two threads or the wrong
+    column range gives other bits."""
+    k = _k_for(fmt, 1)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, k, generator=g)
+    for n in (16, 37, 16 * 17 + 3, 16 * 257, 4099):
+        data = random_blocks(fmt, n, k, seed=n)
+        w = ops.quant_pack(data, fmt) if packed else data
+        kwargs = {"packed_rows": n} if packed else {}
+        want = ops.quant_linear(x, w, fmt, num_threads=1, **kwargs)
+        assert not torch.isnan(want).any()
+        for threads in (2, 3, 5, 8, 12):
+            for m in (1, 3):
+                out = torch.full((m, n), float("nan"))
+                ops.quant_linear(x[:m], w, fmt, out=out, num_threads=threads, **kwargs)
+                assert torch.equal(out, want[:m]), (n, threads, m)
+
+
 @pytest.mark.parametrize("path", INT8_PATHS)
 def test_int8_paths_compute_the_same_bits(path):
     """Each int8 code path this CPU runs (forced, whatever the isa) gives the scalar path's
