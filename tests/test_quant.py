@@ -274,6 +274,52 @@ def test_int8_rows_with_zeros_and_non_finite_values():
     assert torch.equal(ops.quant_linear(x[:1], data, "Q4_1")[0], y[0])
 
 
+
+def test_int8_x_quantization_is_the_same_on_every_path():
+    """x's int8 quantization (vectorized on the AVX-512 path, plain C++ on the scalar one)
+    gives the same bits for the values where a rounding or a comparison could differ:
+    rounding ties (to even: 0.5 -> 0, 1.5 -> 2, -2.5 -> -2), -0.0, subnormals, blocks
+    whose largest value is FLT_MAX or a subnormal, an all-zero block, and a block holding
+    an inf or a NaN (that row's outputs all NaN). Each path is compared with the scalar
+    path's outputs over Q8_0 weights of all ones at one scale (so y is sum_b dx_b * sum q),
+    and with a Q8_0 row holding a single 1 at each position (y is dx * q at that position:
+    every quant seen on its own)."""
+    k = 6 * 32
+    x = torch.zeros(3, k)
+    x[0, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5] + [-0.0] * 24)
+    x[0, 32:64] = torch.linspace(-1, 1, 32) * 1e-39  # subnormals, largest too
+    x[0, 64:96] = torch.tensor([3.4028234663852886e38, -1.0e38] + [1e30] * 30)
+    x[0, 96:128] = 0.0
+    x[0, 128:160] = torch.randn(32, generator=torch.Generator().manual_seed(3)) * 1e-3
+    x[0, 160:192] = torch.arange(32, dtype=torch.float32) - 15.5  # halves after the scale
+    x[1] = x[0]
+    x[1, 5] = float("inf")
+    x[2] = x[0]
+    x[2, 170] = float("nan")
+    one = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # float16 1.0
+    ones = torch.cat([one, torch.ones(32, dtype=torch.uint8)]).repeat(k // 32).view(1, -1)
+    unit = []
+    for e in range(k):  # row e: 1 at position e, 0 elsewhere
+        row = torch.cat([one, torch.zeros(32, dtype=torch.uint8)]).repeat(k // 32)
+        row[(e // 32) * 34 + 2 + e % 32] = 1
+        unit.append(row)
+    data = torch.cat([ones, torch.stack(unit)])
+    try:
+        _C._quant_int8_force_path("scalar")
+        want = ops.quant_linear(x, data, "Q8_0", num_threads=1)
+        assert torch.isnan(want[1:]).all() and not torch.isnan(want[0]).any()
+        assert want[0, 1 + 1] == 0.0 and want[0, 1 + 2] == want[0, 1 + 3] != 0.0  # ties to even
+        for path in INT8_PATHS[1:]:
+            try:
+                _C._quant_int8_force_path(path)
+            except ValueError:
+                continue  # a path this CPU lacks (refusal tested above)
+            got = ops.quant_linear(x, data, "Q8_0", num_threads=1)
+            assert torch.equal(got[0], want[0]), path
+            assert torch.isnan(got[1:]).all(), path
+    finally:
+        _C._quant_int8_force_path("")
+
 def test_quantized_matrix_parts_and_prefill_tiles(monkeypatch):
     """A matrix of parts in different formats: products of few rows (native kernel, in
     either arithmetic) and of many rows (dequantized tiles into torch.mm) both match its
