@@ -110,14 +110,17 @@ __attribute__((target("avx2"))) VERISPEC_INLINE float dot_avx2(const float* a, c
 #endif
 
 // scores[g * ld + j] = (q_g . k_j) * scale for query heads g < nq (rows of q, d apart) and
-// the keys j < keys at k_pool + (slots[j] * nkv + kvh) * d.
+// the keys j < keys at k_pool + (slots[j] * nkv + kvh + g / group) * d: query head g reads
+// KV head kvh + g / group (a call of one KV head's query heads: nq <= group).
 #define VERISPEC_SCORES(suffix, target_attr, dot_fn)                                          \
   target_attr void scores_##suffix(const float* q, const float* k_pool, const int64_t* slots,  \
                                    int64_t keys, int64_t nkv, int64_t kvh, int64_t d,          \
-                                   int64_t nq, float scale, float* scores, int64_t ld) {       \
+                                   int64_t nq, int64_t group, float scale, float* scores,      \
+                                   int64_t ld) {                                               \
     for (int64_t g = 0; g < nq; ++g)                                                           \
       for (int64_t j = 0; j < keys; ++j)                                                       \
-        scores[g * ld + j] = dot_fn(q + g * d, k_pool + (slots[j] * nkv + kvh) * d, d) * scale; \
+        scores[g * ld + j] =                                                                   \
+            dot_fn(q + g * d, k_pool + (slots[j] * nkv + kvh + g / group) * d, d) * scale;     \
   }
 
 // out[g] = sum_j p[g * ldp + j] * v_j (j < keys in order, from 0, or with `accumulate`
@@ -126,12 +129,13 @@ __attribute__((target("avx2"))) VERISPEC_INLINE float dot_avx2(const float* a, c
 // compiler vectorizes over the d elements).
 VERISPEC_INLINE void values_loops(const float* p, int64_t ldp, const float* v_pool,
                                   const int64_t* slots, int64_t keys, int64_t nkv, int64_t kvh,
-                                  int64_t d, int64_t nq, float* out, bool accumulate) {
+                                  int64_t d, int64_t nq, int64_t group, float* out,
+                                  bool accumulate) {
   if (!accumulate)
     for (int64_t i = 0; i < nq * d; ++i) out[i] = 0.0f;
   for (int64_t j = 0; j < keys; ++j) {
-    const float* v = v_pool + (slots[j] * nkv + kvh) * d;
     for (int64_t g = 0; g < nq; ++g) {
+      const float* v = v_pool + (slots[j] * nkv + kvh + g / group) * d;
       const float pj = p[g * ldp + j];
       float* o = out + g * d;
       for (int64_t i = 0; i < d; ++i) o[i] += pj * v[i];
@@ -141,17 +145,17 @@ VERISPEC_INLINE void values_loops(const float* p, int64_t ldp, const float* v_po
 
 VERISPEC_SCORES(portable, , dot)
 void values_portable(const float* p, int64_t ldp, const float* v_pool, const int64_t* slots,
-                     int64_t keys, int64_t nkv, int64_t kvh, int64_t d, int64_t nq, float* out,
-                     bool accumulate) {
-  values_loops(p, ldp, v_pool, slots, keys, nkv, kvh, d, nq, out, accumulate);
+                     int64_t keys, int64_t nkv, int64_t kvh, int64_t d, int64_t nq, int64_t group,
+                     float* out, bool accumulate) {
+  values_loops(p, ldp, v_pool, slots, keys, nkv, kvh, d, nq, group, out, accumulate);
 }
 #if VERISPEC_X86
 VERISPEC_SCORES(avx2, __attribute__((target("avx2"))), dot_avx2)
 __attribute__((target("avx2"))) void values_avx2(const float* p, int64_t ldp, const float* v_pool,
                                                  const int64_t* slots, int64_t keys, int64_t nkv,
-                                                 int64_t kvh, int64_t d, int64_t nq, float* out,
-                                                 bool accumulate) {
-  values_loops(p, ldp, v_pool, slots, keys, nkv, kvh, d, nq, out, accumulate);
+                                                 int64_t kvh, int64_t d, int64_t nq, int64_t group,
+                                                 float* out, bool accumulate) {
+  values_loops(p, ldp, v_pool, slots, keys, nkv, kvh, d, nq, group, out, accumulate);
 }
 
 // AVX-512 with d = 16 C (C = 4, 8: head sizes 64 and 128): q's and the output rows stay in
@@ -191,48 +195,92 @@ __attribute__((target("avx512f,avx2"))) VERISPEC_INLINE __m512 reduce16_avx512(c
   return _mm512_permutexvar_ps(order, r);
 }
 
-// Each query head (its q in registers) over the keys 16 at a time: their sums as
-// score_avx512 forms them, reduced together (reduce16_avx512); the last keys one by one.
+// The keys 16 at a time, each query head's 16 sums (its q in registers) as score_avx512
+// forms them, reduced together (reduce16_avx512); the last keys one by one. The key blocks
+// are the outer loop: a call of several KV heads (a decode token's item) reads each key's
+// heads where they lie side by side in its slot, one run of nq / group * d floats, instead
+// of one head's d floats a slot apart (8 KB at 32 KV heads of 64) per pass over the keys.
 template <int C>
 __attribute__((target("avx512f,avx2"))) void scores_avx512_d(const float* q, const float* k_pool,
                                                              const int64_t* slots, int64_t keys,
                                                              int64_t nkv, int64_t kvh, int64_t nq,
-                                                             float scale, float* scores, int64_t ld) {
+                                                             int64_t group, float scale,
+                                                             float* scores, int64_t ld) {
   constexpr int64_t d = 16 * C;
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t g = 0; g < nq; ++g) {
-    __m512 qv[C];
-    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * d + 16 * c);
-    float* out = scores + g * ld;
-    int64_t j = 0;
-    for (; j + 16 <= keys; j += 16) {
-      __m512 acc[16];
-      if (g == 0 && j + 32 <= keys)  // the next 16 keys: on their way from memory meanwhile
-        for (int u = 16; u < 32; ++u)
-          for (int c = 0; c < C; ++c)
-            _mm_prefetch(reinterpret_cast<const char*>(k_pool + (slots[j + u] * nkv + kvh) * d + 16 * c), _MM_HINT_T0);
-      for (int u = 0; u < 16; ++u) {
+  const int64_t heads_kv = (nq + group - 1) / group;  // the KV heads the call reads
+  int64_t j = 0;
+  for (; j + 16 <= keys; j += 16) {
+    if (j + 32 <= keys)  // the next 16 keys: on their way from memory meanwhile
+      for (int u = 16; u < 32; ++u) {
         const float* k = k_pool + (slots[j + u] * nkv + kvh) * d;
+        for (int64_t c = 0; c < heads_kv * C; ++c)
+          _mm_prefetch(reinterpret_cast<const char*>(k + 16 * c), _MM_HINT_T1);
+      }
+    for (int64_t g = 0; g < nq; ++g) {
+      __m512 qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * d + 16 * c);
+      __m512 acc[16];
+      for (int u = 0; u < 16; ++u) {
+        const float* k = k_pool + (slots[j + u] * nkv + kvh + g / group) * d;
         acc[u] = _mm512_setzero_ps();
         for (int c = 0; c < C; ++c)
           acc[u] = _mm512_add_ps(acc[u], _mm512_mul_ps(qv[c], _mm512_loadu_ps(k + 16 * c)));
       }
-      _mm512_storeu_ps(out + j, _mm512_mul_ps(reduce16_avx512(acc), vscale));
+      _mm512_storeu_ps(scores + g * ld + j, _mm512_mul_ps(reduce16_avx512(acc), vscale));
     }
-    for (; j < keys; ++j)
-      out[j] = score_avx512<C>(qv, k_pool + (slots[j] * nkv + kvh) * d) * scale;
+  }
+  for (int64_t g = 0; g < nq; ++g) {
+    __m512 qv[C];
+    for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * d + 16 * c);
+    for (int64_t jj = j; jj < keys; ++jj)
+      scores[g * ld + jj] = score_avx512<C>(qv, k_pool + (slots[jj] * nkv + kvh + g / group) * d) * scale;
   }
 }
 
 // G query heads at a time (16 registers of sums), so a key's G * C sums are independent.
+// Query heads of several KV heads (a decode token's item): the keys outer, each
+// key's heads where they lie in its slot, the outputs accumulating in memory (L1): the same
+// sums in the same order per head as the register form below.
+template <int C>
+__attribute__((target("avx512f,avx2"))) void values_avx512_keys(const float* p, int64_t ldp,
+                                                                const float* v_pool,
+                                                                const int64_t* slots, int64_t keys,
+                                                                int64_t nkv, int64_t kvh, int64_t nq,
+                                                                int64_t group, float* out,
+                                                                bool accumulate) {
+  constexpr int64_t d = 16 * C;
+  const int64_t heads_kv = (nq + group - 1) / group;
+  if (!accumulate)
+    for (int64_t i = 0; i < nq * d; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());
+  for (int64_t j = 0; j < keys; ++j) {
+    if (j + 8 < keys) {  // 8 keys ahead: on its way from memory meanwhile
+      const float* v = v_pool + (slots[j + 8] * nkv + kvh) * d;
+      for (int64_t c = 0; c < heads_kv * C; ++c)
+        _mm_prefetch(reinterpret_cast<const char*>(v + 16 * c), _MM_HINT_T1);
+    }
+    for (int64_t g = 0; g < nq; ++g) {
+      const float* v = v_pool + (slots[j] * nkv + kvh + g / group) * d;
+      const __m512 pj = _mm512_set1_ps(p[g * ldp + j]);
+      float* o = out + g * d;
+      for (int c = 0; c < C; ++c)
+        _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(_mm512_loadu_ps(o + 16 * c),
+                                                   _mm512_mul_ps(pj, _mm512_loadu_ps(v + 16 * c))));
+    }
+  }
+}
+
 template <int C>
 __attribute__((target("avx512f,avx2"))) void values_avx512_d(const float* p, int64_t ldp,
                                                              const float* v_pool,
                                                              const int64_t* slots, int64_t keys,
                                                              int64_t nkv, int64_t kvh, int64_t nq,
-                                                             float* out, bool accumulate) {
+                                                             int64_t group, float* out,
+                                                             bool accumulate) {
   constexpr int64_t d = 16 * C;
   constexpr int G = 16 / C;
+  if (nq > group)  // several KV heads
+    return values_avx512_keys<C>(p, ldp, v_pool, slots, keys, nkv, kvh, nq, group, out, accumulate);
   for (int64_t g0 = 0; g0 < nq; g0 += G) {
     const int ng = static_cast<int>(std::min<int64_t>(G, nq - g0));
     __m512 o[G][C];
@@ -261,30 +309,32 @@ __attribute__((target("avx512f,avx2"))) void values_avx512_d(const float* p, int
 __attribute__((target("avx512f,avx2"))) void scores_avx512(const float* q, const float* k_pool,
                                                            const int64_t* slots, int64_t keys,
                                                            int64_t nkv, int64_t kvh, int64_t d,
-                                                           int64_t nq, float scale, float* scores,
-                                                           int64_t ld) {
-  if (d == 64) return scores_avx512_d<4>(q, k_pool, slots, keys, nkv, kvh, nq, scale, scores, ld);
-  if (d == 128) return scores_avx512_d<8>(q, k_pool, slots, keys, nkv, kvh, nq, scale, scores, ld);
+                                                           int64_t nq, int64_t group, float scale,
+                                                           float* scores, int64_t ld) {
+  if (d == 64) return scores_avx512_d<4>(q, k_pool, slots, keys, nkv, kvh, nq, group, scale, scores, ld);
+  if (d == 128) return scores_avx512_d<8>(q, k_pool, slots, keys, nkv, kvh, nq, group, scale, scores, ld);
   for (int64_t g = 0; g < nq; ++g)
     for (int64_t j = 0; j < keys; ++j)
-      scores[g * ld + j] = dot_avx512(q + g * d, k_pool + (slots[j] * nkv + kvh) * d, d) * scale;
+      scores[g * ld + j] =
+          dot_avx512(q + g * d, k_pool + (slots[j] * nkv + kvh + g / group) * d, d) * scale;
 }
 
 __attribute__((target("avx512f,avx2"))) void values_avx512(const float* p, int64_t ldp,
                                                            const float* v_pool,
                                                            const int64_t* slots, int64_t keys,
                                                            int64_t nkv, int64_t kvh, int64_t d,
-                                                           int64_t nq, float* out, bool accumulate) {
-  if (d == 64) return values_avx512_d<4>(p, ldp, v_pool, slots, keys, nkv, kvh, nq, out, accumulate);
-  if (d == 128) return values_avx512_d<8>(p, ldp, v_pool, slots, keys, nkv, kvh, nq, out, accumulate);
-  values_loops(p, ldp, v_pool, slots, keys, nkv, kvh, d, nq, out, accumulate);
+                                                           int64_t nq, int64_t group, float* out,
+                                                           bool accumulate) {
+  if (d == 64) return values_avx512_d<4>(p, ldp, v_pool, slots, keys, nkv, kvh, nq, group, out, accumulate);
+  if (d == 128) return values_avx512_d<8>(p, ldp, v_pool, slots, keys, nkv, kvh, nq, group, out, accumulate);
+  values_loops(p, ldp, v_pool, slots, keys, nkv, kvh, d, nq, group, out, accumulate);
 }
 #endif
 #undef VERISPEC_SCORES
 using ScoresFn = void (*)(const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, float, float*, int64_t);
+                          int64_t, int64_t, int64_t, float, float*, int64_t);
 using ValuesFn = void (*)(const float*, int64_t, const float*, const int64_t*, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, float*, bool);
+                          int64_t, int64_t, int64_t, int64_t, float*, bool);
 
 // ---- RoPE and the cache write ----------------------------------------------------------
 
@@ -440,8 +490,8 @@ VERISPEC_INLINE void attend_tokens_body(const AttentionJob& job, const Attention
     for (int64_t t = it.t0; t < it.t1; ++t) {
       const int64_t nk = std::min(keys_of(t), j0 + kKeyTile) - j0;
       if (nk > 0)
-        Scores(a.q + t * nh * d + it.h0 * d, a.k_pool, slots + j0, nk, nkv, kvh, d, nq, a.scale,
-               scores_of(t) + j0, ld);
+        Scores(a.q + t * nh * d + it.h0 * d, a.k_pool, slots + j0, nk, nkv, kvh, d, nq, nh / nkv,
+               a.scale, scores_of(t) + j0, ld);
     }
   for (int64_t t = it.t0; t < it.t1; ++t) {
     const int64_t keys = keys_of(t), nch = key_chunks(keys);
@@ -458,11 +508,13 @@ VERISPEC_INLINE void attend_tokens_body(const AttentionJob& job, const Attention
       const int64_t keys = keys_of(t), nk = std::min(keys, j0 + kKeyTile) - j0;
       if (nk <= 0) continue;
       if (key_chunks(keys) == 1) {
-        Values(scores_of(t) + j0, ld, a.v_pool, slots + j0, nk, nkv, kvh, d, nq, out_of(t), j0 > 0);
+        Values(scores_of(t) + j0, ld, a.v_pool, slots + j0, nk, nkv, kvh, d, nq, nh / nkv, out_of(t),
+               j0 > 0);
         continue;
       }
       float* o = chunk_out.data() + (t - it.t0) * nq * d;
-      Values(scores_of(t) + j0, ld, a.v_pool, slots + j0, nk, nkv, kvh, d, nq, o, j0 % kKeyChunk > 0);
+      Values(scores_of(t) + j0, ld, a.v_pool, slots + j0, nk, nkv, kvh, d, nq, nh / nkv, o,
+             j0 % kKeyChunk > 0);
       const int64_t c = j0 / kKeyChunk;
       if (j0 + nk == std::min(keys, (c + 1) * kKeyChunk))  // the chunk's last tile
         for (int64_t g = 0; g < nq; ++g)
@@ -517,10 +569,10 @@ VERISPEC_INLINE void attend_body(const AttentionJob& job, const AttentionItem& i
   float* scores = scratch.data();  // [nq, keys of the chunk]
   const float* q = a.q + t * nh * d + h0 * d;
   if (nch == 1) {
-    Scores(q, a.k_pool, slots, keys, nkv, kvh, d, nq, a.scale, scores, keys);
-    float sums[64], top;  // nq <= group <= 64 (checked)
+    Scores(q, a.k_pool, slots, keys, nkv, kvh, d, nq, group, a.scale, scores, keys);
+    float sums[64], top;  // nq <= 64: one KV head's group (<= 64, checked) or wide_heads
     for (int64_t g = 0; g < nq; ++g) sums[g] = exp_scores(scores + g * keys, keys, &top);
-    Values(scores, keys, a.v_pool, slots, keys, nkv, kvh, d, nq, out, false);
+    Values(scores, keys, a.v_pool, slots, keys, nkv, kvh, d, nq, group, out, false);
     for (int64_t g = 0; g < nq; ++g)
       for (int64_t i = 0; i < d; ++i) out[g * d + i] = out[g * d + i] / sums[g];
     return;
@@ -546,12 +598,13 @@ VERISPEC_INLINE void attend_body(const AttentionJob& job, const AttentionItem& i
   }
   for (int64_t c = c0; c < c1; ++c) {
     const int64_t j0 = c * kKeyChunk, nk = std::min(keys, j0 + kKeyChunk) - j0;
-    Scores(q, a.k_pool, slots + j0, nk, nkv, kvh, d, nq, a.scale, scores, nk);
+    Scores(q, a.k_pool, slots + j0, nk, nkv, kvh, d, nq, group, a.scale, scores, nk);
     for (int64_t g = 0; g < nq; ++g) {
       const int64_t i = c * heads + h_base + g;
       ps[i] = exp_scores(scores + g * nk, nk, &pm[i]);
     }
-    Values(scores, nk, a.v_pool, slots + j0, nk, nkv, kvh, d, nq, po + (c * heads + h_base) * d, false);
+    Values(scores, nk, a.v_pool, slots + j0, nk, nkv, kvh, d, nq, group, po + (c * heads + h_base) * d,
+           false);
   }
   if (cut) return;  // merged by merge_cut_tokens
   weights.resize(static_cast<size_t>(nch));
@@ -791,6 +844,14 @@ std::string paged_attention_f32(const PagedAttentionArgs& a) {
   const int64_t runs_wanted =
       chain_units == 0 ? 1 : std::max<int64_t>(1, (2 * threads + chain_units - 1) / chain_units);
   const int64_t heads_per_item = a.tokens * nkv >= (a.share_keys ? 1 : 2) * threads ? group : 1;
+  // A token of one key chunk takes several KV heads an item, as many as still give the team
+  // two items a thread (at most 64 query heads): its keys' heads lie side by side in each
+  // slot, so the item reads one run a slot instead of one head's d floats a slot apart
+  // (a 1.7B-shaped decode token: 4 items of 8 KV heads, 2 KB a slot, instead of 32 of
+  // 256 bytes). Each head's sums are the same whatever heads share its item.
+  const int64_t kv_wide = std::clamp<int64_t>(a.tokens * nkv / (2 * threads), 1,
+                                              std::min<int64_t>(nkv, 64 / group));
+  const int64_t wide_heads = heads_per_item == group ? kv_wide * group : heads_per_item;
   for (int64_t b = 0; b < a.rows; ++b) {
     const int64_t start = a.query_start[b], n = a.query_start[b + 1] - start;
     if (a.max_queries > 0 && n > a.max_queries) continue;  // skipped: its outputs untouched
@@ -800,9 +861,12 @@ std::string paged_attention_f32(const PagedAttentionArgs& a) {
         for (int64_t h = 0; h < nkv; ++h)
           job.items.push_back({start + n * r / runs, start + n * (r + 1) / runs, h * group, group});
     } else {
-      for (int64_t t = start; t < start + n; ++t)
-        for (int64_t h0 = 0; h0 < a.num_heads; h0 += heads_per_item)
-          job.items.push_back({t, t + 1, h0, heads_per_item});
+      for (int64_t t = start; t < start + n; ++t) {
+        const int64_t most_keys = a.tree_mask != nullptr ? a.context_lens[b] : a.positions[t] + 1;
+        const int64_t per = most_keys <= kKeyChunk ? wide_heads : heads_per_item;
+        for (int64_t h0 = 0; h0 < a.num_heads; h0 += per)
+          job.items.push_back({t, t + 1, h0, std::min(per, a.num_heads - h0)});
+      }
     }
   }
   if (job.items.empty()) return "";
