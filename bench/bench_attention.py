@@ -36,6 +36,7 @@ from verispec import _C
 CACHES = {  # name: (layers, query heads, KV heads, head size)
     "SmolLM2-135M": (30, 9, 3, 64),
     "Llama-3-8B": (32, 32, 8, 128),
+    "SmolLM2-1.7B": (24, 32, 32, 64),
 }
 BLOCK = 16
 
