@@ -844,11 +844,12 @@ std::string paged_attention_f32(const PagedAttentionArgs& a) {
   const int64_t runs_wanted =
       chain_units == 0 ? 1 : std::max<int64_t>(1, (2 * threads + chain_units - 1) / chain_units);
   const int64_t heads_per_item = a.tokens * nkv >= (a.share_keys ? 1 : 2) * threads ? group : 1;
-  // A token of one key chunk takes several KV heads an item, as many as still give the team
-  // two items a thread (at most 64 query heads): its keys' heads lie side by side in each
-  // slot, so the item reads one run a slot instead of one head's d floats a slot apart
-  // (a 1.7B-shaped decode token: 4 items of 8 KV heads, 2 KB a slot, instead of 32 of
-  // 256 bytes). Each head's sums are the same whatever heads share its item.
+  // A token takes several KV heads an item, as many as still give the team two items a
+  // thread (at most 64 query heads): its keys' heads lie side by side in each slot, so the
+  // item reads one run a slot instead of one head's d floats a slot apart (a 1.7B-shaped
+  // decode token: 4 items of 8 KV heads, 2 KB a slot, instead of 32 of 256 bytes). Each
+  // head's sums are the same whatever heads share its item, and so are a long context's
+  // chunks (their partials are kept per head).
   const int64_t kv_wide = std::clamp<int64_t>(a.tokens * nkv / (2 * threads), 1,
                                               std::min<int64_t>(nkv, 64 / group));
   const int64_t wide_heads = heads_per_item == group ? kv_wide * group : heads_per_item;
@@ -861,12 +862,9 @@ std::string paged_attention_f32(const PagedAttentionArgs& a) {
         for (int64_t h = 0; h < nkv; ++h)
           job.items.push_back({start + n * r / runs, start + n * (r + 1) / runs, h * group, group});
     } else {
-      for (int64_t t = start; t < start + n; ++t) {
-        const int64_t most_keys = a.tree_mask != nullptr ? a.context_lens[b] : a.positions[t] + 1;
-        const int64_t per = most_keys <= kKeyChunk ? wide_heads : heads_per_item;
-        for (int64_t h0 = 0; h0 < a.num_heads; h0 += per)
-          job.items.push_back({t, t + 1, h0, std::min(per, a.num_heads - h0)});
-      }
+      for (int64_t t = start; t < start + n; ++t)
+        for (int64_t h0 = 0; h0 < a.num_heads; h0 += wide_heads)
+          job.items.push_back({t, t + 1, h0, std::min(wide_heads, a.num_heads - h0)});
     }
   }
   if (job.items.empty()) return "";
