@@ -22,6 +22,15 @@ The 256-weight formats (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) need every K a mul
     .venv/bin/python bench/bench_quant_formats.py --shape 1.7B --threads 2 --rounds 21 \
         --formats Q4_0 Q2_K Q3_K Q4_K
 
+Streaming (without ``--from-cache``) each round also reads every format's weight bytes
+alone, matrix by matrix in the pass's order and split over the same threads
+(``_C.read_stream`` on each matrix's buffer: the pass's memory traffic, its calls and its
+thread wake-ups without the arithmetic), and one 1 GiB buffer (the machine's bandwidth,
+as ``bench_llamacpp.py`` samples it). "of read" is the median over rounds of the pass's
+read rate over that of its bytes alone read next to it, so a change of the machine's
+bandwidth state between rounds cancels; "read / long read" is how close reading the weights
+matrix by matrix comes to one long read (``--bandwidth-mib``, 1 GiB by default).
+
 ``--from-cache`` times the arithmetic instead of the memory: one layer's matrices, each cut
 to 256 rows, in every layer (a few MB, from cache); ``--threads 1 --from-cache`` is a
 core's speed per format, which at 2 threads must exceed the machine's read bandwidth for
@@ -56,6 +65,14 @@ def layer_matrices(shape: str) -> list[tuple[int, int]]:
             (h, inter)]
 
 
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous uint8 tensor's bytes as one flat view (read_stream's buffer)."""
+    if t.dtype != torch.uint8 or not t.is_contiguous():
+        raise ValueError(f"weight bytes: expected a contiguous uint8 tensor, got {t.dtype} "
+                         f"with strides {t.stride()}")
+    return t.view(-1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=list(SHAPES), default="360M")
@@ -67,6 +84,9 @@ def main(argv=None) -> int:
                     help="the arithmetic's own speed: every layer reuses one layer's matrices, "
                          "each cut to its first 256 rows (a few MB, read from cache), so the "
                          "pass measures the kernels' arithmetic instead of this machine's memory")
+    ap.add_argument("--bandwidth-mib", type=int, default=1024,
+                    help="the long read's buffer (MiB) that samples the machine's bandwidth "
+                         "each streaming round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("bench/out/quant_formats.json"))
     args = ap.parse_args(argv)
@@ -74,6 +94,8 @@ def main(argv=None) -> int:
     bad = [f for f in args.formats if f not in known]
     if bad:
         ap.error(f"--formats: {bad} are not among {sorted(known)}")
+    if args.bandwidth_mib < 1:
+        ap.error(f"--bandwidth-mib must be >= 1, got {args.bandwidth_mib}")
     if "Q4_0" not in args.formats:
         ap.error("--formats must include Q4_0 (the reference of the ratios)")
     layers = SHAPES[args.shape][5]
@@ -89,12 +111,13 @@ def main(argv=None) -> int:
                      f"{args.shape} shape's K = {ks} (a file of this shape falls back to another type)")
     threads = args.threads
 
-    passes, nbytes = {}, {}
+    passes, nbytes, buffers = {}, {}, {}
     for fmt in args.formats:
         if fmt == "F32":
             mats = [torch.randn(n, k, generator=torch.Generator().manual_seed(i)) * 0.02
                     for i, (n, k) in zip(seeds, shapes)]
             nbytes[fmt] = sum(w.numel() * 4 for w in mats)
+            buffers[fmt] = [w.view(-1).view(torch.uint8) for w in mats]
 
             def run(x, mats=mats):
                 for w in mats:
@@ -112,6 +135,7 @@ def main(argv=None) -> int:
                         "int8" if int8 else "float")
             mats = [made[i, n, k] for i, (n, k) in zip(seeds, shapes)]
             nbytes[fmt] = sum(m.nbytes for m in mats)
+            buffers[fmt] = [byte_view(m.parts[0].data) for m in mats]
             tid = _C.quant_formats()[fmt][0]
 
             def run(x, mats=mats, tid=tid, int8=int8):
@@ -125,19 +149,41 @@ def main(argv=None) -> int:
         passes[fmt] = run
     g = torch.Generator().manual_seed(0)
     x = {k: torch.randn(args.rows, k, generator=g) for k in {k for _, k in shapes}}
+    streaming = not args.from_cache
+    big = torch.ones(args.bandwidth_mib << 20, dtype=torch.uint8) if streaming else None
     times = {f: [] for f in passes}
+    reads = {f: [] for f in passes}  # the same bytes read alone, next to each pass
+    big_gb_s = []
+
+    def read_alone(bufs):
+        t0 = time.perf_counter()
+        for b in bufs:
+            _C.read_stream(b, threads)
+        return time.perf_counter() - t0
+
     for fn in passes.values():
         fn(x)  # warm
     for _ in range(args.rounds):
+        if streaming:
+            t0 = time.perf_counter()
+            _C.read_stream(big, threads)
+            big_gb_s.append(big.numel() / (time.perf_counter() - t0) / 1e9)
         for f, fn in passes.items():
             t0 = time.perf_counter()
             fn(x)
             times[f].append(time.perf_counter() - t0)
+            if streaming:
+                reads[f].append(read_alone(buffers[f]))
     rows = []
     for f in passes:
         best, med = min(times[f]), statistics.median(times[f])
-        rows.append({"format": f, "bytes": nbytes[f], "best_ms": best * 1e3, "median_ms": med * 1e3,
-                     "best_gb_s": nbytes[f] / best / 1e9, "seconds": times[f]})
+        r = {"format": f, "bytes": nbytes[f], "best_ms": best * 1e3, "median_ms": med * 1e3,
+             "best_gb_s": nbytes[f] / best / 1e9, "seconds": times[f]}
+        if streaming:
+            r["read_alone_seconds"] = reads[f]
+            r["read_alone_median_gb_s"] = nbytes[f] / statistics.median(reads[f]) / 1e9
+            r["of_read_alone"] = statistics.median(rd / t for rd, t in zip(reads[f], times[f]))
+        rows.append(r)
     ref = next(r for r in rows if r["format"] == "Q4_0")
     for r in rows:
         r["time_vs_q4_0"] = r["best_ms"] / ref["best_ms"]
@@ -148,16 +194,27 @@ def main(argv=None) -> int:
              f"{args.rounds} rounds, int8 path {_C.quant_int8_path('auto')}"
              + (", from cache (one layer's matrices, 256 rows each, in every layer)"
                 if args.from_cache else ""))
-    lines = [title, "", "| format | MB | best ms | median ms | GB/s (best) | time / Q4_0 | bytes / Q4_0 |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    head = "| format | MB | best ms | median ms | GB/s (best) | time / Q4_0 | bytes / Q4_0 |"
+    rule = "|---|---:|---:|---:|---:|---:|---:|"
+    if streaming:
+        big_med = statistics.median(big_gb_s)
+        title += f"; {args.bandwidth_mib} MiB read: median {big_med:.1f} GB/s ({min(big_gb_s):.1f}-{max(big_gb_s):.1f})"
+        head += " read alone GB/s | of read | read / long read |"
+        rule += "---:|---:|---:|"
+    lines = [title, "", head, rule]
     for r in rows:
-        lines.append(f"| {r['format']} | {r['bytes'] / 1e6:.0f} | {r['best_ms']:.2f} | "
-                     f"{r['median_ms']:.2f} | {r['best_gb_s']:.1f} | {r['time_vs_q4_0']:.2f} | "
-                     f"{r['bytes_vs_q4_0']:.2f} |")
+        line = (f"| {r['format']} | {r['bytes'] / 1e6:.0f} | {r['best_ms']:.2f} | "
+                f"{r['median_ms']:.2f} | {r['best_gb_s']:.1f} | {r['time_vs_q4_0']:.2f} | "
+                f"{r['bytes_vs_q4_0']:.2f} |")
+        if streaming:
+            line += (f" {r['read_alone_median_gb_s']:.1f} | {r['of_read_alone']:.2f} | "
+                     f"{r['read_alone_median_gb_s'] / big_med:.2f} |")
+        lines.append(line)
     write_result(args.out, {
         "benchmark": "quantized kernels per format, one decoding pass of a model shape",
         "shape": args.shape, "rows": args.rows, "rounds": args.rounds,
         "from_cache": args.from_cache,
+        "bandwidth_mib": args.bandwidth_mib, "long_read_gb_s": big_gb_s,
         "environment": cpu_kernel_environment(threads), "results": rows}, "\n".join(lines))
     return 0
 

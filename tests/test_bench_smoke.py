@@ -253,3 +253,30 @@ def test_bench_ceiling_replays_the_decoders_passes(tmp_path):
     assert "1" in r["cost_by_pass_tokens_s"] and "3" in r["cost_by_pass_tokens_s"]
     rows = {row["config"]: row for row in r["rows"]}
     assert rows["n-gram k=5"]["passes"] == len(steps) < r["text_tokens"]
+
+
+def test_bench_quant_formats_reads_each_formats_bytes_alone(tmp_path):
+    """A streaming pass also times its bytes read alone, round by round, and samples a
+    long read; a pass from cache does neither (its bytes are not read from memory)."""
+    out = tmp_path / "qf.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_quant_formats.py"), "--shape", "135M",
+           "--formats", "Q4_0", "Q8_0", "--rounds", "3", "--threads", "1", "--bandwidth-mib", "8"]
+    proc = subprocess.run(cmd + ["--out", str(out)], check=True, capture_output=True, text=True,
+                          timeout=300)
+    result = json.loads(out.read_text())
+    assert len(result["long_read_gb_s"]) == 3 and all(g > 0 for g in result["long_read_gb_s"])
+    for r in result["results"]:
+        assert len(r["read_alone_seconds"]) == 3 and all(t > 0 for t in r["read_alone_seconds"])
+        rate = r["bytes"] / sorted(r["read_alone_seconds"])[1] / 1e9
+        assert abs(r["read_alone_median_gb_s"] - rate) <= 1e-6 * rate
+        assert r["of_read_alone"] > 0
+    assert "read alone GB/s" in proc.stdout
+    cached = tmp_path / "qfc.json"
+    subprocess.run(cmd + ["--from-cache", "--out", str(cached)], check=True, capture_output=True,
+                   text=True, timeout=300)
+    result = json.loads(cached.read_text())
+    assert result["long_read_gb_s"] == []
+    assert all("read_alone_seconds" not in r for r in result["results"])
+    bad = subprocess.run(cmd + ["--bandwidth-mib", "0", "--out", str(tmp_path / "x.json")],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "--bandwidth-mib must be >= 1, got 0" in bad.stderr
