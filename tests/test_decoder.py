@@ -650,8 +650,10 @@ def test_decoder_settings_at_their_bounds_are_taken():
                        dict(max_tokens_per_step=0), dict(max_tokens_per_step=1)):
             dec = SpecDecoder(target, drafter, **kwargs)
             plain = drafter is None
-            assert dec.k == (0 if plain else kwargs.get("max_k", kwargs.get("k", 4))), kwargs
-            assert dec.adaptive == (kwargs.get("k") == "auto" and not plain)
+            # the default k is "auto": up to max_k (default 8), adaptively
+            k = kwargs.get("k", "auto")
+            assert dec.k == (0 if plain else kwargs.get("max_k", 8) if k == "auto" else k), kwargs
+            assert dec.adaptive == (k == "auto" and not plain)
     # the range is the core's own rule, and the decoder's message is its message
     with pytest.raises(ValueError, match=re.escape("SpecDecoder: k must be in [0, 64], got 65")):
         _C.SpecDecoder(k=65, has_draft_model=True, target_num_blocks=8, draft_num_blocks=8,

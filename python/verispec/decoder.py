@@ -29,7 +29,7 @@ import torch
 
 from verispec import _C
 from verispec._policy import fold_greedy, policy_error
-from verispec.drafters import EarlyExit, NGram
+from verispec.drafters.base import DraftSpec, Feature, FeatureView, as_drafter
 from verispec.models.base import KVPools, Model, PagedBatch
 from verispec.models.staging import PlanStaging
 
@@ -230,14 +230,15 @@ def _check_tree_ops(ops) -> None:
                          f"need ops with verify_tree; {ops!r} has none")
 
 
-def _check_settings(target: Any, draft: Any, *, k: int | str, max_k: int, max_num_seqs: int,
-                    max_tokens_per_step: int, verify_method: str, draft_branches: int,
-                    draft_replacement: bool) -> tuple[Any, NGram | None, int, bool]:
+def _check_settings(target: Any, draft: Any, spec: DraftSpec | None, *, k: int | str, max_k: int,
+                    max_num_seqs: int, max_tokens_per_step: int, verify_method: str,
+                    draft_branches: int, draft_replacement: bool) -> tuple[int, bool]:
     """SpecDecoder's settings checked before anything is built: the types of the integer
     settings (the core takes int64 and cannot tell a bool from an int; their ranges are
     the core's, checked once when it is built), the combinations the core does not know
-    of, the models' protocol and the draft's tokenizer and device. Returns (draft model or
-    None, n-gram drafter or None, k, adaptive): k="auto" is max_k, adaptively."""
+    of, the models' protocol and the draft's tokenizer and device. ``spec``: what the
+    drafter said it needs (None: no drafter). Returns (k, adaptive): k="auto" is max_k,
+    adaptively."""
     if verify_method not in ("token", "block"):
         raise ValueError(f"SpecDecoder: verify_method must be 'token' or 'block', "
                          f"got {verify_method!r}")
@@ -245,16 +246,18 @@ def _check_settings(target: Any, draft: Any, *, k: int | str, max_k: int, max_nu
     if not isinstance(draft_replacement, bool):
         raise TypeError(f"SpecDecoder: draft_replacement must be a bool, "
                         f"got {draft_replacement!r}")
-    if draft_branches > 1 and (draft is None or isinstance(draft, NGram)):
+    if draft_branches > 1 and (spec is None or spec.kind != "model"):
         raise ValueError(f"SpecDecoder: draft_branches = {draft_branches} (draft trees) needs "
-                         f"a draft model, got {draft!r} (n-gram tries: NGram(branches=b))")
+                         f"a draft model, got {draft!r} "
+                         f"(n-gram tries: NGram(branches=b))")
+    if draft_branches > 1 and not spec.trees:
+        raise ValueError(f"SpecDecoder: draft_branches = {draft_branches}: this drafter "
+                         f"proposes chains only; use draft_branches=1")
     if draft_branches > 1 and verify_method == "block":
         raise ValueError(f"SpecDecoder: verify_method='block' verifies chains; draft trees "
                          f"(draft_branches = {draft_branches}) are verified by "
                          f"ops.verify_tree: use verify_method='token' or draft_branches=1")
-    ngram = draft if isinstance(draft, NGram) else None
-    if ngram is not None:
-        draft = None
+    draft = spec.model if spec is not None else None  # the model of the draft passes
     for name, m in (("target", target), ("draft", draft)):
         if m is not None and not isinstance(m, Model):
             raise TypeError(f"SpecDecoder: {name} must implement the model protocol "
@@ -267,6 +270,18 @@ def _check_settings(target: Any, draft: Any, *, k: int | str, max_k: int, max_nu
     _config_int("k", k, "an int or 'auto'")
     _config_int("max_num_seqs", max_num_seqs)
     _config_int("max_tokens_per_step", max_tokens_per_step)
+    if spec is not None:
+        g = target.geometry
+        keys = [f.key(g.num_layers) for f in spec.features]  # ValueError past the last layer
+        if keys and g.hidden_size is None:
+            raise ValueError(f"SpecDecoder: the drafter reads the target's hidden states "
+                             f"({', '.join(Feature.describe_key(x, g.num_layers) for x in keys)}), "
+                             f"but the target's geometry has no hidden_size: it does not "
+                             f"write features ({type(target).__name__})")
+        if keys and not getattr(target, "writes_features", False):
+            raise ValueError(f"SpecDecoder: the drafter reads the target's hidden states, "
+                             f"which {type(target).__name__} does not write (a model that "
+                             f"does sets writes_features = True)")
     if draft is not None:
         g, dg = target.geometry, draft.geometry
         # Same tokenizer, vocabularies of any size (padded embedding tables): ids below
@@ -281,28 +296,26 @@ def _check_settings(target: Any, draft: Any, *, k: int | str, max_k: int, max_nu
         if torch.device(dg.device) != torch.device(g.device):
             raise ValueError(f"SpecDecoder: draft device must be the target's {g.device}, "
                              f"got {dg.device}")
-    return draft, ngram, k, adaptive
+    return k, adaptive
 
 
 def _shared_tp(target: Any, draft: Any) -> Any:
-    """The target's tensor-parallel collectives (None: one process), which a draft model
-    must share: a model (LlamaModel, HFModel) carries tp, a drafter (EarlyExit) its
-    model's."""
+    """The target's tensor-parallel collectives (None: one process), which a draft
+    model must share (a model carries its ``tp``)."""
     tp = getattr(target, "tp", None)
-    if draft is not None:
-        draft_tp = getattr(draft, "tp", None) or getattr(getattr(draft, "model", None), "tp", None)
-        if draft_tp is not None and draft_tp is not tp:
-            raise ValueError(f"SpecDecoder: a tensor-parallel draft must share the target's "
-                             f"collectives (target.tp {tp!r}), got {draft_tp!r}")
+    draft_tp = getattr(draft, "tp", None)
+    if draft_tp is not None and draft_tp is not tp:
+        raise ValueError(f"SpecDecoder: a tensor-parallel draft must share the target's "
+                         f"collectives (target.tp {tp!r}), got {draft_tp!r}")
     return tp
 
 
 def _draft_pools(draft: Any, target_pools: KVPools, shared: bool, num_blocks: int,
                  block_size: int) -> KVPools:
-    """The draft model's K/V pools: an early-exit draft's are views of the target's first
-    layers' (``shared``), any other draft's its own."""
+    """The draft model's K/V pools: views of the target's first layers' when the drafter
+    asked for the target's cache (``shared``: early exit), else its own."""
     if shared:
-        n = draft.num_layers
+        n = draft.geometry.num_layers
         return KVPools(k=target_pools.k[:n], v=target_pools.v[:n], block_size=block_size)
     return KVPools.allocate(draft.geometry, num_blocks, block_size)
 
@@ -311,11 +324,14 @@ class SpecDecoder:
     """Speculative decoding of a target model with a draft, exact for the target.
 
     ``target`` implements the model protocol (verispec.models.base.Model); ``draft`` is
-    a model too (a separate draft, or ``verispec.drafters.EarlyExit``), or
-    ``verispec.drafters.NGram`` (prompt lookup; ``NGram(branches > 1)``: tries of ``k``
-    nodes verified in one target pass, see docs/design.md "Tree steps"), or None. ``k`` draft tokens are
-    proposed per step (0, or ``draft=None``: plain decoding through the same loop), or
-    ``k="auto"``: chosen per sequence and step, up to ``max_k``, from the measured
+    a drafter (``verispec.drafters``: ``NGram`` for prompt lookup, ``NGram(branches >
+    1)``: tries of ``k`` nodes verified in one target pass, see docs/design.md "Tree
+    steps"; ``EarlyExit``; anything implementing ``verispec.drafters.Drafter``), a model
+    (a separate draft: its own weights and cache), or None. The decoder asks the drafter
+    what it needs (``Drafter.spec``: its cache, the target's hidden states, one-hot or
+    sampled q) and tests no types. ``k`` draft tokens are proposed per step (0, or
+    ``draft=None``: plain decoding through the same loop), or ``k="auto"`` (the
+    default): chosen per sequence and step, up to ``max_k``, from the measured
     acceptance rate and the measured draft and target pass costs (k = 0 when
     speculation does not pay; see csrc/include/verispec/adaptive_k.h). The target gets
     paged KV pools of ``num_blocks`` blocks of ``block_size`` tokens; a draft model its
@@ -348,45 +364,60 @@ class SpecDecoder:
     returns is checked by the core before anything is committed.
     """
 
-    def __init__(self, target: Model, draft: Model | NGram | None = None, *, k: int | str = 4,
+    def __init__(self, target: Model, draft: Any = None, *, k: int | str = "auto",
                  max_k: int = 8, num_blocks: int = 512, draft_num_blocks: int | None = None,
                  block_size: int = 16, seed: int = 0, ops: Any = None,
                  max_num_seqs: int = 0, max_tokens_per_step: int = 0,
                  verify_method: str = "token", draft_branches: int = 1,
                  draft_replacement: bool = True) -> None:
-        draft, ngram, k, adaptive = _check_settings(
-            target, draft, k=k, max_k=max_k, max_num_seqs=max_num_seqs,
+        drafter = as_drafter(draft)
+        spec = drafter.spec(target) if drafter is not None else None
+        if spec is not None and not isinstance(spec, DraftSpec):
+            raise TypeError(f"SpecDecoder: {type(drafter).__name__}.spec(target) must return "
+                            f"a verispec.drafters.DraftSpec, got {type(spec).__name__}")
+        k, adaptive = _check_settings(
+            target, draft, spec, k=k, max_k=max_k, max_num_seqs=max_num_seqs,
             max_tokens_per_step=max_tokens_per_step, verify_method=verify_method,
             draft_branches=draft_branches, draft_replacement=draft_replacement)
         g = target.geometry
+        model = spec.model if spec is not None and spec.kind == "model" else None
+        ngram = spec.ngram if spec is not None and spec.kind == "lookup" else None
         if ops is None:
             from verispec import ops
-        if draft_branches > 1 or (ngram is not None and ngram.branches > 1):
+        if draft_branches > 1 or (ngram is not None and ngram[2] > 1):
             _check_tree_ops(ops)
         self._ops = ops
-        self.target, self.draft, self.ngram = target, draft, ngram
+        #: The drafter (verispec.drafters.Drafter; a model given as draft is wrapped in
+        #: DraftModel) and what it asked for (DraftSpec); None without a draft.
+        self.drafter, self.draft_spec = drafter, spec
+        #: The draft as given when it runs draft passes (a model, EarlyExit, ...), and as
+        #: given when it is an n-gram lookup; None otherwise.
+        self.draft = draft if model is not None else None
+        self.ngram = draft if ngram is not None else None
+        self.target = target
         self.verify_method = verify_method
         self.draft_branches, self.draft_replacement = draft_branches, draft_replacement
         self.vocab_size = g.vocab_size
         self._vocab = {_TARGET: g.vocab_size}
-        if draft is not None:
-            self._vocab[_DRAFT] = draft.geometry.vocab_size
+        if model is not None:
+            self._vocab[_DRAFT] = model.geometry.vocab_size
         self.device = torch.device(g.device)
         draft_num_blocks = num_blocks if draft_num_blocks is None else draft_num_blocks
-        # An early-exit draft is the target's first layers: it reads the K/V the target
-        # wrote for them, so it shares the target's cache (no draft cache, no catch-up).
-        shared = isinstance(draft, EarlyExit) and draft.target is target
+        # A drafter of the target's own first layers (early exit) reads the K/V the
+        # target wrote for them: it shares the target's cache (no draft cache, no
+        # catch-up).
+        shared = spec is not None and spec.cache == "target"
         config = dict(
-            k=k, has_draft_model=draft is not None, target_num_blocks=num_blocks,
-            draft_num_blocks=draft_num_blocks if draft is not None and not shared else 0,
+            k=k, has_draft_model=model is not None, target_num_blocks=num_blocks,
+            draft_num_blocks=draft_num_blocks if model is not None and not shared else 0,
             block_size=block_size, vocab_size=g.vocab_size, max_context=g.max_context,
-            seed=seed, ngram_min_n=ngram.min_n if ngram else 0,
-            ngram_max_n=ngram.max_n if ngram else 0, adaptive_k=adaptive,
+            seed=seed, ngram_min_n=ngram[0] if ngram else 0,
+            ngram_max_n=ngram[1] if ngram else 0, adaptive_k=adaptive,
             draft_shares_target_cache=shared,
-            draft_max_context=draft.geometry.max_context if draft is not None else 0,
+            draft_max_context=model.geometry.max_context if model is not None else 0,
             max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
-            ngram_branches=ngram.branches if ngram else 1, draft_branches=draft_branches)
-        if draft is None and ngram is None:
+            ngram_branches=ngram[2] if ngram else 1, draft_branches=draft_branches)
+        if model is None and ngram is None:
             # No draft: plain decoding through the same loop, k = 0 (the core refuses
             # drafts without a source). The k given still meets the core's rule: it
             # checks the settings as n-gram drafting would take them.
@@ -399,15 +430,19 @@ class SpecDecoder:
         # A tensor-parallel target (verispec.distributed.shard) carries its collectives:
         # every rank runs this loop in lock-step; the step's times are agreed on (k="auto")
         # and the committed tokens checked (docs/distributed.md).
-        self._tp = _shared_tp(target, draft)
+        self._tp = _shared_tp(target, model)
         self._agreement = self._tp.agreement() if self._tp is not None else None
         self.block_size = block_size
         self.shares_target_cache = shared
         self._models = {_TARGET: target}
-        self._pools = {_TARGET: KVPools.allocate(g, num_blocks, block_size)}
-        if draft is not None:
-            self._models[_DRAFT] = draft
-            self._pools[_DRAFT] = _draft_pools(draft, self._pools[_TARGET], shared,
+        # The target writes the hidden states the drafter reads beside its K/V
+        # (KVPools.features; none asked: no pool, no extra work)
+        self._feature_keys = sorted({f.key(g.num_layers) for f in spec.features}) if spec else []
+        self._pools = {_TARGET: KVPools.allocate(g, num_blocks, block_size,
+                                                 features=self._feature_keys)}
+        if model is not None:
+            self._models[_DRAFT] = model
+            self._pools[_DRAFT] = _draft_pools(model, self._pools[_TARGET], shared,
                                                draft_num_blocks, block_size)
         self._nvtx = _nvtx_range(self.device)
         self._q: torch.Tensor | None = None        # draft probabilities, reused across steps
@@ -952,7 +987,9 @@ class SpecDecoder:
         host_fields = dict(fields(host), tree_mask=host_tree)
         batch = PagedBatch(
             input_ids=input_ids, kv=self._pools[role], host=host_fields, tree_mask=tree_mask,
-            staging=self.staging, **on_device)
+            staging=self.staging, **on_device,
+            target_features=self._feature_view(p, s) if role == _DRAFT and self._feature_keys
+            else None)
         with torch.inference_mode():
             logits = self._models[role].forward(batch)
         expect = (p["num_logits"], self._vocab[role])
@@ -964,6 +1001,19 @@ class SpecDecoder:
             raise ValueError(f"{role.name} model: forward must return logits on {self.device}, "
                              f"got {logits.device}")
         return logits
+
+    def _feature_view(self, p, s: _StepState) -> FeatureView:
+        """What draft pass ``p`` reads of the target's hidden states: the target's feature
+        pools and the pass's rows' target block tables (the verify pass's tables, which
+        hold every step row's committed tokens; device views, no wait)."""
+        v = s.plan["passes"][-1]
+        tables = s.view(v["block_tables"], v["num_rows"] * v["max_blocks"],
+                        torch.int32).view(v["num_rows"], v["max_blocks"])
+        rows = s.view(p["rows"], p["num_rows"], torch.int64)
+        return FeatureView(pools=self._pools[_TARGET].features,
+                           block_tables=tables.index_select(0, rows),
+                           block_size=self.block_size,
+                           num_layers=self.target.geometry.num_layers)
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """The step's packed inputs on the model's device: one asynchronous copy through

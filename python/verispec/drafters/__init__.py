@@ -5,10 +5,17 @@
   rule and the output stays exact.
 - ``EarlyExit(target, num_layers=N)``: self-speculation, the target's first N layers
   plus its final norm and head, sharing the target's weights (no copy).
-- Any model implementing the protocol (verispec.models.base.Model): a separate draft.
+- Any model implementing the protocol (verispec.models.base.Model): a separate draft
+  (``DraftModel(model)``; SpecDecoder wraps a model given as draft).
+
+A drafter implements ``verispec.drafters.Drafter``: ``spec(target) -> DraftSpec`` says
+what it needs (drafters/base.py); a new drafter is one new file here.
 """
 
+from verispec.drafters.base import (DraftModel, Drafter, DraftSpec, Feature, FeatureView,
+                                    as_drafter)
 from verispec.drafters.early_exit import EarlyExit
 from verispec.drafters.ngram import NGram
 
-__all__ = ["EarlyExit", "NGram"]
+__all__ = ["DraftModel", "DraftSpec", "Drafter", "EarlyExit", "Feature", "FeatureView", "NGram",
+           "as_drafter"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from verispec.drafters.base import DraftSpec
 from verispec.models.base import Model, ModelGeometry, PagedBatch
 
 __all__ = ["EarlyExit"]
@@ -36,3 +37,10 @@ class EarlyExit:
 
     def forward(self, batch: PagedBatch) -> torch.Tensor:
         return self.model.forward(batch)
+
+    def spec(self, target: Model) -> DraftSpec:
+        """Draft passes through the first layers; the target's own cache for them when
+        ``target`` is the model they were taken from (the K/V it wrote are what the draft
+        would compute), else a cache of their own."""
+        return DraftSpec(kind="model", model=self.model,
+                         cache="target" if target is self.target else "own")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from verispec.drafters.base import DraftSpec
 
 __all__ = ["NGram"]
 
@@ -31,3 +34,9 @@ class NGram:
         if (isinstance(self.branches, bool) or not isinstance(self.branches, int)
                 or not 1 <= self.branches <= 64):
             raise ValueError(f"NGram: branches must be an int in [1, 64], got {self.branches!r}")
+
+    def spec(self, target: Any) -> DraftSpec:
+        """Proposals from the core's native index of each sequence's own tokens: no
+        model, no cache, one-hot q (deterministic proposals)."""
+        return DraftSpec(kind="lookup", cache="none", one_hot=True,
+                         ngram=(self.min_n, self.max_n, self.branches))

@@ -27,8 +27,8 @@ Wrapping your own module::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -48,6 +48,9 @@ class ModelGeometry:
     # K and V head sizes differ (MLA, global vs local layers); None: every layer is
     # (num_kv_heads, head_dim, head_dim).
     layer_kv: Optional[tuple[tuple[int, int, int], ...]] = None
+    # The width of the residual stream: the size of each hidden state a model writes to
+    # KVPools.features for a drafter (None: a model that writes none).
+    hidden_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.layer_kv is not None and len(self.layer_kv) != self.num_layers:
@@ -67,38 +70,63 @@ class KVPools:
     (per layer, K and V head sizes from ``ModelGeometry.kv_shape``).
 
     Slot s of a pool is element ``pool.view(-1, num_kv_heads, head_dim)[s]``.
+
+    ``features``: the hidden states a drafter reads (``verispec.drafters.Feature``), one
+    pool [num_blocks, block_size, hidden_size] per stream, keyed by ``Feature.key``: r in
+    [0, num_layers] the residual stream entering layer r (num_layers: the last layer's
+    output before the final norm), num_layers + 1 after the final norm. A model writes
+    each token's states at its slot, as it writes its K/V, so they move, copy and roll
+    back with the cache. Empty: the model writes none and does no extra work.
     """
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     block_size: int
+    features: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def allocate(cls, geometry: ModelGeometry, num_blocks: int, block_size: int) -> "KVPools":
-        def pool(heads: int, dim: int) -> torch.Tensor:
-            return torch.zeros((num_blocks, block_size, heads, dim), dtype=geometry.dtype,
+    def allocate(cls, geometry: ModelGeometry, num_blocks: int, block_size: int, *,
+                 features: Sequence[int] = ()) -> "KVPools":
+        def pool(*shape: int) -> torch.Tensor:
+            return torch.zeros((num_blocks, block_size, *shape), dtype=geometry.dtype,
                                device=geometry.device)
 
+        if features and geometry.hidden_size is None:
+            raise ValueError(f"KVPools.allocate: feature pools {list(features)} need "
+                             f"geometry.hidden_size, got None")
         shapes = [geometry.kv_shape(i) for i in range(geometry.num_layers)]
         return cls(k=[pool(h, dk) for h, dk, _ in shapes], v=[pool(h, dv) for h, _, dv in shapes],
-                   block_size=block_size)
+                   block_size=block_size,
+                   features={int(key): pool(geometry.hidden_size) for key in features})
 
     @property
     def num_blocks(self) -> int:
         return self.k[0].shape[0]
 
+    def _all(self) -> tuple[torch.Tensor, ...]:
+        return (*self.k, *self.v, *self.features.values())
+
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copies slot src[i] to slot dst[i] in every K and V pool, reading every source
-        before writing (duplicate destinations must carry equal values)."""
-        for pool in (*self.k, *self.v):
+        """Copies slot src[i] to slot dst[i] in every K, V and feature pool, reading every
+        source before writing (duplicate destinations must carry equal values)."""
+        for pool in self._all():
             flat = pool.view(-1, *pool.shape[2:])
             flat[dst] = flat[src]
 
     def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
         """Performs the allocator's copy-on-write copies (src, dst, num_tokens)."""
         for src, dst, n in copies:
-            for pool in (*self.k, *self.v):
+            for pool in self._all():
                 pool[dst, :n] = pool[src, :n]
+
+    def write_features(self, write: Callable[[torch.Tensor, torch.Tensor], None], key: int,
+                       x: torch.Tensor) -> None:
+        """Stream ``key``'s states of the forward's tokens, x [T, hidden], into its pool
+        through the forward's cache write (``KVWrite``: slot < 0 writes nothing); no-op
+        when no drafter asked for it."""
+        pool = self.features.get(key)
+        if pool is not None:
+            write(pool.view(-1, pool.shape[-1]), x)
 
 
 @dataclass
@@ -129,6 +157,10 @@ class PagedBatch:
                                above but input_ids and kv; tree_mask too when set), when it
                                has them: a model that plans on the host reads them through
                                host_tensor() without waiting for the device
+    target_features  FeatureView | None  a draft pass of a drafter that reads the
+                               target's hidden states: the target's feature pools and
+                               this pass's rows' target block tables
+                               (verispec.drafters.FeatureView); None otherwise
     staging        PlanStaging | None  where the forward uploads what it plans on the host
                                (verispec.models.staging.upload: pinned, asynchronous, into
                                the step's device arena); SpecDecoder sets it. None: plain
@@ -146,6 +178,7 @@ class PagedBatch:
     host: Optional[dict] = None
     tree_mask: Optional[torch.Tensor] = None
     staging: Optional[Any] = None
+    target_features: Optional[Any] = None
 
     _HOST_FIELDS = ("positions", "slot_mapping", "block_tables", "context_lens", "query_start",
                     "logits_indices", "tree_mask")
