@@ -20,8 +20,8 @@ from typing import Any, Optional
 
 import torch
 
-from verispec.models import batch_invariant as _bi
-from verispec.models import hf_capture
+from verispec.models.hf import capture as hf_capture
+from verispec.models.layers import batch_invariant as _bi
 from verispec.models.layers import kernels
 from verispec.models.layers.attention import TorchAttention
 from verispec.models.layers.paged import PagedPlan
