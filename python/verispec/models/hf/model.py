@@ -452,7 +452,7 @@ class HFModel:
 
     def _shard(self, tp: Any, layers: list[_LayerRecord], vocab_size: int,
                device: torch.device) -> None:
-        """Cuts the wrapped model to this rank's shard (``hf_tp``) and checks the cut: the
+        """Cuts the wrapped model to this rank's shard (``hf.tp``) and checks the cut: the
         logits of a few tokens in transformers' eager attention, before and after, must
         agree to rounding on every rank (the ranks decide together, so all refuse or
         none). A refusal here leaves the model cut: load it again."""
@@ -544,7 +544,7 @@ class HFModel:
         g = self.geometry
         device = g.device
         plan = _Plan(batch, self._pool_of, device)
-        plan.kernels = self._kernels  # read by the RoPE dispatcher (hf_patch._rope_dispatch)
+        plan.kernels = self._kernels  # read by the RoPE dispatcher (hf.patch._rope_dispatch)
         plan.attention = self._torch_attention()
         if self.batch_invariant:
             plan.prepare_batch_invariant()

@@ -83,7 +83,7 @@ class _TorchLayerOps:
 
 class _BatchInvariantOps(_TorchLayerOps):
     """A forward's steps between the products in the torch batch-invariant mode
-    (``verispec.models.batch_invariant``): RMSNorm in fixed chunks of ROWS rows, every
+    (``verispec.models.layers.batch_invariant``): RMSNorm in fixed chunks of ROWS rows, every
     token's attention over its own visible keys in fixed-shape steps; RoPE, the cache
     write, residual adds and SwiGLU are element-wise as in _TorchLayerOps."""
 
