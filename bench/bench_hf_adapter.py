@@ -364,8 +364,8 @@ def profile(args) -> dict:
     """Per-forward breakdown of one decode step (T = 1) and one n-gram verify step
     (T = k + 1) on the copy-heavy prompt's context: adapter vs native wall time (paired
     rounds), exclusive time and aten ops per module kind / function, for each model."""
-    from verispec.models import hf as hf_module
-    from verispec.models import llama as llama_module
+    from verispec.models.hf import model as hf_module
+    from verispec.models.layers import layer_ops
     from verispec.models.layers import attention as layers_attention
     from verispec.models.testing import PagedRunner
 
@@ -422,7 +422,7 @@ def profile(args) -> dict:
                                  regions)]
             else:
                 handles = []
-                undo = [_patched(llama_module._NativeLayerOps,
+                undo = [_patched(layer_ops._NativeLayerOps,
                                  {"attend": "attention (_NativeLayerOps.attend)"}, regions)]
                 linear, norm_fn = model._linear, model._norm_fn
                 model._linear = lambda n: regions.wrap("linear", linear(n))

@@ -80,8 +80,8 @@ from verispec.decoder import SpecDecoder
 from verispec.drafters import NGram
 from verispec.models import load
 from verispec.models.loaders import resolve
-from verispec.models import quantized
-from verispec.models.quantized import QuantizedMatrix
+from verispec.models.layers import quantized
+from verispec.models.layers.quantized import QuantizedMatrix
 
 INSTALL_HINT = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON '
                 '-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" '
@@ -281,7 +281,7 @@ class Verispec:
                  k: int | str = NGRAM_K):
         self.model, self.ngram, self.k = model, ngram, k
         self.capacity = capacity
-        self.arithmetic = arithmetic  # of the quantized kernels (models.quantized.ARITHMETIC)
+        self.arithmetic = arithmetic  # of the quantized kernels ((models.layers.quantized.ARITHMETIC))
 
     def run(self, ids: list[int], n: int) -> tuple[list[int], float]:
         draft = NGram(1, NGRAM_N) if self.ngram else None

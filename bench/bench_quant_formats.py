@@ -49,7 +49,7 @@ import torch
 from kernel_env import cpu_kernel_environment, write_result
 
 from verispec import _C
-from verispec.models.quantized import FLOAT16_FORMATS, QuantizedMatrix
+from verispec.models.layers.quantized import FLOAT16_FORMATS, QuantizedMatrix
 from verispec.models.testing import random_quant_blocks
 
 # name -> (hidden, intermediate, heads, kv heads, head dim, layers)

@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from verispec.decoder import SpecDecoder  # noqa: E402
 from verispec.drafters import EarlyExit, NGram  # noqa: E402
-from verispec.models import batch_invariant as bi  # noqa: E402
+from verispec.models.layers import batch_invariant as bi  # noqa: E402
 from verispec.models.llama import LlamaConfig, LlamaModel, LlamaWeights  # noqa: E402
 from verispec.models.testing import PagedRunner  # noqa: E402
 

@@ -55,7 +55,7 @@ def test_info_json(capsys):
     # the kernel paths: float32 and quantized (with the formats the quantized one reads)
     assert info["cpu_kernels"]["float32_linear"].startswith(verispec._C.linear_best_isa())
     assert "Q4_K" in info["cpu_kernels"]["quantized_linear"]
-    from verispec.models import quantized
+    from verispec.models.layers import quantized
     want = (f"int8 {verispec._C.quant_int8_path()}," if quantized.ARITHMETIC == "int8"
             else f"float {verispec._C.linear_best_isa()},")
     assert info["cpu_kernels"]["quantized_linear"].startswith(want)

@@ -213,7 +213,7 @@ def test_smollm2_batched_requests_equal_each_alone(smollm2, monkeypatch, arithme
     prompts prefilled in chunks next to verify rows) return exactly the tokens of each
     request decoded alone, in both arithmetics of the quantized kernels: every product
     and every attention row is computed the same whatever shares the pass."""
-    from verispec.models import quantized
+    from verispec.models.layers import quantized
 
     monkeypatch.setattr(quantized, "ARITHMETIC", arithmetic)
     model, tok = smollm2

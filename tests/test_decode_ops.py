@@ -457,7 +457,7 @@ def _rope_tables(max_pos, hd):
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_rope_kv_write_equals_torch_bitwise(isa):
-    from verispec.models.llama import apply_rope
+    from verispec.models.layers.norm_rope import apply_rope
     g = torch.Generator().manual_seed(13)
     t = 5
     qkv = torch.randn(t, (NH + 2 * NKV) * HD, generator=g)
@@ -601,8 +601,8 @@ def test_model_rows_are_batch_invariant(monkeypatch):
     (decode rows, verify rows and a prefill chunk sharing its passes). One-row products
     go through verispec's linear kernel too (NATIVE_LINEAR_MIN_ROWS = 1), as a quantized
     model's always do."""
-    from verispec.models import llama
-    assert llama.NATIVE_LINEAR_MIN_ROWS == 1
+    from verispec.models.layers.linear import NATIVE_LINEAR_MIN_ROWS
+    assert NATIVE_LINEAR_MIN_ROWS == 1
     model = _tiny_llama(seed=5)
     g = torch.Generator().manual_seed(9)
     tok = lambda n: torch.randint(0, 97, (n,), generator=g).tolist()  # noqa: E731

@@ -24,7 +24,7 @@ import pytest
 import torch
 import transformers
 
-import verispec.models.hf as hf_mod
+import verispec.models.hf.model as hf_mod
 from verispec.models import HFModel
 from verispec.models.base import KVPools, PagedBatch
 from verispec.models.testing import PagedRunner, randomize_weights

@@ -1,4 +1,4 @@
-"""HFModel's captured forwards (verispec.models.hf_capture) against its eager forwards.
+"""HFModel's captured forwards (verispec.models.hf.capture) against its eager forwards.
 
 Two wrappers of copies of the same tiny random model, one capturing (the default) and one
 with ``capture=False``, are driven through the same batches: a prompt, then decode steps
@@ -18,7 +18,8 @@ import torch
 import transformers
 
 from test_hf_adapter import BLOCK_SIZE, VOCAB, _cfg, _reference
-from verispec.models import HFModel, hf_capture
+from verispec.models import HFModel
+from verispec.models.hf import capture as hf_capture
 from verispec.models.testing import PagedRunner
 
 STEPS = 10  # decode + verify pairs after the prompt

@@ -31,7 +31,7 @@ from verispec import reference
 from verispec.decoder import SpecDecoder
 from verispec.drafters import EarlyExit, NGram
 from verispec.models import HFModel
-from verispec.models import hf as vhf
+from verispec.models.hf import model as vhf
 from verispec.models.testing import PagedRunner, randomize_weights
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a model hub

@@ -176,7 +176,7 @@ def test_model_uses_the_kernel_for_verify_passes_and_matches_torch(monkeypatch):
     tokens, torch.mm for longer ones; and a verify
     pass gives its last tokens bitwise the logits a pass of just those tokens gives them
     (the projections are batch invariant; the attention's small matmuls are too here)."""
-    from verispec.models import llama
+    from verispec.models.layers.linear import NATIVE_LINEAR_MAX_ROWS
     from verispec.models.testing import PagedRunner
     model = _tiny_llama()
     vector_isa = _C.linear_best_isa() != "scalar"
@@ -208,7 +208,7 @@ def test_model_uses_the_kernel_for_verify_passes_and_matches_torch(monkeypatch):
     # both passes: 4 products a layer, 2 layers, the head
     assert calls.count(20) == calls.count(6) == 4 * 2 + 1 and set(calls) == {20, 6}
     calls.clear()
-    long_prompt = torch.randint(0, 97, (llama.NATIVE_LINEAR_MAX_ROWS + 1,), generator=g).tolist()
+    long_prompt = torch.randint(0, 97, (NATIVE_LINEAR_MAX_ROWS + 1,), generator=g).tolist()
     run(True, [long_prompt])
     assert calls == []  # a longer prompt at once: torch.mm
     # token 5 of the draft: in the 6-token pass vs in a 2-token pass [draft[4], draft[5]],

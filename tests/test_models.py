@@ -35,7 +35,7 @@ def float_products(monkeypatch):
     adapter on the dequantized weights): the float arithmetic of the quantized kernels,
     whose products round like float32 (the default int8 arithmetic's bound is tested in
     test_quant.py)."""
-    from verispec.models import quantized
+    from verispec.models.layers import quantized
 
     monkeypatch.setattr(quantized, "ARITHMETIC", "float")
 

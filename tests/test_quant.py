@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from verispec import _C, ops
-from verispec.models.quantized import FLOAT16_FORMATS, QUANT_FORMATS, QuantizedMatrix, row_bytes
+from verispec.models.layers.quantized import FLOAT16_FORMATS, QUANT_FORMATS, QuantizedMatrix, row_bytes
 # byte offsets of the half-float scales in each format's block; random matrices in a format
 from verispec.models.testing import QUANT_HALF_FIELDS as _HALF_FIELDS
 from verispec.models.testing import random_quant_blocks as random_blocks
@@ -324,7 +324,7 @@ def test_quantized_matrix_parts_and_prefill_tiles(monkeypatch):
     """A matrix of parts in different formats: products of few rows (native kernel, in
     either arithmetic) and of many rows (dequantized tiles into torch.mm) both match its
     dequantized rows."""
-    import verispec.models.quantized as qm
+    import verispec.models.layers.quantized as qm
     k = 256
     parts = [QuantizedMatrix.from_bytes(random_blocks(f, n, k, seed=n), f, k)
              for f, n in (("Q4_K", 5), ("Q6_K", 9), ("Q6_K", 3), ("Q8_0", 4))]
@@ -353,7 +353,7 @@ def test_int8_rows_keep_their_bits_at_any_m_float_up_to_kernel_max_rows(monkeypa
     the float arithmetic up to KERNEL_MAX_ROWS rows; past it the float arithmetic's tiles
     into torch.mm do not promise that (power: at M = KERNEL_MAX_ROWS + 1 they differ from
     the kernel's bits on some row)."""
-    import verispec.models.quantized as qm
+    import verispec.models.layers.quantized as qm
     assert qm.KERNEL_MAX_ROWS >= 256  # every serving pass of a default server
     monkeypatch.setattr(qm, "KERNEL_MAX_ROWS", 24)  # the rule, at an affordable size
     k = 256
@@ -399,7 +399,7 @@ def test_packed_layout_is_the_documented_rule_and_computes_the_same_bits(fmt):
     rendering of the rule), unpacks back to the file's bytes, and products (both
     arithmetics, every int8 path this CPU runs, M = 1..16, row counts that do and do not
     fill the last group) and dequantized rows are bitwise those of the file's layout."""
-    from verispec.models.quantized import QuantPart
+    from verispec.models.layers.quantized import QuantPart
     k = _k_for(fmt, 3)
     for n in (1, 15, 16, 37):
         data = random_blocks(fmt, n, k, seed=n)
@@ -439,8 +439,8 @@ def test_packed_matrices_in_parts_prefill_tiles_and_errors(monkeypatch):
     arithmetics, on the kernel and through the float arithmetic's tiles; cat unpacks;
     a packed part of the wrong shape, and packed weights of the wrong shape, are refused
     with the expected shape named."""
-    import verispec.models.quantized as qm
-    from verispec.models.quantized import QuantPart
+    import verispec.models.layers.quantized as qm
+    from verispec.models.layers.quantized import QuantPart
     k = 256
     q = QuantizedMatrix.cat([QuantizedMatrix.from_bytes(random_blocks(f, n, k, seed=n), f, k)
                              for f, n in (("Q4_K", 21), ("Q6_K", 9), ("Q8_0", 40))])
@@ -571,7 +571,7 @@ def test_quantized_model_matches_dequantized_float32(quantized_files, tied, monk
     logits are no measure of it.)"""
     import os
 
-    import verispec.models.quantized as qm
+    import verispec.models.layers.quantized as qm
     monkeypatch.setattr(qm, "ARITHMETIC", "float")
 
     from verispec.models import load_model
@@ -647,7 +647,7 @@ def test_decode_layers_in_one_call_equal_the_layer_loop(quantized_files, monkeyp
     default for passes of up to KERNEL_MAX_ROWS tokens) give bit for bit the logits of
     the layer-by-layer loop, for prefill, decode, verify and tree rows side by side, with
     fused projections of mixed formats; a bad index changes no cache."""
-    import verispec.models.quantized as qm
+    import verispec.models.layers.quantized as qm
     from verispec.models import load_model
     from verispec.models.testing import PagedRunner
 
@@ -772,7 +772,7 @@ def test_tensor_parallel_cuts_keep_blocks_and_products(fmt, arithmetic, monkeypa
     product's columns bit for bit; a cut at whole blocks of the input (row parallel: O,
     down) gives partial products whose sum is the whole product up to the rounding of
     the sum. A cut inside a block is refused; pad_rows adds zero weights."""
-    import verispec.models.quantized as qm
+    import verispec.models.layers.quantized as qm
     monkeypatch.setattr(qm, "ARITHMETIC", arithmetic)
 
     block = QUANT_FORMATS[fmt][1]
@@ -810,7 +810,7 @@ def test_tensor_parallel_cuts_keep_blocks_and_products(fmt, arithmetic, monkeypa
 def test_arithmetic_from_the_environment(monkeypatch):
     """VERISPEC_QUANT_ARITHMETIC picks the models' arithmetic (default int8); anything
     else than int8 / float is refused, naming the variable."""
-    import verispec.models.quantized as qm
+    import verispec.models.layers.quantized as qm
     monkeypatch.delenv("VERISPEC_QUANT_ARITHMETIC", raising=False)
     assert qm._arithmetic_from_env() == "int8"
     monkeypatch.setenv("VERISPEC_QUANT_ARITHMETIC", "float")

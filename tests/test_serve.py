@@ -81,7 +81,7 @@ def float_products(monkeypatch):
     """The texts these tests expect (copy-heavy completions that do not stop at once)
     are the float arithmetic's; a request's independence of its batch is checked for
     both arithmetics in test_decode_llama.py."""
-    from verispec.models import quantized
+    from verispec.models.layers import quantized
 
     monkeypatch.setattr(quantized, "ARITHMETIC", "float")
 

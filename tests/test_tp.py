@@ -543,7 +543,7 @@ def test_a_quantized_cut_that_would_split_blocks_is_refused(tmp_path):
     from test_quant import LAYER_FORMATS, write_quantized_gguf
     from verispec import distributed
     from verispec.models import load_model
-    from verispec.models.quantized import QuantizedMatrix
+    from verispec.models.layers.quantized import QuantizedMatrix
 
     formats = [dict(LAYER_FORMATS[0], attn_output="Q4_K"), LAYER_FORMATS[1]]
     model = load_model(write_quantized_gguf(tmp_path / "q4k_o.gguf", formats=formats))

@@ -161,10 +161,10 @@ def run_hf(tp) -> dict:
     """The adapter's scenario on this rank: every HF_CONFIGS model's KV heads and logits,
     the decodes through a sharded HF target, and two wrong cuts (power)."""
     from verispec import distributed
-    import verispec.models.hf as hf_mod
-    import verispec.models.hf_tp as hf_tp
+    import verispec.models.hf.model as hf_mod
+    import verispec.models.hf.tp as hf_tp
     from verispec.models import HFModel
-    from verispec.models.llama import split_heads
+    from verispec.models.layers.tp import split_heads
 
     out: dict = {"kv_heads": {}, "logits": {}}
     for name in HF_CONFIGS:

@@ -223,7 +223,7 @@ def read_stream(buffer: Any, num_threads: int) -> int: ...
 def linear_threads() -> str: ...
 
 # The quantized CPU kernels (csrc/layers/cpu/quant_linear.cpp, quant_int8.cpp,
-# quant_pack.cpp; verispec.ops.quant_linear, verispec.models.quantized). packed_rows >= 0:
+# quant_pack.cpp; verispec.ops.quant_linear, verispec.models.layers.quantized). packed_rows >= 0:
 # the weight is that many rows in the packed layout (quant_pack16).
 QUANT_PACK_ROWS: int
 def quant_linear(x: Any, weight: Any, quant_type: int, out: Any, num_threads: int,

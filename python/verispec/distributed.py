@@ -245,11 +245,11 @@ def shard(model: Any, tp: TensorParallel) -> Any:
     naming the tensor, its format and block, where a row-parallel cut would split a
     block.
     An HFModel's transformers modules are cut in place, along the config's
-    ``base_model_tp_plan`` (``verispec.models.hf_tp``, docs/distributed.md): the shard is
+    ``base_model_tp_plan`` (``verispec.models.hf.tp``, docs/distributed.md): the shard is
     a new HFModel over them, and the HFModel passed in refuses to run afterwards.
     """
     from verispec.models.hf import HFModel
-    from verispec.models import batch_invariant as _bi
+    from verispec.models.layers import batch_invariant as _bi
     from verispec.models.llama import LlamaModel, TPShard, shard_weights
 
     if getattr(model, "batch_invariant", False):

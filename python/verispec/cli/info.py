@@ -17,7 +17,7 @@ def _quant_arithmetic() -> str:
     """The quantized kernels' arithmetic and code path: "int8 avx512-vnni" or "float avx512"
     (VERISPEC_QUANT_ARITHMETIC)."""
     import verispec
-    from verispec.models import quantized
+    from verispec.models.layers import quantized
 
     if quantized.ARITHMETIC == "int8":
         return f"int8 {verispec._C.quant_int8_path()}"
@@ -56,7 +56,7 @@ def collect_info() -> dict:
         model["path"] = resolve(DEFAULT_MODEL)[1]
         model["installed"] = True
         from verispec.models.gguf_file import GGUFFile
-        from verispec.models.quantized import quant_format_name
+        from verispec.models.layers.quantized import quant_format_name
 
         # which kernel each of its matrices runs in when loaded on the CPU (dtype auto)
         types = sorted({(quant_format_name(t.ggml_type) or "float32 (dequantized)")
@@ -66,7 +66,7 @@ def collect_info() -> dict:
         model["installed"] = False
         model["error"] = str(e)
     info["default_model"] = model
-    from verispec.models import quantized
+    from verispec.models.layers import quantized
 
     info["cpu_kernels"] = {
         "float32_linear": f"{verispec._C.linear_best_isa()} (float32 models: verify passes of "

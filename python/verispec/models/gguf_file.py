@@ -136,7 +136,7 @@ class GGUFFile:
         BF16 as 16-bit values), or None when its type is not one of verispec's quantized
         kernels' (F32, other quantizations, F16 / BF16 rows not a multiple of 32: read
         those with ``tensor``)."""
-        from verispec.models.quantized import QUANT_FORMATS, QuantizedMatrix, quant_format_name
+        from verispec.models.layers.quantized import QUANT_FORMATS, QuantizedMatrix, quant_format_name
 
         if name not in self.tensors:
             raise KeyError(f"{self.path}: no tensor {name!r}")
@@ -306,7 +306,7 @@ class LlamaGGUF(Mapping):
     def quantized(self, name: str) -> "QuantizedMatrix | None":
         """Tensor ``name`` (a transformers name) kept quantized, Q/K rows un-permuted as
         ``self[name]``; None when its format has no quantized kernel."""
-        from verispec.models.quantized import QuantizedMatrix, QuantPart
+        from verispec.models.layers.quantized import QuantizedMatrix, QuantPart
 
         q = self.file.quantized(self._names[name])
         heads = (self.config.num_attention_heads if name.endswith("self_attn.q_proj.weight")

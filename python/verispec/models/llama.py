@@ -44,29 +44,21 @@ import torch
 import torch.nn.functional as F
 
 from verispec import _C
-from verispec.models.base import KVWrite, ModelGeometry, PagedBatch, check_batch
-from verispec.models import batch_invariant as _bi
-from verispec.models import quantized as _quantized
-from verispec.models.layers import kernels
-from verispec.models.layers.attention import (FlashInferAttention, TorchAttention,
-                                              attend_long_row, select_backend)
+from verispec.models.base import ModelGeometry, PagedBatch, check_batch
+from verispec.models.layers import batch_invariant as _bi
+from verispec.models.layers import quantized as _quantized
+from verispec.models.layers.attention import FlashInferAttention, TorchAttention, select_backend
 from verispec.models.layers.graphs import GraphCache, GraphInputs
-# native_linear, native_rms_norm and the two constants are imported from here too
-from verispec.models.layers.kernels import native_linear, native_rms_norm  # noqa: F401
-from verispec.models.layers.paged import (KERNEL_MAX_QUERIES, SMALL_ROW_QUERIES,  # noqa: F401
-                                          NativeIndex, PagedPlan)
-from verispec.models.quantized import QUANT_FORMATS, QuantizedMatrix
+from verispec.models.layers.kernels import native_linear, native_rms_norm
+from verispec.models.layers.layer_ops import (_BatchInvariantOps, _BucketLayerOps,
+                                              _NativeLayerOps, _TorchLayerOps)
+from verispec.models.layers.linear import (NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS,
+                                           matmul_layout)
+from verispec.models.layers.norm_rope import rms_norm, rope_inv_freq
+from verispec.models.layers.quantized import QUANT_FORMATS, QuantizedMatrix
+from verispec.models.layers.tp import split_evenly, split_heads, split_vocab
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# Products of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS rows (tokens in a forward:
-# plain decoding, verify passes, serving batches, prefill chunks) use verispec's CPU
-# linear kernel when the model is float32 on CPU (LlamaModel.native_linear). On
-# SmolLM2's shapes, row-major, it is at least as fast as MKL's best layout from 1 row
-# (1.4x) to 128 (1.05x) (bench/bench_linear.py, commit 00b2907), and it rounds a row
-# the same whatever shares the pass, so a sequence's logits do not depend on the batch
-# up to 128 tokens a pass. Longer products (a long prompt at once) use torch.mm.
-NATIVE_LINEAR_MAX_ROWS = 128
-NATIVE_LINEAR_MIN_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -103,30 +95,6 @@ class LlamaConfig:
                 and len(self.rope_freq_factors) != self.head_dim // 2):
             raise ValueError(f"LlamaConfig: rope_freq_factors must have head_dim / 2 = "
                              f"{self.head_dim // 2} entries, got {len(self.rope_freq_factors)}")
-
-
-def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """RoPE inverse frequencies [head_dim / 2] float32, computed as transformers does."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    scaling = config.rope_scaling or {}
-    rope_type = scaling.get("rope_type", "default")
-    if rope_type == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif rope_type == "llama3":
-        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_context = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
-        smooth = (old_context / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    if config.rope_freq_factors is not None:
-        inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float)
-    return inv_freq
 
 
 @dataclass
@@ -229,235 +197,11 @@ class LlamaWeights:
                    file_types=state.type_counts() if hasattr(state, "type_counts") else {})
 
 
-def matmul_layout(w: torch.Tensor) -> torch.Tensor:
-    """``w`` [out, in] as the layout its products run fastest in on its device.
-
-    For float32 on a CPU where verispec's linear kernel has vector instructions that is
-    row-major: the kernel streams each weight row once for up to 8 rows of x (~2.8x
-    MKL's one-row product on SmolLM2's matrices). Without them (MKL does the products)
-    column-major (``w.t()`` contiguous; shape and values unchanged): MKL's one-row
-    products read it ~7% faster than row-major. (bfloat16 goes through oneDNN, which
-    prefers row-major.) Otherwise ``w`` as it is.
-    """
-    if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
-        return w
-    if _C.linear_best_isa() != "scalar":
-        return w if w.is_contiguous() else w.contiguous()
-    return w if w.t().is_contiguous() else w.t().contiguous().t()
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with the statistics in float32, rounded back before the weight (as transformers)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE, as transformers: x * cos + rotate_half(x) * sin, with the tables
-    laid out as LlamaModel keeps them. x: [T, H, D]; cos = [cos, cos], sin = [-sin, sin]:
-    [T, 1, D]. Bit-identical to transformers (the negation is exact)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
-
-
-class _TorchLayerOps:
-    """A forward's steps between the matrix products in torch ops (any device, dtype)."""
-
-    def __init__(self, model: "LlamaModel", batch: PagedBatch, num_tokens: int,
-                 positions: torch.Tensor):
-        g = model.geometry
-        self.model, self.nh, self.nkv, self.hd = model, model._nh, model._nkv, model.config.head_dim
-        # the forward's paged plan, its groups built (and checked) before any write
-        self.plan = PagedPlan(batch, g.device, who="LlamaModel.forward")
-        self.plan.groups  # noqa: B018
-        self.write = self.plan.write
-        self.attention = model._torch_attention()
-        self.scaling = 1.0 / math.sqrt(self.hd)
-        self.norm = model._norm_fn()
-        self.cos = model._cos[positions][:, None, :]                          # [T, 1, hd]
-        self.sin = model._sin[positions][:, None, :]
-        self.num_tokens = num_tokens
-
-    def rope_write(self, qkv: torch.Tensor, k_pool: torch.Tensor,
-                   v_pool: torch.Tensor) -> torch.Tensor:
-        """RoPE of q and k, k and v written to the pools; returns q [T, nh, hd]."""
-        nh, nkv, hd = self.nh, self.nkv, self.hd
-        qkv = qkv.view(self.num_tokens, nh + 2 * nkv, hd)
-        qk = apply_rope(qkv[:, :nh + nkv], self.cos, self.sin)               # q and k together
-        self.write(k_pool.view(-1, nkv, hd), qk[:, nh:])
-        self.write(v_pool.view(-1, nkv, hd), qkv[:, nh + nkv:])
-        return qk[:, :nh]
-
-    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        """q [T, nh, hd] against each row's cached context -> [T, nh * hd]."""
-        if self.attention.name == "flashinfer":
-            out = self.attention.attend(self.plan, q, k_pool, v_pool, scaling=self.scaling)
-        else:
-            out = self.attention.attend(self.plan, q, k_pool.view(-1, self.nkv, self.hd),
-                                        v_pool.view(-1, self.nkv, self.hd), scaling=self.scaling)
-        return out.reshape(self.num_tokens, self.nh * self.hd)
-
-    def add_norm(self, x: torch.Tensor, delta: torch.Tensor,
-                 weight: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x + delta, and its norm with ``weight`` (None: no norm)."""
-        x = x + delta
-        return x, None if weight is None else self.norm(x, weight)
-
-    @staticmethod
-    def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-
-
-class _BatchInvariantOps(_TorchLayerOps):
-    """A forward's steps between the products in the torch batch-invariant mode
-    (``verispec.models.batch_invariant``): RMSNorm in fixed chunks of ROWS rows, every
-    token's attention over its own visible keys in fixed-shape steps; RoPE, the cache
-    write, residual adds and SwiGLU are element-wise as in _TorchLayerOps."""
-
-    def __init__(self, model: "LlamaModel", batch: PagedBatch, num_tokens: int,
-                 positions: torch.Tensor):
-        g = model.geometry
-        self.model, self.nh, self.nkv, self.hd = model, model._nh, model._nkv, model.config.head_dim
-        self.keys = _bi.KeyPlan(batch, g.device)
-        self.write = KVWrite(batch.host_tensor("slot_mapping"), g.device)
-        eps = model.config.rms_norm_eps
-        self.norm = lambda x, weight: _bi.rms_norm(x, weight, eps)
-        self.cos = model._cos[positions][:, None, :]                          # [T, 1, hd]
-        self.sin = model._sin[positions][:, None, :]
-        self.num_tokens = num_tokens
-        self.scaling = 1.0 / math.sqrt(self.hd)
-
-    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        out = _bi.attention(q, k_pool.view(-1, self.nkv, self.hd), v_pool.view(-1, self.nkv, self.hd),
-                            self.keys, scaling=self.scaling)
-        return out.reshape(self.num_tokens, self.nh * self.hd)
-
-
-class _BucketLayerOps(_TorchLayerOps):
-    """A captured forward's steps between the products (``layers.graphs``): the torch
-    ops of _TorchLayerOps at a bucket's fixed shapes, writing through the bucket's
-    static slots and attending over each row's gathered keys with the mask the graph
-    builds (nothing read from the host)."""
-
-    def __init__(self, model: "LlamaModel", inputs: GraphInputs):
-        self.model, self.nh, self.nkv, self.hd = model, model._nh, model._nkv, model.config.head_dim
-        self.inputs = inputs
-        self.write = inputs.write
-        self.scaling = 1.0 / math.sqrt(self.hd)
-        self.norm = model._norm_fn()
-        self.cos = model._cos[inputs.positions][:, None, :]                   # [N, 1, hd]
-        self.sin = model._sin[inputs.positions][:, None, :]
-        self.num_tokens = inputs.bucket.tokens
-
-    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        out = self.inputs.attend(q, k_pool.view(-1, self.nkv, self.hd),
-                                 v_pool.view(-1, self.nkv, self.hd), self.scaling)
-        return out.reshape(self.num_tokens, self.nh * self.hd)
-
-
-class _NativeLayerOps:
-    """A forward's steps between the matrix products in verispec's CPU kernels
-    (``layers.kernels``: verispec/layers/decode_ops.h; float32 CPU tensors, contiguous
-    pools): three native calls a layer. Every row attends in the paged kernel (one
-    rounding for decode, verify, tree, batched rows and prefill chunks) except rows of
-    more than KERNEL_MAX_QUERIES new tokens without a tree (a long prompt at once), which
-    attend row by row in SDPA."""
-
-    def __init__(self, model: "LlamaModel", batch: PagedBatch, num_tokens: int):
-        self.nh, self.nkv, self.hd = model._nh, model._nkv, model.config.head_dim
-        self.num_tokens = num_tokens
-        self.eps = model.config.rms_norm_eps
-        self.threads = torch.get_num_threads()
-        self.cos, self.sin = model._cos, model._sin
-        # Index tensors as the kernels read them (kept alive for the forward's calls).
-        self.index = index = NativeIndex(batch)
-        starts = index.query_start.tolist()  # rising from 0 to T: check_batch
-        # Rows attended in SDPA instead (long prefills): (first token, last + 1, row).
-        # None in the batch-invariant mode: SDPA rounds by the row's length.
-        self.long_rows = [] if index.tree is not None or model.batch_invariant else [
-            (starts[r], starts[r + 1], r) for r in range(len(starts) - 1)
-            if starts[r + 1] - starts[r] > KERNEL_MAX_QUERIES]
-        # Positions, context lengths and block tables checked once, before the first
-        # layer writes the cache (a bad batch changes nothing).
-        self._attention(batch.kv.k[0], batch.kv.v[0], None, None, check_only=True)
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return native_rms_norm(x if x.is_contiguous() else x.contiguous(), weight, self.eps)
-
-    def rope_write(self, qkv: torch.Tensor, k_pool: torch.Tensor,
-                   v_pool: torch.Tensor) -> torch.Tensor:
-        return kernels.rope_kv_write(qkv, self.nh, self.nkv, self.hd, self.index, self.cos,
-                                     self.sin, k_pool, v_pool)
-
-    def _attention(self, k_pool: torch.Tensor, v_pool: torch.Tensor, q: Optional[torch.Tensor],
-                   out: Optional[torch.Tensor], check_only: bool = False) -> None:
-        kernels.paged_attention(self.index, k_pool, v_pool, q, out, self.nh, self.nkv, self.hd,
-                                1.0 / math.sqrt(self.hd),
-                                KERNEL_MAX_QUERIES if self.long_rows else 0, self.threads,
-                                check_only=check_only)
-
-    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        t, nh, nkv, hd = self.num_tokens, self.nh, self.nkv, self.hd
-        out = torch.empty((t, nh * hd), dtype=torch.float32)
-        self._attention(k_pool, v_pool, q, out)
-        k_flat, v_flat = k_pool.view(-1, nkv, hd), v_pool.view(-1, nkv, hd)
-        for lo, hi, r in self.long_rows:
-            out[lo:hi] = attend_long_row(self.index, r, q[lo:hi], k_flat, v_flat).reshape(
-                hi - lo, nh * hd)
-        return out
-
-    def add_norm(self, x: torch.Tensor, delta: torch.Tensor,
-                 weight: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x += delta in place, and the norm of the sum with ``weight`` (None: no norm)."""
-        delta = delta if delta.is_contiguous() else delta.contiguous()
-        if weight is None:
-            x += delta
-            return x, None
-        return x, kernels.add_rms_norm(x, delta, weight, self.eps)
-
-    def run_layers(self, layers: Any, x: torch.Tensor, kv: Any, inter: int) -> None:
-        """Every decoder layer of a quantized model in one native call
-        (_C._QuantDecodeLayers): x [T, hidden] becomes the last layer's output."""
-        kernels.quant_decode_layers(layers, x, kv, inter, self.eps, self.nh, self.nkv, self.hd,
-                                    self.index, self.cos, self.sin, self.threads,
-                                    _quantized.ARITHMETIC == "int8")
-
-    @staticmethod
-    def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-        return kernels.silu_mul(gate_up, inter)
-
-
 def _matrix_ref(m: QuantizedMatrix) -> tuple:
     """A QuantizedMatrix as _C._QuantDecodeLayers reads it: (n, k, [(ggml type id, data
     pointer, rows, bytes per row, packed) per part])."""
     return (m.shape[0], m.k, [(QUANT_FORMATS[p.fmt][0], p.data.data_ptr(), p.rows,
                                p.data.stride(0), p.packed) for p in m.parts])
-
-
-def split_evenly(n: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Rank ``rank``'s [start, stop) of n items split as evenly as possible."""
-    return (rank * n) // world_size, ((rank + 1) * n) // world_size
-
-
-def split_heads(num_heads: int, num_kv_heads: int, world_size: int,
-                rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Rank ``rank``'s [start, stop) of the query heads and of the KV heads: KV heads as
-    evenly as possible (3 over 2 ranks: 1 and 2), each query head with its KV head
-    (grouped-query attention stays rank-local). The tensor-parallel rule of the native
-    Llama and of HFModel; callers check world_size <= num_kv_heads first."""
-    group = num_heads // num_kv_heads
-    kv = split_evenly(num_kv_heads, world_size, rank)
-    return (kv[0] * group, kv[1] * group), kv
-
-
-def split_vocab(vocab_size: int, world_size: int, rank: int) -> tuple[tuple[int, int], int]:
-    """Rank ``rank``'s [start, stop) of the LM head's rows and the padded slice size
-    ceil(V / world_size) every rank's slice is zero-padded to (all_gather needs one size;
-    the padding's logits are dropped after the gather)."""
-    padded = -(-vocab_size // world_size)
-    lo = min(rank * padded, vocab_size)
-    return (lo, min(lo + padded, vocab_size)), padded
 
 
 @dataclass(frozen=True)
@@ -641,7 +385,7 @@ class LlamaModel:
         device (docs/design.md, "Batch-invariant mode"). A float32 CPU model keeps
         verispec's CPU kernels, which round a row alone at every size then (no torch.mm
         for long products, no SDPA for long rows); elsewhere (a GPU, other dtypes) the
-        forward runs ``verispec.models.batch_invariant``'s fixed-shape torch ops. Not
+        forward runs ``verispec.models.layers.batch_invariant``'s fixed-shape torch ops. Not
         with tensor parallelism (the all-reduce's algorithm follows the message size)."""
         if (shard is None) != (tp is None):
             raise ValueError(f"LlamaModel: shard and tp must be given together, got "

@@ -33,7 +33,7 @@ def random_quant_blocks(fmt: str, n: int, k: int, *, seed: int, scale: float = 0
     of about ``scale``, either sign."""
     import numpy as np
 
-    from verispec.models.quantized import QUANT_FORMATS
+    from verispec.models.layers.quantized import QUANT_FORMATS
 
     _, block, size = QUANT_FORMATS[fmt]
     rng = np.random.default_rng(seed)

@@ -7,7 +7,7 @@ strides off its tensors, so a caller never handles an address. What a wrapper do
 check per call (dtypes, devices, contiguity: a decode step calls these ~20 times a layer,
 and the Python around a call costs about as much as the call) is its documented
 precondition, which the callers establish once, when they bind their weights or plan a
-forward (``LlamaModel._bind_weights``, ``PagedPlan``, ``hf_patch``'s checks).
+forward (``LlamaModel._bind_weights``, ``PagedPlan``, ``hf.patch``'s checks).
 
 Shapes: ``T`` tokens of a forward, ``H`` query heads, ``KvH`` KV heads, ``D`` head size.
 """

@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _nn_module  # its global hooks (_fast_call)
 
-from verispec.models import batch_invariant as _bi
-from verispec.models import hf_capture
-from verispec.models.hf_attention import _CONTEXT
+from verispec.models.hf import capture as hf_capture
+from verispec.models.hf.attention import _CONTEXT
+from verispec.models.layers import batch_invariant as _bi
 from verispec.models.layers.kernels import native_linear, native_rms_norm, rotate_half_rope
 # Forwards of NATIVE_LINEAR_MIN_ROWS..NATIVE_LINEAR_MAX_ROWS tokens (decoding, verify passes) of a
 # float32 CPU model run their linear layers on verispec's CPU kernel, as LlamaModel's do.
-from verispec.models.llama import NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS, matmul_layout
+from verispec.models.layers.linear import NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS, matmul_layout
 
 
 class _CpuKernels:
@@ -385,7 +385,7 @@ def _is_plain_rms_norm(module: torch.nn.Module) -> bool:
     return True
 
 
-# --- the batch-invariant mode (verispec.models.batch_invariant) ---------------------------
+# --- the batch-invariant mode (verispec.models.layers.batch_invariant) ---------------------------
 
 
 @hf_capture.opaque

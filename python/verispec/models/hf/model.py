@@ -30,7 +30,7 @@ not passed down), and models whose forward fails without the mask transformers b
 for its own attention (ALiBi Falcon adds its position bias to it).
 
 Tensor parallelism: ``HFModel(hf_model, tp=tp)`` cuts the model in place along its
-config's ``base_model_tp_plan`` (``verispec.models.hf_tp``), one rank of a group.
+config's ``base_model_tp_plan`` (``verispec.models.hf.tp``), one rank of a group.
 
 The wrapped model keeps working for transformers' own generate only after
 ``set_attn_implementation("sdpa")`` (HFModel selected its function on it).
@@ -44,18 +44,19 @@ from typing import Any, Optional
 
 import torch
 
-from verispec.models import batch_invariant as _bi
-from verispec.models import hf_capture, hf_tp
 from verispec.models.base import ModelGeometry, PagedBatch, check_batch
-# The attention function, the probe and the forward's plan (hf_attention); the module
-# patching (hf_patch). Their names tests and tools read are importable from here too.
-from verispec.models.hf_attention import (_CONTEXT, ATTN_IMPLEMENTATION, _LayerRecord,  # noqa: F401
+from verispec.models.hf import capture as hf_capture
+from verispec.models.hf import tp as hf_tp
+# The attention function, the probe and the forward's plan (hf.attention); the module
+# patching (hf.patch). Their names tests and tools read are importable from here too.
+from verispec.models.hf.attention import (_CONTEXT, ATTN_IMPLEMENTATION, _LayerRecord,  # noqa: F401
                                           _Plan, _Probe, register_attention)
-from verispec.models.hf_attention import refuse as _refuse
-from verispec.models.hf_patch import (_batch_invariant_problems, _computes_rotate_half_rope,  # noqa: F401
+from verispec.models.hf.attention import refuse as _refuse
+from verispec.models.hf.patch import (_batch_invariant_problems, _computes_rotate_half_rope,  # noqa: F401
                                       _CpuKernels, _install_batch_invariant,
                                       _install_cpu_kernels, _is_plain_rms_norm, _norm_forward,
                                       _uninstall_cpu_kernels)
+from verispec.models.layers import batch_invariant as _bi
 from verispec.models.layers.attention import FlashInferAttention, TorchAttention, select_backend
 from verispec.models.layers.paged import KERNEL_MAX_QUERIES, SMALL_ROW_QUERIES  # noqa: F401
 
@@ -175,7 +176,7 @@ class HFModel:
     ``cpu_kernels`` (float32 models on an x86 CPU with AVX2 or AVX-512): run the model's
     ``nn.Linear`` layers of verify passes and its plain RMSNorm modules on verispec's CPU
     kernels, and store its weight matrices in the layout those read fastest
-    (``verispec.models.llama.matmul_layout``; same values). This sets
+    (``verispec.models.layers.linear.matmul_layout``; same values). This sets
     instance-level ``forward`` methods on those modules of ``hf_model``, and gives its own
     module classes below the top level same-named subclasses called straight through
     ``forward`` while no hooks are registered (``_install_fast_calls``). Where the
@@ -186,17 +187,17 @@ class HFModel:
     else, so unwrapped models of the same class compute exactly what they did.
     ``tp`` (a ``verispec.distributed.TensorParallel``): make this model one rank of a
     tensor-parallel group by cutting ``hf_model``'s modules in place along its config's
-    ``base_model_tp_plan`` (``verispec.models.hf_tp``; every rank must pass the same model);
+    ``base_model_tp_plan`` (``verispec.models.hf.tp``; every rank must pass the same model);
     ``geometry`` then reports this rank's KV heads. ``verispec.distributed.shard`` does it
     for a wrapped model.
     ``capture`` (default True): run decode and verify forwards as captured programs
-    (``HFModel.capture``, ``verispec.models.hf_capture``); off for tensor parallelism and
+    (``HFModel.capture``, ``verispec.models.hf.capture``); off for tensor parallelism and
     for a model compiled with ``torch.compile``.
     ``batch_invariant``: every forward gives a token's logits the same bits whatever the
     number of tokens in its pass and whatever shares it (docs/design.md, "Batch-invariant
     mode"), on any device: the model's ``nn.Linear`` layers and its row-wise norm modules
     run on fixed chunks of rows and every layer attends in
-    ``verispec.models.batch_invariant.attention`` (windows, softcaps, sinks and trees as
+    ``verispec.models.layers.batch_invariant.attention`` (windows, softcaps, sinks and trees as
     the paged attention honours them); ``cpu_kernels`` and ``capture`` are then off.
     Refused (ValueError naming the ops and modules) where one recording forward shows
     the model computing anything else that torch may round by the pass's shape, e.g. a
@@ -293,7 +294,7 @@ class HFModel:
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32 and (
                 _C.linear_best_isa() != "scalar") and not batch_invariant:
             self._kernels = _install_cpu_kernels(hf_model, lambda: self._probe(device))
-        #: Captured forwards of decode and verify passes (verispec.models.hf_capture);
+        #: Captured forwards of decode and verify passes (verispec.models.hf.capture);
         #: ``capture=False`` (or tensor parallelism, or the batch-invariant mode, whose
         #: attention steps follow the context lengths) runs every forward eagerly.
         self._captures = (hf_capture.Captures(hf_model) if capture and tp is None
@@ -374,7 +375,7 @@ class HFModel:
         """Whether decode and verify forwards (up to ``hf_capture.MAX_TOKENS`` tokens) run
         as captured programs: each token count's forward recorded once as straight-line
         code over the same ops and checked bit for bit against the eager forward
-        (``verispec.models.hf_capture``). Set False to run every forward eagerly."""
+        (``verispec.models.hf.capture``). Set False to run every forward eagerly."""
         return self._captures is not None and self._captures.enabled
 
     @capture.setter
@@ -451,7 +452,7 @@ class HFModel:
 
     def _shard(self, tp: Any, layers: list[_LayerRecord], vocab_size: int,
                device: torch.device) -> None:
-        """Cuts the wrapped model to this rank's shard (``hf_tp``) and checks the cut: the
+        """Cuts the wrapped model to this rank's shard (``hf.tp``) and checks the cut: the
         logits of a few tokens in transformers' eager attention, before and after, must
         agree to rounding on every rank (the ranks decide together, so all refuse or
         none). A refusal here leaves the model cut: load it again."""
@@ -543,7 +544,7 @@ class HFModel:
         g = self.geometry
         device = g.device
         plan = _Plan(batch, self._pool_of, device)
-        plan.kernels = self._kernels  # read by the RoPE dispatcher (hf_patch._rope_dispatch)
+        plan.kernels = self._kernels  # read by the RoPE dispatcher (hf.patch._rope_dispatch)
         plan.attention = self._torch_attention()
         if self.batch_invariant:
             plan.prepare_batch_invariant()

@@ -40,8 +40,8 @@ from typing import Any, Sequence
 
 import torch
 
-from verispec.models.hf_attention import refuse as hf_refuse
-from verispec.models.llama import split_evenly, split_heads, split_vocab
+from verispec.models.hf.attention import refuse as hf_refuse
+from verispec.models.layers.tp import split_evenly, split_heads, split_vocab
 
 #: Plan styles verispec applies.
 SPLIT_STYLES = ("colwise", "rowwise")

@@ -40,6 +40,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from verispec.models.layers.norm_rope import rms_norm as _rms_norm
+
 #: Rows per product and per row-wise module call (the P of every GEMM's (P, in) shape).
 ROWS = 32
 #: (token, KV head) rows per attention call.
@@ -117,12 +119,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              chunk: Optional[int] = None) -> torch.Tensor:
     """RMSNorm over the last dimension, ``chunk`` rows a call: float32 in torch's fused
     kernel (as transformers' float32 RMSNorm rounds), other dtypes with the statistics in
-    float32 (``verispec.models.llama.rms_norm``). Each row is reduced alone; the call's
+    float32 (``layers.norm_rope.rms_norm``). Each row is reduced alone; the call's
     shape, hence its kernel and reduction order, never changes."""
     if x.dtype == torch.float32:
         return rows(lambda c: F.rms_norm(c, weight.shape, weight, eps), x, chunk)
-    from verispec.models.llama import rms_norm as _rms_norm
-
     return rows(lambda c: _rms_norm(c, weight, eps), x, chunk)
 
 

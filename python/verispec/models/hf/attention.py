@@ -20,8 +20,8 @@ from typing import Any, Optional
 
 import torch
 
-from verispec.models import batch_invariant as _bi
-from verispec.models import hf_capture
+from verispec.models.hf import capture as hf_capture
+from verispec.models.layers import batch_invariant as _bi
 from verispec.models.layers import kernels
 from verispec.models.layers.attention import TorchAttention
 from verispec.models.layers.paged import PagedPlan
@@ -135,7 +135,7 @@ class _Plan(PagedPlan):
         self.keys: Optional[_bi.KeyPlan] = None  # the batch-invariant mode's key plan
         #: the backend of layers off the native kernel (HFModel.forward sets it)
         self.attention: Any = TorchAttention()
-        self.kernels = None  # read by the RoPE dispatcher (hf_patch._rope_dispatch)
+        self.kernels = None  # read by the RoPE dispatcher (hf.patch._rope_dispatch)
         self._pools: dict[int, tuple] = {}
 
     def masked(self, module, mask) -> None:
@@ -226,5 +226,5 @@ class _Plan(PagedPlan):
 
 
 def refuse(model: Any, why: str) -> ValueError:
-    """The error of a model HFModel (or its tensor parallelism, ``hf_tp``) does not take."""
+    """The error of a model HFModel (or its tensor parallelism, ``hf.tp``) does not take."""
     return ValueError(f"HFModel: {type(model).__name__} is not supported: {why}")
