@@ -313,7 +313,7 @@ def test_batch_invariant_argument_errors():
     weights = LlamaWeights.from_state_dict(config, _state(0, 1))
     with pytest.raises(TypeError, match="batch_invariant must be a bool, got 'yes'"):
         LlamaModel(config, weights, batch_invariant="yes")
-    from verispec.models.llama import TPShard
+    from verispec.models.llama_tp import TPShard
 
     with pytest.raises(ValueError, match="batch_invariant=True cannot run tensor-parallel"):
         LlamaModel(config, weights, shard=TPShard.of(config, 0, 1), tp=object(),

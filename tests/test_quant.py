@@ -765,7 +765,7 @@ def test_bad_files(tmp_path):
 @pytest.mark.parametrize("arithmetic", ["int8", "float"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tensor_parallel_cuts_keep_blocks_and_products(fmt, arithmetic, monkeypatch):
-    """The cuts of a tensor-parallel shard (verispec.models.llama.shard_weights) keep the
+    """The cuts of a tensor-parallel shard (verispec.models.llama_tp.shard_weights) keep the
     format and its bytes: select_rows / select_columns dequantize to the whole matrix's
     rows / columns bit for bit. A row cut's products (column parallel: q|k|v, gate|up, the
     LM head; rows that start inside a group of 16 of the packed layout) are the whole

@@ -31,7 +31,8 @@ LAYERS: list[tuple[str, list[str]]] = [
                         "verispec.models.tokenizer"]),
     ("layers", ["verispec.models.layers", "verispec.models.layers.*"]),
     ("ops", ["verispec.ops"]),
-    ("models", ["verispec.models.llama", "verispec.models.hf", "verispec.models.hf.*"]),
+    ("models", ["verispec.models.llama", "verispec.models.llama_tp", "verispec.models.hf",
+                "verispec.models.hf.*"]),
     ("loaders", ["verispec.models.gguf_file", "verispec.models.hf_folder",
                  "verispec.models.loaders",
                  "verispec.models.testing", "verispec.models"]),
@@ -44,7 +45,8 @@ LAYERS: list[tuple[str, list[str]]] = [
 
 # Pairs of one layer that must not see each other either: the HF adapter and the native
 # Llama stand side by side on the layers; what both need lives in models/layers.
-APART = [(["verispec.models.hf", "verispec.models.hf.*"], ["verispec.models.llama"])]
+APART = [(["verispec.models.hf", "verispec.models.hf.*"],
+          ["verispec.models.llama", "verispec.models.llama_tp"])]
 
 LLAMA_MAX_LINES = 800
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tp_worker import PROMPTS, decode_cases, prefill_logits, run_decodes, tiny_model
-from verispec.models.llama import TPShard
+from verispec.models.llama_tp import TPShard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCH_LIMIT_S = 150

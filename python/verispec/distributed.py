@@ -250,7 +250,8 @@ def shard(model: Any, tp: TensorParallel) -> Any:
     """
     from verispec.models.hf import HFModel
     from verispec.models.layers import batch_invariant as _bi
-    from verispec.models.llama import LlamaModel, TPShard, shard_weights
+    from verispec.models.llama import LlamaModel
+    from verispec.models.llama_tp import TPShard, shard_weights
 
     if getattr(model, "batch_invariant", False):
         raise ValueError(f"shard: model is batch-invariant ({type(model).__name__} with "

@@ -98,8 +98,8 @@ class Feature:
 
 @dataclass
 class FeatureView:
-    """The target's feature pools as a draft pass reads them: ``pools[key]`` [slots,
-    hidden] (slot s: block s // block_size, offset s % block_size), and each row's
+    """The target's feature pools as a draft pass reads them: ``pools[key]`` [num_blocks,
+    block_size, hidden] (slot s: block s // block_size, offset s % block_size), and each row's
     target block table [B, M] (int32, -1 past its end) on the device. The feature of
     row b's token at position p lies at slot ``block_tables[b, p // block_size] *
     block_size + p % block_size``; a draft pass reads only positions the target has
@@ -111,7 +111,9 @@ class FeatureView:
     num_layers: int
 
     def pool(self, feature: Feature) -> torch.Tensor:
-        return self.pools[feature.key(self.num_layers)]
+        """The feature's pool as [slots, hidden]."""
+        pool = self.pools[feature.key(self.num_layers)]
+        return pool.view(-1, pool.shape[-1])
 
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The target slots [T] of (row, position) pairs (device tensors, no wait)."""

@@ -15,7 +15,8 @@ and non-Llama folders need transformers (the ``hf`` extra).
 from verispec.models.base import KVPools, Model, ModelGeometry, PagedBatch
 from verispec.models.hf import ATTN_IMPLEMENTATION, HFModel
 from verispec.models.layers.quantized import QuantizedMatrix
-from verispec.models.llama import LlamaConfig, LlamaModel, LlamaWeights, TPShard, shard_weights
+from verispec.models.llama import LlamaConfig, LlamaModel, LlamaWeights
+from verispec.models.llama_tp import TPShard, shard_weights
 from verispec.models.loaders import KNOWN_MODELS, load, load_model, load_tokenizer
 from verispec.models.tokenizer import Tokenizer
 

@@ -125,8 +125,8 @@ class KVPools:
         through the forward's cache write (``KVWrite``: slot < 0 writes nothing); no-op
         when no drafter asked for it."""
         pool = self.features.get(key)
-        if pool is not None:
-            write(pool.view(-1, pool.shape[-1]), x)
+        if pool is not None:  # as [slots, 1, hidden]: the K/V writes' [slots, heads, dim]
+            write(pool.view(-1, 1, pool.shape[-1]), x.reshape(x.shape[0], 1, x.shape[-1]))
 
 
 @dataclass

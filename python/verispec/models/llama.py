@@ -35,16 +35,15 @@ Speed (decoding is a chain of few-row matmuls plus ~20 small ops per layer):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 from verispec import _C
-from verispec.models.base import ModelGeometry, PagedBatch, check_batch
+from verispec.models.base import KVPools, KVWrite, ModelGeometry, PagedBatch, check_batch
 from verispec.models.layers import batch_invariant as _bi
 from verispec.models.layers import quantized as _quantized
 from verispec.models.layers.attention import FlashInferAttention, TorchAttention, select_backend
@@ -56,7 +55,9 @@ from verispec.models.layers.linear import (NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR
                                            matmul_layout)
 from verispec.models.layers.norm_rope import rms_norm, rope_inv_freq
 from verispec.models.layers.quantized import QUANT_FORMATS, QuantizedMatrix
-from verispec.models.layers.tp import split_evenly, split_heads, split_vocab
+
+if TYPE_CHECKING:  # llama_tp builds on this module
+    from verispec.models.llama_tp import TPShard
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -204,172 +205,17 @@ def _matrix_ref(m: QuantizedMatrix) -> tuple:
                                p.data.stride(0), p.packed) for p in m.parts])
 
 
-@dataclass(frozen=True)
-class TPShard:
-    """What a tensor-parallel rank holds: [start, stop) ranges of the whole model's query
-    heads, KV heads, MLP intermediate units and LM-head rows (vocabulary). The LM head is
-    padded with zero rows to ``vocab_padded`` on every rank, so the ranks' slices have
-    one size (all_gather needs it); the padding's logits are dropped after the gather."""
-
-    rank: int
-    world_size: int
-    heads: tuple[int, int]
-    kv_heads: tuple[int, int]
-    intermediate: tuple[int, int]
-    vocab: tuple[int, int]
-    vocab_padded: int
-
-    @classmethod
-    def of(cls, config: LlamaConfig, rank: int, world_size: int, *,
-           intermediate_block: int = 1) -> "TPShard":
-        """Rank ``rank``'s shard: KV heads split as evenly as possible (3 heads on 2 ranks:
-        1 and 2), each query head with its KV head (grouped-query attention stays
-        rank-local), intermediate units as evenly as possible in whole groups of
-        ``intermediate_block`` (a quantized down projection's block: its row-parallel
-        cut must fall on whole blocks; 1 for float weights), the vocabulary in slices of
-        ceil(V / world_size) rows."""
-        for name, value in (("world_size", world_size), ("rank", rank)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"TPShard: {name} must be an int, got {value!r}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"TPShard: expected world_size >= 1 and 0 <= rank < world_size, "
-                             f"got rank {rank}, world_size {world_size}")
-        nkv = config.num_key_value_heads
-        if nkv < world_size:
-            raise ValueError(f"TPShard: world_size must be <= num_key_value_heads = {nkv} (each "
-                             f"rank holds at least one KV head), got {world_size}")
-        inter, blk = config.intermediate_size, intermediate_block
-        if isinstance(blk, bool) or not isinstance(blk, int) or blk < 1 or inter % blk:
-            raise ValueError(f"TPShard: intermediate_block must be an int >= 1 that divides "
-                             f"intermediate_size = {inter}, got {blk!r}")
-        if inter // blk < world_size:
-            whole = (f"intermediate_size = {inter}" if blk == 1 else
-                     f"intermediate_size / intermediate_block = {inter} / {blk} = {inter // blk}")
-            raise ValueError(f"TPShard: world_size must be <= {whole}, got {world_size}")
-        heads, kv = split_heads(config.num_attention_heads, nkv, world_size, rank)
-        vocab, padded = split_vocab(config.vocab_size, world_size, rank)
-        i0, i1 = split_evenly(inter // blk, world_size, rank)
-        return cls(rank=rank, world_size=world_size, heads=heads, kv_heads=kv,
-                   intermediate=(i0 * blk, i1 * blk), vocab=vocab, vocab_padded=padded)
-
-    @classmethod
-    def for_weights(cls, config: LlamaConfig, weights: "LlamaWeights", rank: int,
-                    world_size: int) -> "TPShard":
-        """``of`` for these weights: a quantized model's intermediate units split in whole
-        blocks of its down projections, and every rank's row-parallel cuts (O: at the
-        ranks' query heads, down: at their intermediate units) checked against the blocks
-        of the formats the matrices keep, on every rank alike (each rank raises the same
-        ValueError, before any collective). Float matrices cut anywhere."""
-        blocks = [m.block_elems() for lw in weights.layers for m in (lw.w_down,)
-                  if isinstance(m, QuantizedMatrix)]
-        block = math.lcm(*blocks) if blocks else 1
-        if config.intermediate_size // block < world_size:  # (K is a multiple of each block)
-            i, m = max(((i, lw.w_down) for i, lw in enumerate(weights.layers)
-                        if isinstance(lw.w_down, QuantizedMatrix)),
-                       key=lambda t: t[1].block_elems())
-            fmt = _widest_format(m)
-            raise ValueError(
-                f"tensor parallelism over world size {world_size}: blk.{i}.ffn_down.weight "
-                f"({fmt}, {list(m.shape)}) is row parallel, and its {m.k} input features are "
-                f"{m.k // block} blocks of {block} weights: too few to give each of the "
-                f"{world_size} ranks whole blocks (a block's scales cover all its weights, so "
-                f"the quantized blocks cannot be cut). {_QUANT_TP_REMEDY}")
-        shards = [cls.of(config, r, world_size, intermediate_block=block)
-                  for r in range(world_size)]
-        hd = config.head_dim
-        for i, lw in enumerate(weights.layers):
-            for what, m, cuts in (
-                    ("attn_output", lw.wo, [(s.heads[0] * hd, s.heads[1] * hd, "query heads",
-                                             s.rank) for s in shards]),
-                    ("ffn_down", lw.w_down, [(*s.intermediate, "intermediate units", s.rank)
-                                             for s in shards])):
-                if not isinstance(m, QuantizedMatrix):
-                    continue
-                for p in m.parts:
-                    b = QUANT_FORMATS[p.fmt][1]
-                    bad = next(((a, z, unit, r) for a, z, unit, r in cuts if a % b or z % b),
-                               None)
-                    if bad is not None:
-                        a, z, unit, r = bad
-                        raise ValueError(
-                            f"tensor parallelism over world size {world_size}: "
-                            f"blk.{i}.{what}.weight ({p.fmt}, {list(m.shape)}) is row parallel, "
-                            f"and rank {r} would keep its input features [{a}, {z}) (its "
-                            f"{unit}), which do not start and end on multiples of {p.fmt}'s "
-                            f"block of {b} weights: a block's scales cover all its weights, so "
-                            f"the quantized blocks cannot be cut there. {_QUANT_TP_REMEDY}")
-        return shards[rank]
-
-
-_QUANT_TP_REMEDY = ("Use a world size whose cuts fall on whole blocks, or load the model "
-                    "with dtype=torch.float32 (verispec generate --dtype float32) to shard "
-                    "dequantized weights.")
-
-
-def _widest_format(m: QuantizedMatrix) -> str:
-    """The format of ``m``'s parts with the largest block."""
-    return max(m.formats, key=lambda f: QUANT_FORMATS[f][1])
-
-
-def shard_weights(config: LlamaConfig, weights: LlamaWeights, shard: TPShard) -> LlamaWeights:
-    """The slice of ``weights`` (the whole model's) that ``shard``'s rank holds, as fresh
-    tensors in the product layout (the whole model's can then be freed).
-
-    Column-parallel (output rows split): the fused QKV (this rank's query heads, then its
-    K and V heads), the fused gate/up (this rank's units of each). Row-parallel (input
-    columns split, partial products summed by an all-reduce): O and down. Vocabulary
-    parallel: the LM head's rows, zero-padded. Replicated: the norms and the embedding
-    table (a lookup of a few rows; sharding it would cost another all-reduce per forward).
-
-    Quantized matrices (QuantizedMatrix) keep their formats and bytes: rows are whole
-    blocks, so the column-parallel cuts take any rows; a row-parallel cut takes whole
-    blocks of every row (``QuantizedMatrix.select_columns``: ValueError where it would
-    split one; ``TPShard.for_weights`` picks cuts that do not and names the tensor
-    otherwise). Each slice is put in the layout of the quantized arithmetic.
-    """
-    c, hd = config, config.head_dim
-    nh, nkv, inter = c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
-    (h0, h1), (k0, k1), (i0, i1) = shard.heads, shard.kv_heads, shard.intermediate
-
-    def rows(w, *ranges: tuple[int, int]):
-        if isinstance(w, QuantizedMatrix):
-            return w.select_rows(ranges).for_arithmetic()
-        return matmul_layout(torch.cat([w[a:b] for a, b in ranges]).contiguous())
-
-    def columns(w, a: int, b: int):
-        if isinstance(w, QuantizedMatrix):
-            return w.select_columns(a, b).for_arithmetic()
-        return matmul_layout(w[:, a:b].contiguous())
-
-    layers = []
-    for lw in weights.layers:
-        q_off, k_off, v_off = 0, nh * hd, (nh + nkv) * hd
-        layers.append(LayerWeights(
-            attn_norm=lw.attn_norm.clone(),
-            wqkv=rows(lw.wqkv, (q_off + h0 * hd, q_off + h1 * hd),
-                      (k_off + k0 * hd, k_off + k1 * hd), (v_off + k0 * hd, v_off + k1 * hd)),
-            wo=columns(lw.wo, h0 * hd, h1 * hd),
-            mlp_norm=lw.mlp_norm.clone(),
-            w_gate_up=rows(lw.w_gate_up, (i0, i1), (inter + i0, inter + i1)),
-            w_down=columns(lw.w_down, i0, i1),
-        ))
-    v0, v1 = shard.vocab
-    pad = shard.vocab_padded - (v1 - v0)
-    if isinstance(weights.lm_head, QuantizedMatrix):
-        # zero bytes are zero weights in every format; the padding's logits are dropped
-        head = weights.lm_head.select_rows([(v0, v1)]).pad_rows(pad).for_arithmetic()
-    else:
-        head = weights.lm_head[v0:v1]
-        if pad:
-            head = torch.cat([head, head.new_zeros(pad, head.shape[1])])
-        head = matmul_layout(head.contiguous())
-    return LlamaWeights(embed=weights.embed, layers=layers, final_norm=weights.final_norm.clone(),
-                        lm_head=head, file_types=dict(weights.file_types),
-                        converted=weights.converted)
-
-
 class LlamaModel:
-    """A Llama-family model implementing verispec's Model protocol over paged KV pools."""
+    """A Llama-family model implementing verispec's Model protocol over paged KV pools.
+
+    It writes the hidden states a drafter asks for (``KVPools.features``: the stream
+    entering a layer, the final state before or after the final norm) on every path:
+    the torch ops, verispec's CPU kernels, the fused quantized layers (run in spans
+    between the taps), the batch-invariant mode, CUDA graphs and tensor parallelism
+    (every rank holds the whole stream)."""
+
+    #: Writes KVPools.features (verispec.drafters.Feature) for drafters that read them.
+    writes_features = True
 
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, *,
                  max_context: Optional[int] = None, shard: Optional["TPShard"] = None,
@@ -414,7 +260,7 @@ class LlamaModel:
         self.geometry = ModelGeometry(
             num_layers=len(weights.layers), num_kv_heads=self._nkv,
             head_dim=config.head_dim, vocab_size=config.vocab_size, max_context=max_context,
-            dtype=dtype, device=device)
+            dtype=dtype, device=device, hidden_size=config.hidden_size)
         # RoPE tables [max_context, head_dim], angles in float32 as transformers does, laid
         # out so that rope(x) = x * cos + swap_halves(x) * sin:
         # cos = [cos, cos], sin = [-sin, sin] (transformers: x * cos + rotate_half(x) * sin).
@@ -463,12 +309,16 @@ class LlamaModel:
         #: order, as the layer loop with native_layer_ops, without ~10 Python calls a
         #: layer). Set False to run the loop.
         self._decode_layers = None
+        self._decode_layer_refs: list = []
         qmats = [m for lw in self._layers for m in (lw[1], lw[2], lw[4], lw[5])]
         if self.shard is None and all(isinstance(m, QuantizedMatrix) and len(m.parts) <= 4
                                       for m in qmats):
-            self._decode_layers = _C._QuantDecodeLayers([
+            self._decode_layer_refs = [
                 (an.data_ptr(), mn.data_ptr(), *(_matrix_ref(m) for m in (wqkv, wo, gu, wd)))
-                for an, wqkv, wo, mn, gu, wd in self._layers])
+                for an, wqkv, wo, mn, gu, wd in self._layers]
+            self._decode_layers = _C._QuantDecodeLayers(self._decode_layer_refs)
+        # spans of the layers between feature taps, built when first asked for
+        self._decode_spans: dict[tuple[int, int], Any] = {}
         self.native_decode_layers = self._decode_layers is not None
         #: The rest of a layer between the products (RoPE with the cache write, attention,
         #: residual adds with the norms, SwiGLU) in verispec's CPU kernels, three calls a
@@ -569,7 +419,6 @@ class LlamaModel:
         """
         self._check(batch)
         c, w, g = self.config, self.weights, self.geometry
-        inter = self._inter
         reduce = self.tp.all_reduce if self.tp is not None else (lambda t: t)
         device = g.device
         ids = batch.input_ids.to(device)
@@ -586,6 +435,9 @@ class LlamaModel:
                                          -(-g.max_context // kv.block_size))
             if logits is not None:
                 return logits
+        # the hidden states a drafter asked for (KVPools.features), written at the tokens'
+        # slots as the K/V are; none asked: no tap, no extra work
+        tap = self._feature_tap(batch) if batch.kv.features else None
         bi_torch = self._batch_invariant_torch(batch)
         if bi_torch:
             ops = _BatchInvariantOps(self, batch, num_tokens, positions)
@@ -596,24 +448,64 @@ class LlamaModel:
         linear = self._batch_invariant_linear() if bi_torch else self._linear(num_tokens)
         x = (w.embed.dequantize(ids) if isinstance(w.embed, QuantizedMatrix)
              else F.embedding(ids, w.embed))
+        if tap is not None:
+            tap(0, x)
         if (type(ops) is _NativeLayerOps and self.native_decode_layers
                 and self._decode_layers is not None and not ops.long_rows
                 and _quantized.on_kernel(num_tokens)):
-            ops.run_layers(self._decode_layers, x, batch.kv, inter)
+            self._run_decode_layers(ops, x, batch.kv, tap)
             layers, h = [], None
         else:
             h = ops.norm(x, self._layers[0][0])
             layers = self._layers
-        x = self._layer_loop(ops, linear, x, h, layers, batch.kv, reduce)
-        x = x[batch.logits_indices.to(device)]
-        logits = linear(ops.norm(x, w.final_norm), w.lm_head)
+        x = self._layer_loop(ops, linear, x, h, layers, batch.kv, reduce, tap)
+        normed_key = self.geometry.num_layers + 1
+        if tap is not None and normed_key in batch.kv.features:
+            # every token's normed state (rows are normed alone: the logits rows' bits
+            # are those of norming them only)
+            normed = ops.norm(x, w.final_norm)
+            tap(normed_key, normed)
+            logits = linear(normed[batch.logits_indices.to(device)], w.lm_head)
+        else:
+            x = x[batch.logits_indices.to(device)]
+            logits = linear(ops.norm(x, w.final_norm), w.lm_head)
         if self.tp is not None:  # this rank's vocabulary slice -> every rank all of it
             logits = self.tp.gather_vocab(logits, c.vocab_size)
         return logits
 
+    def _feature_tap(self, batch: PagedBatch):
+        """tap(key, x): stream ``key``'s states x [T, hidden] of this forward's tokens into
+        the feature pool a drafter asked for (KVPools.features), at the tokens' slots."""
+        write = KVWrite(batch.host_tensor("slot_mapping"), self.geometry.device, batch.staging)
+        kv = batch.kv
+        return lambda key, x: kv.write_features(write, key, x)
+
+    def _run_decode_layers(self, ops: Any, x: torch.Tensor, kv: Any, tap: Any) -> None:
+        """Every decoder layer of a quantized model in native calls: one, or one per span
+        between the feature taps asked for (the same kernels in the same order: the
+        stream entering layer b is x after the span ending at b)."""
+        n = self.geometry.num_layers
+        cuts = sorted(key for key in kv.features if 0 < key < n) if tap is not None else []
+        if not cuts:
+            ops.run_layers(self._decode_layers, x, kv, self._inter)
+        else:
+            bounds = [0, *cuts, n]
+            for a, b in zip(bounds, bounds[1:]):
+                span = self._decode_spans.get((a, b))
+                if span is None:
+                    span = self._decode_spans[(a, b)] = _C._QuantDecodeLayers(
+                        self._decode_layer_refs[a:b])
+                ops.run_layers(span, x, KVPools(k=kv.k[a:b], v=kv.v[a:b],
+                                                block_size=kv.block_size), self._inter)
+                if b < n:
+                    tap(b, x)
+        if tap is not None:
+            tap(n, x)
+
     def _layer_loop(self, ops: Any, linear: Any, x: torch.Tensor, h: Optional[torch.Tensor],
-                    layers: list, kv: Any, reduce: Any) -> torch.Tensor:
-        """The decoder layers over x (h: x normed for the first layer); returns x."""
+                    layers: list, kv: Any, reduce: Any, tap: Any = None) -> torch.Tensor:
+        """The decoder layers over x (h: x normed for the first layer); returns x. ``tap``
+        (see _feature_tap): called with (i + 1, x) after layer i."""
         inter = self._inter
         last = len(self._layers) - 1
         for i, ((_, wqkv, wo, mlp_norm, w_gate_up, w_down), k_pool, v_pool) in enumerate(zip(
@@ -626,6 +518,8 @@ class LlamaModel:
             x, h = ops.add_norm(x, reduce(linear(ops.silu_mul(linear(h, w_gate_up), inter),
                                                  w_down)),
                                 None if i == last else self._layers[i + 1][0])
+            if tap is not None:
+                tap(i + 1, x)
         return x
 
     def _graph_ok(self, batch: PagedBatch) -> bool:
@@ -642,10 +536,18 @@ class LlamaModel:
         w = self.weights
         ops = _BucketLayerOps(self, inputs)
         linear = self._linear(inputs.bucket.tokens)
+        # feature taps write through the bucket's static slots (padding writes nowhere)
+        tap = ((lambda key, t: kv.write_features(inputs.write, key, t)) if kv.features
+               else None)
         x = F.embedding(inputs.ids, w.embed)
+        if tap is not None:
+            tap(0, x)
         x = self._layer_loop(ops, linear, x, ops.norm(x, self._layers[0][0]), self._layers,
-                             kv, lambda t: t)
-        return linear(ops.norm(x, w.final_norm), w.lm_head)
+                             kv, lambda t: t, tap)
+        normed = ops.norm(x, w.final_norm)
+        if tap is not None:
+            tap(self.geometry.num_layers + 1, normed)
+        return linear(normed, w.lm_head)
 
     def _batch_invariant_torch(self, batch: PagedBatch) -> bool:
         """Whether this forward runs _BatchInvariantOps and batch_invariant.linear: the

@@ -48,12 +48,25 @@ def random_quant_blocks(fmt: str, n: int, k: int, *, seed: int, scale: float = 0
 
 
 class PagedRunner:
-    def __init__(self, model: Model, *, num_blocks: int = 256, block_size: int = 16):
+    def __init__(self, model: Model, *, num_blocks: int = 256, block_size: int = 16,
+                 features: Sequence[int] = ()):
+        """``features``: the feature-pool keys (verispec.drafters.Feature.key) the model
+        is asked to write (KVPools.features); read them back with ``features_of``."""
         from verispec import BlockAllocator
 
         self.model = model
         self.allocator = BlockAllocator(num_blocks=num_blocks, block_size=block_size)
-        self.kv = KVPools.allocate(model.geometry, num_blocks, block_size)
+        self.kv = KVPools.allocate(model.geometry, num_blocks, block_size, features=features)
+
+    def features_of(self, seq: int, key: int) -> torch.Tensor:
+        """Feature pool ``key``'s rows [length, hidden] of ``seq``'s cached positions, in
+        position order (through its block table)."""
+        pool = self.kv.features[key]
+        bs = pool.shape[1]
+        n = self.allocator.length(seq)
+        table = torch.tensor(self.allocator.block_table(seq), dtype=torch.long)
+        pos = torch.arange(n)
+        return pool.view(-1, pool.shape[-1])[(table[pos // bs] * bs + pos % bs).to(pool.device)]
 
     def add_sequence(self) -> int:
         return self.allocator.add_sequence()

@@ -333,7 +333,8 @@ class GraphCache:
             self._stats["eager"] += 1
             return None
         kv = batch.kv
-        key = (bucket, tuple(p.data_ptr() for p in (*kv.k, *kv.v)), kv.k[0].shape)
+        key = (bucket, tuple(p.data_ptr() for p in (*kv.k, *kv.v, *kv.features.values())),
+               kv.k[0].shape)
         entry = self._entries.get(key)
         if entry is None:
             seen = self._seen.get(key, 0)

@@ -224,7 +224,7 @@ class QuantizedMatrix:
                 parts.append(p)
         return QuantizedMatrix(parts, k)
 
-    # -- slices (tensor parallelism: verispec.models.llama.shard_weights) ---------------
+    # -- slices (tensor parallelism: verispec.models.llama_tp.shard_weights) ---------------
     # Each returns fresh tensors in the file's layout (the whole matrix can be freed);
     # callers put the result in their arithmetic's layout (for_arithmetic).
 
