@@ -375,7 +375,7 @@ class DeviceReadAudit(TorchFunctionMode):
         return out
 
 
-def _walk(obj: Any, depth: int = 4, seen: Optional[set] = None) -> list[torch.Tensor]:
+def _walk(obj: Any, depth: int = 10, seen: Optional[set] = None) -> list[torch.Tensor]:
     """The tensors an object holds (a module's parameters and buffers, attributes,
     containers), ``depth`` levels down."""
     seen = set() if seen is None else seen
