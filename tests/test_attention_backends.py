@@ -52,19 +52,31 @@ def _logits(model, prompt, step):
 
 
 def test_llama_model_switches_backend_and_refuses_without_changing(monkeypatch):
-    calls = []
+    """The "sdpa" backend runs every layer through TorchAttention: a prompt longer than
+    SMALL_ROW_QUERIES through scaled_dot_product_attention itself, a 3-token step
+    through the two batched matmuls of the lean path (counted, both)."""
+    from verispec.models.layers.paged import SMALL_ROW_QUERIES
+
+    calls, sdpa = [], []
     real = attention.TorchAttention.attend
+    real_sdpa = attention.F.scaled_dot_product_attention
 
     def counted(self, *args, **kwargs):
         calls.append(1)
         return real(self, *args, **kwargs)
 
+    def counted_sdpa(*args, **kwargs):
+        sdpa.append(args[0].shape[-2])  # the queries of the call
+        return real_sdpa(*args, **kwargs)
+
     monkeypatch.setattr(attention.TorchAttention, "attend", counted)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counted_sdpa)
     model = random_llama(**SHAPE, seed=3)
     assert model.attention_backend == "auto"
-    prompt, nxt = [5, 9, 2, 44, 17, 3, 8], [11, 12, 13]
+    prompt = [(7 * i + 5) % SHAPE["vocab"] for i in range(SMALL_ROW_QUERIES + 4)]
+    nxt = [11, 12, 13]
     native = _logits(model, prompt, nxt)
-    assert calls == []    # float32 on the CPU: "auto" is verispec's kernels
+    assert calls == [] and sdpa == []   # float32 on the CPU: "auto" is verispec's kernels
     with pytest.raises(ValueError, match="LlamaModel.attention_backend: backend 'flashinfer' "
                                          "needs a CUDA device, got cpu"):
         model.attention_backend = "flashinfer"
@@ -72,8 +84,12 @@ def test_llama_model_switches_backend_and_refuses_without_changing(monkeypatch):
     model.attention_backend = "sdpa"
     assert model.attention_backend == "sdpa"
     torch_path = _logits(model, prompt, nxt)
-    assert len(calls) == 2 * SHAPE["layers"]    # two forwards, every layer through SDPA
+    assert len(calls) == 2 * SHAPE["layers"]    # two forwards, every layer
+    assert sdpa == [len(prompt)] * SHAPE["layers"]  # the prompt's layers in SDPA
     # the torch path is another summation order of the same attention
     assert torch_path.shape == native.shape
     assert torch.allclose(torch_path, native, atol=1e-4, rtol=1e-4)
     assert (torch_path.argmax(-1) == native.argmax(-1)).all()
+    # power: a step of other tokens gives logits far outside that tolerance
+    other = _logits(model, prompt, [14, 12, 13])
+    assert (other - native).abs().max().item() > 1e-2

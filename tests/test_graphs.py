@@ -1,17 +1,24 @@
 """Captured forwards at bucket shapes (``models.layers.graphs``), checked on the CPU.
 
-On a CPU the graph is ``RecordedGraph`` (capture keeps the body, replay runs it again
-into the captured output), so everything around a CUDA graph is exercised here: the
-bucket rule, the static inputs a forward fills, the padding (rows, queries, writes),
-the bucketed attention, the bit check before a capture is trusted and its fallback,
-the LRU, LlamaModel's switch, and that the decoder still makes one blocking transfer a
-step and the same greedy tokens. The CUDA tests at the end run the real graphs on a
-GPU (skipped without one).
+On a CPU the graph is ``standins.ReplayGraph``: capture records the aten ops the body
+runs and replay runs those ops again on the captured tensors, without the body's
+Python, as a CUDA graph replays its kernels on fixed addresses. So a forward that puts
+its inputs anywhere but the buffers the capture read, a graph replayed for other pools,
+or a body whose result depends on the host's Python state computes from what the
+capture saw, and the tests below see other logits or tokens. Everything around a CUDA
+graph is exercised here: the bucket rule, the static inputs a forward fills, the
+padding (rows, queries, writes), the bucketed attention, the bit check before a capture
+is trusted and its fallback, the graph key (two decoders on one model), the LRU,
+LlamaModel's switch, and that the decoder still makes one blocking transfer a step and
+the same greedy tokens. The models run the torch ops a GPU runs (verispec's CPU kernels
+write through raw pointers, which no graph captures). The CUDA tests at the end run the
+real graphs on a GPU (skipped without one).
 
 Tolerances: attention in float32 against the float64 reference of test_paged_plan
 (2e-5 absolute, outputs of size ~1); a model's logits captured against eager 1e-4
 (float32, different reduction lengths: the bucket's padded keys are masked, not
-dropped). Each comparison has a power check next to it.
+dropped). Each comparison has a power check next to it or a control test that breaks
+what it checks on purpose.
 """
 
 from __future__ import annotations
@@ -28,12 +35,11 @@ from verispec.decoder import SpecDecoder  # noqa: E402
 from verispec.drafters import EarlyExit, NGram  # noqa: E402
 from verispec.models.base import KVPools, PagedBatch  # noqa: E402
 from verispec.models.layers import graphs  # noqa: E402
-from verispec.models.layers.graphs import (Bucket, GraphCache, GraphInputs, RecordedGraph,  # noqa: E402
-                                           bucket_for)
+from verispec.models.layers.graphs import Bucket, GraphCache, GraphInputs, bucket_for  # noqa: E402
 from verispec.models.loaders import load_model  # noqa: E402
-from verispec.models.staging import TransferAudit  # noqa: E402
 from verispec.models.testing import randomize_weights  # noqa: E402
-from test_staging import cuda_sync_sites  # noqa: E402
+from test_staging import cuda_sync_sites, step_audit  # noqa: E402
+from standins import CAPTURE_ERROR, ReplayGraph  # noqa: E402
 
 VOCAB = 97
 
@@ -115,6 +121,9 @@ def test_a_larger_bucket_gives_the_same_attention():
     a = small.attend(_padded(small, q, picks), k_flat, v_flat, SCALING)[picks]
     b = big.attend(_padded(big, q, big_picks), k_flat, v_flat, SCALING)[big_picks]
     assert torch.allclose(a, b, atol=TOL, rtol=0)
+    # power: the same queries without the trees' masks are far off
+    chain = reference(batch, q, scaling=SCALING, tree_as_chain=True)
+    assert (b.double() - chain).abs().max().item() > 10 * TOL
 
 
 @pytest.mark.parametrize("case", ["decode", "mixed", "trees_and_chain"])
@@ -172,9 +181,11 @@ def folder(tmp_path_factory):
     return path
 
 
-def _model(folder, graphs_on=True, graph=None):
+def _model(folder, graphs_on=True, graph=ReplayGraph):
     model = load_model(folder)
-    model.native_layer_ops = False  # the torch path, as on a GPU
+    # the torch ops, as on a GPU (verispec's CPU kernels write through raw pointers: a
+    # graph does not capture them)
+    model.native_layer_ops = model.native_linear = model.native_norm = False
     if graphs_on:
         model.graphs = GraphCache(model.geometry.device, graph=graph)
     return model
@@ -286,7 +297,7 @@ def test_captured_logits_and_cache_match_eager(folder):
     assert (model(batch)[-1] - want[-1]).abs().max().item() > 1e-3
 
 
-class _FaultyGraph(RecordedGraph):
+class _FaultyGraph(ReplayGraph):
     """A graph whose replays are off by one ulp somewhere: the check must catch it."""
 
     def replay(self) -> None:
@@ -303,7 +314,7 @@ def test_a_capture_that_differs_from_eager_is_refused(folder):
     assert stats["eager"] > stats["refused"]  # refused buckets stay eager afterwards
 
 
-class _UncapturableGraph(RecordedGraph):
+class _UncapturableGraph(ReplayGraph):
     """A body the graph cannot take (on CUDA: an op that synchronises, say)."""
 
     def capture(self, body):
@@ -318,6 +329,89 @@ def test_a_capture_that_raises_leaves_the_bucket_eager(folder):
     stats = broken.graphs.stats()
     assert stats["refused"] >= 1 and stats["replays"] == 0, stats
     assert "not permitted" in broken.graphs.last_error
+
+
+def test_a_body_that_waits_for_the_device_is_not_captured(folder, monkeypatch):
+    """An op that makes the host wait (here .item()) cannot be captured: ReplayGraph
+    raises as CUDA does, and the bucket stays eager."""
+    from verispec.models.llama import LlamaModel
+
+    body = LlamaModel._bucket_forward
+
+    def waiting(self, inputs, kv):
+        out = body(self, inputs, kv)
+        return out * (1.0 + 0.0 * out.abs().max().item())
+    monkeypatch.setattr(LlamaModel, "_bucket_forward", waiting)
+    model = _model(folder)
+    plain = _model(folder, graphs_on=False)
+    assert _generate(model, "ngram", 2) == _generate(plain, "ngram", 2)
+    stats = model.graphs.stats()
+    assert stats["refused"] >= 1 and stats["captures"] == 0 and stats["replays"] == 0, stats
+    assert CAPTURE_ERROR in model.graphs.last_error
+
+
+def test_the_bit_check_refuses_a_body_that_reads_host_state(folder, monkeypatch):
+    """A body whose result depends on a Python value of the forward (a host counter
+    here; in a real bug, a length or an index the body reads from the host) replays
+    what the capture saw: the replay and the eager run differ, the check refuses."""
+    from verispec.models.llama import LlamaModel
+
+    body = LlamaModel._bucket_forward
+    calls = []
+
+    def host_dependent(self, inputs, kv):
+        out = body(self, inputs, kv)
+        calls.append(1)
+        out[:, len(calls) % VOCAB] += 100.0  # the token this forward favours
+        return out
+    monkeypatch.setattr(LlamaModel, "_bucket_forward", host_dependent)
+    model = _model(folder)
+    _generate(model, "ngram", 2)
+    stats = model.graphs.stats()
+    assert calls and stats["refused"] >= 1 and stats["captures"] == 0, stats
+    assert stats["replays"] == 0, stats
+
+
+def test_a_replay_reads_only_the_buffers_the_capture_read(folder, monkeypatch):
+    """Control: a fill that puts the token ids into a new tensor each forward (the
+    static buffer rebound, not written) leaves the graph reading the ids of the forward
+    it captured; the stand-in replays exactly that, and the tokens go wrong."""
+    want = _generate(_model(folder, graphs_on=False), "ngram", 5)
+    assert _generate(_model(folder), "ngram", 5) == want
+    fill = GraphInputs.fill
+
+    def rebinding(self, batch):
+        self.ids = torch.zeros_like(self.ids)  # a new buffer: the graph never reads it
+        return fill(self, batch)
+    monkeypatch.setattr(GraphInputs, "fill", rebinding)
+    model = _model(folder)
+    assert _generate(model, "ngram", 5) != want
+    assert model.graphs.stats()["replays"] >= 1
+
+
+def test_two_decoders_on_one_model_replay_their_own_graphs(folder):
+    """A graph is keyed by its KV pools: two decoders of one model (two pools), stepped
+    in turn, each replay the graphs captured on their own pools, same buckets."""
+    model = _model(folder)
+    plain = _model(folder, graphs_on=False)
+    prompts = {"a": _prompts(4), "b": [p[::-1] for p in _prompts(4)]}
+    want = {name: [r.tokens for r in _decoder(plain, "ngram").generate(
+        ps, max_new_tokens=16, greedy=True)] for name, ps in prompts.items()}
+    decs = {name: _decoder(model, "ngram") for name in prompts}
+    seqs = {name: [decs[name].add(p, max_new_tokens=16, greedy=True) for p in ps]
+            for name, ps in prompts.items()}
+    while any(d.has_running() for d in decs.values()):
+        for d in decs.values():
+            if d.has_running():
+                d.step()
+    got = {name: [decs[name].result(s).tokens for s in seqs[name]] for name in prompts}
+    assert got == want
+    stats = model.graphs.stats()
+    assert stats["replays"] >= 4 and stats["refused"] == 0, stats
+    # the same buckets on both pools: each pool has its own graph of them
+    keys = list(model.graphs._entries)
+    buckets = {k[0] for k in keys}
+    assert len(keys) > len(buckets), keys
 
 
 def test_the_cache_keeps_the_most_recent_graphs(folder, monkeypatch):
@@ -336,13 +430,22 @@ def test_a_step_with_graphs_makes_one_blocking_transfer(folder, source, batch):
     for p in _prompts(batch):
         dec.add(p, max_new_tokens=40, greedy=True)
     dec.step()
-    audit = TransferAudit(model.geometry.device, dec.staging)
-    steps = 0
-    while dec.has_running() and steps < 40:
+    audit = step_audit(dec)
+    caches = [model.graphs] + ([dec.draft.model.graphs] if source != "ngram" else [])
+
+    def checked():  # a capture compares its replay with eager bit for bit: one more wait
+        return sum(c.stats()["captures"] + c.stats()["refused"] for c in caches)
+
+    steps = checks = 0
+    while dec.has_running() and steps < 16:
+        before = checked()
         with audit:
             dec.step()
+        checks += checked() - before
         steps += 1
-    assert audit.reads == steps, audit.sites
+    assert checks >= 1 and steps > checks
+    assert audit.reads == steps + checks, audit.sites
+    assert sum(n for site, n in audit.sites.items() if "graphs.py" in site) == checks, audit.sites
     assert audit.unstaged_uploads == 0, audit.sites
     assert model.graphs.stats()["replays"] >= 1
 
@@ -380,23 +483,27 @@ def test_cuda_graphs_on_by_default_and_checked(folder, source):
     model = load_model(folder, device="cuda", dtype=torch.bfloat16)
     assert model.cuda_graphs
     dec = _decoder(model, source)
-    dec.generate(_prompts(8), max_new_tokens=16, greedy=True)
+    first = [r.tokens for r in dec.generate(_prompts(8), max_new_tokens=16, greedy=True)]
     stats = model.graphs.stats()
     assert stats["captures"] >= 1 and stats["refused"] == 0, stats
-    # the same work again on the same pools: every bucket is captured, each step syncs once
-    for p in _prompts(8):
-        dec.add(p, max_new_tokens=16, greedy=True)
+    # the same work again on the same pools: every bucket is captured, each replayed
+    # step syncs exactly once (its download)
+    seqs = [dec.add(p, max_new_tokens=16, greedy=True) for p in _prompts(8)]
     syncs = []
     while dec.has_running():
         captures = model.graphs.stats()["captures"]
         sites = cuda_sync_sites(dec.step)
         if model.graphs.stats()["captures"] == captures:
             syncs.append(len(sites))
-    assert syncs and max(syncs) <= 1, syncs
+    replayed = [dec.result(s).tokens for s in seqs]
+    assert syncs and all(n == 1 for n in syncs), syncs
     assert model.graphs.stats()["replays"] > stats["replays"]
     model.cuda_graphs = False  # the switch: nothing captured or replayed after it
-    _decoder(model, source).generate(_prompts(8), max_new_tokens=16, greedy=True)
+    eager = [r.tokens for r in _decoder(model, source).generate(_prompts(8), max_new_tokens=16,
+                                                                 greedy=True)]
     assert model.graphs.stats()["graphs"] == 0
+    # what the graphs computed is what the eager path computes (bit-checked graphs)
+    assert replayed == eager and first == eager
 
 
 def test_the_cli_flag_turns_a_models_graphs_off(monkeypatch):
