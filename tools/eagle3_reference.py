@@ -365,22 +365,6 @@ def verispec_head_module():
     return module
 
 
-def verispec_logits(head, x) -> torch.Tensor:
-    """verispec's forward for the TTT layout: step s's token t sees step 0's tokens <= t
-    and its own chain (steps 1..s at t), as the reference's dense mask."""
-    kv, hidden, out = head.new_kv(), None, []
-    causal = torch.arange(T)[None, :] <= torch.arange(T)[:, None]
-    eye = torch.eye(T, dtype=torch.bool)
-    for s in range(STEPS):
-        ids = torch.cat([x["token_ids"][s:], torch.zeros(s, dtype=torch.long)])
-        mask = torch.cat([causal] + [eye] * s, dim=1)
-        attn = lambda q, k, v, m=mask: kv.attend(q, k, v, m)  # noqa: E731
-        kwargs = {"taps": x["taps"]} if s == 0 else {"hidden": hidden}
-        logits, hidden = head.forward(ids, x["positions"] + s, attention=attn, **kwargs)
-        out.append(logits)
-    return torch.stack(out)
-
-
 def check(out: Path) -> int:
     from safetensors import safe_open
     eh = verispec_head_module()
@@ -395,7 +379,7 @@ def check(out: Path) -> int:
             head = eh.Eagle3Head.load(folder)
             if not head.config.own_embedding:
                 head.bind_target_embedding(x["target_embedding"])
-            mine = verispec_logits(head, x)
+            mine = head.unroll(x["taps"], x["token_ids"], x["positions"], STEPS)
             with tempfile.TemporaryDirectory() as tmp:
                 written = Path(tmp) / "written"
                 eagle = folder.name.startswith("eagle")

@@ -79,6 +79,7 @@ __all__ = [
     "TargetShape",
     "causal_mask",
     "dense_attention",
+    "ttt_mask",
 ]
 
 # q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] of the new tokens (k after RoPE) -> [T, Hq, D]
@@ -492,6 +493,14 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(weights, v).transpose(0, 1)                 # [T, Hq, D]
 
 
+def ttt_mask(num_tokens: int, step: int, device=None) -> torch.Tensor:
+    """bool [T, (step + 1) * T]: step ``step`` of a training-time-test unroll over T
+    tokens sees step 0 causally and the same row of steps 1..step (a chain per row)."""
+    causal = causal_mask(num_tokens, 0, device=device)
+    eye = torch.eye(num_tokens, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
 class DenseKV:
     """The head's one-layer K/V cache as dense tensors, and the attention over it.
 
@@ -861,6 +870,28 @@ class Eagle3Head:
         normed = rms_norm(h, w["norm.weight"], eps)
         logits = F.linear(normed, self.lm_head)
         return logits, (normed if cfg.norm_output else h)
+
+    def unroll(self, taps: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+               steps: int) -> torch.Tensor:
+        """The training-time-test unroll of speculators' ``Eagle3DraftModel.forward``:
+        logits [steps, T, V_draft].
+
+        Step 0 reads the taps of T tokens (causal). Step s >= 1 reads step s-1's
+        hidden_out, the ids shifted left by s (teacher forcing, 0-padded) at positions
+        + s, and its row t attends to step 0's rows <= t and to its own row t of steps
+        1..s: the chain a drafter at t would have built (``ttt_mask``).
+        """
+        T = token_ids.shape[0]
+        kv, hidden, out = self.new_kv(), None, []
+        for s in range(steps):
+            ids = torch.cat([token_ids[s:], token_ids.new_zeros(min(s, T))])[:T]
+            mask = ttt_mask(T, s, device=token_ids.device)
+            inputs = {"taps": taps} if s == 0 else {"hidden": hidden}
+            logits, hidden = self.forward(
+                ids, positions + s, attention=lambda q, k, v, m=mask: kv.attend(q, k, v, m),
+                **inputs)
+            out.append(logits)
+        return torch.stack(out)
 
     # --- writing -------------------------------------------------------------------------
 
