@@ -252,6 +252,24 @@ def test_save_in_bfloat16_writes_bfloat16_and_loads_as_float32(tmp_path):
     assert all(torch.equal(again.weights[k], v) for k, v in head.weights.items())
 
 
+def test_a_tied_head_uses_its_embedding_as_lm_head_and_is_saved_untied(tmp_path):
+    folder = copy_case("spec_qwen3_fullvocab", tmp_path)    # draft vocab = target vocab
+    x, _ = fixture("spec_qwen3_fullvocab")
+    edit_tensors(folder, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(ValueError, match="lm_head.weight must be present"):
+        Eagle3Head.load(folder)
+    edit_config(folder, transformer_layer_config__tie_word_embeddings=True)
+    head = load(folder)
+    assert head.lm_head is EMBEDDING
+    logits, _ = head.forward(x["token_ids"], x["positions"], taps=x["taps"])
+    assert logits.shape == (7, 96)
+    head.save(tmp_path / "untied")
+    again = load(tmp_path / "untied")
+    assert not again.config.tie_word_embeddings and torch.equal(again.lm_head, EMBEDDING)
+    torch.testing.assert_close(again.forward(x["token_ids"], x["positions"], taps=x["taps"])[0],
+                               logits, **TOL)
+
+
 def test_the_eagle_writer_refuses_what_the_layout_cannot_say(tmp_path):
     with pytest.raises(ValueError, match=r"layer_type must be 'llama', got 'qwen3'"):
         load(DATA / "spec_qwen3_plain_nbr0_out0").save(tmp_path / "q", format="eagle")
@@ -315,6 +333,8 @@ def test_dense_kv_refuses_a_bad_mask_and_a_bad_truncate():
     k = v = torch.zeros(2, 2, 6)
     with pytest.raises(ValueError, match=r"mask must be bool \[2, 2\], got torch.bool \[2, 3\]"):
         kv.attend(q, k, v, torch.ones(2, 3, dtype=torch.bool))
+    assert len(kv) == 0                            # a refused call stores nothing
+    kv.attend(q, k, v)
     with pytest.raises(ValueError, match=r"length must be in \[0, 2\], got 5"):
         kv.truncate(5)
 

@@ -58,6 +58,16 @@ speculators' own config reads a missing key as False
 layout reads it as True; EAGLE/SpecForge, SGLang and vLLM's reader of the EAGLE layout
 read False. verispec follows the reference implementation's loader: False in both
 layouts. ``save`` always writes the key, so every reader agrees on what we write.
+
+What ``save`` writes
+--------------------
+config.json + model.safetensors. speculators layout (the default): architectures
+``["Eagle3Speculator"]`` (published speculators heads and third-party readers key on
+it; speculators 0.9.0 itself writes ``Eagle3DraftModel`` and loads either), every flag
+spelled out, RoPE as both ``rope_parameters`` and ``rope_theta``/``rope_scaling``, a
+tied lm_head written out. tools/eagle3_reference.py --check loads what it writes in
+speculators 0.9.0 (a head with target_hidden_size != hidden_size excepted: speculators
+0.9.0's model sizes fc by hidden_size alone; vLLM and SGLang read target_hidden_size).
 """
 
 from __future__ import annotations
@@ -299,8 +309,12 @@ class Eagle3Config:
             "hidden_act": self.hidden_act,
             "attention_bias": self.attention_bias,
             "tie_word_embeddings": self.tie_word_embeddings,
-            # transformers >= 5 reads rope_parameters; older readers rope_theta/rope_scaling.
+            # transformers >= 5 reads rope_parameters; older readers (and llama.cpp's
+            # converter) rope_theta / rope_scaling: both are written, saying the same.
             "rope_parameters": self.rope_scaling.to_dict(self.rope_theta),
+            "rope_theta": self.rope_theta,
+            "rope_scaling": (None if self.rope_scaling.rope_type == "default"
+                             else self.rope_scaling.to_dict(self.rope_theta)),
         }
         if self.layer_type == "llama":
             out["mlp_bias"] = self.mlp_bias
@@ -341,13 +355,9 @@ class Eagle3Config:
                              f"({EAGLE_ARCHITECTURE}) has a Llama layer; layer_type must be "
                              f"'llama', got {self.layer_type!r} (write format='speculators')")
         out = {"architectures": [EAGLE_ARCHITECTURE], **self._layer_dict(),
-               "rope_theta": self.rope_theta,
-               "rope_scaling": (None if self.rope_scaling.rope_type == "default"
-                                else self.rope_scaling.to_dict(self.rope_theta)),
                "draft_vocab_size": self.draft_vocab_size,
                "target_hidden_size": self.target_hidden_size,
                "norm_before_residual": self.norm_before_residual}
-        del out["rope_parameters"]
         for name in ("norm_before_fc", "fc_norm", "norm_output"):
             if getattr(self, name):
                 out[name] = True
@@ -525,14 +535,14 @@ class DenseKV:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        past = len(self)
-        self.k = torch.cat([self.k, k.to(self.k.dtype)])
-        self.v = torch.cat([self.v, v.to(self.v.dtype)])
+        past, total = len(self), len(self) + k.shape[0]
         if mask is None:
             mask = causal_mask(q.shape[0], past, device=q.device)
-        elif tuple(mask.shape) != (q.shape[0], len(self)) or mask.dtype != torch.bool:
-            raise _fail("DenseKV.attend", "mask", f"bool [{q.shape[0]}, {len(self)}]",
+        elif tuple(mask.shape) != (q.shape[0], total) or mask.dtype != torch.bool:
+            raise _fail("DenseKV.attend", "mask", f"bool [{q.shape[0]}, {total}]",
                         f"{mask.dtype} {list(mask.shape)}")
+        self.k = torch.cat([self.k, k.to(self.k.dtype)])
+        self.v = torch.cat([self.v, v.to(self.v.dtype)])
         return dense_attention(q, self.k, self.v, mask)
 
 
@@ -906,6 +916,10 @@ class Eagle3Head:
         if format not in ("speculators", "eagle"):
             raise _fail("Eagle3Head.save", "format", "'speculators' or 'eagle'", repr(format))
         cfg = self.config
+        lm_head = None
+        if "lm_head.weight" not in self.weights:    # tied: written out, so readers agree
+            lm_head = self.lm_head
+            cfg = replace(cfg, tie_word_embeddings=False)
         if format == "speculators":
             config = cfg.to_speculators_dict(verifier_name_or_path=verifier_name_or_path,
                                              verifier_architectures=verifier_architectures)
@@ -917,6 +931,9 @@ class Eagle3Head:
             if format == "eagle" and name.startswith(_LAYER):
                 name = _MIDLAYER + name[len(_LAYER):]
             tensors[name] = tensor.detach().to(device="cpu", dtype=dtype or tensor.dtype)
+        if lm_head is not None:
+            tensors["lm_head.weight"] = lm_head.detach().to(device="cpu",
+                                                            dtype=dtype or lm_head.dtype)
         if self.d2t is not None:
             tensors["d2t"] = self.d2t.cpu()
             tensors["t2d"] = self.t2d.cpu()
