@@ -19,12 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open  # a test dependency (Makefile TEST_DEPS)
+from safetensors.torch import load_file, save_file
 
-pytest.importorskip("safetensors", reason="the models extra (safetensors) reads the heads")
-from safetensors import safe_open  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from verispec.drafters.eagle3_head import (  # noqa: E402
+from verispec.drafters.eagle3_head import (
     DenseKV,
     Eagle3Config,
     Eagle3Head,
