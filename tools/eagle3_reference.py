@@ -9,10 +9,12 @@ Runs in a venv of its own (speculators pins transformers <= 5.19):
 
 Regenerating writes tests/data/eagle3/<case>/: a head with random weights (config.json +
 model.safetensors, or pytorch_model.bin) and reference.safetensors: the inputs (tap
-features, token ids, positions, the target's embedding where the head has none) and the
-logits of the reference forward, ``Eagle3DraftModel.forward`` run for 3 training-time-test
-steps with an eager dense mask, each step's ``lm_head`` output caught by a hook.
-tests/test_eagle3_head.py loads each head with verispec's loader and compares (1e-5).
+features, token ids, positions) and the logits of the reference forward,
+``Eagle3DraftModel.forward`` run for 3 training-time-test steps with an eager dense mask,
+each step's ``lm_head`` output caught by a hook, the head loaded by speculators' own
+``from_pretrained`` (its verifier: a tiny random 8-layer Llama made here). The output is
+the same bytes on every run. tests/test_eagle3_head.py loads each head with verispec's
+loader and compares (1e-5); so far the two agree bit for bit.
 
 Cases (tiny: H 24, 4 query / 2 KV heads of 6, MLP 48, target vocab 96, draft vocab 24,
 7 tokens; the target's embedding, for the heads without one, is target_embedding.safetensors):
@@ -28,7 +30,7 @@ Cases (tiny: H 24, 4 query / 2 KV heads of 6, MLP 48, target vocab 96, draft voc
   ``Eagle3DraftModel`` sizes ``fc`` by hidden_size only, so its ``fc`` is replaced by a
   [24, 3*40] one before saving; its forward uses ``fc`` alone, so it is still the reference.
 - ``eagle_llama``: the EAGLE/SpecForge layout (``midlayer.*``, ``eagle_config`` ids 0, 2,
-  4 = "output of layer j"), written here by hand; the reference is speculators'
+  4 = "output of layer j", norm_before_residual, bfloat16), written here by hand; the reference is speculators'
   ``Eagle3Converter`` output (given the ids in vLLM's convention, 1, 3, 5) loaded by
   ``Eagle3DraftModel``: an independent reading of the layout.
 - ``eagle_llama_bin``: the same layout as pytorch_model.bin, no ``embed_tokens``, no
