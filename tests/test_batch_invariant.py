@@ -1,5 +1,5 @@
 """The batch-invariant mode (issue 45): a token's logits the same bits whatever shares its
-pass, in the torch implementation (verispec.models.batch_invariant) that runs on GPUs,
+pass, in the torch implementation (verispec.models.layers.batch_invariant) that runs on GPUs,
 forced on here on the CPU; and the power of the checks: torch's own path on the CPU
 rounds a token differently by pass."""
 

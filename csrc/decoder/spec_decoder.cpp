@@ -159,6 +159,11 @@ SpecDecoder::SpecDecoder(const DecoderConfig& config)
   if (config.draft_shares_target_cache && !config.has_draft_model) {
     throw InvalidArgumentError("SpecDecoder: draft_shares_target_cache needs a draft model");
   }
+  if (config.draft_reads_target && (!config.has_draft_model || config.draft_shares_target_cache)) {
+    throw InvalidArgumentError(
+        "SpecDecoder: draft_reads_target needs a draft model with a cache of its own "
+        "(has_draft_model and not draft_shares_target_cache)");
+  }
   if (config.has_draft_model && !config.draft_shares_target_cache) {
     draft_alloc_ = std::make_unique<BlockAllocator>(config.draft_num_blocks, config.block_size);
   } else if (config.has_draft_model) {
@@ -583,7 +588,11 @@ void SpecDecoder::choose_ks(const std::vector<Choice*>& rows, BatchRest rest) {
   for (Choice* c : rows) rest.tokens += c->pending - 1;
   for (Choice* c : rows) {
     const AcceptanceTracker& acc = c->s->trackers[static_cast<size_t>(c->s->tracker)];
-    if (!config_.adaptive_k || c->cap == 0) {
+    if (config_.draft_reads_target && c->pending > 1) {
+      // The target has not cached the prompt yet (it prefills or recomputes it in this
+      // step): the draft would read hidden states not written yet. Draft next step.
+      c->k = 0;
+    } else if (!config_.adaptive_k || c->cap == 0) {
       c->k = c->cap;
     } else if (shared && c->pending > 1) {
       // The prompt is not cached yet: the target's prefill fills the shared cache for
@@ -1379,7 +1388,11 @@ CommitOutput SpecDecoder::commit_row(OpenStep& st, int64_t b, const VerifyOutput
       while (spine < a && out.accepted_nodes[b * K + spine] == spine * f) ++spine;
     }
     if (draft_alloc_) {
-      draft_alloc_->rollback(s.draft_seq, std::min(draft_alloc_->length(s.draft_seq), C + spine));
+      // A draft that reads the target's states keeps only its catch-up (positions < C,
+      // drafted from the target's states; see DecoderConfig::draft_reads_target).
+      const int64_t draft_keep = config_.draft_reads_target ? C : C + spine;
+      draft_alloc_->rollback(s.draft_seq,
+                             std::min(draft_alloc_->length(s.draft_seq), draft_keep));
     }
   }
   return o;

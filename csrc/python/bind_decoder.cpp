@@ -166,7 +166,7 @@ void register_decoder(py::module_& m) {
                        int64_t ngram_max_n, bool adaptive_k, bool draft_shares_target_cache,
                        int64_t draft_max_context, int64_t max_num_seqs,
                        int64_t max_tokens_per_step, int64_t ngram_branches,
-                       int64_t draft_branches) {
+                       int64_t draft_branches, bool draft_reads_target) {
              DecoderConfig c;
              c.k = k;
              c.has_draft_model = has_draft_model;
@@ -185,6 +185,7 @@ void register_decoder(py::module_& m) {
              c.max_tokens_per_step = max_tokens_per_step;
              c.ngram_branches = ngram_branches;
              c.draft_branches = draft_branches;
+             c.draft_reads_target = draft_reads_target;
              return std::make_unique<SpecDecoder>(c);
            }),
            py::arg("k"), py::arg("has_draft_model"), py::arg("target_num_blocks"),
@@ -193,7 +194,8 @@ void register_decoder(py::module_& m) {
            py::arg("ngram_max_n") = 0, py::arg("adaptive_k") = false,
            py::arg("draft_shares_target_cache") = false, py::arg("draft_max_context") = 0,
            py::arg("max_num_seqs") = 0, py::arg("max_tokens_per_step") = 0,
-           py::arg("ngram_branches") = 1, py::arg("draft_branches") = 1)
+           py::arg("ngram_branches") = 1, py::arg("draft_branches") = 1,
+           py::arg("draft_reads_target") = false)
       .def(
           "add",
           [](SpecDecoder& d, const std::vector<int32_t>& prompt, int64_t max_new_tokens,

@@ -311,13 +311,14 @@ def _shared_tp(target: Any, draft: Any) -> Any:
 
 
 def _draft_pools(draft: Any, target_pools: KVPools, shared: bool, num_blocks: int,
-                 block_size: int) -> KVPools:
+                 block_size: int, features: Sequence[int] = ()) -> KVPools:
     """The draft model's K/V pools: views of the target's first layers' when the drafter
-    asked for the target's cache (``shared``: early exit), else its own."""
+    asked for the target's cache (``shared``: early exit), else its own (with the
+    feature pools of its own states it asked for, DraftSpec.own_features)."""
     if shared:
         n = draft.geometry.num_layers
         return KVPools(k=target_pools.k[:n], v=target_pools.v[:n], block_size=block_size)
-    return KVPools.allocate(draft.geometry, num_blocks, block_size)
+    return KVPools.allocate(draft.geometry, num_blocks, block_size, features=features)
 
 
 class SpecDecoder:
@@ -416,7 +417,10 @@ class SpecDecoder:
             draft_shares_target_cache=shared,
             draft_max_context=model.geometry.max_context if model is not None else 0,
             max_num_seqs=max_num_seqs, max_tokens_per_step=max_tokens_per_step,
-            ngram_branches=ngram[2] if ngram else 1, draft_branches=draft_branches)
+            ngram_branches=ngram[2] if ngram else 1, draft_branches=draft_branches,
+            # a draft reading the target's states drafts from what the target wrote:
+            # not before the target cached the prompt; its cache keeps its catch-up only
+            draft_reads_target=bool(spec is not None and spec.features and not shared))
         if model is None and ngram is None:
             # No draft: plain decoding through the same loop, k = 0 (the core refuses
             # drafts without a source). The k given still meets the core's rule: it
@@ -443,7 +447,7 @@ class SpecDecoder:
         if model is not None:
             self._models[_DRAFT] = model
             self._pools[_DRAFT] = _draft_pools(model, self._pools[_TARGET], shared,
-                                               draft_num_blocks, block_size)
+                                               draft_num_blocks, block_size, spec.own_features)
         self._nvtx = _nvtx_range(self.device)
         self._q: torch.Tensor | None = None        # draft probabilities, reused across steps
         # every host -> device upload of a step and its one download (models/staging.py)
@@ -1010,10 +1014,15 @@ class SpecDecoder:
         tables = s.view(v["block_tables"], v["num_rows"] * v["max_blocks"],
                         torch.int32).view(v["num_rows"], v["max_blocks"])
         rows = s.view(p["rows"], p["num_rows"], torch.int64)
+        # the target's cache before this step: after the verify pass less its new tokens
+        starts = s.view(v["query_start"], v["num_rows"] + 1, torch.int64)
+        cached = s.view(v["context_lens"], v["num_rows"], torch.int32).long() - (
+            starts[1:] - starts[:-1])
         return FeatureView(pools=self._pools[_TARGET].features,
                            block_tables=tables.index_select(0, rows),
                            block_size=self.block_size,
-                           num_layers=self.target.geometry.num_layers)
+                           num_layers=self.target.geometry.num_layers,
+                           cached=cached.index_select(0, rows))
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """The step's packed inputs on the model's device: one asynchronous copy through

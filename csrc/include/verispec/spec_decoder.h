@@ -296,6 +296,14 @@ struct DecoderConfig {
   // has no cache of its own and never catches up; its proposals' K/V are dropped
   // before the verify pass rewrites those positions.
   bool draft_shares_target_cache = false;
+  // The draft model reads the target's hidden states of the tokens before its inputs
+  // (EAGLE-3, DFlash: the target writes them beside its K/V). Its cache then holds only
+  // positions drafted from the target's own states: a row drafts once the target has
+  // cached all but its last committed token (not in the step that prefills or
+  // recomputes its prompt), and after each commit the draft's cache keeps what the step's
+  // catch-up pass wrote (positions < C), so the next catch-up redoes the accepted
+  // proposals from the target's states instead of keeping the draft's own guesses.
+  bool draft_reads_target = false;
   int64_t ngram_min_n = 0;          // > 0: n-gram prompt lookup proposes (one-hot q)
   int64_t ngram_max_n = 0;
   // > 1: n-gram drafting proposes tries of at most k nodes with at most this many

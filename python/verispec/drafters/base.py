@@ -109,6 +109,9 @@ class FeatureView:
     block_tables: torch.Tensor
     block_size: int
     num_layers: int
+    #: [B] int: each row's positions the target has processed before this step (its
+    #: states there are written; at and past it they are not, or are the step's own).
+    cached: Optional[torch.Tensor] = None
 
     def pool(self, feature: Feature) -> torch.Tensor:
         """The feature's pool as [slots, hidden]."""
@@ -146,6 +149,10 @@ class DraftSpec:
     one_hot      proposals are deterministic and verified by the one-hot rule (lookup);
                  otherwise q is the distribution each proposal was sampled from
     ngram        (min_n, max_n, branches) of a lookup
+    own_features feature pools the draft's own cache holds (keys of its choosing,
+                 allocated [num_blocks, block_size, model.geometry.hidden_size] in
+                 KVPools.features of its pools): states it writes at a pass and reads at
+                 the next, rolled back with its cache
     """
 
     kind: str
@@ -155,6 +162,7 @@ class DraftSpec:
     trees: bool = True
     one_hot: bool = False
     ngram: Optional[tuple[int, int, int]] = None
+    own_features: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ("lookup", "model"):

@@ -747,16 +747,28 @@ class Eagle3Head:
                         f"fc's {cfg.num_taps}", len(taps))
         return taps
 
-    def bind_target_embedding(self, weight: torch.Tensor) -> None:
-        """Use the target's embedding [V, H] (a head without embed_tokens needs it)."""
+    def bind_target_embedding(self, weight: torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
+                              ) -> None:
+        """Use the target's embedding (a head without embed_tokens needs it): its table
+        [V, H], or a function ids [T] -> [T, H] (a quantized table looked up in place)."""
         cfg = self.config
         if cfg.own_embedding:
             raise ValueError("Eagle3Head.bind_target_embedding: the head has its own "
                              "embed_tokens; own_embedding must be False, got True")
+        if callable(weight) and not isinstance(weight, torch.Tensor):
+            self._embed_fn = weight
+            return
         if tuple(weight.shape) != (cfg.vocab_size, cfg.hidden_size):
             raise _fail("Eagle3Head.bind_target_embedding", "weight.shape",
                         [cfg.vocab_size, cfg.hidden_size], list(weight.shape))
         self._target_embedding = weight
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[T, H] in the head's dtype: the rows of its table, or the target's bound one."""
+        fn = getattr(self, "_embed_fn", None)
+        if fn is not None and "embed_tokens.weight" not in self.weights:
+            return fn(token_ids).to(self.dtype)
+        return F.embedding(token_ids, self.embedding).to(self.dtype)
 
     @property
     def embedding(self) -> torch.Tensor:
@@ -854,8 +866,7 @@ class Eagle3Head:
         eps = cfg.rms_norm_eps
         g_normed = rms_norm(g, w[L + "hidden_norm.weight"], eps)
         residual = g_normed if cfg.norm_before_residual else g
-        embeds = rms_norm(F.embedding(token_ids, self.embedding).to(self.dtype),
-                          w[L + "input_layernorm.weight"], eps)
+        embeds = rms_norm(self.embed(token_ids), w[L + "input_layernorm.weight"], eps)
         x = torch.cat([embeds, g_normed], dim=-1)                    # [T, 2H]
         D, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         q = F.linear(x, w[L + "self_attn.q_proj.weight"], w.get(L + "self_attn.q_proj.bias"))

@@ -410,6 +410,13 @@ class LlamaModel:
     def __call__(self, batch: PagedBatch) -> torch.Tensor:
         return self.forward(batch)
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [T, hidden] of ids [T] (a quantized table: the rows read,
+        dequantized), as the forward looks them up."""
+        e = self.weights.embed
+        ids = ids.to(self.geometry.device)
+        return e.dequantize(ids) if isinstance(e, QuantizedMatrix) else F.embedding(ids, e)
+
     @torch.inference_mode()
     def forward(self, batch: PagedBatch) -> torch.Tensor:
         """Logits [R, vocab] (model dtype) of the tokens ``batch.logits_indices``.
