@@ -242,6 +242,33 @@ def test_one_model_serves_forwards_with_and_without_features():
     assert model._captures.replays > 0
 
 
+def test_programs_recorded_before_the_taps_stay_right():
+    """A wrapper decodes (its program recorded, checked, replayed) before a forward asks
+    for features and installs the taps: the program keeps serving the forwards that ask
+    for none (no invalidation), with the logits of a wrapper never asked."""
+    model, alone = _wrap("llama"), _wrap("llama")
+    runners = [PagedRunner(m, num_blocks=64, block_size=4) for m in (model, alone)]
+    seqs = [r.add_sequence() for r in runners]
+
+    def decode(tok):
+        a, b = (r.step({s: [tok]})[0] for r, s in zip(runners, seqs))
+        assert torch.equal(a, b)
+
+    for r, s in zip(runners, seqs):
+        r.step({s: [5, 6, 7]})
+    for tok in range(6):
+        decode(tok)
+    replays = model._captures.replays
+    assert replays > 0
+    tapped = PagedRunner(model, num_blocks=16, block_size=4, features=_keys(model))
+    s = tapped.add_sequence()
+    tapped.step({s: [8, 9]})  # installs the taps
+    assert "_verispec_tap_inner" in vars(model._streams.layers[0])
+    for tok in range(3):
+        decode(tok)
+    assert model._captures.replays == replays + 3 and model._captures.invalidations == 0
+
+
 class _CountTorchCalls(TorchFunctionMode):
     def __init__(self):
         super().__init__()
@@ -253,10 +280,13 @@ class _CountTorchCalls(TorchFunctionMode):
 
 
 def test_no_feature_asked_no_extra_torch_work():
-    """With no feature asked an eager forward makes the same torch calls with the taps
-    installed as without them (a tap reads a context variable and returns); asking for
+    """A wrapper never asked for a stream has no taps (its modules as HFModel left them
+    before); once asked, an eager forward with no feature asked makes the same torch
+    calls as without the taps (a tap reads a context variable and returns); asking for
     every stream adds the writes."""
     model = _wrap("llama", capture=False)
+    tapped = model._streams.layers + [model._streams.final_norm]
+    assert not any("_verispec_tap_inner" in vars(m) for m in tapped)
 
     def count(features=()) -> int:
         runner = PagedRunner(model, num_blocks=16, block_size=4, features=features)
@@ -267,11 +297,11 @@ def test_no_feature_asked_no_extra_torch_work():
             runner.step({s: [6]})
         return mode.calls
 
-    with_taps = count()
     asked = count(_keys(model))
+    assert all("_verispec_tap_inner" in vars(m) for m in tapped)
+    with_taps = count()
     hf_features.uninstall(model.model)
     without = count()
-    hf_features.install(model._streams)
     assert with_taps == without
     assert asked > with_taps
 

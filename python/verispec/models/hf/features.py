@@ -13,7 +13,8 @@ How: ``find_streams`` names, once per wrapped model, the decoder layers (the
 module, named ``*Norm*``, that receives the last layer's output tensor itself), with
 one recording forward that also checks what flows: each layer receives one
 [1, tokens, hidden] tensor, layer i + 1 exactly the tensor layer i returned.
-``install`` sets an instance-level ``forward`` on each of those modules that calls the
+``install`` (at the first forward asking for a stream: a model never asked runs as it
+did) sets an instance-level ``forward`` on each of those modules that calls the
 module's own (or the one verispec installed before: the CPU kernels', the
 batch-invariant mode's) and, when the running forward's plan asks for features
 (``plan.feature_taps``, set by HFModel.forward only when ``batch.kv.features`` is not
@@ -22,7 +23,8 @@ tokens' slots. With no feature asked a tap is one context-variable read.
 
 ``_tap`` is ``hf_capture.opaque``: a captured program logs it as one call and replays
 it with that forward's plan; a program is keyed by the feature keys asked (HFModel._call),
-so a program recorded without features holds no tap at all.
+so a program recorded without features holds no tap at all, and stays right when the
+taps are installed after it was recorded.
 """
 
 from __future__ import annotations
@@ -207,16 +209,19 @@ def find_streams(model: torch.nn.Module, attention: list[torch.nn.Module],
 
 def install(streams: Streams) -> None:
     """Sets the tapping forwards on the streams' modules (over whatever forward each has:
-    its class's or one verispec set); ``uninstall`` (and hf.patch._uninstall_cpu_kernels)
-    undoes it."""
+    its class's or one verispec set), where they are not set yet; ``uninstall`` (and
+    hf.patch._uninstall_cpu_kernels) undoes it."""
     import types
 
-    for i, layer in enumerate(streams.layers or ()):
+    layers, norm = streams.layers or (), streams.final_norm
+    if ((not layers or "_verispec_tap_inner" in vars(layers[-1]))
+            and (norm is None or "_verispec_tap_inner" in vars(norm))):
+        return  # installed (the common case: every forward of a drafter's target)
+    for i, layer in enumerate(layers):
         if "_verispec_tap_inner" not in vars(layer):  # tapped already: its index only
             layer._verispec_tap_inner = vars(layer).get("forward")
             layer.forward = types.MethodType(_layer_forward, layer)
         layer._verispec_tap_layer = i
-    norm = streams.final_norm
     if norm is not None and "_verispec_tap_inner" not in vars(norm):
         norm._verispec_tap_inner = vars(norm).get("forward")
         norm.forward = types.MethodType(_norm_forward, norm)

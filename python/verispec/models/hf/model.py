@@ -305,12 +305,12 @@ class HFModel:
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32 and (
                 _C.linear_best_isa() != "scalar") and not batch_invariant:
             self._kernels = _install_cpu_kernels(hf_model, lambda: self._probe(device))
-        # the hidden states a drafter may ask for (KVPools.features): taps on the decoder
-        # layers and the final norm, over the forwards installed above (hf.features)
+        # the hidden states a drafter may ask for (KVPools.features): the decoder layers
+        # and the final norm their taps go on (hf.features), installed over the forwards
+        # above by the first forward that asks for a stream
         self._streams = hf_features.find_streams(
             hf_model, [r.module for r in layers], lambda: self._probe(device),
             getattr(text, "hidden_size", None))
-        hf_features.install(self._streams)
         self.geometry = replace(self.geometry, hidden_size=self._streams.hidden_size)
         #: Captured forwards of decode and verify passes (verispec.models.hf.capture);
         #: ``capture=False`` (or tensor parallelism, or the batch-invariant mode, whose
@@ -602,6 +602,7 @@ class HFModel:
                                  f"({type(self.model).__name__}) cannot write the feature "
                                  f"{Feature.describe_key(key, n)} (KVPools.features key "
                                  f"{key}): {why}")
+        hf_features.install(self._streams)  # once (a model wrapped again removes them)
         return hf_features.FeatureTaps(batch.kv, plan.write, n)
 
     def _check(self, batch: PagedBatch) -> None:
