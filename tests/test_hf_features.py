@@ -19,6 +19,7 @@ import functools
 
 import pytest
 import torch
+import transformers
 from torch.overrides import TorchFunctionMode
 
 from test_hf_adapter import CONFIGS, VOCAB, _cfg, _reference
@@ -26,7 +27,6 @@ from verispec import _C
 from verispec.decoder import SpecDecoder
 from verispec.drafters import DraftSpec, Feature, FeatureView
 from verispec.models import HFModel
-from verispec.models.hf import capture as hf_capture
 from verispec.models.hf import features as hf_features
 from verispec.models.testing import PagedRunner, randomize_weights
 
@@ -389,9 +389,8 @@ def test_decoder_drafter_reads_the_hf_targets_streams(case):
     ref = _hidden_reference(name)
     features = tuple(Feature.layer_input(r) for r in range(n)) + (Feature.final(),
                                                                   Feature.final_normed())
-    draft_hf = randomize_weights(
-        __import__("transformers").AutoModelForCausalLM.from_config(
-            _cfg("llama", num_hidden_layers=1)).float().eval(), seed=5)
+    draft_hf = randomize_weights(transformers.AutoModelForCausalLM.from_config(
+        _cfg("llama", num_hidden_layers=1)).float().eval(), seed=5)
     reader = _Reader(HFModel(draft_hf), features)
     kw = dict(k=3, num_blocks=64, block_size=4)
     if case == "tree":

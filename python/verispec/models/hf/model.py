@@ -541,7 +541,7 @@ class HFModel:
                        None if k is None else (k.linear, k.norm, k.rope),
                        getattr(self.model.config, "_attn_implementation", None),
                        # a program holds the taps of the features asked when recorded
-                       getattr(ctx.feature_taps, "keys", None))
+                       getattr(getattr(ctx, "feature_taps", None), "keys", None))
                 calls = ctx.calls
 
                 def redo() -> None:
