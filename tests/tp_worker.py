@@ -111,6 +111,26 @@ def prefill_logits(model) -> list:
     return [t.tolist() for t in (*first, *second)]
 
 
+def feature_states(model) -> dict:
+    """Every stream (KVPools.features, keys 0..N + 1) of each PROMPTS row after a ragged
+    prefill, a 3-token verify-like pass per row, row 0's last 2 tokens rolled back (a
+    rejected draft) and its slots written again: {str(key): [rows [positions [hidden]]]}."""
+    from verispec.models.testing import PagedRunner
+
+    keys = list(range(model.geometry.num_layers + 2))
+    runner = PagedRunner(model, num_blocks=32, block_size=4, features=keys)
+    seqs = [runner.add_sequence() for _ in PROMPTS]
+    runner.step(dict(zip(seqs, PROMPTS)))
+    runner.step({s: [1, 2, 3] for s in seqs})
+    runner.rollback(seqs[0], runner.length(seqs[0]) - 2)
+    runner.step({seqs[0]: [4, 5]})
+    return {str(k): [runner.features_of(s, k).tolist() for s in seqs] for k in keys}
+
+
+# The HF_CONFIGS models of the feature scenario (tp_worker features)
+HF_FEATURE_MODELS = ("llama", "gemma2")
+
+
 def decode_cases():
     """(name, draft kind, k, generate kwargs) of the decode comparison."""
     cases = []
@@ -278,6 +298,12 @@ def main() -> int:
             result["comm_calls"] = tp.comm_calls
         elif scenario == "hf":
             result.update(run_hf(tp))
+        elif scenario == "features":  # every rank's streams: the native Llama, HFModel
+            from verispec.models import HFModel
+
+            result["llama"] = feature_states(target)
+            result["hf"] = {name: feature_states(HFModel(hf_tiny(name, layers=3), tp=tp))
+                            for name in HF_FEATURE_MODELS}
         elif scenario in ("kill", "stall"):
             dec = SpecDecoder(target, NGram(1, 3), k=3, num_blocks=64, block_size=4)
             for p in PROMPTS:
@@ -297,8 +323,8 @@ def main() -> int:
             result["seconds_to_error"] = time.monotonic() - start
             result["steps"] = steps
         else:
-            raise ValueError(f"tp_worker: scenario must be 'main', 'hf', 'quant', 'kill' or 'stall', "
-                             f"got {scenario!r}")
+            raise ValueError(f"tp_worker: scenario must be 'main', 'hf', 'features', 'quant', "
+                             f"'kill' or 'stall', got {scenario!r}")
     finally:
         with open(os.path.join(out_dir, f"rank{tp.rank}.json"), "w") as f:
             json.dump(result, f)

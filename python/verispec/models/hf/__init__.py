@@ -6,6 +6,8 @@ native Llama on the shared model layers (``verispec.models.layers``).
   forward's plan (``ATTN_IMPLEMENTATION``, ``register_attention``);
 - ``patch``: the module patching (verispec's CPU kernels, the batch-invariant mode);
 - ``capture``: decode and verify forwards recorded once and replayed as programs;
+- ``features``: the taps that write the hidden states a drafter reads
+  (``KVPools.features``) from the model's decoder layers and final norm;
 - ``tp``: tensor parallelism along the config's ``base_model_tp_plan``.
 
 (``models/hf_folder.py``, which reads a Hugging Face folder for the native Llama, is a

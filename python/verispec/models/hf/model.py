@@ -46,6 +46,7 @@ import torch
 
 from verispec.models.base import ModelGeometry, PagedBatch, check_batch
 from verispec.models.hf import capture as hf_capture
+from verispec.models.hf import features as hf_features
 from verispec.models.hf import tp as hf_tp
 # The attention function, the probe and the forward's plan (hf.attention); the module
 # patching (hf.patch). Their names tests and tools read are importable from here too.
@@ -170,6 +171,13 @@ def _make_batch_invariant(hf_model: Any, probe: Any) -> None:
 class HFModel:
     """A transformers ``*ForCausalLM`` (any dtype, any device) as a verispec model.
 
+    It writes the hidden states a drafter asks for (``KVPools.features``: the stream
+    entering a decoder layer, the last layer's output, the final norm's output) on every
+    path (eager, captured programs, the CPU kernels, the batch-invariant mode, tensor
+    parallelism), from taps on the model's decoder layers and final norm
+    (``verispec.models.hf.features``); ValueError naming the model type and the stream
+    where the model shows no such layers or norm.
+
     ``max_context`` caps the context (default: the config's ``max_position_embeddings``).
     ``tokenizer`` (optional: a transformers tokenizer or verispec's Tokenizer) records the
     vocabulary, so SpecDecoder can refuse a draft with a different tokenizer.
@@ -204,6 +212,9 @@ class HFModel:
     mixture-of-experts router's softmax and top-k or expert products outside
     ``nn.Linear``; and with ``tp``.
     """
+
+    #: Writes KVPools.features (verispec.drafters.Feature) for drafters that read them.
+    writes_features = True
 
     def __init__(self, hf_model: Any, *, max_context: Optional[int] = None,
                  tokenizer: Any = None, cpu_kernels: bool = True, tp: Any = None,
@@ -294,6 +305,13 @@ class HFModel:
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32 and (
                 _C.linear_best_isa() != "scalar") and not batch_invariant:
             self._kernels = _install_cpu_kernels(hf_model, lambda: self._probe(device))
+        # the hidden states a drafter may ask for (KVPools.features): the decoder layers
+        # and the final norm their taps go on (hf.features), installed over the forwards
+        # above by the first forward that asks for a stream
+        self._streams = hf_features.find_streams(
+            hf_model, [r.module for r in layers], lambda: self._probe(device),
+            getattr(text, "hidden_size", None))
+        self.geometry = replace(self.geometry, hidden_size=self._streams.hidden_size)
         #: Captured forwards of decode and verify passes (verispec.models.hf.capture);
         #: ``capture=False`` (or tensor parallelism, or the batch-invariant mode, whose
         #: attention steps follow the context lengths) runs every forward eagerly.
@@ -429,6 +447,7 @@ class HFModel:
         draft._flashinfer = None
         draft.batch_invariant = self.batch_invariant
         draft.tokenizer_fingerprint = self.tokenizer_fingerprint
+        draft._streams = self._streams  # the shared modules' taps
         draft._captures = None
         probe, _ = draft._probe(self.geometry.device)
         if [id(r.module) for r in probe.layers] != [id(r.module) for r in draft.layers]:
@@ -520,7 +539,9 @@ class HFModel:
                 key = (ids.shape[0], keep.shape[0], ids.dtype, positions.dtype, keep.dtype,
                        ids.stride(), positions.stride(), keep.stride(), ids.device,
                        None if k is None else (k.linear, k.norm, k.rope),
-                       getattr(self.model.config, "_attn_implementation", None))
+                       getattr(self.model.config, "_attn_implementation", None),
+                       # a program holds the taps of the features asked when recorded
+                       getattr(getattr(ctx, "feature_taps", None), "keys", None))
                 calls = ctx.calls
 
                 def redo() -> None:
@@ -546,6 +567,7 @@ class HFModel:
         plan = _Plan(batch, self._pool_of, device)
         plan.kernels = self._kernels  # read by the RoPE dispatcher (hf.patch._rope_dispatch)
         plan.attention = self._torch_attention()
+        plan.feature_taps = self._feature_taps(batch, plan)
         if self.batch_invariant:
             plan.prepare_batch_invariant()
         else:
@@ -562,6 +584,26 @@ class HFModel:
                                f"verispec's attention function (was the model's attention "
                                f"implementation changed after wrapping?)")
         return logits[0]
+
+    def _feature_taps(self, batch: PagedBatch, plan: _Plan
+                      ) -> Optional[hf_features.FeatureTaps]:
+        """The forward's feature writes (read by the taps, hf.features), None when no
+        drafter asked for any; ValueError naming a stream this model cannot write."""
+        if not batch.kv.features:
+            return None
+        from verispec.drafters.base import Feature
+
+        n = self.geometry.num_layers
+        for key in sorted(batch.kv.features):
+            why = (f"its layers have streams 0..{n + 1}" if not 0 <= key <= n + 1
+                   else self._streams.problem(key, n))
+            if why is not None:
+                raise ValueError(f"HFModel.forward: {self.model_type} "
+                                 f"({type(self.model).__name__}) cannot write the feature "
+                                 f"{Feature.describe_key(key, n)} (KVPools.features key "
+                                 f"{key}): {why}")
+        hf_features.install(self._streams)  # once (a model wrapped again removes them)
+        return hf_features.FeatureTaps(batch.kv, plan.write, n)
 
     def _check(self, batch: PagedBatch) -> None:
         check_batch(batch, self.geometry, "HFModel.forward")

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch.nn.modules import module as _nn_module  # its global hooks (_fast_call)
 
 from verispec.models.hf import capture as hf_capture
+from verispec.models.hf import features as hf_features
 from verispec.models.hf.attention import _CONTEXT
 from verispec.models.layers import batch_invariant as _bi
 from verispec.models.layers.kernels import native_linear, native_rms_norm, rotate_half_rope
@@ -346,7 +347,9 @@ def _uninstall_cpu_kernels(model: torch.nn.Module) -> None:
     """Undoes _install_cpu_kernels (a model wrapped again, e.g. to be cut for tensor
     parallelism): the modules' own forwards back, and each fused sibling's weight its
     own tensor again (same values), so that cutting one does not leave a stale stack.
-    Programs captured over those forwards (hf_capture) are invalidated."""
+    Programs captured over those forwards (hf_capture) are invalidated. The feature taps
+    (hf.features) go too, first: they wrap these forwards."""
+    hf_features.uninstall(model)
     hf_capture.invalidate()
     with torch.no_grad():
         for m in model.modules():
