@@ -323,6 +323,13 @@ def test_refusals_name_the_family_and_stream():
     with pytest.raises(ValueError, match=r"bert \(BertLMHeadModel\) cannot write the feature "
                                          r"final_normed .*no norm module receives"):
         runner.step({s: [3, 4]})
+    # SpecDecoder asks before it builds anything: the same refusal, naming itself
+    from verispec.decoder import SpecDecoder
+    from verispec.drafters import DraftModel, Feature
+
+    with pytest.raises(ValueError, match=r"^SpecDecoder: bert \(BertLMHeadModel\) cannot write "
+                                         r"the feature final_normed"):
+        SpecDecoder(bert, DraftModel(bert, features=(Feature.final_normed(),)))
     # its other streams are written (test_streams_equal_transformers_hidden_states)
     runner = PagedRunner(bert, num_blocks=16, block_size=4, features=[0, n])
     s = runner.add_sequence()

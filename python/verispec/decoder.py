@@ -282,6 +282,9 @@ def _check_settings(target: Any, draft: Any, spec: DraftSpec | None, *, k: int |
             raise ValueError(f"SpecDecoder: the drafter reads the target's hidden states, "
                              f"which {type(target).__name__} does not write (a model that "
                              f"does sets writes_features = True)")
+        check = getattr(target, "check_features", None)
+        if keys and check is not None:  # streams a model family cannot write, named
+            check(sorted(set(keys)), who="SpecDecoder")
     if draft is not None:
         g, dg = target.geometry, draft.geometry
         # Same tokenizer, vocabularies of any size (padded embedding tables): ids below

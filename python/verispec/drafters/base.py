@@ -89,11 +89,9 @@ class Feature:
 
     @staticmethod
     def describe_key(key: int, num_layers: int) -> str:
-        if key == num_layers + 1:
-            return "final_normed"
-        if key == num_layers:
-            return "final"
-        return f"layer_input({key})"
+        from verispec.models.base import feature_name
+
+        return feature_name(key, num_layers)
 
 
 @dataclass

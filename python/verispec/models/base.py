@@ -64,6 +64,16 @@ class ModelGeometry:
         return (self.num_kv_heads, self.head_dim, self.head_dim)
 
 
+def feature_name(key: int, num_layers: int) -> str:
+    """The name of feature-pool ``key`` of a model of ``num_layers`` layers
+    (verispec.drafters.Feature.key): layer_input(r), final or final_normed."""
+    if key == num_layers + 1:
+        return "final_normed"
+    if key == num_layers:
+        return "final"
+    return f"layer_input({key})"
+
+
 @dataclass
 class KVPools:
     """One K and one V pool per layer: [num_blocks, block_size, num_kv_heads, head_dim]

@@ -44,7 +44,7 @@ from typing import Any, Optional
 
 import torch
 
-from verispec.models.base import ModelGeometry, PagedBatch, check_batch
+from verispec.models.base import ModelGeometry, PagedBatch, check_batch, feature_name
 from verispec.models.hf import capture as hf_capture
 from verispec.models.hf import features as hf_features
 from verispec.models.hf import tp as hf_tp
@@ -591,19 +591,21 @@ class HFModel:
         drafter asked for any; ValueError naming a stream this model cannot write."""
         if not batch.kv.features:
             return None
-        from verispec.drafters.base import Feature
+        self.check_features(sorted(batch.kv.features), who="HFModel.forward")
+        hf_features.install(self._streams)  # once (a model wrapped again removes them)
+        return hf_features.FeatureTaps(batch.kv, plan.write, self.geometry.num_layers)
 
+    def check_features(self, keys, *, who: str = "HFModel") -> None:
+        """ValueError naming a feature-pool key (verispec.drafters.Feature.key) this model
+        cannot write (SpecDecoder asks before it builds anything)."""
         n = self.geometry.num_layers
-        for key in sorted(batch.kv.features):
+        for key in keys:
             why = (f"its layers have streams 0..{n + 1}" if not 0 <= key <= n + 1
                    else self._streams.problem(key, n))
             if why is not None:
-                raise ValueError(f"HFModel.forward: {self.model_type} "
-                                 f"({type(self.model).__name__}) cannot write the feature "
-                                 f"{Feature.describe_key(key, n)} (KVPools.features key "
-                                 f"{key}): {why}")
-        hf_features.install(self._streams)  # once (a model wrapped again removes them)
-        return hf_features.FeatureTaps(batch.kv, plan.write, n)
+                raise ValueError(f"{who}: {self.model_type} ({type(self.model).__name__}) "
+                                 f"cannot write the feature {feature_name(key, n)} "
+                                 f"(KVPools.features key {key}): {why}")
 
     def _check(self, batch: PagedBatch) -> None:
         check_batch(batch, self.geometry, "HFModel.forward")
