@@ -32,7 +32,7 @@ import types
 import pytest
 import torch
 
-from test_paged_plan import BS, CHAINS, D, KVH, SCALING, TOL, TREES, make_batch, reference
+from test_paged_plan import BS, CHAINS, D, SCALING, TOL, TREES, make_batch, reference
 from verispec.models.layers import attention
 from verispec.models.layers.attention import (FlashInferAttention, TorchAttention,
                                               flashinfer_paged, resolve_backend,
