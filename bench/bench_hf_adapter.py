@@ -366,7 +366,7 @@ def profile(args) -> dict:
     rounds), exclusive time and aten ops per module kind / function, for each model."""
     from verispec.models.hf import model as hf_module
     from verispec.models.layers import layer_ops
-    from verispec.models.layers import attention as layers_attention
+    from verispec.models.layers.attention import sdpa as layers_attention  # TorchAttention calls its attend_matmul
     from verispec.models.testing import PagedRunner
 
     transformers = benchmark._import_transformers()

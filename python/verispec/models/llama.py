@@ -46,7 +46,7 @@ from verispec import _C
 from verispec.models.base import KVPools, KVWrite, ModelGeometry, PagedBatch, check_batch
 from verispec.models.layers import batch_invariant as _bi
 from verispec.models.layers import quantized as _quantized
-from verispec.models.layers.attention import FlashInferAttention, TorchAttention, select_backend
+from verispec.models.layers.attention import backend_class, resolve_backend, select_backend
 from verispec.models.layers.graphs import GraphCache, GraphInputs
 from verispec.models.layers.kernels import native_linear, native_rms_norm
 from verispec.models.layers.layer_ops import (_BatchInvariantOps, _BucketLayerOps,
@@ -364,13 +364,20 @@ class LlamaModel:
             if not on:
                 self.graphs.clear()
 
-    def _torch_attention(self):
-        """The attention of a forward off the native kernels: FlashInfer where the backend
-        resolves to it, else SDPA with LlamaModel's rounding."""
+    def _backend_class(self, batch: Optional[PagedBatch]) -> type:
+        """This forward's attention backend (``layers.attention.resolve_backend``): the
+        native one where verispec's CPU kernels run it (``_native_ops_ok``; None: a
+        forward that does not run them), else what ``attention_backend`` resolves to."""
         g = self.geometry
-        if select_backend(self._attention_backend, g.device, g.dtype) == "flashinfer":
-            return FlashInferAttention(TorchAttention(sdpa_groups=True))
-        return TorchAttention(sdpa_groups=True)
+        return backend_class(resolve_backend(
+            self._attention_backend, g.device, g.dtype,
+            native=batch is not None and self._native_ops_ok(batch),
+            who="LlamaModel.attention_backend"))
+
+    def _attention(self, cls: type) -> Any:
+        """A backend of class ``cls`` for one forward, with LlamaModel's rounding of the
+        torch path (``TorchAttention(sdpa_groups=True)``)."""
+        return cls(sdpa_groups=True, batch_invariant=self.batch_invariant)
 
     @property
     def num_layers(self) -> int:
@@ -436,7 +443,8 @@ class LlamaModel:
         if ctx_max > g.max_context:
             raise ValueError(f"LlamaModel.forward: context_lens must be <= max_context = "
                              f"{g.max_context}, got {ctx_max}")
-        if self._graph_ok(batch):
+        attention = self._backend_class(batch)
+        if self._graph_ok(batch, attention):
             kv = batch.kv
             logits = self.graphs.forward(batch, lambda inputs: self._bucket_forward(inputs, kv),
                                          -(-g.max_context // kv.block_size))
@@ -445,13 +453,12 @@ class LlamaModel:
         # the hidden states a drafter asked for (KVPools.features), written at the tokens'
         # slots as the K/V are; none asked: no tap, no extra work
         tap = self._feature_tap(batch) if batch.kv.features else None
-        bi_torch = self._batch_invariant_torch(batch)
+        bi_torch = self._batch_invariant_torch(batch, attention)
         if bi_torch:
             ops = _BatchInvariantOps(self, batch, num_tokens, positions)
-        elif self._use_native_ops(batch):
-            ops = _NativeLayerOps(self, batch, num_tokens)
         else:
-            ops = _TorchLayerOps(self, batch, num_tokens, positions)
+            layer_ops = _NativeLayerOps if attention.layer_kernels else _TorchLayerOps
+            ops = layer_ops(self, batch, num_tokens, positions, self._attention(attention))
         linear = self._batch_invariant_linear() if bi_torch else self._linear(num_tokens)
         x = (w.embed.dequantize(ids) if isinstance(w.embed, QuantizedMatrix)
              else F.embedding(ids, w.embed))
@@ -529,19 +536,29 @@ class LlamaModel:
                 tap(i + 1, x)
         return x
 
-    def _graph_ok(self, batch: PagedBatch) -> bool:
+    def _graph_ok(self, batch: PagedBatch, attention: type) -> bool:
         """Whether this forward may run captured (``layers.graphs``): graphs on, the torch
         ops path (not verispec's CPU kernels, not the batch-invariant mode), dense
-        weights, one process."""
+        weights, one process. The bucket attends through the backend's ``attend_static``
+        where it is ``capturable``, else through SDPA's (``_static_backend``)."""
         return (self.graphs is not None and self.graphs.enabled and self.tp is None
                 and not self.quantized and not self.batch_invariant
-                and not self._use_native_ops(batch))
+                and not attention.layer_kernels)
+
+    def _static_backend(self) -> type:
+        """The backend a captured bucket attends with: the chosen one where a graph can
+        capture it, else SDPA's static path (FlashInfer: its own CUDA-graph mode is not
+        wired into layers.graphs yet, so captured forwards keep the torch attention they
+        had before the backends shared one interface)."""
+        cls = self._backend_class(None)
+        return cls if cls.capturable else backend_class("sdpa")
 
     def _bucket_forward(self, inputs: GraphInputs, kv: Any) -> torch.Tensor:
         """The logits of every token of a bucket's forward from its static inputs (the
         body a graph captures): the layers of ``forward`` at fixed shapes."""
         w = self.weights
-        ops = _BucketLayerOps(self, inputs)
+        # the backend _graph_ok found capturable (these forwards run no CPU kernels)
+        ops = _BucketLayerOps(self, inputs, self._attention(self._static_backend()))
         linear = self._linear(inputs.bucket.tokens)
         # feature taps write through the bucket's static slots (padding writes nowhere)
         tap = ((lambda key, t: kv.write_features(inputs.write, key, t)) if kv.features
@@ -556,14 +573,16 @@ class LlamaModel:
             tap(self.geometry.num_layers + 1, normed)
         return linear(normed, w.lm_head)
 
-    def _batch_invariant_torch(self, batch: PagedBatch) -> bool:
+    def _batch_invariant_torch(self, batch: PagedBatch, attention: Optional[type] = None
+                               ) -> bool:
         """Whether this forward runs _BatchInvariantOps and batch_invariant.linear: the
         batch-invariant mode where verispec's CPU kernels do not run every step (a GPU,
         a dtype other than float32, a CPU without their vector instructions) or when
         ``batch_invariant_torch`` asks for it."""
         if not self.batch_invariant:
             return False
-        return (self.batch_invariant_torch or not self._use_native_ops(batch)
+        attention = attention or self._backend_class(batch)
+        return (self.batch_invariant_torch or not attention.layer_kernels
                 or not (self.native_linear and self._native_linear_ok))
 
     def _batch_invariant_linear(self):
@@ -637,12 +656,12 @@ class LlamaModel:
             return native_rms_norm(x if x.is_contiguous() else x.contiguous(), weight, eps)
         return norm
 
-    def _use_native_ops(self, batch: PagedBatch) -> bool:
-        """Whether this forward runs RoPE, the cache write, attention, the residual norms
-        and SwiGLU in verispec's CPU kernels (_NativeLayerOps): a float32 CPU model whose
-        pools are contiguous."""
+    def _native_ops_ok(self, batch: PagedBatch) -> bool:
+        """Whether this forward can run RoPE, the cache write, attention, the residual
+        norms and SwiGLU in verispec's CPU kernels (_NativeLayerOps, with the native
+        attention backend where ``attention_backend`` resolves to it): a float32 CPU
+        model with its switches on, whose pools are contiguous."""
         return (self.native_layer_ops and self.native_norm and self._native_norm_ok
-                and self._attention_backend in ("auto", "native")
                 and all(p.is_contiguous() for p in (batch.kv.k[0], batch.kv.v[0])))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ transformers computes attention through a registry of attention functions
 model. Each layer's call reads the forward's context (a context variable, since some
 models' layers do not pass keyword arguments down): the construction probe (``_Probe``:
 what each layer passes, the cache geometry) or the forward's plan (``_Plan``: a
-``layers.PagedPlan`` that writes the new tokens' K/V and attends, in verispec's paged CPU
-kernel, the batch-invariant ops, or the plan's attention backend, ``layers.attention``).
+``layers.PagedPlan`` that writes the new tokens' K/V and attends through the forward's
+attention backend, ``layers.attention``: verispec's paged CPU kernel, FlashInfer, torch or
+the batch-invariant mode's, all called the same way).
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from __future__ import annotations
 import contextvars
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from verispec.models.hf import capture as hf_capture
-from verispec.models.layers import batch_invariant as _bi
-from verispec.models.layers import kernels
-from verispec.models.layers.attention import TorchAttention
+from verispec.models.layers.attention import (AttentionBackend, BatchInvariantAttention,
+                                              TorchAttention)
+from verispec.models.layers.attention.interface import flat
 from verispec.models.layers.paged import PagedPlan
 
 
@@ -123,20 +124,18 @@ class _Probe:
 
 class _Plan(PagedPlan):
     """The forward's plan, as every layer's attention call reads it: the paged plan of
-    the batch (``layers.PagedPlan``), the pool each attention module writes, and how
-    layers attend, decided by ``prepare`` / ``prepare_batch_invariant`` before the first
-    layer writes the cache."""
+    the batch (``layers.PagedPlan``), the pool each attention module writes, and the
+    forward's attention backend (``layers.attention``), chosen and planned by ``prepare``
+    / ``prepare_batch_invariant`` before the first layer writes the cache."""
 
     def __init__(self, batch: Any, pool_of: dict[int, int], device: torch.device):
         super().__init__(batch, device)
         self.pool_of = pool_of
         self.calls = 0
-        self.native = False
-        self.keys: Optional[_bi.KeyPlan] = None  # the batch-invariant mode's key plan
-        #: the backend of layers off the native kernel (HFModel.forward sets it)
-        self.attention: Any = TorchAttention()
+        #: native -> the forward's backend (HFModel.forward sets HFModel._backend)
+        self.backend: Callable[[bool], AttentionBackend] = lambda native: TorchAttention()
+        self.attention: AttentionBackend = TorchAttention()
         self.kernels = None  # read by the RoPE dispatcher (hf.patch._rope_dispatch)
-        self._pools: dict[int, tuple] = {}
 
     def masked(self, module, mask) -> None:
         raise RuntimeError(f"HFModel.forward: {type(module).__name__} passed its own attention "
@@ -146,51 +145,29 @@ class _Plan(PagedPlan):
     def prepare_batch_invariant(self) -> None:
         """Every layer attends in ``batch_invariant.attention`` (HFModel's batch-invariant
         mode), over the key plan built now, before the first layer writes the cache."""
-        self.keys = _bi.KeyPlan(self.batch, self.device)
+        self.attention = BatchInvariantAttention(batch_invariant=True)
+        self.attention.plan(self)
 
     def prepare(self, native: bool) -> None:
-        """Decides, before the first layer writes the cache, how layers attend: with
-        ``native`` (HFModel.native_attention), layers without softcap or sinks attend in
-        verispec's paged CPU kernel unless a chain row has more than KERNEL_MAX_QUERIES
-        new tokens (a long prompt at once, which SDPA attends faster), and its checks of
-        the batch run now; otherwise the padded groups are built now (their checks too)."""
-        self.native = native and not self.long_chain_rows
-        if not self.native:
-            self.groups  # noqa: B018 - built (and checked) before any write
-            return
-        k, v = self.kv.k[0], self.kv.v[0]
-        kernels.paged_attention(self.native_index, k, v, None, None, 1, 1, 1, 1.0, 0, 1,
-                                check_only=True)
+        """Picks and plans the forward's backend before the first layer writes the cache
+        (its checks of the batch run now): with ``native`` (HFModel.native_attention),
+        layers without softcap or sinks attend in verispec's paged CPU kernel unless a
+        chain row has more than KERNEL_MAX_QUERIES new tokens (a long prompt at once,
+        which SDPA attends faster)."""
+        self.attention = self.backend(native and not self.long_chain_rows)
+        self.attention.plan(self)
 
     def _write_attend_native(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             pool: int, scaling: float, window: Optional[int]
+                             pool: int, scaling: float, window: Optional[int],
+                             softcap: Optional[float], sinks: Optional[torch.Tensor]
                              ) -> Optional[torch.Tensor]:
-        """A float32 CPU layer in verispec's paged kernel (verispec/layers/decode_ops.h: each
-        token's keys in cache order, the same bits whatever shares the pass), in one native
-        call that writes the new tokens' K/V to the pools and attends, reading the strided
-        [1, heads, T, D] tensors the module passes (no views, transposes or copies made
-        here); -> [1, T, H, D]. None (nothing written) when the tensors or pools are not
-        laid out for it."""
-        entry = self._pools.get(pool)
-        if entry is None:  # the pools' layout, once a forward: (KV heads, head size, pools)
-            k_pool, v_pool = self.kv.k[pool], self.kv.v[pool]
-            ok = (k_pool.dtype == v_pool.dtype == torch.float32 and k_pool.is_cpu
-                  and k_pool.dim() == 4 and k_pool.shape == v_pool.shape
-                  and k_pool.is_contiguous() and v_pool.is_contiguous())
-            entry = self._pools[pool] = (k_pool.shape[2], k_pool.shape[3], k_pool,
-                                         v_pool) if ok else ()
-        if not entry:
-            return None
-        kvh, d, k_pool, v_pool = entry
-        h = query.shape[1]
-        if not (query.dtype is key.dtype is value.dtype is torch.float32 and query.is_cpu
-                and query.shape[3] == key.shape[3] == value.shape[3] == d
-                and key.shape[1] == kvh and h % kvh == 0):
-            return None
-        if query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1:
-            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        return kernels.write_attend(query, key, value, self.native_index, k_pool, v_pool,
-                                    scaling, window)
+        """The backend's cache write and attention in one call (``write_attend``: the
+        native kernel's, reading the strided [1, heads, T, D] tensors the module passes)
+        -> [1, T, H, D]; None (nothing written) where the backend has none or it does
+        not apply."""
+        return self.attention.write_attend(self, query, key, value, self.kv.k[pool],
+                                           self.kv.v[pool], scaling=scaling, window=window,
+                                           softcap=softcap, sinks=sinks)
 
     def attend(self, module, query, key, value, *, scaling, window, softcap, sinks):
         pool = self.pool_of.get(id(module))
@@ -199,30 +176,18 @@ class _Plan(PagedPlan):
                                f"(layer_idx {getattr(module, 'layer_idx', None)}) was not seen "
                                f"when the model was probed")
         self.calls += 1
-        _, kvh, _, dk = key.shape
-        dv = value.shape[3]
         if scaling is None:
-            scaling = 1.0 / math.sqrt(dk)
-        if self.native and softcap is None and sinks is None:
-            out = self._write_attend_native(query, key, value, pool, scaling, window)
-            if out is not None:
-                return out
-        k_flat = self.kv.k[pool].view(-1, kvh, dk)
-        v_flat = self.kv.v[pool].view(-1, kvh, dv)
-        self.write(k_flat, key[0].transpose(0, 1))
-        self.write(v_flat, value[0].transpose(0, 1))
+            scaling = 1.0 / math.sqrt(key.shape[3])
+        out = self._write_attend_native(query, key, value, pool, scaling, window, softcap,
+                                        sinks)
+        if out is not None:
+            return out
+        k_pool, v_pool = self.kv.k[pool], self.kv.v[pool]
+        self.write(flat(k_pool), key[0].transpose(0, 1))
+        self.write(flat(v_pool), value[0].transpose(0, 1))
         q = query[0].transpose(0, 1)                                           # [T, H, Dk]
-        if self.keys is not None:
-            return _bi.attention(q, k_flat, v_flat, self.keys, scaling=scaling, window=window,
-                                 softcap=softcap, sinks=sinks)[None]
-        if self.attention.name == "flashinfer":
-            out = self.attention.attend(self, q, self.kv.k[pool], self.kv.v[pool],
-                                        scaling=scaling, window=window, softcap=softcap,
-                                        sinks=sinks)
-        else:
-            out = self.attention.attend(self, q, k_flat, v_flat, scaling=scaling, window=window,
-                                        softcap=softcap, sinks=sinks)
-        return out[None]                                                       # [1, T, H, Dv]
+        return self.attention.attend(self, q, k_pool, v_pool, scaling=scaling, window=window,
+                                     softcap=softcap, sinks=sinks)[None]       # [1, T, H, Dv]
 
 
 def refuse(model: Any, why: str) -> ValueError:

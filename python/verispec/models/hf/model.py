@@ -58,7 +58,8 @@ from verispec.models.hf.patch import (_batch_invariant_problems, _computes_rotat
                                       _install_cpu_kernels, _is_plain_rms_norm, _norm_forward,
                                       _uninstall_cpu_kernels)
 from verispec.models.layers import batch_invariant as _bi
-from verispec.models.layers.attention import FlashInferAttention, TorchAttention, select_backend
+from verispec.models.layers.attention import (AttentionBackend, make_backend, resolve_backend,
+                                              select_backend)
 from verispec.models.layers.paged import KERNEL_MAX_QUERIES, SMALL_ROW_QUERIES  # noqa: F401
 
 __all__ = ["ATTN_IMPLEMENTATION", "HFModel"]
@@ -301,7 +302,6 @@ class HFModel:
                                  and not batch_invariant)
         self._kernels: Optional[_CpuKernels] = None
         self._attention_backend = "auto"
-        self._flashinfer: Optional[FlashInferAttention] = None
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32 and (
                 _C.linear_best_isa() != "scalar") and not batch_invariant:
             self._kernels = _install_cpu_kernels(hf_model, lambda: self._probe(device))
@@ -344,15 +344,12 @@ class HFModel:
                        who="HFModel.attention_backend")
         self._attention_backend = name
 
-    def _torch_attention(self):
-        """The attention of layers off the native kernel: FlashInfer where the backend
-        resolves to it (one instance kept: its wrappers), else SDPA."""
+    def _backend(self, native: bool) -> AttentionBackend:
+        """A new attention backend for one forward (``layers.attention.resolve_backend``;
+        ``native``: whether this forward may run verispec's paged CPU kernel)."""
         g = self.geometry
-        if select_backend(self._attention_backend, g.device, g.dtype) != "flashinfer":
-            return TorchAttention()
-        if self._flashinfer is None:
-            self._flashinfer = FlashInferAttention()
-        return self._flashinfer
+        return make_backend(resolve_backend(self._attention_backend, g.device, g.dtype,
+                                            native=native, who="HFModel.attention_backend"))
 
     @property
     def native_linear(self) -> bool:
@@ -444,7 +441,6 @@ class HFModel:
         draft._kernels = self._kernels
         draft.native_attention = self.native_attention
         draft._attention_backend = self._attention_backend
-        draft._flashinfer = None
         draft.batch_invariant = self.batch_invariant
         draft.tokenizer_fingerprint = self.tokenizer_fingerprint
         draft._streams = self._streams  # the shared modules' taps
@@ -566,13 +562,12 @@ class HFModel:
         device = g.device
         plan = _Plan(batch, self._pool_of, device)
         plan.kernels = self._kernels  # read by the RoPE dispatcher (hf.patch._rope_dispatch)
-        plan.attention = self._torch_attention()
+        plan.backend = self._backend
         plan.feature_taps = self._feature_taps(batch, plan)
         if self.batch_invariant:
             plan.prepare_batch_invariant()
         else:
-            plan.prepare(self.native_attention
-                         and self._attention_backend in ("auto", "native"))
+            plan.prepare(self.native_attention)
         if max(plan.ctx_lens) > g.max_context:
             raise ValueError(f"HFModel.forward: context_lens must be <= max_context = "
                              f"{g.max_context}, got {max(plan.ctx_lens)}")

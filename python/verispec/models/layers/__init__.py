@@ -13,8 +13,10 @@ here imports models/llama.py or models/hf/ (they stand side by side on top of it
 - ``tp``: the tensor-parallel splits (heads, units, vocabulary) of both models.
 - ``paged``: the paged-attention plan of a forward (``PagedPlan``: row groups, gather
   indices, masks for chains, trees and sliding windows, the native kernels' index).
-- ``attention``: the attention backends over that plan ("native", "sdpa",
-  "flashinfer") and ``select_backend``.
+- ``attention`` (a package): the attention-backend interface (``AttentionBackend``:
+  ``plan`` once a forward, ``attend`` per layer over the 4-D pools), the registry of
+  backends by name (``REGISTRY``, ``select_backend``, ``resolve_backend``) and the
+  backends, one file each ("native", "sdpa", "flashinfer"; the batch-invariant mode's).
 - ``batch_invariant``: fixed-shape torch ops whose rounding does not depend on the batch
   (the batch-invariant mode off verispec's CPU kernels).
 - ``graphs``: LlamaModel's forwards captured as CUDA graphs per (rows, queries, key

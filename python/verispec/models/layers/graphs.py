@@ -21,10 +21,12 @@ captured graph serves every batch that fits:
   of the forward writes and writes the same values back (a fixed-shape write cannot
   skip rows); padded rows read row 0's blocks, padded queries see one key. Their logits
   are computed and never read.
-- **Attention.** Each row gathers its ``key_blocks * block_size`` keys through its
-  block table and attends with the mask built in the graph from the static inputs
-  (``attention.attend_matmul``), so nothing depends on the rows' context lengths but
-  the bucket.
+- **Attention.** The forward's attention backend's own capturable path
+  (``AttentionBackend.attend_static``, for backends whose class says ``capturable``;
+  the others run eagerly): the torch backend's gathers each row's
+  ``key_blocks * block_size`` keys through its block table and attends with the mask
+  built in the graph from the static inputs, so nothing depends on the rows' context
+  lengths but the bucket.
 - **Trust.** A bucket is captured at its second forward (CAPTURE_AFTER: shapes seen once
   stay eager). The capture is replayed once and run eagerly on the same inputs; the
   real rows' logits must agree bit for bit, else the bucket stays eager for good (the
@@ -45,7 +47,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from verispec.models.layers.attention import attend_matmul
+from verispec.models.layers.attention.sdpa import TorchAttention
 from verispec.models.staging import upload
 
 __all__ = ["Bucket", "CAPTURE_AFTER", "CudaGraph", "GraphCache", "GraphInputs",
@@ -225,14 +227,12 @@ class GraphInputs:
 
     def attend(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                scaling: float) -> torch.Tensor:
-        """q [tokens, H, Dk] against each row's gathered keys -> [tokens, H, Dv]."""
-        bk = self.bucket
-        keys = bk.key_blocks * self.block_size
-        k = k_flat.index_select(0, self.key_slots).view(bk.rows, keys, *k_flat.shape[1:])
-        v = v_flat.index_select(0, self.key_slots).view(bk.rows, keys, *v_flat.shape[1:])
-        out = attend_matmul(q.view(bk.rows, bk.queries, *q.shape[1:]), k, v, self.mask,
-                            scaling, None, None)
-        return out.reshape(bk.tokens, q.shape[1], v_flat.shape[2])
+        """q [tokens, H, Dk] against each row's gathered keys -> [tokens, H, Dv]: the torch
+        backend's capturable path (``TorchAttention.attend_static``)."""
+        return _TORCH.attend_static(self, q, k_flat, v_flat, scaling=scaling)
+
+
+_TORCH = TorchAttention()
 
 
 class RecordedGraph:

@@ -2,16 +2,22 @@
 with the cache write, attention, residual adds with RMSNorm, SwiGLU): one object per
 forward, chosen by ``LlamaModel.forward``.
 
-- ``_TorchLayerOps``: torch ops (any device, dtype), attention through the backends of
-  ``layers.attention``;
+- ``_TorchLayerOps``: torch ops (any device, dtype);
 - ``_BatchInvariantOps``: the torch batch-invariant mode (``layers.batch_invariant``);
 - ``_BucketLayerOps``: a CUDA graph's captured forward at a bucket's fixed shapes
   (``layers.graphs``);
 - ``_NativeLayerOps``: verispec's CPU kernels (``layers.kernels``), three calls a layer.
 
+Attention is not theirs: each holds the forward's attention backend
+(``layers.attention.AttentionBackend``, resolved by the model), plans it once and calls
+``attend`` with the layer's pools as they are ([blocks, block_size, KvH, D]); the bucket
+calls the backend's capturable ``attend_static``. ``_NativeLayerOps`` runs with a backend
+whose class says ``layer_kernels`` (the native one: its cache write is fused with RoPE
+here), the batch-invariant mode with ``BatchInvariantAttention``.
+
 Each takes the model as an argument and reads its attributes (``_nh``, ``_nkv``,
-``config``, ``geometry``, the RoPE tables ``_cos``/``_sin``, ``_norm_fn()``,
-``_torch_attention()``); this module does not import models/llama.py (it sits below it).
+``config``, ``geometry``, the RoPE tables ``_cos``/``_sin``, ``_norm_fn()``); this module
+does not import models/llama.py (it sits below it).
 """
 
 from __future__ import annotations
@@ -22,29 +28,30 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from verispec.models.base import KVWrite, PagedBatch
+from verispec.models.base import PagedBatch
 from verispec.models.layers import batch_invariant as _bi
 from verispec.models.layers import kernels
 from verispec.models.layers import quantized as _quantized
-from verispec.models.layers.attention import attend_long_row
+from verispec.models.layers.attention import AttentionBackend, BatchInvariantAttention
 from verispec.models.layers.graphs import GraphInputs
 from verispec.models.layers.kernels import native_rms_norm
 from verispec.models.layers.norm_rope import apply_rope
-from verispec.models.layers.paged import KERNEL_MAX_QUERIES, NativeIndex, PagedPlan
+from verispec.models.layers.paged import PagedPlan
 
 
 class _TorchLayerOps:
     """A forward's steps between the matrix products in torch ops (any device, dtype)."""
 
     def __init__(self, model: Any, batch: PagedBatch, num_tokens: int,
-                 positions: torch.Tensor):
+                 positions: torch.Tensor, attention: AttentionBackend):
         g = model.geometry
         self.model, self.nh, self.nkv, self.hd = model, model._nh, model._nkv, model.config.head_dim
-        # the forward's paged plan, its groups built (and checked) before any write
+        # the forward's paged plan; the backend planned (and the batch checked) before any
+        # write
         self.plan = PagedPlan(batch, g.device, who="LlamaModel.forward")
-        self.plan.groups  # noqa: B018
         self.write = self.plan.write
-        self.attention = model._torch_attention()
+        self.attention = attention
+        attention.plan(self.plan)
         self.scaling = 1.0 / math.sqrt(self.hd)
         self.norm = model._norm_fn()
         self.cos = model._cos[positions][:, None, :]                          # [T, 1, hd]
@@ -63,11 +70,7 @@ class _TorchLayerOps:
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """q [T, nh, hd] against each row's cached context -> [T, nh * hd]."""
-        if self.attention.name == "flashinfer":
-            out = self.attention.attend(self.plan, q, k_pool, v_pool, scaling=self.scaling)
-        else:
-            out = self.attention.attend(self.plan, q, k_pool.view(-1, self.nkv, self.hd),
-                                        v_pool.view(-1, self.nkv, self.hd), scaling=self.scaling)
+        out = self.attention.attend(self.plan, q, k_pool, v_pool, scaling=self.scaling)
         return out.reshape(self.num_tokens, self.nh * self.hd)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor,
@@ -84,15 +87,18 @@ class _TorchLayerOps:
 class _BatchInvariantOps(_TorchLayerOps):
     """A forward's steps between the products in the torch batch-invariant mode
     (``verispec.models.layers.batch_invariant``): RMSNorm in fixed chunks of ROWS rows, every
-    token's attention over its own visible keys in fixed-shape steps; RoPE, the cache
-    write, residual adds and SwiGLU are element-wise as in _TorchLayerOps."""
+    token's attention over its own visible keys in fixed-shape steps
+    (``BatchInvariantAttention``); RoPE, the cache write, residual adds and SwiGLU are
+    element-wise as in _TorchLayerOps."""
 
     def __init__(self, model: Any, batch: PagedBatch, num_tokens: int,
                  positions: torch.Tensor):
         g = model.geometry
         self.model, self.nh, self.nkv, self.hd = model, model._nh, model._nkv, model.config.head_dim
-        self.keys = _bi.KeyPlan(batch, g.device)
-        self.write = KVWrite(batch.host_tensor("slot_mapping"), g.device)
+        self.plan = PagedPlan(batch, g.device, who="LlamaModel.forward")
+        self.attention = BatchInvariantAttention(batch_invariant=True)
+        self.attention.plan(self.plan)
+        self.write = self.plan.write
         eps = model.config.rms_norm_eps
         self.norm = lambda x, weight: _bi.rms_norm(x, weight, eps)
         self.cos = model._cos[positions][:, None, :]                          # [T, 1, hd]
@@ -100,21 +106,17 @@ class _BatchInvariantOps(_TorchLayerOps):
         self.num_tokens = num_tokens
         self.scaling = 1.0 / math.sqrt(self.hd)
 
-    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        out = _bi.attention(q, k_pool.view(-1, self.nkv, self.hd), v_pool.view(-1, self.nkv, self.hd),
-                            self.keys, scaling=self.scaling)
-        return out.reshape(self.num_tokens, self.nh * self.hd)
-
 
 class _BucketLayerOps(_TorchLayerOps):
     """A captured forward's steps between the products (``layers.graphs``): the torch
     ops of _TorchLayerOps at a bucket's fixed shapes, writing through the bucket's
-    static slots and attending over each row's gathered keys with the mask the graph
-    builds (nothing read from the host)."""
+    static slots and attending through the backend's capturable path
+    (``attend_static``: nothing read from the host)."""
 
-    def __init__(self, model: Any, inputs: GraphInputs):
+    def __init__(self, model: Any, inputs: GraphInputs, attention: AttentionBackend):
         self.model, self.nh, self.nkv, self.hd = model, model._nh, model._nkv, model.config.head_dim
         self.inputs = inputs
+        self.attention = attention
         self.write = inputs.write
         self.scaling = 1.0 / math.sqrt(self.hd)
         self.norm = model._norm_fn()
@@ -123,36 +125,39 @@ class _BucketLayerOps(_TorchLayerOps):
         self.num_tokens = inputs.bucket.tokens
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        out = self.inputs.attend(q, k_pool.view(-1, self.nkv, self.hd),
-                                 v_pool.view(-1, self.nkv, self.hd), self.scaling)
+        out = self.attention.attend_static(self.inputs, q, k_pool, v_pool, scaling=self.scaling)
         return out.reshape(self.num_tokens, self.nh * self.hd)
 
 
 class _NativeLayerOps:
     """A forward's steps between the matrix products in verispec's CPU kernels
     (``layers.kernels``: verispec/layers/decode_ops.h; float32 CPU tensors, contiguous
-    pools): three native calls a layer. Every row attends in the paged kernel (one
-    rounding for decode, verify, tree, batched rows and prefill chunks) except rows of
-    more than KERNEL_MAX_QUERIES new tokens without a tree (a long prompt at once), which
-    attend row by row in SDPA."""
+    pools): three native calls a layer, the attention the native backend's
+    (``layers.attention.NativeAttention``: every row in the paged kernel, one rounding for
+    decode, verify, tree, batched rows and prefill chunks, except rows of more than
+    KERNEL_MAX_QUERIES new tokens without a tree, a long prompt at once, which attend
+    row by row in SDPA)."""
 
-    def __init__(self, model: Any, batch: PagedBatch, num_tokens: int):
+    def __init__(self, model: Any, batch: PagedBatch, num_tokens: int,
+                 positions: torch.Tensor, attention: AttentionBackend):
         self.nh, self.nkv, self.hd = model._nh, model._nkv, model.config.head_dim
         self.num_tokens = num_tokens
         self.eps = model.config.rms_norm_eps
         self.threads = torch.get_num_threads()
         self.cos, self.sin = model._cos, model._sin
-        # Index tensors as the kernels read them (kept alive for the forward's calls).
-        self.index = index = NativeIndex(batch)
-        starts = index.query_start.tolist()  # rising from 0 to T: check_batch
-        # Rows attended in SDPA instead (long prefills): (first token, last + 1, row).
-        # None in the batch-invariant mode: SDPA rounds by the row's length.
-        self.long_rows = [] if index.tree is not None or model.batch_invariant else [
-            (starts[r], starts[r + 1], r) for r in range(len(starts) - 1)
-            if starts[r + 1] - starts[r] > KERNEL_MAX_QUERIES]
-        # Positions, context lengths and block tables checked once, before the first
-        # layer writes the cache (a bad batch changes nothing).
-        self._attention(batch.kv.k[0], batch.kv.v[0], None, None, check_only=True)
+        self.scaling = 1.0 / math.sqrt(self.hd)
+        self.plan = PagedPlan(batch, model.geometry.device, who="LlamaModel.forward")
+        # Index tensors as the kernels read them (kept alive for the forward's calls);
+        # positions, context lengths and block tables checked by the backend's plan,
+        # before the first layer writes the cache (a bad batch changes nothing).
+        self.index = self.plan.native_index
+        self.attention = attention
+        attention.plan(self.plan)
+
+    @property
+    def long_rows(self) -> list:
+        """Rows the backend attends in SDPA (long prefills): (first token, last + 1, row)."""
+        return getattr(self.attention, "long_rows", [])
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return native_rms_norm(x if x.is_contiguous() else x.contiguous(), weight, self.eps)
@@ -162,22 +167,9 @@ class _NativeLayerOps:
         return kernels.rope_kv_write(qkv, self.nh, self.nkv, self.hd, self.index, self.cos,
                                      self.sin, k_pool, v_pool)
 
-    def _attention(self, k_pool: torch.Tensor, v_pool: torch.Tensor, q: Optional[torch.Tensor],
-                   out: Optional[torch.Tensor], check_only: bool = False) -> None:
-        kernels.paged_attention(self.index, k_pool, v_pool, q, out, self.nh, self.nkv, self.hd,
-                                1.0 / math.sqrt(self.hd),
-                                KERNEL_MAX_QUERIES if self.long_rows else 0, self.threads,
-                                check_only=check_only)
-
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        t, nh, nkv, hd = self.num_tokens, self.nh, self.nkv, self.hd
-        out = torch.empty((t, nh * hd), dtype=torch.float32)
-        self._attention(k_pool, v_pool, q, out)
-        k_flat, v_flat = k_pool.view(-1, nkv, hd), v_pool.view(-1, nkv, hd)
-        for lo, hi, r in self.long_rows:
-            out[lo:hi] = attend_long_row(self.index, r, q[lo:hi], k_flat, v_flat).reshape(
-                hi - lo, nh * hd)
-        return out
+        out = self.attention.attend(self.plan, q, k_pool, v_pool, scaling=self.scaling)
+        return out.reshape(self.num_tokens, self.nh * self.hd)
 
     def add_norm(self, x: torch.Tensor, delta: torch.Tensor,
                  weight: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -206,10 +206,19 @@ class PagedPlan:
         # checked by check_batch: bool [T, T], a True diagonal
         self.tree = batch.host_tensor("tree_mask")  # the host copy: no wait for the device
         self.staging = batch.staging  # where the plan's host-built tensors are uploaded
-        self.write = KVWrite(batch.host_tensor("slot_mapping"), device, batch.staging)
         self.batch = batch
+        self._write: Optional[KVWrite] = None
         self._groups: Optional[list[RowGroup]] = None
         self._native: Optional[NativeIndex] = None
+
+    @property
+    def write(self) -> KVWrite:
+        """The new tokens' K/V write (``base.KVWrite``; built at first use: a backend that
+        writes the cache itself never needs it)."""
+        if self._write is None:
+            self._write = KVWrite(self.batch.host_tensor("slot_mapping"), self.device,
+                                  self.staging)
+        return self._write
 
     @property
     def groups(self) -> list[RowGroup]:
