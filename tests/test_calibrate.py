@@ -15,13 +15,15 @@ def test_candidate_depths():
 
 
 def test_estimate_follows_the_cost_model():
-    # nothing accepted: plain decoding (k = 0) is best
-    assert estimated_speedup(0.0, 0.25, 8) == (1.0, 0)
+    # nothing accepted: one proposal (k = 1) loses least, and loses: 1 / (1 + 0.25 + 0.05)
+    speed, k = estimated_speedup(0.0, 0.25, 8)
+    assert k == 1 and speed == pytest.approx(1 / 1.3)
     # every proposal accepted by a free draft: the longest chain, (k + 1) / (1 + k c)
     speed, k = estimated_speedup(1.0, 0.0, 4)
     assert k == 4 and speed == pytest.approx(5 / 1.2)
     # the figures for SmolLM2: 0.52 at 28 of 30 layers does not pay
-    assert estimated_speedup(0.52, 28 / 30, 8)[0] == 1.0
+    speed, k = estimated_speedup(0.52, 28 / 30, 8)
+    assert k == 1 and speed == pytest.approx(1.52 / (1 + 28 / 30 + 0.05))
     # a draft at a tenth of the cost accepting 0.8 does
     speed, k = estimated_speedup(0.8, 0.1, 8)
     assert speed > 1.5 and 2 <= k <= 8
@@ -29,10 +31,11 @@ def test_estimate_follows_the_cost_model():
 
 def test_choice_and_advice():
     cal = Calibration(num_layers=30, acceptance={8: 0.05, 15: 0.08, 22: 0.31, 28: 0.52},
-                      estimate={8: 1.0, 15: 1.0, 22: 1.0, 28: 1.0}, depth=8)
+                      estimate={8: 0.76, 15: 0.64, 22: 0.72, 28: 0.77}, depth=28)
     assert not cal.pays
     assert cal.advice().startswith("early exit does not pay on this prompt: at the best depth "
-                                   "(8 of 30 layers, acceptance 0.05)")
+                                   "(28 of 30 layers, acceptance 0.52) the cost model "
+                                   "estimates 0.77x of plain decoding; try --draft ngram")
     assert "8: 0.05, 15: 0.08, 22: 0.31, 28: 0.52" in cal.describe()
 
 

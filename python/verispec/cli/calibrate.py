@@ -37,11 +37,11 @@ def candidate_depths(num_layers: int) -> list[int]:
 
 
 def estimated_speedup(acceptance: float, draft_fraction: float, max_k: int) -> tuple[float, int]:
-    """(speedup over plain decoding, the k that gives it) by the cost model above; k = 0
-    (plain decoding, 1.0) when no k pays."""
+    """(speedup over plain decoding, the k >= 1 that gives it) by the cost model above;
+    below 1 when no k pays (k auto would then mostly draft nothing)."""
     from verispec import _C
 
-    best = (1.0, 0)
+    best = (0.0, 0)
     for k in range(1, max_k + 1):
         cost = 1.0 + k * draft_fraction + k * VERIFY_TOKEN_COST
         best = max(best, (_C.expected_tokens(acceptance, k) / cost, k), key=lambda x: x[0])
