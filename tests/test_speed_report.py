@@ -36,11 +36,20 @@ def test_a_speedup_above_what_tokens_per_pass_allow_is_capped():
     assert "machine noise" in line and "--repeats" in line
 
 
-def test_within_noise_is_no_measurable_speedup():
+def test_rounds_that_disagree_are_no_measurable_speedup():
     v = judge([104.0, 96.0, 101.0], [100.0, 90.0, 110.0], tokens_per_pass=1.5, proposed=30)
     assert v.noise == pytest.approx(0.2)
     assert v.kind == "within noise"
-    assert v.line().startswith("speedup none measurable: 1.04x (median of 3 rounds, 0.92-1.07x")
+    assert v.line() == ("speedup none measurable: 1.04x (median of 3 rounds, 0.92-1.07x; the "
+                        "same runs vary by 20% here): the rounds disagree on which is faster")
+
+
+def test_heavy_load_with_rounds_that_agree_is_measured():
+    """Load that triples a run's time between rounds hits both sides of a round alike:
+    the paired ratios still agree (as measured on this machine under other builds)."""
+    v = judge([3.5, 1.9, 6.0], [2.2, 1.2, 3.1], tokens_per_pass=3.69, proposed=40)
+    assert v.noise > 1.0 and v.kind == "measured"
+    assert v.line().startswith("speedup 1.59x over plain decoding (median of 3 rounds, 1.58-1.94x")
 
 
 def test_a_real_speedup_is_reported_with_its_spread():
