@@ -4,9 +4,9 @@ SmolLM2-135M-Instruct (the bundled model, its Q4_1 GGUF kept quantized), greedy,
 sequence, through the same code as ``verispec generate``: the drafter a user gets (the
 CLI's own _make_draft, so early exit picks its depth the way the CLI does), the same
 warm-up, the same timed runs (cli.generate._decode_run: only step() is timed), and the
-same verdict (verispec.cli.speed.judge). For each prompt, plain decoding and every
-drafter alternate over --rounds rounds, the order rotating each round, so drifting load
-hits them alike. Each cell is the median of the per-round ratios, its range, the noise
+same verdict (verispec.cli.speed.judge). For each prompt and drafter, speculative and
+plain runs alternate back to back over --rounds rounds (the order flipping each round),
+so drifting load hits both sides of a round alike. Each cell is the median of the per-round ratios, its range, the noise
 of the same runs (the larger relative spread of the plain and speculative rates), the
 tokens per target pass and the verdict's kind ("measured", "within noise", "above the
 cap", "nothing drafted"). Greedy outputs must equal plain decoding's (checked).
@@ -111,27 +111,30 @@ def main(argv=None) -> int:
     for prompt_name in args.prompts:
         ids = list(tok.apply_chat_template([{"role": "user", "content": PROMPTS[prompt_name]}],
                                            add_generation_prompt=True, tokenize=True))
-        runners = {"plain": (None, 0, _args(args.new_tokens, draft="none"))}
+        runners: dict = {"plain": (None, 0, _args(args.new_tokens, draft="none"))}
         for name, options in DRAFTERS.items():
             a = _args(args.new_tokens, **options)
             draft, desc, _ = common._make_draft(a, model, tok, "cpu", None, ids)
             runners[name] = (draft, a.k, a, desc)
         for draft, *_ in runners.values():
             common._warm_up(model, draft, ids)
+        # each drafter against its own plain runs, back to back, the order flipping each
+        # round (as `verispec generate` alternates them): a round's ratio compares runs
+        # seconds apart
         runs: dict = {name: [] for name in runners}
-        order = list(runners)
+        plain_of: dict = {name: [] for name in DRAFTERS}
         for r in range(args.rounds):
-            for name in order[r % len(order):] + order[:r % len(order)]:
-                draft, k, a = runners[name][:3]
-                runs[name].append(_decode_run(model, draft, k, a.max_k or 8, ids, policy, a,
-                                              eos=eos))
-                print(f"  {prompt_name} | {name} | round {r + 1}: "
-                      f"{len(runs[name][-1]['tokens']) / runs[name][-1]['seconds']:.1f} tok/s",
-                      file=sys.stderr, flush=True)
-        plain = runs["plain"]
-        plain_rates = [len(x["tokens"]) / x["seconds"] for x in plain]
+            for name in DRAFTERS:
+                for who in ((name, "plain") if r % 2 == 0 else ("plain", name)):
+                    draft, k, a = runners[who][:3]
+                    run = _decode_run(model, draft, k, a.max_k or 8, ids, policy, a, eos=eos)
+                    (plain_of[name] if who == "plain" else runs[name]).append(run)
+                    print(f"  {prompt_name} | {name} | round {r + 1} | {who}: "
+                          f"{len(run['tokens']) / run['seconds']:.1f} tok/s",
+                          file=sys.stderr, flush=True)
         for name in DRAFTERS:
-            spec = runs[name]
+            spec, plain = runs[name], plain_of[name]
+            plain_rates = [len(x["tokens"]) / x["seconds"] for x in plain]
             rates = [len(x["tokens"]) / x["seconds"] for x in spec]
             stats = spec[-1]["stats"]
             verdict = judge(rates, plain_rates,

@@ -87,6 +87,28 @@ def test_info_names_the_model_loaders_and_the_hf_cache(capsys, monkeypatch, tmp_
     assert f"HF cache      {tmp_path / 'hub'}" in out and "through transformers" in out
 
 
+def test_info_says_the_extras_and_the_linear_kernels_range(capsys, monkeypatch):
+    """info names each extra and whether it is installed (serve included), and the float32
+    linear kernel's token range as the model code uses it."""
+    from verispec.models.llama import NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS
+
+    code, out, _ = run(capsys, "info", "--json")
+    info = json.loads(out)
+    assert set(info["extras"]) == {"models", "hf", "plot", "serve"}
+    assert info["extras"]["serve"] is True  # fastapi and uvicorn are test dependencies
+    assert (f"passes of {NATIVE_LINEAR_MIN_ROWS}-{NATIVE_LINEAR_MAX_ROWS} tokens"
+            in info["cpu_kernels"]["float32_linear"])
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    code, out, _ = run(capsys, "info")
+    assert code == 0
+    (line,) = [x for x in out.splitlines() if x.startswith("extras")]
+    assert "serve no (pip install 'verispec[serve]')" in line and "models yes" in line
+
+
 def test_module_and_script_entry_points():
     proc = subprocess.run([sys.executable, "-m", "verispec", "info"], capture_output=True,
                           text=True, timeout=120)
