@@ -21,6 +21,8 @@ from verispec.cli.common import (BLOCK_SIZE, PROG, UsageError, _check_device,
                                  _make_draft, _model_kind, _sampling, _warm_up, _weights_desc)
 from verispec.cli.speed import judge, low_acceptance_note, median
 
+DEFAULT_ROUNDS = 3  # --repeats when speculative and plain decoding are compared
+
 # --- the command, and its tensor-parallel path -------------------------------------------
 
 
@@ -223,12 +225,13 @@ def _prompt_ids(args: argparse.Namespace, tok) -> list[int]:
 
 
 def _timed_runs(args: argparse.Namespace, s: _Setup) -> tuple[list, list]:
-    """(speculative runs, plain runs): --repeats of each, alternating so drifting machine
-    load hits both alike; the first speculative run streams its text (and is the traced
+    """(speculative runs, plain runs): --repeats rounds of each (DEFAULT_ROUNDS when they
+    are compared, else one), alternating so drifting machine load hits both alike; the first speculative run streams its text (and is the traced
     one under --trace). No plain runs under --no-compare or without a draft."""
     compare = not args.no_compare and s.draft is not None
+    repeats = args.repeats if args.repeats is not None else (DEFAULT_ROUNDS if compare else 1)
     spec_runs, plain_runs = [], []
-    for i in range(args.repeats):
+    for i in range(repeats):
         spec_runs.append(_spec_run(args, s) if i > 0 else _streamed_run(args, s))
         if compare:
             plain_runs.append(_decode_run(s.model, None, 0, 1, s.prompt, s.policy, args,

@@ -237,10 +237,11 @@ def _add_generate(commands) -> None:
                         "its text depends on the draft and k). Needs a draft model or early-exit "
                         "and sampling (default: %(default)s)")
     _device_arguments(g)
-    g.add_argument("--repeats", type=_int_at_least(1), default=3,
+    g.add_argument("--repeats", type=_int_at_least(1),
                    help="rounds of timed runs, speculative and plain alternating after a "
                         "warm-up; the report gives the median speedup and its spread, and "
-                        "the first speculative run streams (default: %(default)s)")
+                        "the first speculative run streams (default: 3, or 1 when nothing "
+                        "is compared: --no-compare or --draft none)")
     g.add_argument("--no-compare", action="store_true",
                    help="skip the plain-decoding run that measures the speedup")
     g.add_argument("--profile", action="store_true", help="print the time split per phase")
