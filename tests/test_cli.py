@@ -673,7 +673,7 @@ BAD_GENERATE = [
      "applies to --k auto (the bound of adaptive k), got --max-k 6 with --k 4"),
     ([MODEL, "--draft", "early-exit", "--early-exit-layers", "5"],
      "argument --early-exit-layers", "expected an int in [1, 1] (the target has 2 layers), got 5"),
-    ([MODEL, "--ngram-min", "5", "--ngram-max", "2"], "argument --ngram-min",
+    (["--ngram-min", "5", "--ngram-max", "2"], "argument --ngram-min",
      "expected <= --ngram-max (2), got 5"),
     ([MODEL, "--draft", "none", "--branches", "2"], "argument --branches", "trees need a draft"),
     ([MODEL, "--draft-model", "early-exit"], "argument --draft-model", "unknown model"),

@@ -155,6 +155,9 @@ def _check_draft_options(args: argparse.Namespace) -> None:
         args.ngram_min = min(NGRAM_DEFAULTS[0], args.ngram_max or NGRAM_DEFAULTS[0])
     if args.ngram_max is None:
         args.ngram_max = max(NGRAM_DEFAULTS[1], args.ngram_min)
+    if args.ngram_min > args.ngram_max:
+        raise UsageError(f"argument --ngram-min: expected <= --ngram-max ({args.ngram_max}), "
+                         f"got {args.ngram_min}")
     if args.k is None:
         args.k = "auto"
     if args.max_k is None:
@@ -220,9 +223,6 @@ def _make_draft(args: argparse.Namespace, model, tok, device: str, dtype,
     if keyword == "none":
         return None, "none (plain decoding)", None
     if keyword == "ngram":
-        if args.ngram_min > args.ngram_max:
-            raise UsageError(f"argument --ngram-min: expected <= --ngram-max ({args.ngram_max}), "
-                             f"got {args.ngram_min}")
         branches = getattr(args, "branches", 1)
         return (NGram(args.ngram_min, args.ngram_max, branches=branches),
                 f"n-gram lookup {args.ngram_min}..{args.ngram_max}"
