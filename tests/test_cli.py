@@ -90,7 +90,7 @@ def test_info_names_the_model_loaders_and_the_hf_cache(capsys, monkeypatch, tmp_
 def test_info_says_the_extras_and_the_linear_kernels_range(capsys, monkeypatch):
     """info names each extra and whether it is installed (serve included), and the float32
     linear kernel's token range as the model code uses it."""
-    from verispec.models.llama import NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS
+    from verispec.models.layers.linear import NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS
 
     code, out, _ = run(capsys, "info", "--json")
     info = json.loads(out)

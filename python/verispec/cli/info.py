@@ -75,7 +75,7 @@ def collect_info() -> dict:
     info["default_model"] = model
     from verispec.models.layers import quantized
 
-    from verispec.models.llama import NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS
+    from verispec.models.layers.linear import NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS
 
     info["cpu_kernels"] = {
         "float32_linear": f"{verispec._C.linear_best_isa()} (float32 models: passes of "
