@@ -796,3 +796,15 @@ def test_early_exit_depth_is_calibrated_and_a_loss_is_said(capsys, tiny_model_8_
                        "--max-new-tokens", 4, "--no-compare")
     assert code == 0 and "draft early exit after 3 of 8 layers, k auto" in err, err
     assert "measured on the prompt" not in err
+
+
+def test_serve_calibrates_early_exit_on_its_warm_up_text(capsys, tiny_model_8_layers, monkeypatch):
+    from verispec import server
+    from verispec.drafters import EarlyExit
+
+    served = {}
+    monkeypatch.setattr(server, "serve", lambda dec, tok, name, **kw: served.update(dec=dec))
+    code, _, err = run(capsys, "serve", "--model", tiny_model_8_layers, "--draft", "early-exit")
+    assert code == 0, err
+    assert "depth from greedy acceptance measured on the prompt by layers (2: " in err, err
+    assert isinstance(served["dec"].draft, EarlyExit) and served["dec"].draft.num_layers in (2, 4, 6)
