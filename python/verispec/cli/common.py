@@ -108,7 +108,9 @@ def _describe_policy(policy: dict) -> str:
 def _default_draft(args: argparse.Namespace) -> str:
     """The drafter a user gets without --draft: n-gram lookup, which costs next to nothing
     when it finds no match (k auto then proposes nothing) and pays on text that repeats.
-    When verispec loads EAGLE-3 heads, a model that ships one gets its head here."""
+    The place for EAGLE-3: once the command line takes a head (verispec.drafters.Eagle3),
+    a model that ships one (drafters.eagle3.default_head_path() for the bundled model)
+    gets its head here."""
     return "ngram"
 
 

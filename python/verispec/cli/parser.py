@@ -143,7 +143,7 @@ def _model_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", metavar="{ngram,early-exit,none,MODEL}",
                    help="n-gram prompt lookup, the target's first layers, none (plain decoding), "
                         "or a draft model, as --draft-model (default: ngram; EAGLE-3 heads "
-                        "are not supported yet)")
+                        "are not taken here yet)")
     g.add_argument("--draft-model", metavar="NAME_PATH_OR_ID",
                    help="a separate draft model, given as --model is; it must use the target's "
                         "tokenizer (its vocabulary size may differ)")
