@@ -78,14 +78,15 @@ test-latest:
 
 # Speculative decoding where it pays: SmolLM2-135M rewriting a paragraph (copy-heavy, so
 # n-gram lookup drafts well), greedy, k chosen adaptively; streams the text, then prints
-# tokens/s, acceptance, and the speedup over plain decoding measured in the same run.
+# tokens/s, acceptance, and the speedup over plain decoding measured in the same run
+# (three alternating rounds after a warm-up: the median, its range and the noise).
 DEMO_TEXT := On Tuesday the city councel met to discuss the new park. Residents asked for more \
   trees, a playground for the childrn, better lighting along the paths, and benches near the \
   pond. The councel agreed to publish a plan next month and to hold another meeting in the libary.
 demo: build
 	printf "Correct the spelling of 'libary' in this text and return the whole text:\n\n%s" \
 	  "$(DEMO_TEXT)" | $(PY) -m verispec generate --model smollm2 --chat - --greedy \
-	  --draft ngram --k auto --max-new-tokens 128
+	  --draft ngram --k auto --max-new-tokens 128 --repeats 3
 
 bench: build
 	$(PY) -m verispec bench --out bench/out/hf

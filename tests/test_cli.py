@@ -7,6 +7,7 @@ runs on a tiny random Llama written to a Hugging Face folder, so no download is 
 
 import json
 import math
+import re
 import subprocess
 import sys
 import types
@@ -28,9 +29,19 @@ def run(capsys, *argv):
     return code, out, err
 
 
+_PROGRESS_BAR = re.compile(r"\|[^|]*\| *\d+/\d+ \[")
+
+
 def assert_usage_error(code, err, *needles):
+    """Exit status 2 and one line on stderr (no usage block, no traceback) holding every
+    needle (the argument's name first, then what it expected and what it got)."""
     assert code == 2, err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "usage:" not in err, err
+    # (transformers' own progress bars, when a test loads a transformers model, aside)
+    lines = [x for x in err.replace("\r", "\n").splitlines()
+             if x.strip() and not _PROGRESS_BAR.search(x)]
+    assert len(lines) == 1, f"expected one line, got {err!r}"
+    assert ": error: " in err, err
     for needle in needles:
         assert needle in err, f"{needle!r} not in {err!r}"
 
@@ -74,6 +85,28 @@ def test_info_names_the_model_loaders_and_the_hf_cache(capsys, monkeypatch, tmp_
     assert loading["transformers_installed"] is True  # a test dependency
     code, out, _ = run(capsys, "info")
     assert f"HF cache      {tmp_path / 'hub'}" in out and "through transformers" in out
+
+
+def test_info_says_the_extras_and_the_linear_kernels_range(capsys, monkeypatch):
+    """info names each extra and whether it is installed (serve included), and the float32
+    linear kernel's token range as the model code uses it."""
+    from verispec.models.layers.linear import NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS
+
+    code, out, _ = run(capsys, "info", "--json")
+    info = json.loads(out)
+    assert set(info["extras"]) == {"models", "hf", "plot", "serve"}
+    assert info["extras"]["serve"] is True  # fastapi and uvicorn are test dependencies
+    assert (f"passes of {NATIVE_LINEAR_MIN_ROWS}-{NATIVE_LINEAR_MAX_ROWS} tokens"
+            in info["cpu_kernels"]["float32_linear"])
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    code, out, _ = run(capsys, "info")
+    assert code == 0
+    (line,) = [x for x in out.splitlines() if x.startswith("extras")]
+    assert "serve no (pip install 'verispec[serve]')" in line and "models yes" in line
 
 
 def test_module_and_script_entry_points():
@@ -173,13 +206,26 @@ def test_lab_bad_arguments(capsys, monkeypatch):
     code, _, err = run(capsys, "lab", "--draws", "-5")
     assert_usage_error(code, err, "argument --draws", "int >= 0", "-5")
 
+
+
+def test_lab_without_matplotlib_prints_the_table(capsys, monkeypatch, tmp_path):
+    """No matplotlib: the table and the check still print, one line says the chart was
+    skipped and why; a chart asked for by name (--plot) is a usage error."""
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "matplotlib" else real(name, *a))
-    code, _, err = run(capsys, "lab", "--draws", 0)
-    assert_usage_error(code, err, "pip install matplotlib", "--no-plot")
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "lab", "--draws", 2_000)
+    assert code == 0, err
+    assert "acceptance rate = 3/5, rejection mass = 2/5" in out and "PASS" in out
+    assert err.strip() == ("no chart: matplotlib is not installed (pip install matplotlib, "
+                           "or pass --no-plot)")
+    assert not (tmp_path / "lab.png").exists()
+    code, out, err = run(capsys, "lab", "--draws", 0, "--plot", tmp_path / "x.png")
+    assert_usage_error(code, err, "argument --plot", "pip install matplotlib")
+    assert out == ""
 
 
 # --------------------------------------------------------------------------- generate
@@ -221,9 +267,9 @@ def test_generate_chat_sampled_early_exit_profile_trace(capsys, tiny_model, tmp_
     code, out, err = run(capsys, "generate", "--model", tiny_model, "--chat", "the lazy dog",
                          "--draft", "early-exit", "--k", 2, "--temperature", 0.8, "--top-p", 0.9,
                          "--max-new-tokens", 12, "--seed", 3, "--profile", "--trace", trace,
-                         "--repeats", 2)
+                         "--repeats", 3)
     assert code == 0, err
-    assert "median of 2" in err  # the plain runs; the traced speculative run is not timed
+    assert "median of 2" in err  # the traced round is left out of the timing
     assert "under the profiler" not in err
     assert "early exit after 1 of 2 layers" in err and "temperature 0.8, top-p 0.9" in err
     assert "speedup" in err and "greedy outputs identical" not in err
@@ -319,7 +365,7 @@ def test_generate_errors(capsys, tiny_model, tmp_path, monkeypatch):
     code, _, err = run(capsys, "generate", "--model", tmp_path / "nope", "--prompt", "hi")
     assert_usage_error(code, err, "argument --model", "unknown model", "nope")
     code, _, err = run(capsys, "generate", "--prompt", "hi", "--k", "x")
-    assert_usage_error(code, err, "argument --k", "int >= 0 or 'auto'", "'x'")
+    assert_usage_error(code, err, "argument --k", "int in [0, 64] or 'auto'", "'x'")
     code, _, err = run(capsys, "generate", "--prompt", "hi", "--k", "-2")
     assert_usage_error(code, err, "argument --k", "-2")
     code, _, err = run(capsys, "generate", "--prompt", "hi", "--top-p", "1.5")
@@ -587,3 +633,178 @@ def test_batch_invariant_with_tensor_parallelism_is_a_usage_error(tiny_model):
     model, _ = load(tiny_model, batch_invariant=True)
     with pytest.raises(ValueError, match="shard: model is batch-invariant"):
         distributed.shard(model, object())
+
+
+# --------------------------------------------------------------------------- every bad input: one line
+
+# (argv after the command, the argument the line must name, what else it must say). Each
+# runs without a model load where the check comes first; those marked MODEL use
+# tiny_model (--model is prepended).
+MODEL = "<tiny_model>"
+BAD_GENERATE = [
+    (["--k", "100"], "argument --k", "expected an int in [0, 64] or 'auto', got 100"),
+    (["--k", "x"], "argument --k", "got 'x'"),
+    (["--k", "-2"], "argument --k", "got -2"),
+    (["--max-k", "100"], "argument --max-k", "expected an int in [1, 64], got 100"),
+    (["--max-k", "0"], "argument --max-k", "got 0"),
+    (["--branches", "100"], "argument --branches", "expected an int in [1, 64], got 100"),
+    (["--ngram-max", "100"], "argument --ngram-max", "expected an int in [1, 64], got 100"),
+    (["--ngram-min", "0"], "argument --ngram-min", "got 0"),
+    (["--max-new-tokens", "0"], "argument --max-new-tokens", "expected an int >= 1, got 0"),
+    (["--seed", "-1"], "argument --seed", "got -1"),
+    (["--repeats", "0"], "argument --repeats", "got 0"),
+    (["--top-p", "1.5"], "argument --top-p", "1.5"),
+    (["--temperature", "-1"], "argument --temperature", "-1"),
+    (["--top-k", "x"], "argument --top-k", "'x'"),
+    (["--device", "tpu"], "argument --device", "expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["--dtype", "int4"], "argument --dtype", "'int4'"),
+    (["--verify", "tree"], "argument --verify", "'tree'"),
+    (["--bogus", "3"], "argument --bogus", "verispec generate"),
+    (["--greedy", "--temperature", "0.7"], "argument --greedy", "--temperature"),
+    # a drafter's option with another drafter: refused, never ignored
+    (["--early-exit-layers", "4"], "argument --early-exit-layers",
+     "applies to --draft early-exit, got --early-exit-layers 4 with --draft ngram"),
+    (["--draft", "early-exit", "--ngram-min", "2"], "argument --ngram-min",
+     "applies to --draft ngram, got --ngram-min 2 with --draft early-exit"),
+    (["--draft", "none", "--ngram-max", "3"], "argument --ngram-max", "with --draft none"),
+    (["--draft", "none", "--k", "3"], "argument --k", "got --k 3"),
+    (["--draft", "none", "--max-k", "6"], "argument --max-k", "with --draft none"),
+    (["--k", "4", "--max-k", "6"], "argument --max-k",
+     "applies to --k auto (the bound of adaptive k), got --max-k 6 with --k 4"),
+    ([MODEL, "--draft", "early-exit", "--early-exit-layers", "5"],
+     "argument --early-exit-layers", "expected an int in [1, 1] (the target has 2 layers), got 5"),
+    (["--ngram-min", "5", "--ngram-max", "2"], "argument --ngram-min",
+     "expected <= --ngram-max (2), got 5"),
+    ([MODEL, "--draft", "none", "--branches", "2"], "argument --branches", "trees need a draft"),
+    ([MODEL, "--draft-model", "early-exit"], "argument --draft-model", "unknown model"),
+]
+
+
+def _argv(tiny_model, argv):
+    return (["--model", tiny_model] + argv[1:]) if argv and argv[0] == MODEL else argv
+
+
+@pytest.mark.parametrize("argv,argument,needle", BAD_GENERATE,
+                         ids=[" ".join(a) for a, _, _ in BAD_GENERATE])
+def test_bad_generate_input_is_one_line(capsys, tiny_model, argv, argument, needle):
+    code, out, err = run(capsys, "generate", "--prompt", "the lazy dog", "--max-new-tokens", 2,
+                         *_argv(tiny_model, argv))
+    assert_usage_error(code, err, argument, needle)
+    assert err.startswith(f"verispec generate: error: {argument}") or argument == "argument --bogus"
+    assert out == ""
+
+
+def test_missing_prompt_and_command_are_one_line(capsys):
+    code, _, err = run(capsys, "generate")
+    assert_usage_error(code, err, "--prompt", "--chat", "required")
+    code, _, err = run(capsys)
+    assert_usage_error(code, err, "expected a command", "generate", "got none")
+    code, _, err = run(capsys, "frob")
+    assert_usage_error(code, err, "argument <command>", "'frob'")
+
+
+def test_a_prompt_longer_than_the_context_is_one_line(capsys, tiny_model):
+    from verispec.models import load
+
+    model, tok = load(tiny_model)
+    text = "the quick brown fox " * 400
+    n = len(tok.encode(text))
+    assert n >= model.geometry.max_context == 512
+    code, out, err = run(capsys, "generate", "--model", tiny_model, "--prompt", text)
+    assert_usage_error(code, err, "argument --prompt",
+                       f"expected a prompt of fewer than 512 tokens (the model's context "
+                       f"length), got {n} tokens")
+    code, out, err = run(capsys, "generate", "--model", tiny_model, "--chat", text)
+    assert_usage_error(code, err, "argument --chat", "fewer than 512 tokens")
+
+
+@pytest.mark.parametrize("argv,argument,needle", [
+    (["--port", "70000"], "argument --port", "expected a port in [0, 65535], got 70000"),
+    (["--draft", "none", "--k", "2"], "argument --k", "got --k 2"),
+    (["--early-exit-layers", "3"], "argument --early-exit-layers", "with --draft ngram"),
+    (["--num-blocks", "0"], "argument --num-blocks", "got 0"),
+])
+def test_bad_serve_input_is_one_line(capsys, argv, argument, needle):
+    code, _, err = run(capsys, "serve", *argv)
+    assert_usage_error(code, err, argument, needle)
+
+
+# --------------------------------------------------------------------------- the speed report
+
+
+def _verdict(err):
+    (line,) = [x for x in err.splitlines() if x.startswith("speedup")]
+    return line
+
+
+def test_nothing_drafted_claims_no_speedup(capsys, tiny_model):
+    """--k 0 with a drafter: nothing is proposed, so whatever the rounds measured, the
+    report claims no speed-up, and a note says the drafter proposed nothing."""
+    code, _, err = run(capsys, "generate", "--model", tiny_model, "--prompt",
+                       "the quick brown fox the quick brown fox", "--greedy", "--k", 0,
+                       "--max-new-tokens", 16, "--ignore-eos", "--repeats", 3)
+    assert code == 0, err
+    verdict = _verdict(err)
+    assert verdict.startswith("speedup none: the drafter proposed no tokens"), verdict
+    assert "median of 3 rounds" in verdict and "is noise" in verdict
+    assert "greedy outputs identical: yes" in verdict
+    assert "note: the drafter proposed no tokens (--k 0 drafts nothing)" in err
+
+
+def test_the_report_gives_rounds_and_spread(capsys, tiny_model):
+    code, _, err = run(capsys, "generate", "--model", tiny_model, "--prompt",
+                       "the quick brown fox the quick brown fox", "--greedy",
+                       "--max-new-tokens", 24, "--ignore-eos")
+    assert code == 0, err
+    verdict = _verdict(err)
+    assert "median of 3 rounds" in verdict and "vary by" in verdict, verdict  # --repeats 3
+
+
+# --------------------------------------------------------------------------- early exit's depth
+
+
+@pytest.fixture(scope="module")
+def tiny_model_8_layers(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny_llama_8"), CHAT_TEMPLATE, layers=8)
+
+
+def test_early_exit_depth_is_calibrated_and_a_loss_is_said(capsys, tiny_model_8_layers):
+    """Without --early-exit-layers the depth comes from acceptance measured at a few depths
+    (the header shows them); a random model accepts little, so the warning says early
+    exit does not pay and what to try."""
+    code, _, err = run(capsys, "generate", "--model", tiny_model_8_layers, "--prompt",
+                       "the quick brown fox jumps over the lazy dog", "--draft", "early-exit",
+                       "--greedy", "--max-new-tokens", 8, "--no-compare")
+    assert code == 0, err
+    assert "depth from greedy acceptance measured on the prompt by layers (2: " in err, err
+    assert ", 4: " in err and ", 6: " in err
+    from verispec.cli.calibrate import estimated_speedup
+    import re
+
+    layers = re.search(r"by layers \(([^)]*)\)", err).group(1)
+    measured = {int(n): float(a) for n, a in re.findall(r"(\d+): (\d\.\d\d)", layers)}
+    assert set(measured) == {2, 4, 6}
+    best = max(estimated_speedup(a, n / 8, 8)[0] for n, a in measured.items())
+    if best <= 1.0:
+        assert "warning: early exit does not pay on this prompt" in err
+        assert "--draft ngram" in err and "--draft none" in err
+    else:
+        assert "warning" not in err
+    # a depth given by the user is taken as given, without calibration
+    code, _, err = run(capsys, "generate", "--model", tiny_model_8_layers, "--prompt", "the lazy",
+                       "--draft", "early-exit", "--early-exit-layers", 3, "--greedy",
+                       "--max-new-tokens", 4, "--no-compare")
+    assert code == 0 and "draft early exit after 3 of 8 layers, k auto" in err, err
+    assert "measured on the prompt" not in err
+
+
+def test_serve_calibrates_early_exit_on_its_warm_up_text(capsys, tiny_model_8_layers, monkeypatch):
+    from verispec import server
+    from verispec.drafters import EarlyExit
+
+    served = {}
+    monkeypatch.setattr(server, "serve", lambda dec, tok, name, **kw: served.update(dec=dec))
+    code, _, err = run(capsys, "serve", "--model", tiny_model_8_layers, "--draft", "early-exit")
+    assert code == 0, err
+    assert "depth from greedy acceptance measured on the prompt by layers (2: " in err, err
+    assert isinstance(served["dec"].draft, EarlyExit) and served["dec"].draft.num_layers in (2, 4, 6)

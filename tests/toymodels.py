@@ -94,10 +94,10 @@ def train_byte_bpe(corpus, vocab_size: int = 300):
     return tok
 
 
-def write_tiny_llama(folder, chat_template: str):
-    """A 2-layer random Llama as a Hugging Face folder in ``folder`` (config.json,
-    model.safetensors, tokenizer.json with a byte-level BPE, tokenizer_config.json with
-    ``chat_template``); returns the folder."""
+def write_tiny_llama(folder, chat_template: str, layers: int = 2):
+    """A random Llama of ``layers`` layers (2 unless given) as a Hugging Face folder in
+    ``folder`` (config.json, model.safetensors, tokenizer.json with a byte-level BPE,
+    tokenizer_config.json with ``chat_template``); returns the folder."""
     import json
     import math
 
@@ -105,7 +105,7 @@ def write_tiny_llama(folder, chat_template: str):
 
     tok = train_byte_bpe(["the quick brown fox jumps over the lazy dog"] * 4)
     tok.save(str(folder / "tokenizer.json"))
-    vocab, hidden, inter, layers, heads, kv_heads = tok.get_vocab_size(), 32, 64, 2, 4, 2
+    vocab, hidden, inter, heads, kv_heads = tok.get_vocab_size(), 32, 64, 4, 2
     head_dim = hidden // heads
     g = torch.Generator().manual_seed(0)
 

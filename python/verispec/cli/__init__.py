@@ -7,13 +7,16 @@
     verispec serve --model smollm2 --draft ngram --k auto       # OpenAI-compatible HTTP server
 
 Exit status: 0 done; 1 the lab's empirical check rejected the sampler; 2 a usage error
-(bad argument, missing package or model), reported in one line without a traceback
-(set VERISPEC_DEBUG=1 to see it); 130 interrupted. Heavy imports (torch, the models)
+(bad argument, missing package or model, an option that does not apply to the chosen
+drafter), reported in one line naming the argument, what it expected and what it got,
+without the usage block (``--help`` prints that) or a traceback (set VERISPEC_DEBUG=1 to
+see it); 130 interrupted. Heavy imports (torch, the models)
 happen inside the commands, so ``--help`` is instant.
 
 The package, one module per job: ``parser`` (the arguments and their value checks),
-``common`` (what the commands share: loading, device checks, the policy, the draft,
-the warm-up), and one module per command: ``generate`` (with its tensor-parallel path
+``common`` (what the commands share: loading, device checks, the policy, the draft and
+its options, the warm-up), ``calibrate`` (early exit's depth from measured acceptance),
+``speed`` (the speed report's verdict), and one module per command: ``generate`` (with its tensor-parallel path
 and its timing), ``serve``, ``lab``, ``bench`` and ``info``. The names below are
 re-exported for callers of ``verispec.cli``; a test that patches a helper patches it
 in the module that defines it.
@@ -44,16 +47,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the command line; returns the exit status (never raises SystemExit)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
     except SystemExit as e:  # argparse's own errors (status 2) and --help (0)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if extras:  # named with the command whose options they are not
+        prog = f"{PROG} {args.command}" if args.command else PROG
+        print(f"{prog}: error: argument {extras[0]}: expected one of the options of {prog}, "
+              f"got {' '.join(extras)} (the options: {prog} --help)", file=sys.stderr)
+        return 2
     if args.version:
         from verispec import __version__
 
         print(f"verispec {__version__}")
         return 0
     if args.command is None:
-        parser.print_help(sys.stderr)
+        print(f"{PROG}: error: expected a command (generate, serve, lab, bench or info), got "
+              f"none (the commands: {PROG} --help)", file=sys.stderr)
         return 2
     prog = f"{PROG} {args.command}"
     try:

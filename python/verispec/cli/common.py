@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from typing import Any, Optional
 
 from verispec._policy import DEFAULTS, fold_greedy
@@ -14,6 +15,8 @@ PROG = "verispec"
 DEFAULT_MODEL = "smollm2"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BLOCK_SIZE = 16
+DEFAULT_MAX_K = 8
+NGRAM_DEFAULTS = (1, 4)   # --ngram-min, --ngram-max
 
 
 class UsageError(Exception):
@@ -102,16 +105,66 @@ def _describe_policy(policy: dict) -> str:
 # --- the model and the draft as the header names them, and the draft itself ----------------
 
 
+def _default_draft(args: argparse.Namespace) -> str:
+    """The drafter a user gets without --draft: n-gram lookup, which costs next to nothing
+    when it finds no match (k auto then proposes nothing) and pays on text that repeats.
+    The place for EAGLE-3: once the command line takes a head (verispec.drafters.Eagle3),
+    a model that ships one (drafters.eagle3.default_head_path() for the bundled model)
+    gets its head here."""
+    return "ngram"
+
+
 def _draft_choice(args: argparse.Namespace) -> tuple[str, str]:
     """(what --draft / --draft-model ask for, the argument that asked): --draft-model X is
     --draft X, and the two must not disagree."""
     if args.draft_model is None:
-        return (args.draft or "ngram"), "--draft"
+        return (args.draft or _default_draft(args)), "--draft"
     if args.draft is not None and args.draft != args.draft_model:
         raise UsageError(f"argument --draft-model: not allowed with --draft {args.draft} "
                          f"(expected one draft: --draft-model {args.draft_model} is the same as "
                          f"--draft {args.draft_model})")
     return args.draft_model, "--draft-model"
+
+
+def _check_draft_options(args: argparse.Namespace) -> None:
+    """A drafter's own option given with another drafter is an error, not ignored; then
+    the options' defaults are filled in (they parse as None so that this can tell). Runs
+    once per parse (it is called before loading, and again by _make_draft)."""
+    if getattr(args, "draft_options_checked", False):
+        return
+    choice, arg = _draft_choice(args)
+    keyword = choice if arg == "--draft" and choice in ("ngram", "early-exit", "none") else "model"
+    named = {"ngram": "--draft ngram", "early-exit": "--draft early-exit",
+             "none": "--draft none", "model": f"the draft model {choice}"}[keyword]
+
+    def refuse(option: str, value, applies_to: str) -> None:
+        raise UsageError(f"argument {option}: applies to {applies_to}, got {option} {value} "
+                         f"with {named}")
+
+    for option, name in (("--ngram-min", "ngram_min"), ("--ngram-max", "ngram_max")):
+        if getattr(args, name) is not None and keyword != "ngram":
+            refuse(option, getattr(args, name), "--draft ngram")
+    if args.early_exit_layers is not None and keyword != "early-exit":
+        refuse("--early-exit-layers", args.early_exit_layers, "--draft early-exit")
+    if keyword == "none" and args.k not in (None, 0):
+        raise UsageError(f"argument --k: expected 0 or nothing with --draft none (plain decoding "
+                         f"drafts nothing), got --k {args.k}")
+    if args.max_k is not None and (keyword == "none" or (args.k is not None and args.k != "auto")):
+        given = "--draft none" if keyword == "none" else f"--k {args.k}"
+        raise UsageError(f"argument --max-k: applies to --k auto (the bound of adaptive k), "
+                         f"got --max-k {args.max_k} with {given}")
+    if args.ngram_min is None:
+        args.ngram_min = min(NGRAM_DEFAULTS[0], args.ngram_max or NGRAM_DEFAULTS[0])
+    if args.ngram_max is None:
+        args.ngram_max = max(NGRAM_DEFAULTS[1], args.ngram_min)
+    if args.ngram_min > args.ngram_max:
+        raise UsageError(f"argument --ngram-min: expected <= --ngram-max ({args.ngram_max}), "
+                         f"got {args.ngram_min}")
+    if args.k is None:
+        args.k = "auto"
+    if args.max_k is None:
+        args.max_k = DEFAULT_MAX_K
+    args.draft_options_checked = True
 
 
 def _model_kind(model) -> str:
@@ -159,35 +212,43 @@ def _fingerprint(model, tok) -> str:
     return getattr(model, "tokenizer_fingerprint", None) or vocabulary_fingerprint(tok)
 
 
-def _make_draft(args: argparse.Namespace, model, tok, device: str, dtype):
-    """(draft for SpecDecoder, description, the argument naming a draft model or None)."""
+def _make_draft(args: argparse.Namespace, model, tok, device: str, dtype,
+                prompt: Optional[list] = None):
+    """(draft for SpecDecoder, description, the argument naming a draft model or None).
+    Early exit without --early-exit-layers gets its depth from acceptance measured on
+    ``prompt`` (verispec.cli.calibrate), with a warning when no depth pays."""
     from verispec.drafters import EarlyExit, NGram
 
+    _check_draft_options(args)
     choice, arg = _draft_choice(args)
     keyword = choice if arg == "--draft" else None  # --draft-model is always a model
     if keyword == "none":
         return None, "none (plain decoding)", None
     if keyword == "ngram":
-        if args.ngram_min > args.ngram_max:
-            raise UsageError(f"argument --ngram-min: expected <= --ngram-max ({args.ngram_max}), "
-                             f"got {args.ngram_min}")
         branches = getattr(args, "branches", 1)
-        try:
-            return (NGram(args.ngram_min, args.ngram_max, branches=branches),
-                    f"n-gram lookup {args.ngram_min}..{args.ngram_max}"
-                    + (f", tries of {branches} branches" if branches > 1 else ""), None)
-        except ValueError as e:
-            raise UsageError(f"argument --ngram-min/--ngram-max: {e}") from None
+        return (NGram(args.ngram_min, args.ngram_max, branches=branches),
+                f"n-gram lookup {args.ngram_min}..{args.ngram_max}"
+                + (f", tries of {branches} branches" if branches > 1 else ""), None)
     layers = model.geometry.num_layers
     if keyword == "early-exit":
-        n = args.early_exit_layers if args.early_exit_layers is not None else max(1, math.ceil(layers / 4))
         if layers < 2:
             raise UsageError(f"argument --draft: early-exit needs a target with >= 2 layers, "
                              f"the target has {layers}")
+        how = ""
+        n = args.early_exit_layers
+        if n is None and prompt is not None and layers > 2:
+            from verispec.cli.calibrate import calibrate_early_exit
+
+            cal = calibrate_early_exit(model, prompt, args.max_k)
+            n, how = cal.depth, f" ({cal.describe()})"
+            if not cal.pays:
+                print(f"{PROG}: warning: {cal.advice()}", file=sys.stderr, flush=True)
+        elif n is None:
+            n = max(1, math.ceil(layers / 2))
         if not 1 <= n < layers:
             raise UsageError(f"argument --early-exit-layers: expected an int in [1, {layers - 1}] "
                              f"(the target has {layers} layers), got {n}")
-        return EarlyExit(model, num_layers=n), f"early exit after {n} of {layers} layers", None
+        return EarlyExit(model, num_layers=n), f"early exit after {n} of {layers} layers{how}", None
     draft, draft_tok = _load(choice, arg, device=device, dtype=dtype,
                              cuda_graphs=getattr(args, "cuda_graphs", True))
     # Token ids mean the same in both models only with the same tokenizer; the vocabulary
@@ -201,7 +262,7 @@ def _make_draft(args: argparse.Namespace, model, tok, device: str, dtype):
             f"(fingerprint {draft_fp}); a draft's token ids must mean the target's tokens")
     tv, dv = model.geometry.vocab_size, draft.geometry.vocab_size
     vocab = "" if tv == dv else f", vocabulary {dv} rows vs the target's {tv}, same tokenizer"
-    return (draft, f"draft model {choice} ({_model_kind(draft)}, {draft.geometry.num_layers} "
+    return (draft, f"model {choice} ({_model_kind(draft)}, {draft.geometry.num_layers} "
                    f"layers{vocab})", arg)
 
 

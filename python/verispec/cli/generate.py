@@ -1,6 +1,7 @@
 """``verispec generate``: stream a model's text with speculative decoding, then time it
 against plain decoding of the same prompt and settings, in the same run (alternating
-runs, the median), with an optional profile table or torch trace. Under ``--tp N``
+rounds after a warm-up; the verdict of verispec.cli.speed), with an optional profile
+table or torch trace. Under ``--tp N``
 (torchrun) every rank runs the same steps on its shard; rank 0 prints."""
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from typing import Any, Callable, Optional, Sequence, TextIO
 
 from verispec.cache import blocks_for
 from verispec.cli.common import (BLOCK_SIZE, PROG, UsageError, _check_device,
-                                 _describe_policy, _greedy, _load, _make_draft, _model_kind,
-                                 _sampling, _warm_up, _weights_desc)
+                                 _check_draft_options, _describe_policy, _greedy, _load,
+                                 _make_draft, _model_kind, _sampling, _warm_up, _weights_desc)
+from verispec.cli.speed import judge, low_acceptance_note, median
+
+DEFAULT_ROUNDS = 3  # --repeats when speculative and plain decoding are compared
 
 # --- the command, and its tensor-parallel path -------------------------------------------
 
@@ -114,12 +118,12 @@ def _set_up(args: argparse.Namespace, tp) -> _Setup:
     import torch
 
     policy = _sampling(args)
+    _check_draft_options(args)
     _check_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     # (under --tp too: a GGUF's shards keep its quantized formats, cut at whole blocks)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    k = args.k
     if args.trace:
         _check_writable(args.trace, "--trace")
 
@@ -130,14 +134,23 @@ def _set_up(args: argparse.Namespace, tp) -> _Setup:
         model = _tp_shard(model, tp, "--model")
     load_s = time.perf_counter() - t0
     prompt = _prompt_ids(args, tok)
-    draft, draft_desc, draft_arg = _make_draft(args, model, tok, args.device, dtype)
+    _check_prompt_fits(args, prompt, model.geometry.max_context)
+    draft, draft_desc, draft_arg = _make_draft(args, model, tok, args.device, dtype, prompt)
     if tp is not None and draft is not None and draft_arg is not None:
         draft = _tp_shard(draft, tp, draft_arg)
-    if draft is None:
-        k = 0
+    k = 0 if draft is None else args.k
     _check_trees_and_verify(args, draft, draft_desc, policy)
     eos = None if args.ignore_eos else list(tok.eos_token_ids)
     return _Setup(model, tok, draft, draft_desc, draft_arg, k, prompt, policy, eos, load_s, tp)
+
+
+def _check_prompt_fits(args: argparse.Namespace, prompt: list, max_context: int) -> None:
+    """The decoder takes a prompt shorter than the model's context (it needs room for one
+    new token); a longer one is the user's to shorten."""
+    if len(prompt) >= max_context:
+        arg = "--chat" if args.chat is not None else "--prompt"
+        raise UsageError(f"argument {arg}: expected a prompt of fewer than {max_context} tokens "
+                         f"(the model's context length), got {len(prompt)} tokens")
 
 
 def _check_trees_and_verify(args: argparse.Namespace, draft, draft_desc: str,
@@ -212,12 +225,13 @@ def _prompt_ids(args: argparse.Namespace, tok) -> list[int]:
 
 
 def _timed_runs(args: argparse.Namespace, s: _Setup) -> tuple[list, list]:
-    """(speculative runs, plain runs): --repeats of each, alternating so drifting machine
-    load hits both alike; the first speculative run streams its text (and is the traced
+    """(speculative runs, plain runs): --repeats rounds of each (DEFAULT_ROUNDS when they
+    are compared, else one), alternating so drifting machine load hits both alike; the first speculative run streams its text (and is the traced
     one under --trace). No plain runs under --no-compare or without a draft."""
     compare = not args.no_compare and s.draft is not None
+    repeats = args.repeats if args.repeats is not None else (DEFAULT_ROUNDS if compare else 1)
     spec_runs, plain_runs = [], []
-    for i in range(args.repeats):
+    for i in range(repeats):
         spec_runs.append(_spec_run(args, s) if i > 0 else _streamed_run(args, s))
         if compare:
             plain_runs.append(_decode_run(s.model, None, 0, 1, s.prompt, s.policy, args,
@@ -311,9 +325,11 @@ def _decode_run(model, draft, k, max_k: int, prompt: list[int], policy: dict, ar
 
 def _summary(args: argparse.Namespace, s: _Setup, spec_runs: list, plain_runs: list) -> list[str]:
     """The lines after the text: the speculative rate, acceptance, and against plain
-    decoding the speedup (and for greedy decoding whether the outputs are identical)."""
-    # A traced run is slowed by the profiler: time the others when there are others.
-    timed = spec_runs[1:] if args.trace and len(spec_runs) > 1 else spec_runs
+    decoding the speed verdict of verispec.cli.speed (and for greedy decoding whether the
+    outputs are identical); then a note when the draft accepted almost nothing."""
+    # A traced run is slowed by the profiler: its round is left out when there are others.
+    skip = 1 if args.trace and len(spec_runs) > 1 else 0
+    timed, plain_timed = spec_runs[skip:], plain_runs[skip:]
     spec = dict(spec_runs[-1], seconds=_median([r["seconds"] for r in timed]))
 
     stats = spec["stats"]
@@ -323,22 +339,37 @@ def _summary(args: argparse.Namespace, s: _Setup, spec_runs: list, plain_runs: l
     runs = f", median of {len(timed)}" if len(timed) > 1 else ""
     lines = [f"{label} {len(spec['tokens'])} tokens in {spec['seconds']:.2f} s{runs} = "
              f"{_rate(spec):.1f} tokens/s (finish: {spec['finish_reason']})"
-             + (" [under the profiler]" if args.trace and timed is spec_runs else ""),
+             + (" [under the profiler]" if args.trace and not skip else ""),
              f"  acceptance rate {'-' if acc is None else f'{acc:.2f}'}, "
              f"{stats.get('tokens_per_target_pass', 0.0):.2f} tokens per target pass"
              + (f", mean k {sum(k_hist) / len(k_hist):.1f}" if k_hist else "")]
-    if plain_runs:
-        lines += _comparison(spec, plain_runs, s.policy)
+    if plain_timed:
+        lines += _comparison(spec, timed, plain_timed, s.policy)
+    if s.draft is not None:
+        note = low_acceptance_note(stats, _draft_kind(s.draft), s.model.geometry.num_layers, s.k)
+        if note:
+            lines.append(note)
     return lines
 
 
-def _comparison(spec: dict, plain_runs: list, policy: dict) -> list[str]:
-    """The plain runs' line and the verdict: the speedup, and greedy outputs identical."""
+def _draft_kind(draft) -> str:
+    from verispec.drafters import EarlyExit, NGram
+
+    return ("ngram" if isinstance(draft, NGram) else
+            "early-exit" if isinstance(draft, EarlyExit) else "model")
+
+
+def _comparison(spec: dict, spec_runs: list, plain_runs: list, policy: dict) -> list[str]:
+    """The plain runs' line and the verdict over the paired rounds; greedy outputs identical."""
     plain = dict(plain_runs[-1], seconds=_median([r["seconds"] for r in plain_runs]))
     runs = f", median of {len(plain_runs)}" if len(plain_runs) > 1 else ""
     line = (f"plain:       {len(plain['tokens'])} tokens in {plain['seconds']:.2f} s{runs} = "
             f"{_rate(plain):.1f} tokens/s (same prompt and settings, this run)")
-    verdict = f"speedup {_rate(spec) / _rate(plain):.2f}x over plain decoding"
+    verdict = judge([_rate(r) for r in spec_runs], [_rate(r) for r in plain_runs],
+                    tokens_per_pass=float(spec["stats"].get("tokens_per_target_pass") or 0.0),
+                    plain_tokens_per_pass=float(
+                        plain["stats"].get("tokens_per_target_pass") or 1.0),
+                    proposed=int(spec["stats"].get("proposed") or 0)).line()
     if _greedy(policy):
         if spec["tokens"] == plain["tokens"]:
             verdict += "; greedy outputs identical: yes"
@@ -353,10 +384,7 @@ def _rate(run: dict) -> float:
     return len(run["tokens"]) / run["seconds"] if run["seconds"] > 0 else float("inf")
 
 
-def _median(values: list) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+_median = median
 
 
 def _check_writable(path: str, arg: str) -> None:

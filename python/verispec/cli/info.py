@@ -12,6 +12,10 @@ import sys
 
 from verispec.cli.common import DEFAULT_MODEL
 
+# pip install 'verispec[EXTRA]': the packages each extra adds that `info` looks for
+EXTRAS = {"models": ("gguf", "safetensors", "tokenizers", "jinja2"),
+          "hf": ("transformers",), "plot": ("matplotlib",), "serve": ("fastapi", "uvicorn")}
+
 
 def _quant_arithmetic() -> str:
     """The quantized kernels' arithmetic and code path: "int8 avx512-vnni" or "float avx512"
@@ -46,7 +50,10 @@ def collect_info() -> dict:
                          "tensor_import": verispec._C._dlpack_import_path(torch.empty(0))}
     info["packages"] = {name: importlib.util.find_spec(name) is not None
                         for name in ("gguf", "safetensors", "tokenizers", "jinja2", "matplotlib",
-                                     "scipy", "transformers")}
+                                     "scipy", "transformers", "fastapi", "uvicorn")}
+    # the extras a user installs by name (pyproject.toml), and whether each is complete here
+    info["extras"] = {extra: all(info["packages"][n] for n in needs)
+                      for extra, needs in EXTRAS.items()}
     model: dict = {"name": DEFAULT_MODEL}
     try:
         from verispec.models.loaders import KNOWN_MODELS, resolve
@@ -68,9 +75,12 @@ def collect_info() -> dict:
     info["default_model"] = model
     from verispec.models.layers import quantized
 
+    from verispec.models.layers.linear import NATIVE_LINEAR_MAX_ROWS, NATIVE_LINEAR_MIN_ROWS
+
     info["cpu_kernels"] = {
-        "float32_linear": f"{verispec._C.linear_best_isa()} (float32 models: verify passes of "
-                          f"2-16 tokens; 1 token and prefill: torch.mm)",
+        "float32_linear": f"{verispec._C.linear_best_isa()} (float32 models: passes of "
+                          f"{NATIVE_LINEAR_MIN_ROWS}-{NATIVE_LINEAR_MAX_ROWS} tokens, decode "
+                          f"and verify; longer prefills: torch.mm)",
         "quantized_linear": f"{_quant_arithmetic()}, formats "
                             f"{', '.join(verispec._C.quant_formats())} (GGUF on CPU, dtype auto: "
                             f"int8: every product; float: 1-{quantized.KERNEL_MAX_ROWS} tokens, "
@@ -117,6 +127,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"python        {info['python']} ({info['python_executable']})",
         f"platform      {info['platform']}, {info['cpu_count']} CPUs",
         "packages      " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in info["packages"].items()),
+        "extras        " + ", ".join(
+            f"{k} {'yes' if v else f'no (pip install {chr(39)}verispec[{k}]{chr(39)})'}"
+            for k, v in info["extras"].items()),
         f"default model {m['name']}: " + (f"installed ({m['path']}; CPU matrix kernels: "
                                           f"{', '.join(m['cpu_matrix_kernels'])})" if m["installed"]
                                           else f"NOT installed: {m['install'] if 'install' in m else m['error']}"),

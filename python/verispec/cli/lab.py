@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -26,11 +27,15 @@ def cmd_lab(args: argparse.Namespace) -> int:
                              f"got {len(labels)}")
     out_dir = Path(args.out) if args.out else Path(".")
     plot_path = None
+    no_matplotlib = False
     if not args.no_plot:
         plot_path = Path(args.plot) if args.plot else out_dir / "lab.png"
         if importlib.util.find_spec("matplotlib") is None:
-            raise UsageError("the lab's bar chart needs matplotlib: pip install matplotlib "
-                             "(or pass --no-plot)")
+            if args.plot:  # asked for by name: refused before any work
+                raise UsageError(f"argument --plot: the bar chart needs matplotlib, not installed "
+                                 f"here (pip install matplotlib), got --plot {args.plot}")
+            # the default chart: the table and the check still print, the chart is skipped
+            plot_path, no_matplotlib = None, True
     _check_device(args.device)
 
     t = lab.table(p, q)
@@ -52,6 +57,9 @@ def cmd_lab(args: argparse.Namespace) -> int:
         plot_path.parent.mkdir(parents=True, exist_ok=True)
         lab.plot(t, plot_path, check=check, labels=labels)
         print(f"\nwrote {plot_path}")
+    elif no_matplotlib:
+        print("no chart: matplotlib is not installed (pip install matplotlib, or pass --no-plot)",
+              file=sys.stderr)
     if args.out:
         record = {"p": [str(x) for x in t.p], "q": [str(x) for x in t.q],
                   "acceptance": [str(x) for x in t.acceptance],

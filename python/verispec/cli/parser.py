@@ -7,13 +7,27 @@ import argparse
 import math
 from typing import Any, Callable
 
+from verispec import _C
 from verispec._policy import policy_error
 from verispec.cli.bench import cmd_bench
-from verispec.cli.common import BLOCK_SIZE, DEFAULT_MODEL, DTYPES, PROG
+from verispec.cli.common import BLOCK_SIZE, DEFAULT_MAX_K, DEFAULT_MODEL, DTYPES, PROG
 from verispec.cli.generate import cmd_generate
 from verispec.cli.info import cmd_info
 from verispec.cli.lab import cmd_lab
 from verispec.cli.serve import cmd_serve
+
+NGRAM_MAX_N = 64  # the longest suffix NGram matches (verispec.drafters.NGram)
+
+# --- the parser class: one line per mistake ----------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (the argument, what it expected and what it got)
+    and without the usage block: ``--help`` prints that. Exit status 2, as argparse's."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
 
 # --- argument types: each names what it expected and what it got ----------------------
 
@@ -26,6 +40,18 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int in [{low}, {high}], got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected an int in [{low}, {high}], got {value}")
         return value
     return parse
 
@@ -67,14 +93,15 @@ def _policy_value(name: str) -> Callable[[str], Any]:
 
 
 def _k_value(text: str):
+    expected = f"an int in [0, {_C.MAX_K}] or 'auto'"
     if text == "auto":
         return "auto"
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0 or 'auto', got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0 or 'auto', got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not 0 <= value <= _C.MAX_K:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
 
 
@@ -115,17 +142,26 @@ def _model_arguments(g: argparse.ArgumentParser) -> None:
                         f"(default: %(default)s)")
     g.add_argument("--draft", metavar="{ngram,early-exit,none,MODEL}",
                    help="n-gram prompt lookup, the target's first layers, none (plain decoding), "
-                        "or a draft model, as --draft-model (default: ngram)")
+                        "or a draft model, as --draft-model (default: ngram; EAGLE-3 heads "
+                        "are not taken here yet)")
     g.add_argument("--draft-model", metavar="NAME_PATH_OR_ID",
                    help="a separate draft model, given as --model is; it must use the target's "
                         "tokenizer (its vocabulary size may differ)")
-    g.add_argument("--ngram-min", type=_int_at_least(1), default=1, help="(default: %(default)s)")
-    g.add_argument("--ngram-max", type=_int_at_least(1), default=4, help="(default: %(default)s)")
+    # The drafter's own options default to None, so that one given with another drafter
+    # is an error rather than ignored (common._check_draft_options), and get their values
+    # there.
+    g.add_argument("--ngram-min", type=_int_in(1, NGRAM_MAX_N), metavar="N",
+                   help="--draft ngram: the shortest suffix matched (default: 1)")
+    g.add_argument("--ngram-max", type=_int_in(1, NGRAM_MAX_N), metavar="N",
+                   help="--draft ngram: the longest suffix matched (default: 4)")
     g.add_argument("--early-exit-layers", type=_int_at_least(1), metavar="N",
-                   help="layers of the early-exit draft (default: a quarter of the target's)")
-    g.add_argument("--k", type=_k_value, default="auto",
-                   help="draft tokens per step, or 'auto' (adaptive, up to --max-k) (default: %(default)s)")
-    g.add_argument("--max-k", type=_int_at_least(1), default=8, help="(default: %(default)s)")
+                   help="--draft early-exit: the draft's layers (default: chosen from the "
+                        "acceptance measured on the prompt at a few depths)")
+    g.add_argument("--k", type=_k_value,
+                   help=f"draft tokens per step, 0 to {_C.MAX_K}, or 'auto' (adaptive, up to "
+                        f"--max-k) (default: auto)")
+    g.add_argument("--max-k", type=_int_in(1, _C.MAX_K), metavar="N",
+                   help=f"--k auto: its upper bound (default: {DEFAULT_MAX_K})")
 
 
 def _device_arguments(g: argparse.ArgumentParser) -> None:
@@ -153,7 +189,7 @@ def _device_arguments(g: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG, description="verispec: exact speculative decoding (C++/CUDA core, PyTorch models).",
         epilog="Run 'verispec <command> --help' for a command's options.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
@@ -186,7 +222,7 @@ def _add_generate(commands) -> None:
                         "draft or k (default: %(default)s)")
     g.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="(default: %(default)s)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
-    g.add_argument("--branches", type=_int_at_least(1), default=1, metavar="N",
+    g.add_argument("--branches", type=_int_in(1, _C.MAX_K), default=1, metavar="N",
                    help="tree speculation with N children per expanded node: n-gram tries "
                         "(--draft ngram) or draft-model trees whose siblings are drawn from "
                         "the draft's distribution (greedy: its top N); --k is then the node "
@@ -201,9 +237,11 @@ def _add_generate(commands) -> None:
                         "its text depends on the draft and k). Needs a draft model or early-exit "
                         "and sampling (default: %(default)s)")
     _device_arguments(g)
-    g.add_argument("--repeats", type=_int_at_least(1), default=1,
-                   help="timed runs of each decoder, alternating, median reported; the first "
-                        "speculative run streams (default: %(default)s)")
+    g.add_argument("--repeats", type=_int_at_least(1),
+                   help="rounds of timed runs, speculative and plain alternating after a "
+                        "warm-up; the report gives the median speedup and its spread, and "
+                        "the first speculative run streams (default: 3, or 1 when nothing "
+                        "is compared: --no-compare or --draft none)")
     g.add_argument("--no-compare", action="store_true",
                    help="skip the plain-decoding run that measures the speedup")
     g.add_argument("--profile", action="store_true", help="print the time split per phase")

@@ -8,10 +8,13 @@ import importlib.util
 import sys
 import time
 
-from verispec.cli.common import (BLOCK_SIZE, UsageError, _check_device, _load, _make_draft,
+from verispec.cli.common import (BLOCK_SIZE, UsageError, _check_device, _check_draft_options,
+                                 _load, _make_draft,
                                  _model_kind, _warm_up, _weights_desc)
 
 SERVE_NEEDS = ("fastapi", "uvicorn")
+WARM_UP_TEXT = ("The quick brown fox jumps over the lazy dog. The council met on Tuesday to "
+                "discuss the new park, and residents asked for more trees and benches.")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -24,6 +27,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from verispec import server
     from verispec.decoder import SpecDecoder
 
+    _check_draft_options(args)
     _check_device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -32,10 +36,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model, tok = _load(args.model, "--model", device=args.device, dtype=dtype,
                        batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs)
     load_s = time.perf_counter() - t0
-    draft, draft_desc, draft_arg = _make_draft(args, model, tok, args.device, dtype)
+    # an early-exit draft without --early-exit-layers calibrates its depth on this text
+    text = tok.encode(WARM_UP_TEXT) or [0]
+    draft, draft_desc, draft_arg = _make_draft(args, model, tok, args.device, dtype, text)
     k = 0 if draft is None else args.k
-    _warm_up(model, draft, tok.encode("The quick brown fox jumps over the lazy dog.") or [0],
-             draft_arg)
+    _warm_up(model, draft, text, draft_arg)
     try:
         dec = SpecDecoder(model, draft, k=k, max_k=args.max_k, num_blocks=args.num_blocks,
                           block_size=BLOCK_SIZE, seed=args.seed, max_num_seqs=args.max_num_seqs,
