@@ -284,3 +284,61 @@ def test_the_draft_cache_holds_only_target_drafted_positions(tiny):
             # the catch-up wrote positions < committed-before-step
             assert dec._core.cache_len(seq, _C.ModelRole.draft) == before
     assert dec.result(seq).stats["proposed"] > 0
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cli_target(tmp_path_factory):
+    """A tiny Llama folder with a tokenizer (the CLI's kind of model) and a head for it."""
+    from test_cli import CHAT_TEMPLATE
+    from toymodels import write_tiny_llama
+
+    folder = write_tiny_llama(tmp_path_factory.mktemp("eagle3_cli"), CHAT_TEMPLATE, layers=3)
+    target = load_model(folder)
+    g = target.geometry
+    head = random_head(tmp_path_factory.mktemp("eagle3_cli_head"), vocab=g.vocab_size,
+                       hidden=g.hidden_size, layers=g.num_layers,
+                       draft_vocab=g.vocab_size // 2, seed=2)
+    return folder, head
+
+
+def test_generate_with_an_eagle3_head(capsys, cli_target):
+    from test_cli import run
+
+    folder, head = cli_target
+    code, out, err = run(capsys, "generate", "--model", folder, "--draft", "eagle3",
+                         "--draft-head", head, "--prompt", "the quick brown fox", "--greedy",
+                         "--max-new-tokens", 24, "--ignore-eos")
+    assert code == 0, err
+    assert "EAGLE-3 head" in err and "greedy outputs identical: yes" in err, err
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--draft", "ngram", "--draft-head", "HEAD"], ["--draft-head", "applies to --draft eagle3"]),
+    (["--draft", "eagle3", "--draft-head", "/no/such/folder"],
+     ["--draft-head", "not a folder"]),
+    (["--draft", "eagle3", "--draft-head", "WRONG"], ["--draft-head", "hidden_size"]),
+])
+def test_eagle3_command_line_errors_are_one_line(capsys, cli_target, tmp_path, argv, needles):
+    from test_cli import assert_usage_error, run
+
+    folder, head = cli_target
+    wrong = random_head(tmp_path / "wrong", vocab=load_model(folder).geometry.vocab_size,
+                        hidden=40, layers=3, draft_vocab=8, own_embedding=True)
+    argv = [str(head) if a == "HEAD" else str(wrong) if a == "WRONG" else a for a in argv]
+    code, _, err = run(capsys, "generate", "--model", folder, "--prompt", "the fox",
+                       "--max-new-tokens", 4, *argv)
+    assert_usage_error(code, err, *needles)
+
+
+def test_info_names_a_head(capsys, cli_target):
+    from test_cli import run
+
+    _, head = cli_target
+    code, out, err = run(capsys, "info", "--draft-head", head)
+    assert code == 0, err
+    line = [x for x in out.splitlines() if x.startswith("EAGLE-3 head")]
+    assert line and "speculators layout" in line[0] and "taps entering target layers [1, 2, 3]" \
+        in line[0] and "draft vocabulary" in line[0], out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Any, Optional
 
@@ -106,11 +107,14 @@ def _describe_policy(policy: dict) -> str:
 
 
 def _default_draft(args: argparse.Namespace) -> str:
-    """The drafter a user gets without --draft: n-gram lookup, which costs next to nothing
-    when it finds no match (k auto then proposes nothing) and pays on text that repeats.
-    The place for EAGLE-3: once the command line takes a head (verispec.drafters.Eagle3),
-    a model that ships one (drafters.eagle3.default_head_path() for the bundled model)
-    gets its head here."""
+    """The drafter a user gets without --draft: the EAGLE-3 head shipped for the model
+    (the bundled one, when this build ships its head: drafters.eagle3.default_head_path),
+    else n-gram lookup, which costs next to nothing when it finds no match (k auto then
+    proposes nothing) and pays on text that repeats."""
+    from verispec.drafters.eagle3 import default_head_path
+
+    if args.model == DEFAULT_MODEL and default_head_path() is not None:
+        return "eagle3"
     return "ngram"
 
 
@@ -133,9 +137,11 @@ def _check_draft_options(args: argparse.Namespace) -> None:
     if getattr(args, "draft_options_checked", False):
         return
     choice, arg = _draft_choice(args)
-    keyword = choice if arg == "--draft" and choice in ("ngram", "early-exit", "none") else "model"
-    named = {"ngram": "--draft ngram", "early-exit": "--draft early-exit",
-             "none": "--draft none", "model": f"the draft model {choice}"}[keyword]
+    keyword = (choice if arg == "--draft" and choice in ("ngram", "eagle3", "early-exit", "none")
+               else "model")
+    named = {"ngram": "--draft ngram", "eagle3": "--draft eagle3",
+             "early-exit": "--draft early-exit", "none": "--draft none",
+             "model": f"the draft model {choice}"}[keyword]
 
     def refuse(option: str, value, applies_to: str) -> None:
         raise UsageError(f"argument {option}: applies to {applies_to}, got {option} {value} "
@@ -146,6 +152,8 @@ def _check_draft_options(args: argparse.Namespace) -> None:
             refuse(option, getattr(args, name), "--draft ngram")
     if args.early_exit_layers is not None and keyword != "early-exit":
         refuse("--early-exit-layers", args.early_exit_layers, "--draft early-exit")
+    if getattr(args, "draft_head", None) is not None and keyword != "eagle3":
+        refuse("--draft-head", args.draft_head, "--draft eagle3")
     if keyword == "none" and args.k not in (None, 0):
         raise UsageError(f"argument --k: expected 0 or nothing with --draft none (plain decoding "
                          f"drafts nothing), got --k {args.k}")
@@ -229,6 +237,21 @@ def _make_draft(args: argparse.Namespace, model, tok, device: str, dtype,
         return (NGram(args.ngram_min, args.ngram_max, branches=branches),
                 f"n-gram lookup {args.ngram_min}..{args.ngram_max}"
                 + (f", tries of {branches} branches" if branches > 1 else ""), None)
+    if keyword == "eagle3":
+        from verispec.drafters import Eagle3
+
+        head = getattr(args, "draft_head", None)
+        head_arg = "--draft-head" if head is not None else "--draft"
+        if head is not None and not os.path.isdir(head):
+            raise UsageError(f"argument --draft-head: expected the folder of an EAGLE-3 head "
+                             f"(config.json + model.safetensors), got {head!r}: not a folder")
+        try:
+            drafter = Eagle3(model, head)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"argument {head_arg}: {e}") from None
+        d = drafter.describe()
+        return (drafter, f"EAGLE-3 head {d['path']} (taps {d['taps']}, draft vocabulary "
+                         f"{d['draft_vocab_size']} of {d['vocab_size']})", None)
     layers = model.geometry.num_layers
     if keyword == "early-exit":
         if layers < 2:

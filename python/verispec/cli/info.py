@@ -9,8 +9,9 @@ import json
 import os
 import platform
 import sys
+from typing import Optional
 
-from verispec.cli.common import DEFAULT_MODEL
+from verispec.cli.common import DEFAULT_MODEL, UsageError
 
 # pip install 'verispec[EXTRA]': the packages each extra adds that `info` looks for
 EXTRAS = {"models": ("gguf", "safetensors", "tokenizers", "jinja2"),
@@ -28,8 +29,9 @@ def _quant_arithmetic() -> str:
     return f"float {verispec._C.linear_best_isa()}"
 
 
-def collect_info() -> dict:
-    """Everything ``verispec info`` reports, as a JSON-able dict."""
+def collect_info(head: Optional[str] = None) -> dict:
+    """Everything ``verispec info`` reports, as a JSON-able dict (``head``: an EAGLE-3
+    head's folder to describe; None: the shipped one)."""
     import verispec
 
     info: dict = {"verispec": verispec.__version__, "build": verispec.build_info(),
@@ -97,11 +99,53 @@ def collect_info() -> dict:
     except ImportError:
         loading["hf_cache"] = None
     info["model_loading"] = loading
+    info["eagle3_head"] = describe_head(head)
     return info
 
 
+def describe_head(path: Optional[str]) -> dict:
+    """An EAGLE-3 head's folder as ``verispec info`` names it: its layout, taps (entering
+    target layer i; None: the engines' default, resolved against the target), draft
+    vocabulary and sizes; ``path`` None: the head shipped for the bundled model."""
+    from verispec.drafters.eagle3 import default_head_path
+
+    shipped = path is None
+    path = default_head_path() if shipped else path
+    if path is None:
+        return {"path": None, "shipped": True, "note": "this build ships no EAGLE-3 head for "
+                f"{DEFAULT_MODEL} (verispec train-head writes one; --draft-head DIR reads it)"}
+    from verispec.drafters.eagle3_head import Eagle3Config, layout_of
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            layout = layout_of(json.load(f))
+        cfg = Eagle3Config.from_folder(path)
+    except (OSError, ValueError) as e:
+        return {"path": path, "shipped": shipped, "error": str(e)}
+    return {"path": path, "shipped": shipped, "layout": layout,
+            "taps": None if cfg.tap_layers is None else list(cfg.tap_layers),
+            "draft_vocab_size": cfg.draft_vocab_size, "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "target_hidden_size": cfg.target_hidden_size,
+            "layer_type": cfg.layer_type}
+
+
+def _head_line(h: dict) -> str:
+    if h.get("path") is None:
+        return f"EAGLE-3 head  none: {h['note']}"
+    if "error" in h:
+        return f"EAGLE-3 head  {h['path']}: unreadable ({h['error']})"
+    taps = h["taps"] if h["taps"] is not None else "default (2, N/2, N-3)"
+    return (f"EAGLE-3 head  {h['path']}{' (shipped)' if h['shipped'] else ''}: {h['layout']} "
+            f"layout, {h['layer_type']} layer of {h['hidden_size']}, taps entering target "
+            f"layers {taps}, draft vocabulary {h['draft_vocab_size']} of {h['vocab_size']}")
+
+
 def cmd_info(args: argparse.Namespace) -> int:
-    info = collect_info()
+    head = getattr(args, "draft_head", None)
+    if head is not None and not os.path.isdir(head):
+        raise UsageError(f"argument --draft-head: expected the folder of an EAGLE-3 head, got "
+                         f"{head!r}: not a folder")
+    info = collect_info(head)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -136,6 +180,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         f"model loading native: {ml['native']}; through transformers: {ml['transformers']}"
         + ("" if ml["transformers_installed"] else " (needs: pip install transformers)"),
         f"HF cache      {ml['hf_cache'] or '-'} (model ids resolve here; verispec never downloads)",
+        _head_line(info["eagle3_head"]),
     ]
     print("\n".join(lines))
     return 0

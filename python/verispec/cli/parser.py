@@ -140,10 +140,14 @@ def _model_arguments(g: argparse.ArgumentParser) -> None:
                         f"runs natively, other causal LMs through transformers) or a model id "
                         f"(org/name) in the local Hugging Face cache; nothing is downloaded "
                         f"(default: %(default)s)")
-    g.add_argument("--draft", metavar="{ngram,early-exit,none,MODEL}",
-                   help="n-gram prompt lookup, the target's first layers, none (plain decoding), "
-                        "or a draft model, as --draft-model (default: ngram; EAGLE-3 heads "
-                        "are not taken here yet)")
+    g.add_argument("--draft", metavar="{ngram,eagle3,early-exit,none,MODEL}",
+                   help="n-gram prompt lookup, an EAGLE-3 head (--draft-head), the target's "
+                        "first layers, none (plain decoding), or a draft model, as "
+                        "--draft-model (default: the model's shipped EAGLE-3 head where it "
+                        "has one, else ngram)")
+    g.add_argument("--draft-head", metavar="DIR",
+                   help="--draft eagle3: the head's folder, in the EAGLE/SpecForge or the "
+                        "speculators layout (default: the head shipped for the bundled model)")
     g.add_argument("--draft-model", metavar="NAME_PATH_OR_ID",
                    help="a separate draft model, given as --model is; it must use the target's "
                         "tokenizer (its vocabulary size may differ)")
@@ -340,4 +344,7 @@ def _add_info(commands) -> None:
     i = commands.add_parser("info", help="versions, build, GPU and model package",
                             description="What this verispec build is and what it can use here.")
     i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.add_argument("--draft-head", metavar="DIR",
+                   help="an EAGLE-3 head's folder to describe (default: the head shipped for "
+                        "the bundled model)")
     i.set_defaults(run=cmd_info)
