@@ -8,8 +8,26 @@
 // running after the write. A barrier that can never be released (a thread returned while
 // the others wait, or a warp split at a shuffle) aborts with a message rather than hang.
 // It checks logic, not speed or the memory ordering of a real GPU. The CUB stand-ins are
-// in cub_stand_in.h.
+// in cub_stand_in.h, the CUDA runtime's (the launchers of ops.cu run here whole) in
+// cuda_runtime.h.
+//
+// The device passes: __CUDA_ARCH__ is defined, so the shared headers compile their
+// device-only branches (sampling_math.h's __float2ull_rz, __umul64hi, __fmul_rn, ...),
+// and the intrinsics below are host twins of what CUDA defines them to compute. Those
+// branches are then what the simulation checks against the CPU, not the host's. The
+// functions both backends share (VERISPEC_HD, verispec/host_device.h) carry an ABI tag
+// here, so that their device versions are symbols of their own and never stand in for
+// the host versions the CPU launchers of the same program call. A file that includes
+// this header must not include CPU kernel code (kernels/cpu/): it compares with the CPU
+// launchers of the library.
+//
+// Shared memory: every __shared__ object of the program lives in one section, which each
+// block starts with filled with garbage (a different byte each block), as a GPU's shared
+// memory holds whatever the last block left: a read before the block's own write shows.
 #pragma once
+
+#define __CUDA_ARCH__ 900
+#define VERISPEC_CUDA_SIM 1
 
 #include <algorithm>
 #include <cmath>
@@ -45,12 +63,13 @@ namespace cuda_sim {
 #if defined(__x86_64__) && !defined(CUDA_SIM_UCONTEXT)  // the define: test the fallback
 extern "C" void cuda_sim_switch(void** save_sp, void* load_sp);
 extern "C" void cuda_sim_trampoline();
-// cuda_sim_switch: push the callee-saved registers and the x87/SSE control words, save
+// Weak symbols: every file of a program that includes this header assembles them, and the
+// linker keeps one. cuda_sim_switch: push the callee-saved registers and the x87/SSE control words, save
 // rsp, load the other rsp, pop the same. cuda_sim_trampoline: the first return of a new
 // fiber lands here with its entry function in r12 and the argument in rbx.
 asm(R"(
   .text
-  .globl cuda_sim_switch
+  .weak cuda_sim_switch
   .type cuda_sim_switch, @function
 cuda_sim_switch:
   pushq %rbp
@@ -76,7 +95,7 @@ cuda_sim_switch:
   ret
   .size cuda_sim_switch, .-cuda_sim_switch
 
-  .globl cuda_sim_trampoline
+  .weak cuda_sim_trampoline
   .type cuda_sim_trampoline, @function
 cuda_sim_trampoline:
   movq %rbx, %rdi
@@ -138,9 +157,47 @@ inline void jump(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); 
 #define __forceinline__ inline
 #define __global__
 #define __launch_bounds__(...)
-// Shared memory: one object per kernel for every simulated thread. Blocks run one after
-// another (run_grid), so a block has it to itself, as on the GPU.
-#define __shared__ static
+// Shared memory: one object per kernel for every simulated thread, in the section
+// cuda_sim_shared. Blocks run one after another (run_grid), so a block has it to itself,
+// as on the GPU; Block::run fills the section with garbage before each block.
+#define __shared__ static __attribute__((section("cuda_sim_shared")))
+
+// The bounds of that section (the linker's; null where the program has no __shared__).
+extern "C" __attribute__((weak)) char __start_cuda_sim_shared[];
+extern "C" __attribute__((weak)) char __stop_cuda_sim_shared[];
+
+// ---- host twins of the device intrinsics -------------------------------------------------
+// What the CUDA Math API and PTX define each to compute, on the host. Float arithmetic
+// is IEEE binary32 with round to nearest even on both (the simulation's programs build
+// with -ffp-contract=off, so no product here is fused with an add).
+inline unsigned int __float_as_uint(float x) {
+  unsigned int u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+inline float __uint_as_float(unsigned int u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+// cvt.rzi.u64.f32: truncation toward zero, saturated to [0, 2^64 - 1]; NaN gives 0.
+inline unsigned long long __float2ull_rz(float x) {
+  if (!(x > 0.0f)) return 0;
+  if (x >= 18446744073709551616.0f) return ~0ull;
+  return static_cast<unsigned long long>(x);
+}
+// cvt.rn.f32.u64: the nearest float, ties to even.
+inline float __ull2float_rn(unsigned long long x) { return static_cast<float>(x); }
+// The high halves of the full products.
+inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+  return static_cast<unsigned long long>((static_cast<unsigned __int128>(a) * b) >> 64);
+}
+inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+  return static_cast<unsigned int>((static_cast<unsigned long long>(a) * b) >> 32);
+}
 
 namespace cuda_sim {
 
@@ -418,7 +475,20 @@ inline bool Block::release() {
   return true;
 }
 
+// Garbage in every __shared__ object before a block runs: a byte that changes from block
+// to block (never 0, which would pass for a cleared histogram or sum). The sanitizer puts
+// no redzones between the objects of a named section, so the range is one plain buffer.
+inline void poison_shared_memory() {
+  static unsigned round = 0;
+  static const unsigned char kBytes[] = {0xa5, 0xff, 0x7f, 0x81, 0x3c, 0xc3, 0x01, 0xfe};
+  const unsigned char byte = kBytes[round++ % sizeof kBytes];
+  if (__start_cuda_sim_shared == nullptr || __stop_cuda_sim_shared == nullptr) return;
+  std::memset(__start_cuda_sim_shared, byte,
+              static_cast<size_t>(__stop_cuda_sim_shared - __start_cuda_sim_shared));
+}
+
 inline void Block::run(const std::function<void()>& fn, unsigned block_index) {
+  poison_shared_memory();
   fn_ = &fn;
   blockIdx.x = block_index;
   or_pending = or_released = 0;
@@ -470,9 +540,19 @@ inline void run_block(int threads, const std::function<void()>& fn, unsigned blo
   block.run(fn, block_index);
 }
 
+// The fibers' stacks of a block size, allocated once for the program.
+inline Block& block_of(int threads) {
+  static std::vector<std::unique_ptr<Block>> blocks;
+  for (auto& b : blocks) {
+    if (b->threads() == threads) return *b;
+  }
+  blocks.push_back(std::make_unique<Block>(threads));
+  return *blocks.back();
+}
+
 inline void run_grid(unsigned grid, int threads, const std::function<void()>& fn) {
   traffic.next_launch();
-  Block block(threads);  // stacks allocated once for the grid
+  Block& block = block_of(threads);
   for (unsigned b = 0; b < grid; ++b) block.run(fn, b);
 }
 
