@@ -1,9 +1,12 @@
-// The CUDA kernels of the sampling ops (cuda/row_kernels.cuh), whole, run on the host in
-// the simulation of cuda_sim/ and compared with the CPU launchers on the same inputs,
-// seed and offset: apply_policy (per-row policies, both kernel variants, bf16 logits),
-// sample, and verify (both kernels: per-position policy, then the walk and the
-// correction or bonus), including rows at fault and the error record. What a GPU run
-// adds is the real hardware: memory, launches, CUB; the kernels' logic is checked here.
+// The CUDA launchers of the sampling ops (cuda/ops.cu: apply_policy_cuda, sample_cuda,
+// verify_cuda, verify_tree_cuda), whole, run on the host in the simulation of cuda_sim/
+// (their kernels at ops.cu's own grids and block sizes, the device branches of the shared
+// math compiled, shared memory and workspaces garbage until written) and compared with
+// the CPU launchers on the same inputs, seed and offset: apply_policy (per-row policies,
+// both kernel variants, bf16 logits), sample, verify and verify_tree (one block a row and
+// rows split over blocks), including rows at fault and the error record. What a GPU run
+// adds is the real hardware: memory, the real CUB, timing; the kernels' logic is checked
+// here.
 //
 // Everything must match exactly: probabilities bit for bit, every token, status and
 // padding. Both backends sum fixed-point integers (sampling_math.h), which no block order
@@ -380,7 +383,7 @@ void test_verify_matches_the_cpu() {
   for (int64_t V : {40, 130}) {
     VerifyCase c = perturbed_case(V, 31u + static_cast<uint32_t>(V), 1.0f);
     const std::vector<float> q = c.draft_probs;
-    for (uint64_t seed = 1; seed <= 3; ++seed) {
+    for (uint64_t seed = 1; seed <= 2; ++seed) {
       c.seed = seed;
       c.offset = seed * 3;
       for (const PolicyParams& pol : policies) {
@@ -502,7 +505,7 @@ void test_block_verify_matches_the_cpu() {
     for (float noise : {0.3f, 1.0f}) {
       VerifyCase c = perturbed_case(V, 7u + static_cast<uint32_t>(V), noise);
       c.method = VerifyMethod::kBlock;
-      for (uint64_t seed = 1; seed <= 4; ++seed) {
+      for (uint64_t seed = 1; seed <= 2; ++seed) {
         c.seed = seed;
         c.offset = seed * 5;
         for (const PolicyParams& pol : policies) {
@@ -646,7 +649,7 @@ void test_verify_tree_matches_the_cpu() {
   for (int mode = 0; mode < 3; ++mode) {
     for (int64_t V : {40, 130, 12289}) {  // 12289: node rows split over 4 blocks
       TreeCase c = tree_case(V, 100u + static_cast<uint32_t>(V + mode), mode > 0, mode != 2);
-      for (uint64_t seed = 1; seed <= (V > 1000 ? 2u : 4u); ++seed) {
+      for (uint64_t seed = 1; seed <= 2; ++seed) {
         c.seed = seed;
         c.offset = seed + 11;
         for (const PolicyParams& pol : policies) {
@@ -926,7 +929,7 @@ struct Traffic {
   size_t blocks;        // the most blocks of one launch that touched one logits row
 };
 
-// One op at the launchers' configuration (kLaunchBlock threads, their grids) on B = 1 row
+// One op through its launcher (ops.cu, on the simulated H200: rows split) on B = 1 row
 // (verify: K = 4 positions, drafts from q, a rejection at position 0) of a Llama-3
 // vocabulary, counted by the simulation (cuda_sim.h Traffic).
 Traffic measure(const std::string& op, const PolicyParams& policy) {
@@ -1038,8 +1041,9 @@ void test_memory_traffic() {
   // residual masses and q's checks are found for every position at once
   // (block_residual_kernel, 32 blocks a row) where one block a row walked the positions'
   // rows in turn (the same passes, read by one SM: q 2 passes, a check and the mass).
-  // verify_tree (B = 1, tree_case's 6 nodes, drafts from q): logits 2.006 / 8.000, q
-  // 2.001 / 3.001: every node row's statistics in parallel (tree_policy_kernel or the
+  // verify_tree (B = 1, tree_case's 6 nodes, drafts from q): logits 2.004 / 8.004, q
+  // 2.008 / 3.008 (2.006 / 8.000, q 2.001 / 3.001 with the simulation's old 64-thread
+  // blocks in place of ops.cu's): every node row's statistics in parallel (tree_policy_kernel or the
   // split kernels, 32 blocks a row) before the walk, whose one block reads a row again
   // only for its draws and residuals; before, the walk's block checked every row (a
   // pass), then computed each visited row's statistics itself (1, or 7 with top-k +
