@@ -384,19 +384,36 @@ void test_device_branches_follow_their_rules() {
         ones.v[3] == 0x6d5451fdu);
 }
 
+}  // namespace
+
+namespace cuda_sim {
+// A kernel that reads its shared word before writing it (the simulation poisons the
+// __shared__ objects of namespace cuda_sim, as those of the device code).
+template <int BLOCK>
+void read_before_write_kernel(std::vector<unsigned>* seen) {
+  __shared__ unsigned left;
+  if (threadIdx.x == 0) (*seen)[blockIdx.x] = left;  // before this block writes it
+  __syncthreads();
+  if (threadIdx.x == 0) left = 0x12345678u;
+}
+}  // namespace cuda_sim
+
+namespace {
+
 // Shared memory starts every block as garbage: a read before the block's own write sees
-// neither the last block's value nor zero.
+// neither the last block's value nor zero; and the kernels' own shared objects are found
+// (a template's among them, e.g. BlockOps<64>'s).
 void test_simulation_poisons_shared_memory() {
   constexpr unsigned kBlocks = 6;
   std::vector<unsigned> seen(kBlocks, 0);
-  cuda_sim::run_grid(kBlocks, 32, [&] {
-    __shared__ unsigned left;
-    if (threadIdx.x == 0) seen[blockIdx.x] = left;  // before this block writes it
-    __syncthreads();
-    if (threadIdx.x == 0) left = 0x12345678u;
-  });
+  cuda_sim::run_grid(kBlocks, 32, [&] { cuda_sim::read_before_write_kernel<32>(&seen); });
   for (unsigned b = 0; b < kBlocks; ++b) CHECK(seen[b] != 0x12345678u && seen[b] != 0);
   CHECK(seen[1] != seen[2]);  // not one constant either
+  size_t bytes = 0;
+  for (const auto& o : cuda_sim::shared_objects()) bytes += o.bytes;
+  std::printf("shared memory: %zu objects, %zu bytes poisoned before each block\n",
+              cuda_sim::shared_objects().size(), bytes);
+  CHECK(cuda_sim::shared_objects().size() >= 3 && bytes > 24 * 1024);  // RadixScratch: 24 KB
 }
 
 // The simulation itself. A read of shared memory without its barrier must be seen to go

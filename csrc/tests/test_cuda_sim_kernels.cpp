@@ -1361,5 +1361,12 @@ int main() {
               cuda_sim::runtime.launches, cuda_sim::runtime.allocations, cuda_sim::runtime.frees);
   CHECK(cuda_sim::runtime.launches > 1000 && cuda_sim::runtime.allocations > 100);
   CHECK(cuda_sim::runtime.allocations == cuda_sim::runtime.frees);
+  // Every kernel's shared memory was poisoned before each block (cuda_sim.h): the objects
+  // of the launchers' kernels are found (BlockOps, RadixScratch, tile records, ...).
+  size_t shared_bytes = 0;
+  for (const auto& o : cuda_sim::shared_objects()) shared_bytes += o.bytes;
+  std::printf("shared memory: %zu objects, %zu bytes poisoned before each block\n",
+              cuda_sim::shared_objects().size(), shared_bytes);
+  CHECK(cuda_sim::shared_objects().size() >= 40 && shared_bytes > 500000);
   return native_check::check_summary("test_cuda_sim_kernels");
 }

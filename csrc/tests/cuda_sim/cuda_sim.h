@@ -21,9 +21,9 @@
 // this header must not include CPU kernel code (kernels/cpu/): it compares with the CPU
 // launchers of the library.
 //
-// Shared memory: every __shared__ object of the program lives in one section, which each
-// block starts with filled with garbage (a different byte each block), as a GPU's shared
-// memory holds whatever the last block left: a read before the block's own write shows.
+// Shared memory: every __shared__ object of the device code starts each block filled with
+// garbage (a different byte each block), as a GPU's shared memory holds whatever the last
+// block left: a read before the block's own write shows.
 #pragma once
 
 #define __CUDA_ARCH__ 900
@@ -36,6 +36,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+
+#include <elf.h>
+#include <fcntl.h>
+#include <link.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <memory>
 #include <random>
 #include <set>
@@ -157,14 +164,12 @@ inline void jump(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); 
 #define __forceinline__ inline
 #define __global__
 #define __launch_bounds__(...)
-// Shared memory: one object per kernel for every simulated thread, in the section
-// cuda_sim_shared. Blocks run one after another (run_grid), so a block has it to itself,
-// as on the GPU; Block::run fills the section with garbage before each block.
-#define __shared__ static __attribute__((section("cuda_sim_shared")))
-
-// The bounds of that section (the linker's; null where the program has no __shared__).
-extern "C" __attribute__((weak)) char __start_cuda_sim_shared[];
-extern "C" __attribute__((weak)) char __stop_cuda_sim_shared[];
+// Shared memory: one object per kernel for every simulated thread (they all run on the
+// calling OS thread). Blocks run one after another (run_grid), so a block has it to
+// itself, as on the GPU. thread_local marks the objects as shared memory in the program's
+// symbol table (STT_TLS; a section attribute would be dropped by GCC in templates), where
+// Block::run finds them to fill with garbage before each block (shared_objects).
+#define __shared__ static thread_local
 
 // ---- host twins of the device intrinsics -------------------------------------------------
 // What the CUDA Math API and PTX define each to compute, on the host. Float arithmetic
@@ -475,16 +480,65 @@ inline bool Block::release() {
   return true;
 }
 
+// The __shared__ objects of the program: the thread-local statics of functions of the
+// device code (namespace verispec::kernels::cuda) and of the simulation's own test kernels
+// (namespace cuda_sim), read from the executable's symbol table, at their addresses in
+// this thread's TLS block. Host code declares no thread_local there.
+struct SharedObject {
+  char* at;
+  size_t bytes;
+};
+
+inline const std::vector<SharedObject>& shared_objects() {
+  static const std::vector<SharedObject> objects = [] {
+    std::vector<SharedObject> found;
+    char* tls = nullptr;  // the executable (the first module) and its TLS block
+    dl_iterate_phdr(
+        [](dl_phdr_info* info, size_t, void* out) {
+          *static_cast<char**>(out) = static_cast<char*>(info->dlpi_tls_data);
+          return 1;
+        },
+        &tls);
+    const int fd = open("/proc/self/exe", O_RDONLY);
+    struct stat st {};
+    if (tls == nullptr || fd < 0 || fstat(fd, &st) != 0) {
+      std::fprintf(stderr, "cuda_sim: cannot find the __shared__ objects\n");
+      std::abort();
+    }
+    void* map = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    const auto* base = static_cast<const char*>(map);
+    const auto* eh = reinterpret_cast<const Elf64_Ehdr*>(base);
+    const auto* sh = reinterpret_cast<const Elf64_Shdr*>(base + eh->e_shoff);
+    for (int i = 0; i < eh->e_shnum; ++i) {
+      if (sh[i].sh_type != SHT_SYMTAB) continue;
+      const auto* sym = reinterpret_cast<const Elf64_Sym*>(base + sh[i].sh_offset);
+      const char* names = base + sh[sh[i].sh_link].sh_offset;
+      for (size_t j = 0; j < sh[i].sh_size / sizeof(Elf64_Sym); ++j) {
+        const char* name = names + sym[j].st_name;
+        if (ELF64_ST_TYPE(sym[j].st_info) != STT_TLS || sym[j].st_size == 0 ||
+            sym[j].st_shndx == SHN_UNDEF) {
+          continue;
+        }
+        if (std::strncmp(name, "_ZZN8verispec7kernels4cuda", 26) == 0 ||
+            std::strncmp(name, "_ZZN8cuda_sim", 13) == 0) {
+          found.push_back(SharedObject{tls + sym[j].st_value, sym[j].st_size});
+        }
+      }
+    }
+    munmap(map, static_cast<size_t>(st.st_size));
+    return found;
+  }();
+  return objects;
+}
+
 // Garbage in every __shared__ object before a block runs: a byte that changes from block
-// to block (never 0, which would pass for a cleared histogram or sum). The sanitizer puts
-// no redzones between the objects of a named section, so the range is one plain buffer.
+// to block (never 0, which would pass for a cleared histogram or sum).
 inline void poison_shared_memory() {
   static unsigned round = 0;
   static const unsigned char kBytes[] = {0xa5, 0xff, 0x7f, 0x81, 0x3c, 0xc3, 0x01, 0xfe};
   const unsigned char byte = kBytes[round++ % sizeof kBytes];
-  if (__start_cuda_sim_shared == nullptr || __stop_cuda_sim_shared == nullptr) return;
-  std::memset(__start_cuda_sim_shared, byte,
-              static_cast<size_t>(__stop_cuda_sim_shared - __start_cuda_sim_shared));
+  for (const SharedObject& o : shared_objects()) std::memset(o.at, byte, o.bytes);
 }
 
 inline void Block::run(const std::function<void()>& fn, unsigned block_index) {
