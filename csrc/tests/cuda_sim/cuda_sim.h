@@ -408,7 +408,9 @@ T __shfl_xor_sync(unsigned, T value, int lane_mask) {
 
 inline int atomicAdd(int* address, int value) {
   const int old = *address;  // fibers: no other thread runs meanwhile
-  *address = old + value;
+  // wraps on overflow, as the GPU's does (garbage in a histogram must fail a comparison,
+  // not stop the program)
+  *address = static_cast<int>(static_cast<unsigned>(old) + static_cast<unsigned>(value));
   return old;
 }
 
