@@ -19,7 +19,6 @@
 #include <random>
 #include <vector>
 
-#include "../kernels/cpu/cpu_policy.h"
 #include "../kernels/cuda/block_ops.cuh"
 #include "native_check.h"
 
@@ -79,6 +78,23 @@ std::vector<float> probs_from(const std::vector<float>& x, const RowStats& s, co
   return p;
 }
 
+// The CPU launcher's probabilities of one row (the library's host code: this file
+// compiles the device branches of the shared math, see cuda_sim.h).
+bool cpu_policy_row(const std::vector<float>& x, const RowPolicy& pol, std::vector<float>* out) {
+  ApplyPolicyArgs a;
+  a.logits = x.data();
+  a.logits_row_stride = static_cast<int64_t>(x.size());
+  a.rows = 1;
+  a.vocab = static_cast<int64_t>(x.size());
+  a.policy.temperature = pol.temperature;
+  a.policy.top_k = pol.top_k;
+  a.policy.top_p = pol.top_p;
+  a.policy.min_p = pol.min_p;
+  a.probs = out->data();
+  a.probs_row_stride = a.vocab;
+  return apply_policy_cpu(a).ok();
+}
+
 std::vector<float> random_logits(std::mt19937& rng, int V, float scale) {
   std::normal_distribution<float> normal(0.0f, scale);
   std::vector<float> x(static_cast<size_t>(V));
@@ -103,8 +119,7 @@ void test_row_stats_match_the_cpu_policy() {
       CHECK(sim.same_in_every_thread);
       const std::vector<float> got = probs_from(x, sim.stats, pol);
       std::vector<float> want(x.size());
-      cpu::PolicyScratch scratch(V);
-      CHECK(cpu::policy_row(x.data(), V, pol, want.data(), scratch) == kLogitsOk);
+      CHECK(cpu_policy_row(x, pol, &want));
       // The same bits: exact fixed-point sums, uncontracted float math on both sides.
       CHECK(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0);
       if (pol.top_k > 0 && pol.top_k < V && pol.top_p >= 1.0f && pol.min_p == 0.0f &&
@@ -279,6 +294,128 @@ void test_pick_is_the_inverse_cdf() {
   CHECK(sim_pick(std::vector<uint64_t>(70, 0), 12345).token == -1);
 }
 
+// ---- the device branches of the shared math ----------------------------------------------
+// This file compiles them (cuda_sim.h defines __CUDA_ARCH__): each against its rule, derived
+// here another way, so that a change to a device branch alone fails here as well as in the
+// kernels' comparisons with the CPU (test_cuda_sim_kernels.cpp).
+
+// floor(a * b / 2^shift) of 64-bit integers by 32-bit limbs (shift in [40, 64]).
+uint64_t product_shifted(uint64_t a, uint64_t b, int shift) {
+  const uint64_t a0 = a & 0xffffffffu, a1 = a >> 32, b0 = b & 0xffffffffu, b1 = b >> 32;
+  const uint64_t p00 = a0 * b0, p01 = a0 * b1, p10 = a1 * b0, p11 = a1 * b1;
+  const uint64_t mid = (p00 >> 32) + (p01 & 0xffffffffu) + (p10 & 0xffffffffu);
+  const uint64_t lo = (mid << 32) | (p00 & 0xffffffffu);
+  const uint64_t hi = p11 + (p01 >> 32) + (p10 >> 32) + (mid >> 32);
+  return shift == 64 ? hi : (hi << (64 - shift)) | (lo >> shift);
+}
+
+void test_device_branches_follow_their_rules() {
+  // fixed_weight = floor(min(w, 8) * 2^40) (__float2ull_rz): exact in double for w < 8.
+  // Every 61st float of [0, 8], then the edges.
+  int64_t wrong = 0, checked = 0;
+  auto check_weight = [&](float w) {
+    const double c = w < 8.0f ? static_cast<double>(w) : 8.0;
+    wrong += fixed_weight(w) != static_cast<uint64_t>(std::floor(std::ldexp(c, kFixedBits)));
+    ++checked;
+  };
+  for (uint32_t b = 0; b <= float_bits(8.0f); b += 61) check_weight(bits_float(b));
+  for (float w : {0.0f, -0.0f, 1e-45f, 9.094947e-13f, 9.094948e-13f, 0.5f, 1.0f,
+                  std::nextafter(1.0f, 0.0f), std::nextafter(8.0f, 0.0f), 8.0f, 9.0f, 1e30f,
+                  INFINITY}) {
+    check_weight(w);
+  }
+  CHECK(fixed_weight(NAN) == uint64_t{8} << kFixedBits);  // NaN fails w < 8: the cap
+  // fixed_to_float = the nearest float to u * 2^-40 (__ull2float_rn): u < 2^53 is exact in
+  // double, whose one conversion to float rounds to nearest.
+  std::mt19937_64 rng(40);
+  for (int i = 0; i < 200000; ++i) {
+    const uint64_t u = rng() >> (11 + i % 40);
+    wrong += fixed_to_float(u) != static_cast<float>(std::ldexp(static_cast<double>(u), -kFixedBits));
+    ++checked;
+  }
+  // draw_target = floor(c * total / 2^64) and fixed_rescale = floor(sum * scale / 2^40)
+  // (__umul64hi), against the product by limbs; fixed_rescale within its contract (sum
+  // below 2^51, scale at most 2^40).
+  for (int i = 0; i < 200000; ++i) {
+    const uint64_t coin = i % 7 == 0 ? ~uint64_t{0} : rng(), total = rng() >> (i % 64);
+    wrong += draw_target(coin, total) != product_shifted(coin, total, 64);
+    const uint64_t sum = rng() >> (13 + i % 50), scale = rng() >> (24 + i % 40);
+    wrong += fixed_rescale(sum, scale) != product_shifted(sum, scale, kFixedBits);
+    checked += 2;
+  }
+  CHECK(fixed_rescale(uint64_t{1} << 50, uint64_t{1} << 40) == uint64_t{1} << 50);
+  // fp16_to_float (cvt.f32.f16): every half, against the compiler's _Float16.
+  for (uint32_t h = 0; h < 65536; ++h) {
+    _Float16 half;
+    const auto bits = static_cast<uint16_t>(h);
+    std::memcpy(&half, &bits, sizeof half);
+    const float want = static_cast<float>(half), got = fp16_to_float(bits);
+    wrong += std::isnan(want) ? !std::isnan(got) : float_bits(got) != float_bits(want);
+    ++checked;
+  }
+  // fp_mul / fp_add / fp_sub (__fmul_rn, ...): each one IEEE operation, rounded to nearest:
+  // against double arithmetic, exact for these operands, rounded once to float.
+  std::uniform_real_distribution<float> unit(-4.0f, 4.0f);
+  for (int i = 0; i < 200000; ++i) {
+    const float a = std::ldexp(unit(rng), static_cast<int>(rng() % 40) - 20), b = unit(rng);
+    wrong += float_bits(fp_mul(a, b)) != float_bits(static_cast<float>(static_cast<double>(a) * b));
+    wrong += float_bits(fp_add(a, b)) != float_bits(static_cast<float>(static_cast<double>(a) + b));
+    wrong += float_bits(fp_sub(a, b)) != float_bits(static_cast<float>(static_cast<double>(a) - b));
+    checked += 3;
+  }
+  const int64_t off_before_exp = wrong;
+  // exp_reduced, built of those: about one ulp of exp (sampling_math.h), where exp is a
+  // normal float.
+  for (float x = -87.0f; x <= 0.0f; x += 0.0137f) {
+    const double want = std::exp(static_cast<double>(x));
+    wrong += std::fabs(exp_reduced(x) - want) > 2.0 * want * 5.96e-8;
+    ++checked;
+  }
+  std::printf("device branches: %lld values, %lld off their rule (%lld of exp)\n",
+              static_cast<long long>(checked), static_cast<long long>(wrong),
+              static_cast<long long>(wrong - off_before_exp));
+  CHECK(wrong == 0 && checked > 1000000);
+  // Philox's __umulhi: Random123's known answers (kat_vectors, philox4x32 10).
+  const Philox4x32 zero = philox4x32_10(Philox4x32{{0, 0, 0, 0}}, 0, 0);
+  CHECK(zero.v[0] == 0x6627e8d5u && zero.v[1] == 0xe169c58du && zero.v[2] == 0xbc57ac4cu &&
+        zero.v[3] == 0x9b00dbd8u);
+  const Philox4x32 ones = philox4x32_10(Philox4x32{{~0u, ~0u, ~0u, ~0u}}, ~0u, ~0u);
+  CHECK(ones.v[0] == 0x408f276du && ones.v[1] == 0x41c83b0eu && ones.v[2] == 0xa20bc7c6u &&
+        ones.v[3] == 0x6d5451fdu);
+}
+
+}  // namespace
+
+namespace cuda_sim {
+// A kernel that reads its shared word before writing it (the simulation poisons the
+// __shared__ objects of namespace cuda_sim, as those of the device code).
+template <int BLOCK>
+void read_before_write_kernel(std::vector<unsigned>* seen) {
+  __shared__ unsigned left;
+  if (threadIdx.x == 0) (*seen)[blockIdx.x] = left;  // before this block writes it
+  __syncthreads();
+  if (threadIdx.x == 0) left = 0x12345678u;
+}
+}  // namespace cuda_sim
+
+namespace {
+
+// Shared memory starts every block as garbage: a read before the block's own write sees
+// neither the last block's value nor zero; and the kernels' own shared objects are found
+// (a template's among them, e.g. BlockOps<64>'s).
+void test_simulation_poisons_shared_memory() {
+  constexpr unsigned kBlocks = 6;
+  std::vector<unsigned> seen(kBlocks, 0);
+  cuda_sim::run_grid(kBlocks, 32, [&] { cuda_sim::read_before_write_kernel<32>(&seen); });
+  for (unsigned b = 0; b < kBlocks; ++b) CHECK(seen[b] != 0x12345678u && seen[b] != 0);
+  CHECK(seen[1] != seen[2]);  // not one constant either
+  size_t bytes = 0;
+  for (const auto& o : cuda_sim::shared_objects()) bytes += o.bytes;
+  std::printf("shared memory: %zu objects, %zu bytes poisoned before each block\n",
+              cuda_sim::shared_objects().size(), bytes);
+  CHECK(cuda_sim::shared_objects().size() >= 3 && bytes > 24 * 1024);  // RadixScratch: 24 KB
+}
+
 // The simulation itself. A read of shared memory without its barrier must be seen to go
 // wrong (fibers resume in a shuffled order at each release), and with the barrier never.
 int stale_reads(bool with_barrier) {
@@ -322,6 +459,8 @@ void test_simulation_reports_a_deadlock() {
 }  // namespace
 
 int main() {
+  test_device_branches_follow_their_rules();
+  test_simulation_poisons_shared_memory();
   test_simulation_exposes_a_missing_barrier();
   test_simulation_reports_a_deadlock();
   test_radix_select();

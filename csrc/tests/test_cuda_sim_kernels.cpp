@@ -1,9 +1,12 @@
-// The CUDA kernels of the sampling ops (cuda/row_kernels.cuh), whole, run on the host in
-// the simulation of cuda_sim/ and compared with the CPU launchers on the same inputs,
-// seed and offset: apply_policy (per-row policies, both kernel variants, bf16 logits),
-// sample, and verify (both kernels: per-position policy, then the walk and the
-// correction or bonus), including rows at fault and the error record. What a GPU run
-// adds is the real hardware: memory, launches, CUB; the kernels' logic is checked here.
+// The CUDA launchers of the sampling ops (cuda/ops.cu: apply_policy_cuda, sample_cuda,
+// verify_cuda, verify_tree_cuda), whole, run on the host in the simulation of cuda_sim/
+// (their kernels at ops.cu's own grids and block sizes, the device branches of the shared
+// math compiled, shared memory and workspaces garbage until written) and compared with
+// the CPU launchers on the same inputs, seed and offset: apply_policy (per-row policies,
+// both kernel variants, bf16 logits), sample, verify and verify_tree (one block a row and
+// rows split over blocks), including rows at fault and the error record. What a GPU run
+// adds is the real hardware: memory, the real CUB, timing; the kernels' logic is checked
+// here.
 //
 // Everything must match exactly: probabilities bit for bit, every token, status and
 // padding. Both backends sum fixed-point integers (sampling_math.h), which no block order
@@ -11,6 +14,7 @@
 #include "cuda_sim.h"  // first: __device__, threadIdx, __syncthreads, ...
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -21,6 +25,7 @@
 #include <vector>
 
 #include "../kernels/cuda/split_kernels.cuh"
+#include "cuda_runtime.h"  // the simulation's: its devices' SM counts
 #include "native_check.h"
 #include "verify_case.h"
 
@@ -30,8 +35,6 @@ using namespace verispec::kernels::cuda;
 using namespace verify_case;
 
 namespace {
-
-constexpr int kSimBlock = 64;  // two warps
 
 // Logits in their storage types (truncating; the CPU and the simulation read the same bits).
 float to_storage(float x, float) { return x; }
@@ -59,70 +62,39 @@ LogitsDType dtype_of() {
   return std::is_same<T, Float16>::value ? LogitsDType::kFloat16 : LogitsDType::kFloat32;
 }
 
-// The status the launchers make of an error record (the value is filled on the host).
-OpStatus record_status(OpKind op, unsigned long long record) {
-  return decode_device_error(op, static_cast<uint64_t>(record));
-}
-
 bool same_fault(const OpStatus& a, const OpStatus& b) {
   return a.code == b.code && a.row == b.row && a.col == b.col;
 }
 
-// ---- launches in the simulation, with the launchers' kernel choice -------------------
-// The SM count the launchers' split plan sees (split_kernels.cuh): an H200's by default;
-// 0 turns the split off (every row one block).
-int g_sim_sms = 132;
-constexpr int kSimSplitBlock = 64;  // the split kernels' block in the simulation (ops.cu: 256)
+// ---- launches: ops.cu's own launchers, in the simulation ----------------------------
+// apply_policy_cuda & co. are the launchers of kernels/cuda/ops.cu compiled for the
+// simulation (cuda_sim/sim_launchers.cpp): their checks, workspace (garbage until
+// written, as on a GPU), kernel choice, grids and block sizes (512 threads a row, 256 a
+// chunk of a split row, 32). The simulated device decides the split (cuda_runtime.h
+// kDeviceSms): an H200's 132 SMs by default; kNoSplit reports none (every row one block).
+constexpr int kH200 = 0;
+constexpr int kNoSplit = 1;
+int g_sim_device = kH200;
 
-// The split region of a workspace (kCudaSplitBytes: chunk records, then tile records).
-struct SplitSpace {
-  std::vector<uint64_t> words = std::vector<uint64_t>(kCudaSplitBytes / sizeof(uint64_t));
-  ChunkStats* data() { return reinterpret_cast<ChunkStats*>(words.data()); }
-};
-
-// ops.cu split_filter_launches, in the simulation.
-template <typename T, typename Rows>
-void sim_split_filters(const Rows& rows, int64_t n_rows, const PolicyParams& policy,
-                       int64_t vocab, const SplitPlan& plan, ChunkStats* chunks) {
-  const auto grid = static_cast<unsigned>(n_rows);
-  const auto split_grid = static_cast<unsigned>(n_rows * plan.chunks);
-  cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-    split_filter_begin_kernel<kSimSplitBlock>(rows, vocab, plan, chunks);
-  });
-  for_each_filter_step(policy, vocab, [&](int step) {
-    cuda_sim::run_grid(split_grid, kSimSplitBlock, [&] {
-      split_filter_pass_kernel<T, kSimSplitBlock>(rows, vocab, plan, chunks, step);
-    });
-    if (step < kFilterSteps) {
-      cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-        split_filter_select_kernel<kSimSplitBlock>(rows, vocab, chunks, step);
-      });
-    }
-  });
+CudaLaunch sim_launch() {
+  CudaLaunch launch;
+  launch.device = g_sim_device;
+  return launch;
 }
+// The SM count the launchers see (split_plan's third argument).
+int sim_sms() { return cuda_sim::kDeviceSms[g_sim_device]; }
 
-template <typename T, int BLOCK = kSimBlock>
-OpStatus sim_apply_policy(const ApplyPolicyArgs& a) {
+OpStatus sim_apply_policy(const ApplyPolicyArgs& a) { return apply_policy_cuda(a, sim_launch()); }
+OpStatus sim_sample(const SampleArgs& a) { return sample_cuda(a, sim_launch()); }
+OpStatus sim_verify(const VerifyArgs& a) { return verify_cuda(a, sim_launch()); }
+
+// apply_policy's one-block kernel at a block size of its own (the launchers' is
+// kLaunchBlock): tiles, sums and the filters' searches fall to other warps and threads,
+// and must give the same bits.
+template <typename T, int BLOCK>
+OpStatus sim_apply_policy_block(const ApplyPolicyArgs& a) {
   unsigned long long record = kNoDeviceError;
   const bool filter = policy_may_filter(a.policy, a.vocab);
-  const SplitPlan plan = split_plan(a.rows, a.vocab, g_sim_sms);
-  if (plan.chunks > 1) {
-    SplitSpace chunks;
-    const auto grid = static_cast<unsigned>(a.rows * plan.chunks);
-    const PolicyRows<T> rows{a};
-    cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-      split_stats_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
-    });
-    if (filter) sim_split_filters<T>(rows, a.rows, a.policy, a.vocab, plan, chunks.data());
-    cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-      if (filter) {
-        apply_policy_split_write_kernel<T, kSimSplitBlock, true>(a, plan, chunks.data(), &record);
-      } else {
-        apply_policy_split_write_kernel<T, kSimSplitBlock, false>(a, plan, chunks.data(), &record);
-      }
-    });
-    return record_status(OpKind::kApplyPolicy, record);
-  }
   cuda_sim::run_grid(static_cast<unsigned>(a.rows), BLOCK, [&] {
     if (filter) {
       apply_policy_kernel<T, BLOCK, true>(a, &record);
@@ -130,85 +102,7 @@ OpStatus sim_apply_policy(const ApplyPolicyArgs& a) {
       apply_policy_kernel<T, BLOCK, false>(a, &record);
     }
   });
-  return record_status(OpKind::kApplyPolicy, record);
-}
-
-template <int BLOCK = kSimBlock>
-OpStatus sim_sample(const SampleArgs& a) {
-  unsigned long long record = kNoDeviceError;
-  const SplitPlan plan = a.row_seeds ? SplitPlan{1, static_cast<int>(a.vocab)}
-                                     : split_plan(a.rows, a.vocab, g_sim_sms);
-  if (plan.chunks > 1) {
-    SplitSpace chunks;
-    const auto grid = static_cast<unsigned>(a.rows * plan.chunks);
-    const SampleRows rows{a};
-    cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-      split_max_kernel<kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
-    });
-    cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-      split_sum_kernel<kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
-    });
-    cuda_sim::run_grid(static_cast<unsigned>(a.rows), kSimSplitBlock, [&] {
-      sample_split_pick_kernel<kSimSplitBlock>(a, plan, chunks.data(), &record);
-    });
-    return record_status(OpKind::kSample, record);
-  }
-  cuda_sim::run_grid(static_cast<unsigned>(a.rows), BLOCK,
-                     [&] { sample_kernel<BLOCK>(a, &record); });
-  return record_status(OpKind::kSample, record);
-}
-
-template <typename T, int BLOCK>
-OpStatus sim_verify_as(const VerifyArgs& a) {
-  unsigned long long record = kNoDeviceError;
-  const bool filter = verify_may_filter(a);
-  const int64_t positions = a.batch * (a.num_spec + 1);
-  // The verify payload: RowStats, then BlockMass, of every position.
-  std::vector<RowStats> stats(
-      (static_cast<size_t>(positions) * (sizeof(RowStats) + sizeof(BlockMass)) + sizeof(RowStats) - 1) /
-      sizeof(RowStats));
-  const SplitPlan plan = split_plan(positions, a.vocab, g_sim_sms);
-  if (plan.chunks > 1) {
-    SplitSpace chunks;
-    const auto grid = static_cast<unsigned>(positions * plan.chunks);
-    const VerifyRows<T> rows{a};
-    cuda_sim::run_grid(grid, kSimSplitBlock, [&] {
-      split_stats_kernel<T, kSimSplitBlock>(rows, a.vocab, plan, chunks.data());
-    });
-    if (filter) sim_split_filters<T>(rows, positions, a.policy, a.vocab, plan, chunks.data());
-    cuda_sim::run_grid(static_cast<unsigned>(positions), 32, [&] {
-      if (filter) {
-        verify_split_stats_kernel<T, true>(a, plan, chunks.data(), stats.data(), &record);
-      } else {
-        verify_split_stats_kernel<T, false>(a, plan, chunks.data(), stats.data(), &record);
-      }
-    });
-  } else {
-    cuda_sim::run_grid(static_cast<unsigned>(positions), BLOCK, [&] {
-      if (filter) {
-        verify_policy_kernel<T, BLOCK, true>(a, stats.data(), &record);
-      } else {
-        verify_policy_kernel<T, BLOCK, false>(a, stats.data(), &record);
-      }
-    });
-  }
-  if (verify_needs_block_residuals(a) && plan.chunks > 1) {
-    cuda_sim::run_grid(static_cast<unsigned>(positions * plan.chunks), kSimSplitBlock, [&] {
-      block_residual_kernel<T, kSimSplitBlock>(a, plan, stats.data());
-    });
-  } else if (verify_needs_block_residuals(a)) {
-    cuda_sim::run_grid(static_cast<unsigned>(positions), BLOCK,
-                       [&] { block_residual_kernel<T, BLOCK>(a, plan, stats.data()); });
-  }
-  cuda_sim::run_grid(static_cast<unsigned>(a.batch), BLOCK,
-                     [&] { verify_sample_kernel<T, BLOCK>(a, stats.data(), &record); });
-  return record_status(OpKind::kVerify, record);
-}
-
-template <int BLOCK = kSimBlock>
-OpStatus sim_verify(const VerifyArgs& a) {
-  return a.target_logits_dtype == LogitsDType::kBFloat16 ? sim_verify_as<BFloat16, BLOCK>(a)
-                                                          : sim_verify_as<float, BLOCK>(a);
+  return decode_device_error(OpKind::kApplyPolicy, static_cast<uint64_t>(record));
 }
 
 // ---- apply_policy --------------------------------------------------------------------
@@ -250,7 +144,7 @@ void check_apply_policy(int V, uint32_t seed) {
   a.probs_row_stride = V;
   std::vector<float> got(static_cast<size_t>(kRows * V), -1.0f), want(got.size(), -1.0f);
   a.probs = got.data();
-  const OpStatus sim = sim_apply_policy<T>(a);
+  const OpStatus sim = sim_apply_policy(a);
   a.probs = want.data();
   const OpStatus cpu = apply_policy_cpu(a);
   CHECK(sim.ok() && cpu.ok());
@@ -261,7 +155,7 @@ void check_apply_policy(int V, uint32_t seed) {
   plain.policy = PolicyParams();
   plain.policy.temperature = 0.8f;
   plain.probs = got.data();
-  CHECK(sim_apply_policy<T>(plain).ok());
+  CHECK(sim_apply_policy(plain).ok());
   plain.probs = want.data();
   CHECK(apply_policy_cpu(plain).ok());
   CHECK(policy_rows_differ(got, want, kRows, V) == 0);
@@ -276,7 +170,7 @@ void check_apply_policy(int V, uint32_t seed) {
   std::fill(got.begin(), got.end(), -1.0f);
   std::fill(want.begin(), want.end(), -1.0f);
   a.probs = got.data();
-  const OpStatus sim_bad = sim_apply_policy<T>(a);
+  const OpStatus sim_bad = sim_apply_policy(a);
   a.probs = want.data();
   const OpStatus cpu_bad = apply_policy_cpu(a);
   CHECK(sim_bad.code == StatusCode::kInvalidPolicy && sim_bad.row == 2 &&
@@ -290,7 +184,7 @@ void check_apply_policy(int V, uint32_t seed) {
   // The NaN alone: its row and column.
   top_p[2] = 1.0f;
   a.probs = got.data();
-  const OpStatus sim_nan = sim_apply_policy<T>(a);
+  const OpStatus sim_nan = sim_apply_policy(a);
   CHECK(sim_nan.code == StatusCode::kNanOrInfLogits && sim_nan.row == 5 && sim_nan.col == V / 2);
   a.probs = want.data();
   CHECK(same_fault(sim_nan, apply_policy_cpu(a)));
@@ -446,7 +340,7 @@ struct Tally {
 // The simulated kernels and the CPU on case c: both OK, every row well formed and
 // identical to the CPU's.
 void compare_verify(const VerifyCase& c, Tally* tally) {
-  const VerifyOut sim = c.run_with(sim_verify<>), cpu = c.run();
+  const VerifyOut sim = c.run_with(sim_verify), cpu = c.run();
   CHECK(sim.status.ok() && cpu.status.ok());
   for (int64_t b = 0; b < c.batch; ++b) {
     c.check_row(sim, b);
@@ -489,7 +383,7 @@ void test_verify_matches_the_cpu() {
   for (int64_t V : {40, 130}) {
     VerifyCase c = perturbed_case(V, 31u + static_cast<uint32_t>(V), 1.0f);
     const std::vector<float> q = c.draft_probs;
-    for (uint64_t seed = 1; seed <= 3; ++seed) {
+    for (uint64_t seed = 1; seed <= 2; ++seed) {
       c.seed = seed;
       c.offset = seed * 3;
       for (const PolicyParams& pol : policies) {
@@ -533,7 +427,7 @@ void test_verify_faults() {
   const std::vector<float> q = c.draft_probs;
   for (bool with_q : {true, false}) {
     c.draft_probs = with_q ? q : std::vector<float>();
-    const VerifyOut sim = c.run_with(sim_verify<>), cpu = c.run();
+    const VerifyOut sim = c.run_with(sim_verify), cpu = c.run();
     CHECK(sim.status.code == StatusCode::kNumDraftOutOfRange && sim.status.row == 1);
     CHECK(same_fault(sim.status, cpu.status));
     int differ = 0;
@@ -548,13 +442,13 @@ void test_verify_faults() {
     VerifyCase one = perturbed_case(V, 77, 1.0f);
     one.draft_probs = c.draft_probs.empty() ? std::vector<float>() : one.draft_probs;
     one.drafts[3 * 3 + 2] = V + 3;
-    const VerifyOut s1 = one.run_with(sim_verify<>), c1 = one.run();
+    const VerifyOut s1 = one.run_with(sim_verify), c1 = one.run();
     CHECK(s1.status.code == StatusCode::kTokenOutOfRange && s1.status.row == 3 && s1.status.col == 2);
     CHECK(same_fault(s1.status, c1.status));
     one.drafts[3 * 3 + 2] = 0;
     one.num_draft[4] = 1;
     one.logits[static_cast<size_t>((4 * 4 + 1) * V + 9)] = std::nanf("");
-    const VerifyOut s2 = one.run_with(sim_verify<>), c2 = one.run();
+    const VerifyOut s2 = one.run_with(sim_verify), c2 = one.run();
     CHECK(s2.status.code == StatusCode::kNanOrInfLogits && s2.status.row == 4 && s2.status.col == 1);
     CHECK(same_fault(s2.status, c2.status));
   }
@@ -567,13 +461,13 @@ void test_verify_seed_pointers_and_no_drafts() {
   c.policy = scalar_policy(0.9f, 12, 1.0f, 0.0f);
   c.seed = 8;
   c.offset = 21;
-  const VerifyOut by_value = c.run_with(sim_verify<>), cpu = c.run();
+  const VerifyOut by_value = c.run_with(sim_verify), cpu = c.run();
   const int64_t seed = 8, offset = 21;
   const VerifyOut by_pointer = c.run_with([&](VerifyArgs a) {
     a.rng = RandomParams();
     a.rng.seed_ptr = &seed;
     a.rng.offset_ptr = &offset;
-    return sim_verify<>(a);
+    return sim_verify(a);
   });
   CHECK(by_value.status.ok() && by_pointer.status.ok() && cpu.status.ok());
   int differ = 0;
@@ -590,7 +484,7 @@ void test_verify_seed_pointers_and_no_drafts() {
   k0.logits = c.logits;  // the first 8 * 60 logits: [8, 1, 60]
   k0.logits.resize(8 * 60);
   k0.seed = 3;
-  const VerifyOut s0 = k0.run_with(sim_verify<>), c0 = k0.run();
+  const VerifyOut s0 = k0.run_with(sim_verify), c0 = k0.run();
   CHECK(s0.status.ok() && c0.status.ok());
   differ = 0;
   for (int64_t b = 0; b < k0.batch; ++b) {
@@ -611,7 +505,7 @@ void test_block_verify_matches_the_cpu() {
     for (float noise : {0.3f, 1.0f}) {
       VerifyCase c = perturbed_case(V, 7u + static_cast<uint32_t>(V), noise);
       c.method = VerifyMethod::kBlock;
-      for (uint64_t seed = 1; seed <= 4; ++seed) {
+      for (uint64_t seed = 1; seed <= 2; ++seed) {
         c.seed = seed;
         c.offset = seed * 5;
         for (const PolicyParams& pol : policies) {
@@ -629,7 +523,7 @@ void test_block_verify_matches_the_cpu() {
   VerifyCase c = perturbed_case(40, 3u, 0.5f);
   c.method = VerifyMethod::kBlock;
   c.draft_probs[static_cast<size_t>((2 * c.k + 1) * c.vocab + 5)] = -1.0f;  // row 2, j = 1
-  const VerifyOut sim = c.run_with(sim_verify<>), cpu = c.run();
+  const VerifyOut sim = c.run_with(sim_verify), cpu = c.run();
   CHECK(!cpu.status.ok() && same_fault(sim.status, cpu.status));
   CHECK(cpu.status.code == StatusCode::kInvalidProbs && cpu.status.row == 2 && cpu.status.col == 1);
 }
@@ -690,42 +584,7 @@ struct TreeCase {
   Out sim() const {
     Out o;
     const VerifyTreeArgs a = args(&o);
-    unsigned long long record = kNoDeviceError;
-    std::vector<float> scratch(static_cast<size_t>(batch * 2 * vocab));
-    const int64_t positions = batch * (n + 1);
-    std::vector<RowStats> stats(static_cast<size_t>(positions));
-    // ops.cu verify_tree_cuda's launches.
-    const bool all_greedy = !policy.temperature_per_row && policy.temperature == 0.0f;
-    const bool filter = !all_greedy && policy_may_filter(policy, vocab);
-    const SplitPlan plan = split_plan(positions, vocab, g_sim_sms);
-    const auto grid = static_cast<unsigned>(positions);
-    if (plan.chunks > 1) {
-      SplitSpace chunks;
-      const TreeRows<float> rows{a};
-      cuda_sim::run_grid(static_cast<unsigned>(positions * plan.chunks), kSimSplitBlock, [&] {
-        split_stats_kernel<float, kSimSplitBlock>(rows, vocab, plan, chunks.data());
-      });
-      if (filter) sim_split_filters<float>(rows, positions, policy, vocab, plan, chunks.data());
-      cuda_sim::run_grid(grid, 32, [&] {
-        if (filter) {
-          tree_split_stats_kernel<true>(a, plan, chunks.data(), stats.data());
-        } else {
-          tree_split_stats_kernel<false>(a, plan, chunks.data(), stats.data());
-        }
-      });
-    } else {
-      cuda_sim::run_grid(grid, kSimBlock, [&] {
-        if (filter) {
-          tree_policy_kernel<float, kSimBlock, true>(a, stats.data());
-        } else {
-          tree_policy_kernel<float, kSimBlock, false>(a, stats.data());
-        }
-      });
-    }
-    cuda_sim::run_grid(static_cast<unsigned>(batch), kSimBlock, [&] {
-      verify_tree_kernel<float, kSimBlock>(a, scratch.data(), stats.data(), &record);
-    });
-    o.status = record_status(OpKind::kVerifyTree, record);
+    o.status = verify_tree_cuda(a, sim_launch());
     return o;
   }
   bool row_equal(const Out& x, const Out& y, int64_t b) const {
@@ -790,7 +649,7 @@ void test_verify_tree_matches_the_cpu() {
   for (int mode = 0; mode < 3; ++mode) {
     for (int64_t V : {40, 130, 12289}) {  // 12289: node rows split over 4 blocks
       TreeCase c = tree_case(V, 100u + static_cast<uint32_t>(V + mode), mode > 0, mode != 2);
-      for (uint64_t seed = 1; seed <= (V > 1000 ? 2u : 4u); ++seed) {
+      for (uint64_t seed = 1; seed <= 2; ++seed) {
         c.seed = seed;
         c.offset = seed + 11;
         for (const PolicyParams& pol : policies) {
@@ -836,9 +695,11 @@ void test_verify_tree_faults() {
   }
 }
 
-// The launchers' block size (16 warps) at a 128k vocabulary, with filters: the shapes
-// of a real launch (251 values a thread, a 16-warp sum_each and scan).
-void test_launch_block_size_at_a_large_vocabulary() {
+// The launchers at a 128k vocabulary, with filters, on both of their paths: split over
+// 32 blocks of 256 threads a row (an H200's SMs to fill), and one block of 512 threads a
+// row (no SM count: the path of many rows), whose shapes are a real launch's (251 values
+// a thread, a 16-warp sum_each and scan).
+void test_launchers_at_a_large_vocabulary() {
   const int64_t V = 128256;
   VerifyCase c = perturbed_case(V, 5, 0.5f);
   c.batch = 2;  // the first two rows of the case
@@ -851,32 +712,38 @@ void test_launch_block_size_at_a_large_vocabulary() {
   c.policy.top_k_per_row = top_k;
   c.policy.top_p_per_row = top_p;
   c.policy.min_p_per_row = min_p;
-  for (uint64_t seed : {1, 2}) {
-    c.seed = seed;
-    const VerifyOut sim = c.run_with(sim_verify<kLaunchBlock>), cpu = c.run();
-    CHECK(sim.status.ok() && cpu.status.ok());
-    for (int64_t b = 0; b < c.batch; ++b) {
-      c.check_row(sim, b);
-      CHECK(sim.row_equal(cpu, b, c.k));
+  for (int device : {kH200, kNoSplit}) {
+    g_sim_device = device;
+    CHECK(split_plan(c.batch * (c.k + 1), V, sim_sms()).chunks == (device == kH200 ? 32 : 1));
+    for (uint64_t seed : {1, 2}) {
+      if (device == kNoSplit && seed == 2) continue;  // one seed: every row one block
+      c.seed = seed;
+      const VerifyOut sim = c.run_with(sim_verify), cpu = c.run();
+      CHECK(sim.status.ok() && cpu.status.ok());
+      for (int64_t b = 0; b < c.batch; ++b) {
+        c.check_row(sim, b);
+        CHECK(sim.row_equal(cpu, b, c.k));
+      }
     }
+    // apply_policy on the same rows (positions 0 of both rows).
+    ApplyPolicyArgs a;
+    a.logits = c.logits.data();
+    a.logits_row_stride = (c.k + 1) * V;
+    a.rows = 2;
+    a.vocab = V;
+    a.policy = c.policy;
+    a.probs_row_stride = V;
+    std::vector<float> got(static_cast<size_t>(2 * V), -1.0f), want(got.size());
+    a.probs = got.data();
+    CHECK(sim_apply_policy(a).ok());
+    a.probs = want.data();
+    CHECK(apply_policy_cpu(a).ok());
+    CHECK(policy_rows_differ(got, want, 2, static_cast<int>(V)) == 0);
+    int kept = 0;
+    for (int64_t i = 0; i < V; ++i) kept += got[static_cast<size_t>(i)] > 0.0f;
+    CHECK(kept >= 1 && kept <= 50);  // top-k 50, then top-p 0.9
   }
-  // apply_policy on the same rows (positions 0 of both rows).
-  ApplyPolicyArgs a;
-  a.logits = c.logits.data();
-  a.logits_row_stride = (c.k + 1) * V;
-  a.rows = 2;
-  a.vocab = V;
-  a.policy = c.policy;
-  a.probs_row_stride = V;
-  std::vector<float> got(static_cast<size_t>(2 * V)), want(got.size());
-  a.probs = got.data();
-  CHECK((sim_apply_policy<float, kLaunchBlock>(a).ok()));
-  a.probs = want.data();
-  CHECK(apply_policy_cpu(a).ok());
-  CHECK(policy_rows_differ(got, want, 2, static_cast<int>(V)) == 0);
-  int kept = 0;
-  for (int64_t i = 0; i < V; ++i) kept += got[static_cast<size_t>(i)] > 0.0f;
-  CHECK(kept >= 1 && kept <= 50);  // top-k 50, then top-p 0.9
+  g_sim_device = kH200;
 }
 
 // apply_policy's arguments over rows of V logits, float32 (x) or bf16 (xb).
@@ -918,29 +785,31 @@ void test_tiles_match_the_cpu() {
   r3[7 * kStatsTile + 1] = -3.0f;  // one finite logit
   const std::vector<BFloat16> xb = convert<BFloat16>(x);
   for (float temperature : {1.0f, 0.6f}) {
-    for (int sms : {0, 132}) {
-      g_sim_sms = sms;
-      for (bool bf16 : {false, true}) {
-        ApplyPolicyArgs a = rows_args(x, xb, bf16, kRows, V);
-        a.policy.temperature = temperature;
-        std::vector<float> want(x.size()), got32(x.size()), got64(x.size()), got_split(x.size());
-        a.probs = want.data();
-        CHECK(apply_policy_cpu(a).ok());
-        a.probs = got32.data();
-        CHECK((bf16 ? sim_apply_policy<BFloat16, 32>(a) : sim_apply_policy<float, 32>(a)).ok());
-        CHECK(policy_rows_differ(got32, want, kRows, V) == 0);
-        a.probs = got64.data();
-        CHECK((bf16 ? sim_apply_policy<BFloat16, 96>(a) : sim_apply_policy<float, 96>(a)).ok());
-        CHECK(policy_rows_differ(got64, want, kRows, V) == 0);
-        // Row 3: all of its mass on the one finite logit; row 0: the maximum's probability
-        // is 1 / Z (its weight is exactly 1).
-        CHECK(want[static_cast<size_t>(3 * V + 7 * kStatsTile + 1)] == 1.0f);
-        const float p_max = want[static_cast<size_t>(V - 1)];
-        CHECK(p_max > 0.99f && p_max <= 1.0f);
+    for (bool bf16 : {false, true}) {
+      ApplyPolicyArgs a = rows_args(x, xb, bf16, kRows, V);
+      a.policy.temperature = temperature;
+      std::vector<float> want(x.size()), got(x.size());
+      a.probs = want.data();
+      CHECK(apply_policy_cpu(a).ok());
+      a.probs = got.data();
+      CHECK((bf16 ? sim_apply_policy_block<BFloat16, 32>(a) : sim_apply_policy_block<float, 32>(a)).ok());
+      CHECK(policy_rows_differ(got, want, kRows, V) == 0);
+      CHECK((bf16 ? sim_apply_policy_block<BFloat16, 96>(a) : sim_apply_policy_block<float, 96>(a)).ok());
+      CHECK(policy_rows_differ(got, want, kRows, V) == 0);
+      for (int device : {kNoSplit, kH200}) {  // the launcher: 512 threads a row, or split
+        g_sim_device = device;
+        std::fill(got.begin(), got.end(), -1.0f);
+        CHECK(sim_apply_policy(a).ok());
+        CHECK(policy_rows_differ(got, want, kRows, V) == 0);
       }
+      g_sim_device = kH200;
+      // Row 3: all of its mass on the one finite logit; row 0: the maximum's probability
+      // is 1 / Z (its weight is exactly 1).
+      CHECK(want[static_cast<size_t>(3 * V + 7 * kStatsTile + 1)] == 1.0f);
+      const float p_max = want[static_cast<size_t>(V - 1)];
+      CHECK(p_max > 0.99f && p_max <= 1.0f);
     }
   }
-  g_sim_sms = 132;
 }
 
 // ---- the filters' radix selection (block_ops.cuh filter_threshold) ---------------------
@@ -1019,11 +888,11 @@ void test_filters_match_the_cpu() {
         a.probs = want.data();
         CHECK(apply_policy_cpu(a).ok());
         a.probs = got.data();
-        CHECK((sim_apply_policy<float, 32>(a).ok()));
+        CHECK((sim_apply_policy_block<float, 32>(a).ok()));
         differ += policy_rows_differ(got, want, 1, n);
-        CHECK((sim_apply_policy<float, 64>(a).ok()));
+        CHECK((sim_apply_policy_block<float, 64>(a).ok()));
         differ += policy_rows_differ(got, want, 1, n);
-        CHECK((sim_apply_policy<float, kLaunchBlock>(a).ok()));
+        CHECK(sim_apply_policy(a).ok());
         differ += policy_rows_differ(got, want, 1, n);
         ++cases;
         // Ties are kept together: equal logits get equal probabilities, kept or not; count
@@ -1060,7 +929,7 @@ struct Traffic {
   size_t blocks;        // the most blocks of one launch that touched one logits row
 };
 
-// One op at the launchers' configuration (kLaunchBlock threads, their grids) on B = 1 row
+// One op through its launcher (ops.cu, on the simulated H200: rows split) on B = 1 row
 // (verify: K = 4 positions, drafts from q, a rejection at position 0) of a Llama-3
 // vocabulary, counted by the simulation (cuda_sim.h Traffic).
 Traffic measure(const std::string& op, const PolicyParams& policy) {
@@ -1083,7 +952,7 @@ Traffic measure(const std::string& op, const PolicyParams& policy) {
     if (op == "apply_policy") {
       cuda_sim::traffic.watch("logits", logits.data(), 1, V * sizeof(float));
       cuda_sim::traffic.watch("probs", probs.data(), 1, V * sizeof(float));
-      CHECK((sim_apply_policy<float, kLaunchBlock>(a).ok()));
+      CHECK(sim_apply_policy(a).ok());
       t.logit_passes = cuda_sim::traffic.max_read_passes("logits");
       t.write_passes = cuda_sim::traffic.max_write_passes("probs");
       t.blocks = cuda_sim::traffic.max_blocks_per_row("logits");
@@ -1098,7 +967,7 @@ Traffic measure(const std::string& op, const PolicyParams& policy) {
     int32_t token = -1;
     s.tokens = &token;
     cuda_sim::traffic.watch("probs", probs.data(), 1, V * sizeof(float));
-    CHECK(sim_sample<kLaunchBlock>(s).ok() && token >= 0);
+    CHECK(sim_sample(s).ok() && token >= 0);
     t.logit_passes = cuda_sim::traffic.max_read_passes("probs");
     t.blocks = cuda_sim::traffic.max_blocks_per_row("probs");
     return t;
@@ -1134,7 +1003,7 @@ Traffic measure(const std::string& op, const PolicyParams& policy) {
   const VerifyArgs a = c.args(&out);
   cuda_sim::traffic.watch("logits", c.logits.data(), 5, V * sizeof(float));
   cuda_sim::traffic.watch("q", c.draft_probs.data(), 4, V * sizeof(float));
-  CHECK(sim_verify<kLaunchBlock>(a).ok());
+  CHECK(sim_verify(a).ok());
   t.logit_passes = cuda_sim::traffic.max_read_passes("logits");
   t.q_passes = cuda_sim::traffic.max_read_passes("q");
   t.blocks = cuda_sim::traffic.max_blocks_per_row("logits");
@@ -1172,8 +1041,9 @@ void test_memory_traffic() {
   // residual masses and q's checks are found for every position at once
   // (block_residual_kernel, 32 blocks a row) where one block a row walked the positions'
   // rows in turn (the same passes, read by one SM: q 2 passes, a check and the mass).
-  // verify_tree (B = 1, tree_case's 6 nodes, drafts from q): logits 2.006 / 8.000, q
-  // 2.001 / 3.001: every node row's statistics in parallel (tree_policy_kernel or the
+  // verify_tree (B = 1, tree_case's 6 nodes, drafts from q): logits 2.004 / 8.004, q
+  // 2.008 / 3.008 (2.006 / 8.000, q 2.001 / 3.001 with the simulation's old 64-thread
+  // blocks in place of ops.cu's): every node row's statistics in parallel (tree_policy_kernel or the
   // split kernels, 32 blocks a row) before the walk, whose one block reads a row again
   // only for its draws and residuals; before, the walk's block checked every row (a
   // pass), then computed each visited row's statistics itself (1, or 7 with top-k +
@@ -1219,7 +1089,7 @@ void test_split_rows_match_the_cpu() {
   CHECK(split_plan(5, 1 << 20, 132).chunks == 32);  // at most kCudaSplitMaxChunks
   CHECK(split_plan(40, 1 << 20, 132).chunks == 7);  // two blocks an SM: ceil(264 / 40)
   for (int64_t V : {8192, 12289, 20000}) {
-    const SplitPlan plan = split_plan(2, V, g_sim_sms);
+    const SplitPlan plan = split_plan(2, V, sim_sms());
     CHECK(plan.chunks >= 2 && plan.chunks * plan.chunk_len >= V &&
           (plan.chunks - 1) * plan.chunk_len < V);
     // apply_policy, then sample, on two rows.
@@ -1237,7 +1107,7 @@ void test_split_rows_match_the_cpu() {
       a.probs_row_stride = V;
       std::vector<float> got(x.size()), want(x.size());
       a.probs = got.data();
-      CHECK(sim_apply_policy<float>(a).ok());
+      CHECK(sim_apply_policy(a).ok());
       a.probs = want.data();
       CHECK(apply_policy_cpu(a).ok());
       CHECK(policy_rows_differ(got, want, 2, static_cast<int>(V)) == 0);
@@ -1269,7 +1139,7 @@ void test_split_rows_match_the_cpu() {
     a.probs_row_stride = V;
     std::vector<float> got(x.size(), 5.0f), want(x.size(), 5.0f);
     a.probs = got.data();
-    const OpStatus sim_bad = sim_apply_policy<float>(a);
+    const OpStatus sim_bad = sim_apply_policy(a);
     a.probs = want.data();
     const OpStatus cpu_bad = apply_policy_cpu(a);
     CHECK(sim_bad.code == StatusCode::kNanOrInfLogits && sim_bad.row == 1 &&
@@ -1280,7 +1150,7 @@ void test_split_rows_match_the_cpu() {
     bad[static_cast<size_t>(V + V - 3)] = 1.0f;
     bad[static_cast<size_t>(V + plan.chunk_len + 1)] = 1.0f;
     a.probs = got.data();
-    const OpStatus masked = sim_apply_policy<float>(a);
+    const OpStatus masked = sim_apply_policy(a);
     CHECK(masked.code == StatusCode::kNanOrInfLogits && masked.row == 0 && masked.col == -1);
     std::vector<float> probs(static_cast<size_t>(2 * V), 0.0f);
     probs[static_cast<size_t>(V + 5)] = 1.0f;
@@ -1311,7 +1181,7 @@ void test_split_rows_match_the_cpu() {
           c.method = method;
           for (uint64_t seed = 1; seed <= 6; ++seed) {
             c.seed = seed;
-            const VerifyOut sim = c.run_with(sim_verify<>), cpu = c.run();
+            const VerifyOut sim = c.run_with(sim_verify), cpu = c.run();
             CHECK(sim.status.ok() && cpu.status.ok());
             for (int64_t b = 0; b < c.batch; ++b) CHECK(sim.row_equal(cpu, b, c.k));
           }
@@ -1320,15 +1190,14 @@ void test_split_rows_match_the_cpu() {
     }
   }
   // Without the split (no SMs to fill), the same results: the split changes nothing.
-  const int sms = g_sim_sms;
-  g_sim_sms = 0;
+  g_sim_device = kNoSplit;
   VerifyCase c = perturbed_case(12289, 9, 1.0f);
   c.batch = 2;
   c.num_draft = {3, 2};
   c.policy = PolicyParams{};
-  const VerifyOut one_block = c.run_with(sim_verify<>);
-  g_sim_sms = sms;
-  const VerifyOut split = c.run_with(sim_verify<>);
+  const VerifyOut one_block = c.run_with(sim_verify);
+  g_sim_device = kH200;
+  const VerifyOut split = c.run_with(sim_verify);
   for (int64_t b = 0; b < c.batch; ++b) CHECK(split.row_equal(one_block, b, c.k));
 }
 
@@ -1391,17 +1260,17 @@ void test_split_filters_match_the_cpu() {
         std::vector<float> want(x.size(), 7.0f), got(x.size(), 7.0f);
         a.probs = want.data();
         const OpStatus cpu = apply_policy_cpu(a);
-        for (int sms : {132, 0}) {
-          g_sim_sms = sms;
+        for (int device : {kH200, kNoSplit}) {
+          g_sim_device = device;
           std::fill(got.begin(), got.end(), 7.0f);
           a.probs = got.data();
-          const OpStatus sim = bf16 ? sim_apply_policy<BFloat16>(a) : sim_apply_policy<float>(a);
+          const OpStatus sim = sim_apply_policy(a);
           CHECK(same_fault(sim, cpu));
           differ += policy_rows_differ(got, want, kRows, V);
-          split_cases += sms > 0;
+          split_cases += device == kH200;
           ++cases;
         }
-        g_sim_sms = 132;
+        g_sim_device = kH200;
       }
     }
     // A fault in a filtered split row: the lowest bad index of its row, its probabilities 0.
@@ -1413,7 +1282,7 @@ void test_split_filters_match_the_cpu() {
     a.policy = scalar_policy(1.0f, 50, 0.9f, 0.0f);
     std::vector<float> got(x.size(), 7.0f), want(x.size(), 7.0f);
     a.probs = got.data();
-    const OpStatus sim_bad = sim_apply_policy<float>(a);
+    const OpStatus sim_bad = sim_apply_policy(a);
     a.probs = want.data();
     const OpStatus cpu_bad = apply_policy_cpu(a);
     CHECK(!cpu_bad.ok() && same_fault(sim_bad, cpu_bad));
@@ -1461,23 +1330,43 @@ void test_split_filters_match_the_cpu() {
   CHECK(tally.differ == 0 && tally.rejected * 5 >= tally.rows && tally.accepted * 5 >= tally.rows);
 }
 
+// Runs one test and says how long it took (the suite's time is watched: make test).
+void run(const char* name, void (*test)()) {
+  const auto start = std::chrono::steady_clock::now();
+  test();
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+  std::printf("%-40s %6.1f s\n", name, took.count());
+}
+
 }  // namespace
 
 int main() {
-  test_apply_policy();
-  test_sample();
-  test_sample_keyed();
-  test_verify_matches_the_cpu();
-  test_verify_faults();
-  test_verify_seed_pointers_and_no_drafts();
-  test_block_verify_matches_the_cpu();
-  test_verify_tree_matches_the_cpu();
-  test_verify_tree_faults();
-  test_launch_block_size_at_a_large_vocabulary();
-  test_split_rows_match_the_cpu();
-  test_tiles_match_the_cpu();
-  test_filters_match_the_cpu();
-  test_split_filters_match_the_cpu();
-  test_memory_traffic();
+  run("apply_policy", test_apply_policy);
+  run("sample", test_sample);
+  run("sample_keyed", test_sample_keyed);
+  run("verify_matches_the_cpu", test_verify_matches_the_cpu);
+  run("verify_faults", test_verify_faults);
+  run("verify_seed_pointers_and_no_drafts", test_verify_seed_pointers_and_no_drafts);
+  run("block_verify_matches_the_cpu", test_block_verify_matches_the_cpu);
+  run("verify_tree_matches_the_cpu", test_verify_tree_matches_the_cpu);
+  run("verify_tree_faults", test_verify_tree_faults);
+  run("launchers_at_a_large_vocabulary", test_launchers_at_a_large_vocabulary);
+  run("split_rows_match_the_cpu", test_split_rows_match_the_cpu);
+  run("tiles_match_the_cpu", test_tiles_match_the_cpu);
+  run("filters_match_the_cpu", test_filters_match_the_cpu);
+  run("split_filters_match_the_cpu", test_split_filters_match_the_cpu);
+  run("memory_traffic", test_memory_traffic);
+  // The launchers freed every workspace they allocated.
+  std::printf("launchers: %llu kernel launches, %llu workspaces allocated, %llu freed\n",
+              cuda_sim::runtime.launches, cuda_sim::runtime.allocations, cuda_sim::runtime.frees);
+  CHECK(cuda_sim::runtime.launches > 1000 && cuda_sim::runtime.allocations > 100);
+  CHECK(cuda_sim::runtime.allocations == cuda_sim::runtime.frees);
+  // Every kernel's shared memory was poisoned before each block (cuda_sim.h): the objects
+  // of the launchers' kernels are found (BlockOps, RadixScratch, tile records, ...).
+  size_t shared_bytes = 0;
+  for (const auto& o : cuda_sim::shared_objects()) shared_bytes += o.bytes;
+  std::printf("shared memory: %zu objects, %zu bytes poisoned before each block\n",
+              cuda_sim::shared_objects().size(), shared_bytes);
+  CHECK(cuda_sim::shared_objects().size() >= 40 && shared_bytes > 500000);
   return native_check::check_summary("test_cuda_sim_kernels");
 }

@@ -33,6 +33,10 @@
 
 #include "verispec/philox.h"
 
+#if defined(__CUDACC__) || defined(VERISPEC_CUDA_SIM)
+#include <cuda_fp16.h>  // __half2float (the simulation has a stand-in)
+#endif
+
 namespace verispec {
 
 // Residual mass below which a rejection samples from p instead (the roundoff rule).
@@ -191,9 +195,7 @@ VERISPEC_HD inline float bf16_to_float(uint16_t bits) {
 
 VERISPEC_HD inline float fp16_to_float(uint16_t h) {
 #if defined(__CUDA_ARCH__)
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
+  return __half2float(__ushort_as_half(h));  // cvt.f32.f16: exact
 #else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;

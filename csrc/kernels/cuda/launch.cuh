@@ -4,6 +4,8 @@
 
 #include <cuda_runtime.h>
 
+#include <utility>
+
 #include "../common.h"
 
 namespace verispec {
@@ -11,6 +13,20 @@ namespace kernels {
 namespace cuda {
 
 OpStatus cuda_error_status(cudaError_t e);
+
+// kernel<<<grid, block, 0, stream>>>(args...): every launch of the launchers goes through
+// here, so that the host simulation (csrc/tests/cuda_sim/, which defines
+// VERISPEC_CUDA_SIM) runs ops.cu's own launch sequence, grids and block sizes: there,
+// each block of the grid runs in turn, one fiber a thread.
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), unsigned grid, int block, cudaStream_t stream,
+                   Args&&... args) {
+#if defined(VERISPEC_CUDA_SIM)
+  cuda_sim::launch(grid, block, stream, [&] { kernel(args...); });
+#else
+  kernel<<<grid, block, 0, stream>>>(std::forward<Args>(args)...);
+#endif
+}
 
 // One launcher call: makes launch.device current for its scope, takes the caller's
 // workspace or allocates one stream-ordered, and turns the error record into a status.

@@ -26,13 +26,14 @@ void split_filter_launches(const Rows& rows, int64_t n_rows, const PolicyParams&
                            cudaStream_t stream) {
   const auto grid = static_cast<unsigned>(n_rows);
   const auto split_grid = static_cast<unsigned>(n_rows * plan.chunks);
-  split_filter_begin_kernel<kSplitBlock><<<grid, kSplitBlock, 0, stream>>>(rows, vocab, plan, chunks);
+  launch_kernel(split_filter_begin_kernel<kSplitBlock, Rows>, grid, kSplitBlock, stream, rows,
+                vocab, plan, chunks);
   for_each_filter_step(policy, vocab, [&](int step) {
-    split_filter_pass_kernel<T, kSplitBlock>
-        <<<split_grid, kSplitBlock, 0, stream>>>(rows, vocab, plan, chunks, step);
+    launch_kernel(split_filter_pass_kernel<T, kSplitBlock, Rows>, split_grid, kSplitBlock, stream,
+                  rows, vocab, plan, chunks, step);
     if (step < kFilterSteps) {
-      split_filter_select_kernel<kSplitBlock>
-          <<<grid, kSplitBlock, 0, stream>>>(rows, vocab, chunks, step);
+      launch_kernel(split_filter_select_kernel<kSplitBlock, Rows>, grid, kSplitBlock, stream, rows,
+                    vocab, chunks, step);
     }
   });
 }
@@ -59,20 +60,22 @@ OpStatus apply_policy_cuda(const ApplyPolicyArgs& a, const CudaLaunch& launch) {
       auto* chunks = static_cast<ChunkStats*>(op.split());
       const auto split_grid = static_cast<unsigned>(a.rows * plan.chunks);
       const PolicyRows<T> rows{a};
-      split_stats_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
-          rows, a.vocab, plan, chunks);
+      launch_kernel(split_stats_kernel<T, kSplitBlock, PolicyRows<T>>, split_grid, kSplitBlock,
+                    op.stream(), rows, a.vocab, plan, chunks);
       if (filter) {
         split_filter_launches<T>(rows, a.rows, a.policy, a.vocab, plan, chunks, op.stream());
-        apply_policy_split_write_kernel<T, kSplitBlock, true>
-            <<<split_grid, kSplitBlock, 0, op.stream()>>>(a, plan, chunks, op.record());
+        launch_kernel(apply_policy_split_write_kernel<T, kSplitBlock, true>, split_grid,
+                      kSplitBlock, op.stream(), a, plan, chunks, op.record());
       } else {
-        apply_policy_split_write_kernel<T, kSplitBlock, false>
-            <<<split_grid, kSplitBlock, 0, op.stream()>>>(a, plan, chunks, op.record());
+        launch_kernel(apply_policy_split_write_kernel<T, kSplitBlock, false>, split_grid,
+                      kSplitBlock, op.stream(), a, plan, chunks, op.record());
       }
     } else if (filter) {
-      apply_policy_kernel<T, kBlock, true><<<grid, kBlock, 0, op.stream()>>>(a, op.record());
+      launch_kernel(apply_policy_kernel<T, kBlock, true>, grid, kBlock, op.stream(), a,
+                    op.record());
     } else {
-      apply_policy_kernel<T, kBlock, false><<<grid, kBlock, 0, op.stream()>>>(a, op.record());
+      launch_kernel(apply_policy_kernel<T, kBlock, false>, grid, kBlock, op.stream(), a,
+                    op.record());
     }
   });
   s = op.finish(OpKind::kApplyPolicy);
@@ -97,15 +100,15 @@ OpStatus sample_cuda(const SampleArgs& a, const CudaLaunch& launch) {
     auto* chunks = static_cast<ChunkStats*>(op.split());
     const auto split_grid = static_cast<unsigned>(a.rows * plan.chunks);
     const SampleRows rows{a};
-    split_max_kernel<kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
-        rows, a.vocab, plan, chunks);
-    split_sum_kernel<kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
-        rows, a.vocab, plan, chunks);
-    sample_split_pick_kernel<kSplitBlock>
-        <<<static_cast<unsigned>(a.rows), kSplitBlock, 0, op.stream()>>>(a, plan, chunks,
-                                                                         op.record());
+    launch_kernel(split_max_kernel<kSplitBlock>, split_grid, kSplitBlock, op.stream(), rows,
+                  a.vocab, plan, chunks);
+    launch_kernel(split_sum_kernel<kSplitBlock>, split_grid, kSplitBlock, op.stream(), rows,
+                  a.vocab, plan, chunks);
+    launch_kernel(sample_split_pick_kernel<kSplitBlock>, static_cast<unsigned>(a.rows), kSplitBlock,
+                  op.stream(), a, plan, chunks, op.record());
   } else {
-    sample_kernel<kBlock><<<static_cast<unsigned>(a.rows), kBlock, 0, op.stream()>>>(a, op.record());
+    launch_kernel(sample_kernel<kBlock>, static_cast<unsigned>(a.rows), kBlock, op.stream(), a,
+                  op.record());
   }
   s = op.finish(OpKind::kSample);
   if (s.code == StatusCode::kInvalidProbs && s.col >= 0) {
@@ -138,34 +141,34 @@ OpStatus verify_cuda(const VerifyArgs& a, const CudaLaunch& launch) {
       auto* chunks = static_cast<ChunkStats*>(op.split());
       const auto split_grid = static_cast<unsigned>(a.batch * width * plan.chunks);
       const VerifyRows<T> rows{a};
-      split_stats_kernel<T, kSplitBlock><<<split_grid, kSplitBlock, 0, op.stream()>>>(
-          rows, a.vocab, plan, chunks);
+      launch_kernel(split_stats_kernel<T, kSplitBlock, VerifyRows<T>>, split_grid, kSplitBlock,
+                    op.stream(), rows, a.vocab, plan, chunks);
       if (filter) {
         split_filter_launches<T>(rows, a.batch * width, a.policy, a.vocab, plan, chunks,
                                  op.stream());
-        verify_split_stats_kernel<T, true>
-            <<<positions, 32, 0, op.stream()>>>(a, plan, chunks, stats, op.record());
+        launch_kernel(verify_split_stats_kernel<T, true>, positions, 32, op.stream(), a, plan,
+                      chunks, stats, op.record());
       } else {
-        verify_split_stats_kernel<T, false>
-            <<<positions, 32, 0, op.stream()>>>(a, plan, chunks, stats, op.record());
+        launch_kernel(verify_split_stats_kernel<T, false>, positions, 32, op.stream(), a, plan,
+                      chunks, stats, op.record());
       }
     } else if (filter) {
-      verify_policy_kernel<T, kBlock, true>
-          <<<positions, kBlock, 0, op.stream()>>>(a, stats, op.record());
+      launch_kernel(verify_policy_kernel<T, kBlock, true>, positions, kBlock, op.stream(), a, stats,
+                    op.record());
     } else {
-      verify_policy_kernel<T, kBlock, false>
-          <<<positions, kBlock, 0, op.stream()>>>(a, stats, op.record());
+      launch_kernel(verify_policy_kernel<T, kBlock, false>, positions, kBlock, op.stream(), a,
+                    stats, op.record());
     }
     if (verify_needs_block_residuals(a) && plan.chunks > 1) {
-      block_residual_kernel<T, kSplitBlock>
-          <<<static_cast<unsigned>(a.batch * width * plan.chunks), kSplitBlock, 0, op.stream()>>>(
-              a, plan, stats);
+      launch_kernel(block_residual_kernel<T, kSplitBlock>,
+                    static_cast<unsigned>(a.batch * width * plan.chunks), kSplitBlock, op.stream(),
+                    a, plan, stats);
     } else if (verify_needs_block_residuals(a)) {
-      block_residual_kernel<T, kBlock>
-          <<<positions, kBlock, 0, op.stream()>>>(a, plan, stats);
+      launch_kernel(block_residual_kernel<T, kBlock>, positions, kBlock, op.stream(), a, plan,
+                    stats);
     }
-    verify_sample_kernel<T, kBlock>
-        <<<static_cast<unsigned>(a.batch), kBlock, 0, op.stream()>>>(a, stats, op.record());
+    launch_kernel(verify_sample_kernel<T, kBlock>, static_cast<unsigned>(a.batch), kBlock,
+                  op.stream(), a, stats, op.record());
   });
   s = op.finish(OpKind::kVerify);
   switch (s.code) {
@@ -203,22 +206,23 @@ OpStatus verify_tree_cuda(const VerifyTreeArgs& a, const CudaLaunch& launch) {
     if (plan.chunks > 1) {  // few node rows: each split over plan.chunks blocks
       auto* chunks = static_cast<ChunkStats*>(op.split());
       const TreeRows<T> rows{a};
-      split_stats_kernel<T, kSplitBlock>
-          <<<static_cast<unsigned>(positions * plan.chunks), kSplitBlock, 0, op.stream()>>>(
-              rows, a.vocab, plan, chunks);
+      launch_kernel(split_stats_kernel<T, kSplitBlock, TreeRows<T>>,
+                    static_cast<unsigned>(positions * plan.chunks), kSplitBlock, op.stream(), rows,
+                    a.vocab, plan, chunks);
       if (filter) {
         split_filter_launches<T>(rows, positions, a.policy, a.vocab, plan, chunks, op.stream());
-        tree_split_stats_kernel<true><<<grid, 32, 0, op.stream()>>>(a, plan, chunks, stats);
+        launch_kernel(tree_split_stats_kernel<true>, grid, 32, op.stream(), a, plan, chunks, stats);
       } else {
-        tree_split_stats_kernel<false><<<grid, 32, 0, op.stream()>>>(a, plan, chunks, stats);
+        launch_kernel(tree_split_stats_kernel<false>, grid, 32, op.stream(), a, plan, chunks,
+                      stats);
       }
     } else if (filter) {
-      tree_policy_kernel<T, kBlock, true><<<grid, kBlock, 0, op.stream()>>>(a, stats);
+      launch_kernel(tree_policy_kernel<T, kBlock, true>, grid, kBlock, op.stream(), a, stats);
     } else {
-      tree_policy_kernel<T, kBlock, false><<<grid, kBlock, 0, op.stream()>>>(a, stats);
+      launch_kernel(tree_policy_kernel<T, kBlock, false>, grid, kBlock, op.stream(), a, stats);
     }
-    verify_tree_kernel<T, kBlock><<<static_cast<unsigned>(a.batch), kBlock, 0, op.stream()>>>(
-        a, scratch, stats, op.record());
+    launch_kernel(verify_tree_kernel<T, kBlock>, static_cast<unsigned>(a.batch), kBlock,
+                  op.stream(), a, scratch, stats, op.record());
   });
   s = op.finish(OpKind::kVerifyTree);
   switch (s.code) {

@@ -8,8 +8,26 @@
 // running after the write. A barrier that can never be released (a thread returned while
 // the others wait, or a warp split at a shuffle) aborts with a message rather than hang.
 // It checks logic, not speed or the memory ordering of a real GPU. The CUB stand-ins are
-// in cub_stand_in.h.
+// in cub_stand_in.h, the CUDA runtime's (the launchers of ops.cu run here whole) in
+// cuda_runtime.h.
+//
+// The device passes: __CUDA_ARCH__ is defined, so the shared headers compile their
+// device-only branches (sampling_math.h's __float2ull_rz, __umul64hi, __fmul_rn, ...),
+// and the intrinsics below are host twins of what CUDA defines them to compute. Those
+// branches are then what the simulation checks against the CPU, not the host's. The
+// functions both backends share (VERISPEC_HD, verispec/host_device.h) carry an ABI tag
+// here, so that their device versions are symbols of their own and never stand in for
+// the host versions the CPU launchers of the same program call. A file that includes
+// this header must not include CPU kernel code (kernels/cpu/): it compares with the CPU
+// launchers of the library.
+//
+// Shared memory: every __shared__ object of the device code starts each block filled with
+// garbage (a different byte each block), as a GPU's shared memory holds whatever the last
+// block left: a read before the block's own write shows.
 #pragma once
+
+#define __CUDA_ARCH__ 900
+#define VERISPEC_CUDA_SIM 1
 
 #include <algorithm>
 #include <cmath>
@@ -18,6 +36,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+
+#include <elf.h>
+#include <fcntl.h>
+#include <link.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <memory>
 #include <random>
 #include <set>
@@ -45,12 +70,13 @@ namespace cuda_sim {
 #if defined(__x86_64__) && !defined(CUDA_SIM_UCONTEXT)  // the define: test the fallback
 extern "C" void cuda_sim_switch(void** save_sp, void* load_sp);
 extern "C" void cuda_sim_trampoline();
-// cuda_sim_switch: push the callee-saved registers and the x87/SSE control words, save
+// Weak symbols: every file of a program that includes this header assembles them, and the
+// linker keeps one. cuda_sim_switch: push the callee-saved registers and the x87/SSE control words, save
 // rsp, load the other rsp, pop the same. cuda_sim_trampoline: the first return of a new
 // fiber lands here with its entry function in r12 and the argument in rbx.
 asm(R"(
   .text
-  .globl cuda_sim_switch
+  .weak cuda_sim_switch
   .type cuda_sim_switch, @function
 cuda_sim_switch:
   pushq %rbp
@@ -76,7 +102,7 @@ cuda_sim_switch:
   ret
   .size cuda_sim_switch, .-cuda_sim_switch
 
-  .globl cuda_sim_trampoline
+  .weak cuda_sim_trampoline
   .type cuda_sim_trampoline, @function
 cuda_sim_trampoline:
   movq %rbx, %rdi
@@ -138,9 +164,45 @@ inline void jump(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); 
 #define __forceinline__ inline
 #define __global__
 #define __launch_bounds__(...)
-// Shared memory: one object per kernel for every simulated thread. Blocks run one after
-// another (run_grid), so a block has it to itself, as on the GPU.
-#define __shared__ static
+// Shared memory: one object per kernel for every simulated thread (they all run on the
+// calling OS thread). Blocks run one after another (run_grid), so a block has it to
+// itself, as on the GPU. thread_local marks the objects as shared memory in the program's
+// symbol table (STT_TLS; a section attribute would be dropped by GCC in templates), where
+// Block::run finds them to fill with garbage before each block (shared_objects).
+#define __shared__ static thread_local
+
+// ---- host twins of the device intrinsics -------------------------------------------------
+// What the CUDA Math API and PTX define each to compute, on the host. Float arithmetic
+// is IEEE binary32 with round to nearest even on both (the simulation's programs build
+// with -ffp-contract=off, so no product here is fused with an add).
+inline unsigned int __float_as_uint(float x) {
+  unsigned int u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+inline float __uint_as_float(unsigned int u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+// cvt.rzi.u64.f32: truncation toward zero, saturated to [0, 2^64 - 1]; NaN gives 0.
+inline unsigned long long __float2ull_rz(float x) {
+  if (!(x > 0.0f)) return 0;
+  if (x >= 18446744073709551616.0f) return ~0ull;
+  return static_cast<unsigned long long>(x);
+}
+// cvt.rn.f32.u64: the nearest float, ties to even.
+inline float __ull2float_rn(unsigned long long x) { return static_cast<float>(x); }
+// The high halves of the full products.
+inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+  return static_cast<unsigned long long>((static_cast<unsigned __int128>(a) * b) >> 64);
+}
+inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+  return static_cast<unsigned int>((static_cast<unsigned long long>(a) * b) >> 32);
+}
 
 namespace cuda_sim {
 
@@ -346,7 +408,9 @@ T __shfl_xor_sync(unsigned, T value, int lane_mask) {
 
 inline int atomicAdd(int* address, int value) {
   const int old = *address;  // fibers: no other thread runs meanwhile
-  *address = old + value;
+  // wraps on overflow, as the GPU's does (garbage in a histogram must fail a comparison,
+  // not stop the program)
+  *address = static_cast<int>(static_cast<unsigned>(old) + static_cast<unsigned>(value));
   return old;
 }
 
@@ -418,7 +482,69 @@ inline bool Block::release() {
   return true;
 }
 
+// The __shared__ objects of the program: the thread-local statics of functions of the
+// device code (namespace verispec::kernels::cuda) and of the simulation's own test kernels
+// (namespace cuda_sim), read from the executable's symbol table, at their addresses in
+// this thread's TLS block. Host code declares no thread_local there.
+struct SharedObject {
+  char* at;
+  size_t bytes;
+};
+
+inline const std::vector<SharedObject>& shared_objects() {
+  static const std::vector<SharedObject> objects = [] {
+    std::vector<SharedObject> found;
+    char* tls = nullptr;  // the executable (the first module) and its TLS block
+    dl_iterate_phdr(
+        [](dl_phdr_info* info, size_t, void* out) {
+          *static_cast<char**>(out) = static_cast<char*>(info->dlpi_tls_data);
+          return 1;
+        },
+        &tls);
+    const int fd = open("/proc/self/exe", O_RDONLY);
+    struct stat st {};
+    if (tls == nullptr || fd < 0 || fstat(fd, &st) != 0) {
+      std::fprintf(stderr, "cuda_sim: cannot find the __shared__ objects\n");
+      std::abort();
+    }
+    void* map = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    const auto* base = static_cast<const char*>(map);
+    const auto* eh = reinterpret_cast<const Elf64_Ehdr*>(base);
+    const auto* sh = reinterpret_cast<const Elf64_Shdr*>(base + eh->e_shoff);
+    for (int i = 0; i < eh->e_shnum; ++i) {
+      if (sh[i].sh_type != SHT_SYMTAB) continue;
+      const auto* sym = reinterpret_cast<const Elf64_Sym*>(base + sh[i].sh_offset);
+      const char* names = base + sh[sh[i].sh_link].sh_offset;
+      for (size_t j = 0; j < sh[i].sh_size / sizeof(Elf64_Sym); ++j) {
+        const char* name = names + sym[j].st_name;
+        if (ELF64_ST_TYPE(sym[j].st_info) != STT_TLS || sym[j].st_size == 0 ||
+            sym[j].st_shndx == SHN_UNDEF) {
+          continue;
+        }
+        if (std::strncmp(name, "_ZZN8verispec7kernels4cuda", 26) == 0 ||
+            std::strncmp(name, "_ZZN8cuda_sim", 13) == 0) {
+          found.push_back(SharedObject{tls + sym[j].st_value, sym[j].st_size});
+        }
+      }
+    }
+    munmap(map, static_cast<size_t>(st.st_size));
+    return found;
+  }();
+  return objects;
+}
+
+// Garbage in every __shared__ object before a block runs: a byte that changes from block
+// to block (never 0, which would pass for a cleared histogram or sum).
+inline void poison_shared_memory() {
+  static unsigned round = 0;
+  static const unsigned char kBytes[] = {0xa5, 0xff, 0x7f, 0x81, 0x3c, 0xc3, 0x01, 0xfe};
+  const unsigned char byte = kBytes[round++ % sizeof kBytes];
+  for (const SharedObject& o : shared_objects()) std::memset(o.at, byte, o.bytes);
+}
+
 inline void Block::run(const std::function<void()>& fn, unsigned block_index) {
+  poison_shared_memory();
   fn_ = &fn;
   blockIdx.x = block_index;
   or_pending = or_released = 0;
@@ -470,9 +596,19 @@ inline void run_block(int threads, const std::function<void()>& fn, unsigned blo
   block.run(fn, block_index);
 }
 
+// The fibers' stacks of a block size, allocated once for the program.
+inline Block& block_of(int threads) {
+  static std::vector<std::unique_ptr<Block>> blocks;
+  for (auto& b : blocks) {
+    if (b->threads() == threads) return *b;
+  }
+  blocks.push_back(std::make_unique<Block>(threads));
+  return *blocks.back();
+}
+
 inline void run_grid(unsigned grid, int threads, const std::function<void()>& fn) {
   traffic.next_launch();
-  Block block(threads);  // stacks allocated once for the grid
+  Block& block = block_of(threads);
   for (unsigned b = 0; b < grid; ++b) block.run(fn, b);
 }
 
