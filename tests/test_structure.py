@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "verispec.models.testing", "verispec.models"]),
     ("drafters", ["verispec.drafters", "verispec.drafters.*"]),
     ("decoder", ["verispec.decoder", "verispec.distributed"]),
+    ("training", ["verispec.training", "verispec.training.*"]),
     ("applications", ["verispec.benchmark", "verispec.lab", "verispec.server",
                       "verispec.server.*", "verispec.cli", "verispec.cli.*",
                       "verispec.__main__"]),

@@ -15,6 +15,7 @@ from verispec.cli.generate import cmd_generate
 from verispec.cli.info import cmd_info
 from verispec.cli.lab import cmd_lab
 from verispec.cli.serve import cmd_serve
+from verispec.cli.train_head import add_parser as _add_train_head
 
 NGRAM_MAX_N = 64  # the longest suffix NGram matches (verispec.drafters.NGram)
 
@@ -198,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run 'verispec <command> --help' for a command's options.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     commands = parser.add_subparsers(dest="command", metavar="<command>")
-    for add in (_add_generate, _add_serve, _add_lab, _add_bench, _add_info):
+    for add in (_add_generate, _add_serve, _add_lab, _add_bench, _add_info, _add_train_head):
         add(commands)
     return parser
 
