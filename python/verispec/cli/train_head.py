@@ -84,8 +84,10 @@ def add_parser(commands) -> None:
     p.add_argument("--ttt-steps", type=_int_at_least(1), default=t.ttt_steps,
                    help="training-time-test steps (default: %(default)s)")
     steps = p.add_mutually_exclusive_group()
-    steps.add_argument("--epochs", type=_int_at_least(1), default=t.epochs,
-                       help="passes over the data (default: %(default)s)")
+    # default None, resolved below: argparse misses the conflict with --steps when the
+    # value given is the default object itself (--epochs 2 --steps 3)
+    steps.add_argument("--epochs", type=_int_at_least(1),
+                       help=f"passes over the data (default: {t.epochs})")
     steps.add_argument("--steps", type=_int_at_least(1), help="optimizer steps instead of --epochs")
     p.add_argument("--lr", type=_float_in(0, 1, low_open=True), default=t.lr,
                    help="peak learning rate (default: %(default)s)")
@@ -132,7 +134,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
         raise UsageError(f"argument --model: expected a target that writes its hidden states "
                          f"(a verispec LlamaModel or HFModel), got {type(target).__name__}")
     cfg = TrainConfig(ttt_steps=args.ttt_steps, lr=args.lr, batch_tokens=args.batch_tokens,
-                      epochs=args.epochs if args.steps is None else 0,
+                      epochs=(args.epochs or TrainConfig.epochs) if args.steps is None else 0,
                       steps=args.steps or 0, seed=args.seed)
     opts = TrainHeadOptions(prompts_file=args.prompts, num_prompts=args.num_prompts,
                             max_answer_tokens=args.max_answer_tokens,
