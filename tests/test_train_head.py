@@ -138,8 +138,8 @@ def test_an_interrupted_run_resumed_gives_the_same_weights(toy, tmp_path):
 
 
 def test_the_same_loop_from_another_seed_or_position_differs(toy, tmp_path):
-    """Power of the bit-identity check: one step more, or another seed, changes the
-    weights; a checkpoint resumed without its optimizer state would too."""
+    """Power of the bit-identity check: the loop is deterministic, and one step more or
+    another seed changes the weights."""
     target, _, out, _ = toy
     store = FeatureStore.open(os.path.join(out, STATE, "features"))
     vocab = DraftVocab(torch.tensor(_read_json(os.path.join(out, STATE, "vocab.json"))
@@ -157,12 +157,12 @@ def test_the_same_loop_from_another_seed_or_position_differs(toy, tmp_path):
         trainer.run()
         return {n: p.detach().clone() for n, p in trainer.module.named().items()}
 
-    a = weights(5, 4, tmp_path / "a")
-    b = weights(5, 4, tmp_path / "b")
+    a = weights(5, 2, tmp_path / "a")
+    b = weights(5, 2, tmp_path / "b")
     assert all(torch.equal(a[n], b[n]) for n in a)           # deterministic
-    c = weights(6, 4, tmp_path / "c")
+    c = weights(6, 2, tmp_path / "c")
     assert not all(torch.equal(a[n], c[n]) for n in a)
-    d = weights(5, 5, tmp_path / "d")
+    d = weights(5, 3, tmp_path / "d")
     assert not all(torch.equal(a[n], d[n]) for n in a)
 
 
