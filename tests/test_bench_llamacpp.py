@@ -26,7 +26,7 @@ def test_without_llama_cpp(tmp_path):
             f"sys.argv = [{str(BENCH)!r}, '--max-new-tokens', '2', '--repeats', '1', "
             f"'--prompts', 'chat', '--out', {str(out)!r}]; "
             f"runpy.run_path({str(BENCH)!r}, run_name='__main__')")
-    p = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     bench = _bench()
     assert bench.INSTALL_HINT in p.stderr and "llama.cpp: not measured" in p.stdout

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from verispec import _C, ops
-from verispec.models.quantized import QUANT_FORMATS
+from verispec.models.layers.quantized import QUANT_FORMATS
 from verispec.models.testing import QUANT_HALF_FIELDS, random_quant_blocks
 
 INT8_PATHS = ["scalar", "avx2-maddubs", "avx-vnni", "avx512-vnni"]
