@@ -47,9 +47,9 @@ class TrainConfig:
         if not self.lr > 0:
             fail("lr", "> 0")
         if not 0 <= self.hard_weight <= 1:
-            fail("hard_weight", "in [0, 1]")
+            fail("hard_weight", "a weight from 0 to 1")
         if not 0 < self.step_weight <= 1:
-            fail("step_weight", "in (0, 1]")
+            fail("step_weight", "a weight above 0 and at most 1")
 
 
 
