@@ -85,10 +85,10 @@ def _model(folder, variant):
     return model
 
 
-def _script(runner, vocab, seed=2):
-    """Prefill 3 rows, decode, a ragged verify, rollbacks (rejected drafts) and their
-    slots written again, a single row: yields after each forward {seq: tokens so far},
-    the rows it ran and their logits."""
+def _script(runner, vocab, seed=2, decode_steps=4):
+    """Prefill 3 rows, ``decode_steps`` decode steps, a ragged verify, rollbacks (rejected
+    drafts) and their slots written again, a single row: yields after each forward {seq:
+    tokens so far}, the rows it ran and their logits."""
     g = torch.Generator().manual_seed(seed)
 
     def tok(n):
@@ -104,7 +104,7 @@ def _script(runner, vocab, seed=2):
         return history, list(new), logits
 
     yield step({s: history[s] for s in seqs})
-    for _ in range(4):
+    for _ in range(decode_steps):
         yield step({s: tok(1) for s in seqs})
     yield step({s: tok(n) for s, n in zip(seqs, (4, 1, 3))})
     first, last = seqs[0], seqs[-1]

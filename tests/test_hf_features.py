@@ -22,6 +22,7 @@ import torch
 import transformers
 from torch.overrides import TorchFunctionMode
 
+from test_features import _script as feature_script, _worst
 from test_hf_adapter import CONFIGS, VOCAB, _cfg, _reference
 from verispec import _C
 from verispec.decoder import SpecDecoder
@@ -94,38 +95,11 @@ def reference_states(model: HFModel, ref: torch.nn.Module, ids: list[int]) -> di
     return refs
 
 
-def _script(runner: PagedRunner, seed: int = 2):
-    """Prefill 3 rows, 6 decode steps (a captured program records, checks and replays),
-    a ragged verify, rollbacks and their slots written again, one row alone: yields after
-    each forward ({seq: tokens so far}, the rows it ran, their logits)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def tok(n):
-        return torch.randint(0, VOCAB, (n,), generator=g).tolist()
-
-    seqs = [runner.add_sequence() for _ in range(3)]
-    history = {s: tok(n) for s, n in zip(seqs, (11, 6, 1))}
-
-    def step(new):
-        for s, toks in new.items():
-            history[s] = history[s][:runner.length(s)] + list(toks)
-        logits = runner.step(new)
-        return history, list(new), logits
-
-    yield step({s: history[s] for s in seqs})
-    for _ in range(6):
-        yield step({s: tok(1) for s in seqs})
-    yield step({s: tok(n) for s, n in zip(seqs, (4, 1, 3))})
-    first, last = seqs[0], seqs[-1]
-    runner.rollback(first, runner.length(first) - 3)
-    runner.rollback(last, runner.length(last) - 1)
-    yield step({first: tok(2), last: tok(5)})
-    yield step({seqs[1]: tok(1)})
-
-
-def _worst(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.float().reshape(-1, ref.shape[-1]), ref.float().reshape(-1, ref.shape[-1])
-    return ((got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp(min=1e-30)).max().item()
+def _script(runner: PagedRunner):
+    """test_features' script (prefill 3 rows, decode, a ragged verify, rollbacks and
+    their slots written again, one row alone) with 6 decode steps, so a captured program
+    records, checks and replays."""
+    return feature_script(runner, VOCAB, decode_steps=6)
 
 
 def _check_against_transformers(model: HFModel, ref: torch.nn.Module, tol: float) -> float:
