@@ -26,12 +26,13 @@ VOCAB = 97
 
 
 def random_head(folder, *, vocab, hidden, layers, draft_vocab, seed=0, taps=None,
-                own_embedding=False, layout="speculators", **flags):
+                own_embedding=False, layout="speculators", intermediate_size=48, **flags):
     """A head of random weights for a target of ``hidden`` x ``layers`` and ``vocab``,
     drafting over ``draft_vocab`` ids (a random subset of the target's), saved
     in ``layout``; returns the folder."""
     g = torch.Generator().manual_seed(seed)
-    cfg = Eagle3Config(hidden_size=hidden, intermediate_size=48, num_attention_heads=4,
+    cfg = Eagle3Config(hidden_size=hidden, intermediate_size=intermediate_size,
+                       num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=vocab, draft_vocab_size=draft_vocab,
                        target_hidden_size=hidden,
                        tap_layers=taps or (1, 2, layers), num_taps=3,
@@ -342,3 +343,62 @@ def test_info_names_a_head(capsys, cli_target):
     line = [x for x in out.splitlines() if x.startswith("EAGLE-3 head")]
     assert line and "speculators layout" in line[0] and "taps entering target layers [1, 2, 3]" \
         in line[0] and "draft vocabulary" in line[0], out
+
+
+# --- the head's matrices in the native kernels ------------------------------------------
+
+
+def test_q8_0_quantization_is_within_half_a_step():
+    from verispec.models.layers.quantized import QuantizedMatrix
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 96, generator=g) * torch.logspace(-3, 1, 96)
+    m = QuantizedMatrix.quantize_q8_0(w)
+    # 34 bytes a block of 32; the packed layout (int8 arithmetic) pads to 16-row groups
+    assert m.formats == ("Q8_0",) and tuple(m.shape) == (40, 96) and m.nbytes in (40 * 102, 48 * 102)
+    d = (w.view(40, 3, 32).abs().amax(-1) / 127).half().float()
+    err = (m.dequantize() - w).view(40, 3, 32).abs()
+    assert bool((err <= d[..., None] * 0.5 + d[..., None] * 127 * 2 ** -11 + 1e-12).all())
+    x = torch.randn(5, 96, generator=g)
+    # quant_linear's int8 bound (x quantized per block of 32): sum_b amax_b / 254 sum |w|
+    dq = m.dequantize()
+    amax = x.view(5, 3, 32).abs().amax(-1)                            # [5, 3]
+    wsum = dq.abs().view(40, 3, 32).sum(-1)                           # [40, 3]
+    bound = 0.50003 / 127 * amax @ wsum.T + 1e-4 * (x.abs() @ dq.abs().T)
+    assert bool(((m.linear(x, 1) - x @ dq.T).abs() <= bound).all())
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantizedMatrix.quantize_q8_0(torch.zeros(4, 40))
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory):
+    """A target of hidden 64 (a head for it has rows of whole Q8_0 blocks)."""
+    folder = tmp_path_factory.mktemp("eagle3_target64")
+    _hf(VOCAB, hidden=64).save_pretrained(folder, safe_serialization=True)
+    return load_model(folder)
+
+
+def test_a_q8_0_head_drafts_like_its_float_self_and_stays_exact(tiny64, tmp_path):
+    target = tiny64
+    folder = random_head(tmp_path / "h", vocab=VOCAB, hidden=64, layers=3, draft_vocab=40,
+                         seed=2, intermediate_size=64)
+    native = Eagle3(target, folder)                    # auto: Q8_0 on the CPU
+    plain = Eagle3(target, folder, weights="float32")
+    assert native.weights["format"] == "Q8_0" and native.describe()["weights"] == "Q8_0"
+    assert native.weights["bytes"] * 3.5 < native.weights["float32_bytes"]
+    assert plain.weights["format"] == "float32"
+    g = torch.Generator().manual_seed(1)
+    taps = torch.randn(12, 3 * 64, generator=g)
+    ids = torch.randint(0, VOCAB, (12,), generator=g)
+    pos = torch.arange(12)
+    a, _ = native.head.forward(ids, pos, taps=taps)
+    b, _ = plain.head.forward(ids, pos, taps=taps)
+    torch.testing.assert_close(a, b, rtol=0, atol=0.05 * float(b.abs().max()))
+    prompts = _prompts(6, seed=4)
+    want = SpecDecoder(target, None, num_blocks=256).generate(prompts, max_new_tokens=32,
+                                                              greedy=True)
+    got = SpecDecoder(target, native, k=3, num_blocks=256).generate(prompts, max_new_tokens=32,
+                                                                   greedy=True)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    with pytest.raises(ValueError, match="weights must be 'auto', 'Q8_0' or 'float32'"):
+        Eagle3(target, folder, weights="int4")

@@ -12,6 +12,22 @@
 namespace verispec {
 namespace kernels {
 
+// q(x) of a draft row under ops.h "Compact q": row[x] without an index, else the row's
+// column draft_index[x] (0 outside the draft vocabulary, NaN for a column past the row).
+// Load: how the backend reads global memory (a plain read on the CPU).
+struct PlainLoad {
+  template <typename T>
+  VERISPEC_HD T operator()(const T* p) const { return *p; }
+};
+template <typename Load = PlainLoad>
+VERISPEC_HD inline float compact_q(const float* row, const int32_t* index, int64_t width,
+                                   int64_t x, const Load& load = Load{}) {
+  if (index == nullptr) return load(row + x);
+  const int32_t m = load(index + x);
+  if (m < 0) return 0.0f;
+  return m < width ? load(row + m) : __builtin_nanf("");
+}
+
 // The policy of one row, scalars and per-row arrays resolved.
 struct RowPolicy {
   float temperature;
@@ -87,6 +103,9 @@ OpStatus check_policy_scalars(const PolicyParams& p);
 OpStatus check_apply_policy_args(const ApplyPolicyArgs& a);
 OpStatus check_sample_args(const SampleArgs& a);
 OpStatus check_verify_args(const VerifyArgs& a);
+// ops.h "Compact q": draft_width >= 1 with draft_index (draft_probs given).
+OpStatus check_compact_q(const float* draft_probs, const int32_t* draft_index,
+                         int64_t draft_width);
 OpStatus check_verify_tree_args(const VerifyTreeArgs& a);
 
 }  // namespace kernels

@@ -347,13 +347,37 @@ void sample(const py::handle& probs_obj, const py::handle& tokens_obj, const py:
   raise_status(op, OpKind::kSample, s);
 }
 
+// draft_probs [lead..., W] float32 and, for a compact q (ops.h), draft_index [V] int32 with
+// W >= 1 columns; without draft_index, W must be V.
+void compact_q_views(const char* op, const py::object& draft_probs_obj,
+                     const py::object& draft_index_obj,
+                     Dim lead0, Dim lead1, int64_t v, std::optional<TensorView>& q,
+                     std::optional<TensorView>& di) {
+  if (!draft_index_obj.is_none()) {
+    if (draft_probs_obj.is_none()) {
+      throw py::value_error(std::string(op) + ": draft_index needs draft_probs, got None");
+    }
+    di.emplace(TensorView::from(draft_index_obj, op, "draft_index"));
+    di->expect({DType::kInt32}, {{"V", v}}).expect_contiguous();
+  }
+  if (draft_probs_obj.is_none()) return;
+  q.emplace(TensorView::from(draft_probs_obj, op, "draft_probs"));
+  q->expect({DType::kFloat32}, {lead0, lead1, di ? Dim{"W", kAnyDim} : Dim{"V", v}})
+      .expect_last_dim_contiguous();
+  if (di && q->size(2) < 1) {
+    throw py::value_error(std::string(op) + ": draft_probs must have W >= 1 columns with "
+                          "draft_index, got " + q->shape_str());
+  }
+}
+
 void verify(const py::handle& target_logits_obj, const py::handle& draft_tokens_obj,
             const py::object& draft_probs_obj, const py::object& num_draft_obj,
             const py::handle& tokens_obj, const py::handle& num_emitted_obj,
             const py::handle& num_accepted_obj, const py::object& temperature,
             const py::object& top_k, const py::object& top_p, const py::object& min_p,
             const py::object& seed, const py::object& offset, intptr_t stream,
-            bool check_errors, const py::object& workspace, const std::string& method) {
+            bool check_errors, const py::object& workspace, const std::string& method,
+            const py::object& draft_index_obj) {
   constexpr const char* op = "verify";
   if (method != "token" && method != "block") {
     throw py::value_error("verify: method must be 'token' or 'block', got '" + method + "'");
@@ -370,11 +394,8 @@ void verify(const py::handle& target_logits_obj, const py::handle& draft_tokens_
   if (b > 0 && v == 0) throw py::value_error("verify: target_logits must have V >= 1, got V = 0");
   auto drafts = TensorView::from(draft_tokens_obj, op, "draft_tokens");
   drafts.expect({DType::kInt32}, {{"B", b}, {"K", k}}).expect_last_dim_contiguous();
-  std::optional<TensorView> q, nd;
-  if (!draft_probs_obj.is_none()) {
-    q.emplace(TensorView::from(draft_probs_obj, op, "draft_probs"));
-    q->expect({DType::kFloat32}, {{"B", b}, {"K", k}, {"V", v}}).expect_last_dim_contiguous();
-  }
+  std::optional<TensorView> q, nd, di;
+  compact_q_views(op, draft_probs_obj, draft_index_obj, {"B", b}, {"K", k}, v, q, di);
   if (!num_draft_obj.is_none()) {
     nd.emplace(TensorView::from(num_draft_obj, op, "num_draft"));
     nd->expect({DType::kInt32}, {{"B", b}}).expect_contiguous();
@@ -386,7 +407,7 @@ void verify(const py::handle& target_logits_obj, const py::handle& draft_tokens_
   auto accepted = TensorView::from(num_accepted_obj, op, "num_accepted", true);
   accepted.expect({DType::kInt32}, {{"B", b}}).expect_contiguous();
   expect_same_device({&logits, &drafts, q ? &*q : nullptr, nd ? &*nd : nullptr, &tokens,
-                      &emitted, &accepted});
+                      &emitted, &accepted, di ? &*di : nullptr});
   PolicyViews pv;
   RandomViews rv;
   VerifyArgs a;
@@ -403,6 +424,10 @@ void verify(const py::handle& target_logits_obj, const py::handle& draft_tokens_
     a.draft_probs = q->data<float>();
     a.draft_probs_stride_b = q->stride(0);
     a.draft_probs_stride_k = q->stride(1);
+  }
+  if (di) {
+    a.draft_index = di->data<int32_t>();
+    a.draft_width = q->size(2);
   }
   a.num_draft = nd ? nd->data<int32_t>() : nullptr;
   a.method = method == "block" ? VerifyMethod::kBlock : VerifyMethod::kToken;
@@ -428,7 +453,7 @@ void verify_tree(const py::handle& target_logits_obj, const py::handle& tree_tok
                  const py::object& temperature, const py::object& top_k,
                  const py::object& top_p, const py::object& min_p, const py::object& seed,
                  const py::object& offset, intptr_t stream, bool check_errors,
-                 const py::object& workspace) {
+                 const py::object& workspace, const py::object& draft_index_obj) {
   constexpr const char* op = "verify_tree";
   auto logits = TensorView::from(target_logits_obj, op, "target_logits");
   logits.expect({DType::kFloat32, DType::kBFloat16, DType::kFloat16},
@@ -446,11 +471,8 @@ void verify_tree(const py::handle& target_logits_obj, const py::handle& tree_tok
   tree_tokens.expect({DType::kInt32}, {{"B", b}, {"N", n}}).expect_last_dim_contiguous();
   auto parents = TensorView::from(parents_obj, op, "parents");
   parents.expect({DType::kInt32}, {{"B", b}, {"N", n}}).expect_last_dim_contiguous();
-  std::optional<TensorView> q, nn;
-  if (!draft_probs_obj.is_none()) {
-    q.emplace(TensorView::from(draft_probs_obj, op, "draft_probs"));
-    q->expect({DType::kFloat32}, {{"B", b}, {"N+1", n + 1}, {"V", v}}).expect_last_dim_contiguous();
-  }
+  std::optional<TensorView> q, nn, di;
+  compact_q_views(op, draft_probs_obj, draft_index_obj, {"B", b}, {"N+1", n + 1}, v, q, di);
   if (!num_nodes_obj.is_none()) {
     nn.emplace(TensorView::from(num_nodes_obj, op, "num_nodes"));
     nn->expect({DType::kInt32}, {{"B", b}}).expect_contiguous();
@@ -462,7 +484,7 @@ void verify_tree(const py::handle& target_logits_obj, const py::handle& tree_tok
   auto nodes = TensorView::from(accepted_nodes_obj, op, "accepted_nodes", true);
   nodes.expect({DType::kInt32}, {{"B", b}, {"N", n}}).expect_last_dim_contiguous();
   expect_same_device({&logits, &tree_tokens, &parents, q ? &*q : nullptr, nn ? &*nn : nullptr,
-                      &tokens, &emitted, &nodes});
+                      &tokens, &emitted, &nodes, di ? &*di : nullptr});
   PolicyViews pv;
   RandomViews rv;
   VerifyTreeArgs a;
@@ -481,6 +503,10 @@ void verify_tree(const py::handle& target_logits_obj, const py::handle& tree_tok
     a.draft_probs = q->data<float>();
     a.draft_probs_stride_b = q->stride(0);
     a.draft_probs_stride_n = q->stride(1);
+  }
+  if (di) {
+    a.draft_index = di->data<int32_t>();
+    a.draft_width = q->size(2);
   }
   a.num_nodes = nn ? nn->data<int32_t>() : nullptr;
   a.replacement = replacement;
@@ -535,15 +561,19 @@ void register_ops(py::module_& m) {
         py::arg("min_p"), py::arg("seed"), py::arg("offset"),
         py::kw_only(), py::arg("stream") = 0, py::arg("check_errors") = true,
         py::arg("workspace") = py::none(), py::arg("method") = "token",
+        py::arg("draft_index") = py::none(),
         "Speculative verification (ops.h): writes tokens[B, K+1] (int32, -1 padded), "
         "num_emitted[B] and num_accepted[B] (int32). method: 'token' or 'block' (block "
-        "verification of sampled drafts).");
+        "verification of sampled drafts). draft_index: [V] int32, a compact q (draft_probs "
+        "[B, K, W] over a draft vocabulary; q(x) = draft_probs[.., draft_index[x]], 0 where "
+        "it is -1).");
   m.def("verify_tree", &verify_tree, py::arg("target_logits"), py::arg("tree_tokens"),
         py::arg("parents"), py::arg("draft_probs"), py::arg("num_nodes"), py::arg("replacement"),
         py::arg("tokens"), py::arg("num_emitted"), py::arg("accepted_nodes"),
         py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
         py::arg("seed"), py::arg("offset"), py::kw_only(), py::arg("stream") = 0,
         py::arg("check_errors") = true, py::arg("workspace") = py::none(),
+        py::arg("draft_index") = py::none(),
         "Tree verification (ops.h): writes tokens[B, N+1] (int32, -1 padded), "
         "num_emitted[B] (int32) and accepted_nodes[B, N] (int32, -1 padded).");
   m.def("check_policy", &check_policy, py::arg("temperature"), py::arg("top_k"),

@@ -533,8 +533,10 @@ void test_block_verify_matches_the_cpu() {
 // A tree case: SHAPE-like trees per row, q rows from the logits plus noise.
 struct TreeCase {
   int64_t batch = 8, n = 6, vocab = 40;
-  std::vector<float> logits, q;  // [batch, n + 1, vocab]
+  std::vector<float> logits, q;  // [batch, n + 1, vocab] ([.., W] with draft_index)
   std::vector<int32_t> tokens, parents, num_nodes;
+  std::vector<int32_t> draft_index;  // [vocab] or empty: ops.h "Compact q"
+  int64_t draft_width = 0;
   bool sampled = true, replacement = true;
   PolicyParams policy;
   uint64_t seed = 1, offset = 0;
@@ -560,9 +562,12 @@ struct TreeCase {
     a.parents = parents.data();
     a.parents_stride_b = n;
     if (sampled) {
+      const int64_t w = draft_index.empty() ? vocab : draft_width;
       a.draft_probs = q.data();
-      a.draft_probs_stride_b = (n + 1) * vocab;
-      a.draft_probs_stride_n = vocab;
+      a.draft_probs_stride_b = (n + 1) * w;
+      a.draft_probs_stride_n = w;
+      a.draft_index = draft_index.empty() ? nullptr : draft_index.data();
+      a.draft_width = draft_index.empty() ? 0 : draft_width;
     }
     a.num_nodes = num_nodes.empty() ? nullptr : num_nodes.data();
     a.replacement = replacement;
@@ -1340,6 +1345,114 @@ void run(const char* name, void (*test)()) {
 
 }  // namespace
 
+// ---- compact q (ops.h) -----------------------------------------------------------------
+
+// A draft vocabulary of the tokens x with x % 3 != 1 (and x < vocab - 2): full q rows
+// [rows, vocab] are zeroed outside it in place and returned compact ([rows, W]) with the
+// index (target id -> column, -1 outside).
+struct Compact {
+  std::vector<float> q;
+  std::vector<int32_t> index;
+  int64_t width = 0;
+};
+Compact compact_rows(std::vector<float>* full, int64_t vocab) {
+  Compact c;
+  c.index.assign(static_cast<size_t>(vocab), -1);
+  for (int64_t x = 0; x < vocab; ++x) {
+    if (x % 3 != 1 && x < vocab - 2) c.index[static_cast<size_t>(x)] = static_cast<int32_t>(c.width++);
+  }
+  const int64_t rows = static_cast<int64_t>(full->size()) / vocab;
+  c.q.assign(static_cast<size_t>(rows * c.width), 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = &(*full)[static_cast<size_t>(r * vocab)];
+    double total = 0.0;
+    for (int64_t x = 0; x < vocab; ++x) {
+      if (c.index[static_cast<size_t>(x)] < 0) row[x] = 0.0f;
+      total += row[x];
+    }
+    for (int64_t x = 0; x < vocab; ++x) {
+      row[x] = static_cast<float>(row[x] / total);
+      const int32_t m = c.index[static_cast<size_t>(x)];
+      if (m >= 0) c.q[static_cast<size_t>(r * c.width + m)] = row[x];
+    }
+  }
+  return c;
+}
+
+void test_compact_q_matches_the_full_q() {
+  Tally tally;
+  int tree_rows = 0, tree_deep = 0;
+  const PolicyParams policies[] = {
+      scalar_policy(1.0f, 0, 1.0f, 0.0f), scalar_policy(0.7f, 8, 1.0f, 0.0f),
+      scalar_policy(1.2f, 20, 0.9f, 0.05f), scalar_policy(0.0f, 0, 1.0f, 0.0f)};
+  for (int64_t V : {40, 130, 12289}) {
+    for (VerifyMethod method : {VerifyMethod::kToken, VerifyMethod::kBlock}) {
+      VerifyCase full = perturbed_case(V, 900u + static_cast<uint32_t>(V), 0.5f);
+      full.method = method;
+      const Compact cq = compact_rows(&full.draft_probs, V);
+      VerifyCase compact = full;
+      compact.draft_probs = cq.q;
+      compact.draft_index = cq.index;
+      compact.draft_width = cq.width;
+      for (uint64_t seed = 1; seed <= 2; ++seed) {
+        full.seed = compact.seed = seed;
+        for (const PolicyParams& pol : policies) {
+          full.policy = compact.policy = pol;
+          const VerifyOut ref = full.run(), cpu = compact.run(), sim = compact.run_with(sim_verify);
+          CHECK(ref.status.ok() && cpu.status.ok() && sim.status.ok());
+          for (int64_t b = 0; b < full.batch; ++b) {
+            const bool same = ref.row_equal(cpu, b, full.k) && ref.row_equal(sim, b, full.k);
+            CHECK(same);
+            tally.differ += !same;
+            ++tally.rows;
+            tally.rejected += ref.accepted[static_cast<size_t>(b)] < full.n(b);
+            tally.bonus += ref.accepted[static_cast<size_t>(b)] == full.n(b);
+          }
+        }
+      }
+    }
+    for (bool replacement : {true, false}) {
+      TreeCase full = tree_case(V, 950u + static_cast<uint32_t>(V), true, replacement);
+      const Compact cq = compact_rows(&full.q, V);
+      TreeCase compact = full;
+      compact.q = cq.q;
+      compact.draft_index = cq.index;
+      compact.draft_width = cq.width;
+      for (const PolicyParams& pol : policies) {
+        full.policy = compact.policy = pol;
+        const TreeCase::Out ref = full.cpu(), cpu = compact.cpu(), sim = compact.sim();
+        CHECK(ref.status.ok() && cpu.status.ok() && sim.status.ok());
+        for (int64_t b = 0; b < full.batch; ++b) {
+          const bool same = full.row_equal(ref, cpu, b) && full.row_equal(ref, sim, b);
+          CHECK(same);
+          tally.differ += !same;
+          ++tree_rows;
+          tree_deep += ref.emitted[static_cast<size_t>(b)] > 1;
+        }
+      }
+    }
+  }
+  std::printf("compact q: %d chain rows (%d rejected, %d bonus), %d tree rows (%d accepted a "
+              "node), %d differ from the full q\n", tally.rows, tally.rejected, tally.bonus,
+              tree_rows, tree_deep, tally.differ);
+  CHECK(tally.rejected * 10 >= tally.rows && tally.bonus * 10 >= tally.rows && tree_deep * 4 >= tree_rows);
+  CHECK(tally.differ == 0);
+  // An index entry past the row reads as NaN: kInvalidProbs where read, alike on both.
+  VerifyCase c = perturbed_case(40, 5u, 0.5f);
+  const Compact cq = compact_rows(&c.draft_probs, 40);
+  c.draft_probs = cq.q;
+  c.draft_index = cq.index;
+  c.draft_width = cq.width;
+  c.policy = scalar_policy(1.0f, 0, 1.0f, 0.0f);
+  c.draft_index[static_cast<size_t>(c.drafts[0])] = static_cast<int32_t>(cq.width);  // row 0, j = 0
+  const VerifyOut sim = c.run_with(sim_verify), cpu = c.run();
+  CHECK(cpu.status.code == StatusCode::kInvalidProbs && cpu.status.row == 0 && cpu.status.col == 0);
+  CHECK(same_fault(sim.status, cpu.status));
+  // draft_index without a width is an argument error.
+  c.draft_width = 0;
+  CHECK(c.run().status.code == StatusCode::kInvalidArgument);
+}
+
 int main() {
   run("apply_policy", test_apply_policy);
   run("sample", test_sample);
@@ -1350,6 +1463,7 @@ int main() {
   run("block_verify_matches_the_cpu", test_block_verify_matches_the_cpu);
   run("verify_tree_matches_the_cpu", test_verify_tree_matches_the_cpu);
   run("verify_tree_faults", test_verify_tree_faults);
+  run("compact_q_matches_the_full_q", test_compact_q_matches_the_full_q);
   run("launchers_at_a_large_vocabulary", test_launchers_at_a_large_vocabulary);
   run("split_rows_match_the_cpu", test_split_rows_match_the_cpu);
   run("tiles_match_the_cpu", test_tiles_match_the_cpu);

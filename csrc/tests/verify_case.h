@@ -46,7 +46,10 @@ struct VerifyCase {
   std::vector<float> logits;       // [batch, k + 1, vocab]
   std::vector<BFloat16> logits_bf16;  // used instead of logits when not empty
   std::vector<int32_t> drafts;     // [batch, k]
-  std::vector<float> draft_probs;  // [batch, k, vocab] or empty (one-hot)
+  std::vector<float> draft_probs;  // [batch, k, vocab] or empty (one-hot); [batch, k, W]
+                                   // with draft_index (ops.h "Compact q")
+  std::vector<int32_t> draft_index;  // [vocab] or empty
+  int64_t draft_width = 0;           // W
   std::vector<int32_t> num_draft;  // [batch] or empty
   PolicyParams policy;  // greedy: temperature 0
   uint64_t seed = 1, offset = 0;
@@ -73,9 +76,12 @@ struct VerifyCase {
     a.vocab = vocab;
     a.draft_tokens = drafts.empty() ? nullptr : drafts.data();
     a.draft_tokens_stride_b = k;
+    const int64_t w = draft_index.empty() ? vocab : draft_width;
     a.draft_probs = draft_probs.empty() ? nullptr : draft_probs.data();
-    a.draft_probs_stride_b = k * vocab;
-    a.draft_probs_stride_k = vocab;
+    a.draft_probs_stride_b = k * w;
+    a.draft_probs_stride_k = w;
+    a.draft_index = draft_index.empty() ? nullptr : draft_index.data();
+    a.draft_width = draft_index.empty() ? 0 : draft_width;
     a.num_draft = num_draft.empty() ? nullptr : num_draft.data();
     a.method = method;
     a.policy = policy;

@@ -59,13 +59,21 @@ def spec_logits(op: str, target_logits: Any, dim: str = "K") -> tuple[int, int, 
     return b, n1 - 1, v
 
 
-def draft_probs(op: str, probs: Any, shape: tuple, dims: str) -> None:
-    """draft_probs: None, or a float tensor of ``shape`` (written ``dims``)."""
+def draft_probs(op: str, probs: Any, shape: tuple, dims: str, draft_index: Any = None) -> None:
+    """draft_probs: None, or a float tensor of ``shape`` (written ``dims``); with
+    ``draft_index`` (a compact q: int32-able [V] map from target id to column, -1 outside
+    the draft vocabulary) its last dimension is the draft vocabulary's W >= 1 instead."""
+    if draft_index is not None:
+        if probs is None:
+            raise ValueError(f"{op}: draft_index needs draft_probs, got draft_probs=None")
+        integer_tensor(op, "draft_index", draft_index, (shape[-1],), "[V]")
+        dims = dims[: dims.rindex(",")] + ", W]"
     if probs is None:
         return
     float_tensor(op, "draft_probs", probs, len(shape), dims)
-    if tuple(probs.shape) != tuple(shape):
-        raise ValueError(f"{op}: draft_probs must be float {dims} = {list(shape)} or None, "
+    want = tuple(shape[:-1]) + ((probs.shape[-1],) if draft_index is not None else (shape[-1],))
+    if tuple(probs.shape) != want or probs.shape[-1] < 1:
+        raise ValueError(f"{op}: draft_probs must be float {dims} = {list(want)} or None, "
                          f"got {describe(probs)}")
 
 

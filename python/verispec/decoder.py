@@ -363,6 +363,12 @@ class SpecDecoder:
     token-wise rule (``"token"``, the default). Greedy rows, n-gram proposals (one-hot)
     and sequences added with a seed (the keyed rule) are verified as before.
 
+    ``compact_q`` (default True): a drafter whose proposals come from a subset of the
+    vocabulary (``DraftSpec.draft_vocab``: an EAGLE-3 head's draft vocabulary) has its q
+    kept over that subset only, [B, K, W] instead of [B, K, V], and verify reads it
+    through ``draft_index`` (q = 0 outside): the same tokens bit for bit as the full q
+    (False), in W / V of the memory (``q_memory``).
+
     ``ops`` (default :mod:`verispec.ops`) is any object with ``apply_policy``, ``sample``
     and ``verify`` of those signatures (e.g. :mod:`verispec.reference`); whatever it
     returns is checked by the core before anything is committed.
@@ -373,7 +379,7 @@ class SpecDecoder:
                  block_size: int = 16, seed: int = 0, ops: Any = None,
                  max_num_seqs: int = 0, max_tokens_per_step: int = 0,
                  verify_method: str = "token", draft_branches: int = 1,
-                 draft_replacement: bool = True) -> None:
+                 draft_replacement: bool = True, compact_q: bool = True) -> None:
         drafter = as_drafter(draft)
         spec = drafter.spec(target) if drafter is not None else None
         if spec is not None and not isinstance(spec, DraftSpec):
@@ -453,6 +459,22 @@ class SpecDecoder:
                                                draft_num_blocks, block_size, spec.own_features)
         self._nvtx = _nvtx_range(self.device)
         self._q: torch.Tensor | None = None        # draft probabilities, reused across steps
+        # Compact q: a draft over a subset of the vocabulary (DraftSpec.draft_vocab) keeps
+        # its probabilities over that subset only; verify reads them through draft_index
+        self._q_cols = self._draft_index = None
+        self.q_width = g.vocab_size
+        if not isinstance(compact_q, bool):
+            raise TypeError(f"SpecDecoder: compact_q must be a bool, got {compact_q!r}")
+        if model is not None and spec.draft_vocab is not None and compact_q:
+            cols = spec.draft_vocab
+            if int(cols[-1]) >= g.vocab_size:
+                raise ValueError(f"SpecDecoder: the drafter's draft_vocab must hold target ids "
+                                 f"below the vocabulary size {g.vocab_size}, got "
+                                 f"{int(cols[-1])}")
+            index = torch.full((g.vocab_size,), -1, dtype=torch.int32)
+            index[cols] = torch.arange(len(cols), dtype=torch.int32)
+            self._q_cols, self._draft_index = cols.to(self.device), index.to(self.device)
+            self.q_width = len(cols)
         # every host -> device upload of a step and its one download (models/staging.py)
         self.staging = PlanStaging(self.device)
         # logprobs: what each sequence asked for (top-n) and what it got so far; under
@@ -746,7 +768,7 @@ class SpecDecoder:
                     tokens = self._keyed_proposals(tokens, probs, rows, s.keys, j)
             where = s.view(p["draft_index"], p["num_rows"], torch.int64)
             flat_tokens.index_copy_(0, where, tokens.to(torch.int32))
-            flat_q.index_copy_(0, where, probs.float())
+            flat_q.index_copy_(0, where, self._kept_q(probs))
             previous = tokens
         return q
 
@@ -783,7 +805,7 @@ class SpecDecoder:
             where = (s.view(p["draft_index"], R, torch.int64)[:, None] + children).view(-1)
             flat_tokens.index_copy_(0, where.index_select(0, pick),
                                     tokens.reshape(-1).index_select(0, pick).to(torch.int32))
-            flat_q.index_copy_(0, s.view(p["q_index"], R, torch.int64), probs.float())
+            flat_q.index_copy_(0, s.view(p["q_index"], R, torch.int64), self._kept_q(probs))
             previous = tokens[:, 0]
         return q
 
@@ -899,6 +921,8 @@ class SpecDecoder:
                 # one-hot proposals (n-gram) are verified token-wise either way
                 block = q is not None and self.verify_method == "block"
                 method = {"method": "block"} if block else {}
+                if q is not None and self._draft_index is not None:
+                    method["draft_index"] = self._draft_index
                 out = self._verify_outputs("verify", self._ops.verify(
                     target, draft_tokens, q, num_draft=num_draft, seed=plan["seed"],
                     offset=plan["offset"], **policy, **method), B, K)
@@ -928,6 +952,8 @@ class SpecDecoder:
         extra = {}
         if q is not None:  # a draft model's tree: its children were drawn from q
             extra = dict(replacement=self.draft_replacement)
+            if self._draft_index is not None:
+                extra["draft_index"] = self._draft_index
         out = self._ops.verify_tree(target, draft_tokens, parents, q, num_nodes=num_draft,
                                     seed=plan["seed"], offset=plan["offset"], **policy, **extra)
         if not isinstance(out, (tuple, list)) or len(out) != 3:
@@ -1054,12 +1080,28 @@ class SpecDecoder:
         return out
 
     def _draft_probs(self, B: int, K: int) -> torch.Tensor:
-        """The [B, K, V] float32 draft-probability buffer, reused across steps (rows past
-        a row's k are never read by verify, so it is never cleared)."""
-        n = B * K * self.vocab_size
+        """The [B, K, W] float32 draft-probability buffer (W: q_width, the vocabulary or
+        the compact q's draft vocabulary), reused across steps (rows past a row's k are
+        never read by verify, so it is never cleared)."""
+        n = B * K * self.q_width
         if self._q is None or self._q.numel() < n:
             self._q = torch.empty(n, dtype=torch.float32, device=self.device)
-        return self._q[:n].view(B, K, self.vocab_size)
+        return self._q[:n].view(B, K, self.q_width)
+
+    def _kept_q(self, probs: torch.Tensor) -> torch.Tensor:
+        """A draft pass's q rows [R, V] as stored: the draft vocabulary's columns under
+        compact q (the others are 0: the draft's logits are -inf there)."""
+        probs = probs.float()
+        return probs if self._q_cols is None else probs.index_select(1, self._q_cols)
+
+    def q_memory(self, batch: int, k: int) -> dict:
+        """Bytes of the draft probabilities a step of ``batch`` rows and ``k`` drafts keeps
+        (float32 [batch, k, W]), beside the full vocabulary's [batch, k, V]: what compact
+        q saves per step."""
+        full = 4 * batch * k * self.vocab_size
+        kept = 4 * batch * k * self.q_width
+        return {"width": self.q_width, "vocab_size": self.vocab_size, "bytes": kept,
+                "full_bytes": full, "saved_bytes": full - kept}
 
     def _policy(self, pol: dict, inputs: torch.Tensor, B: int) -> dict:
         """Scalars when every row agrees (cheaper kernels), else per-row device tensors."""

@@ -150,10 +150,13 @@ def _spec_inputs(op, target_logits, name, tokens, dim="K"):
     return b, n, v, device, _int32_tensor(op, name, tokens, (b, n), f"[B, {dim}]", device)
 
 
-def _optional_probs(op, probs, shape, dims):
-    """draft_probs as float32 with a contiguous last dimension, checked to be `shape`."""
-    _args.draft_probs(op, probs, shape, dims)
-    return None if probs is None else _last_dim_contiguous(probs.float())
+def _optional_probs(op, probs, shape, dims, draft_index=None):
+    """(draft_probs as float32 with a contiguous last dimension, checked to be `shape`
+    (last dimension W with draft_index); draft_index as contiguous int32 or None)."""
+    _args.draft_probs(op, probs, shape, dims, draft_index)
+    if draft_index is not None:
+        draft_index = draft_index.to(device=probs.device, dtype=torch.int32).contiguous()
+    return (None if probs is None else _last_dim_contiguous(probs.float())), draft_index
 
 
 def _optional_counts(op, name, counts, b, device):
@@ -177,7 +180,7 @@ def _keyed_outcome(x, draft_tokens, num_draft):
 
 def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
            temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, greedy=False, seed=0, offset=0,
-           method="token"):
+           method="token", draft_index=None):
     """Accept or reject a batch of drafts against the target; emit 1..K+1 tokens per row.
 
     target_logits: [B, K+1, V]  target logits at prefix, prefix+d1, ..., prefix+d1..dK
@@ -186,6 +189,11 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
     draft_probs:   [B, K, V]    q each proposal was drawn from; None = deterministic
                                 proposals, q = one-hot(d)
     num_draft:     [B] ints     proposals per row (ragged), each <= K; None = K
+    draft_index:   [V] ints     a compact q: draft_probs is [B, K, W] over a draft
+                                vocabulary of W tokens and q(x) = draft_probs[..,
+                                draft_index[x]], 0 where draft_index[x] = -1 (x outside
+                                it); the results are bit for bit those of the full q.
+                                None: draft_probs has V columns
     policy:        numbers or [B] tensors, as in apply_policy, per row
     greedy:        bool or [B] bool tensor: the same as temperature 0 on those rows
                    (verispec's one spelling of greedy; a scalar temperature is still
@@ -214,17 +222,19 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
     if method not in ("token", "block"):
         raise ValueError(f"{op}: method must be 'token' or 'block', got {method!r}")
     b, k, v, device, draft_tokens = _spec_inputs(op, target_logits, "draft_tokens", draft_tokens)
-    draft_probs = _optional_probs(op, draft_probs, (b, k, v), "[B, K, V]")
+    draft_probs, draft_index = _optional_probs(op, draft_probs, (b, k, v), "[B, K, V]",
+                                               draft_index)
     num_draft = _optional_counts(op, "num_draft", num_draft, b, device)
     policy = _policy(op, b, device, temperature, top_k, top_p, min_p, greedy)
     seed_args = _random(op, device, seed, offset)
     return _dispatch(_verify_op, _verify_eager)(target_logits, draft_tokens, draft_probs, num_draft,
-                                                *policy, *seed_args, method == "block")
+                                                *policy, *seed_args, method == "block",
+                                                draft_index)
 
 
 def verify_tree(target_logits, tree_tokens, parents, draft_probs=None, *, num_nodes=None,
                 replacement=True, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
-                greedy=False, seed=0, offset=0):
+                greedy=False, seed=0, offset=0, draft_index=None):
     """Verify a tree of draft tokens per row: accept a path from the root, emit one more.
 
     target_logits: [B, N+1, V]  row 0: the target after the committed tokens (the root);
@@ -237,6 +247,7 @@ def verify_tree(target_logits, tree_tokens, parents, draft_probs=None, *, num_no
     num_nodes:     [B] ints     row b uses nodes 0 .. num_nodes[b] - 1 (ragged); None = N
     replacement:   with draft_probs: siblings drawn i.i.d. from q (True) or without
                    replacement (False; siblings then distinct)
+    draft_index:   [V] ints     a compact q ([B, N+1, W]), as in :func:`verify`
     policy, greedy, seed, offset: as in :func:`verify`, per row.
 
     Deterministic candidates: at a node, x ~ p (x = argmax p on greedy rows); descend into
@@ -262,13 +273,14 @@ def verify_tree(target_logits, tree_tokens, parents, draft_probs=None, *, num_no
     if not isinstance(replacement, bool):
         raise TypeError(f"{op}: replacement must be a bool, got {replacement!r}")
     parents = _int32_tensor(op, "parents", parents, (b, n), "[B, N]", device)
-    draft_probs = _optional_probs(op, draft_probs, (b, n + 1, v), "[B, N+1, V]")
+    draft_probs, draft_index = _optional_probs(op, draft_probs, (b, n + 1, v), "[B, N+1, V]",
+                                               draft_index)
     num_nodes = _optional_counts(op, "num_nodes", num_nodes, b, device)
     policy = _policy(op, b, device, temperature, top_k, top_p, min_p, greedy)
     seed_args = _random(op, device, seed, offset)
     return _dispatch(_verify_tree_op, _verify_tree_eager)(
         target_logits, tree_tokens, parents, draft_probs, num_nodes, replacement, *policy,
-        *seed_args)
+        *seed_args, draft_index)
 
 
 # --- the ops' entry points into verispec._C ----------------------------------------------
@@ -332,7 +344,7 @@ def _(probs, seed, offset, seed_t, offset_t, seeds=None, positions=None):
 
 def _verify_eager(target_logits, draft_tokens, draft_probs, num_draft, temperature, top_k, top_p,
                   min_p, temperature_rows, top_k_rows, top_p_rows, min_p_rows, seed, offset,
-                  seed_t, offset_t, block=False):
+                  seed_t, offset_t, block=False, draft_index=None):
     b, k1, _ = target_logits.shape
     device = target_logits.device
     tokens = torch.empty((b, k1), dtype=torch.int32, device=device)
@@ -344,7 +356,7 @@ def _verify_eager(target_logits, draft_tokens, draft_probs, num_draft, temperatu
               _pick(top_p, top_p_rows), _pick(min_p, min_p_rows),
               _unsigned(seed, seed_t), _unsigned(offset, offset_t),
               **_launch(target_logits, _C.verify_workspace_bytes(b, k1 - 1), "verify"),
-              method="block" if block else "token")
+              method="block" if block else "token", draft_index=draft_index)
     return tokens, num_emitted, num_accepted
 
 
@@ -355,11 +367,11 @@ def _verify_op(
     temperature_rows: Optional[torch.Tensor], top_k_rows: Optional[torch.Tensor],
     top_p_rows: Optional[torch.Tensor], min_p_rows: Optional[torch.Tensor], seed: int,
     offset: int, seed_t: Optional[torch.Tensor], offset_t: Optional[torch.Tensor],
-    block: bool = False,
+    block: bool = False, draft_index: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _verify_eager(target_logits, draft_tokens, draft_probs, num_draft, temperature, top_k,
                          top_p, min_p, temperature_rows, top_k_rows, top_p_rows, min_p_rows,
-                         seed, offset, seed_t, offset_t, block)
+                         seed, offset, seed_t, offset_t, block, draft_index)
 
 
 @_verify_op.register_fake
@@ -372,7 +384,8 @@ def _(target_logits, draft_tokens, draft_probs, num_draft, *rest):
 
 def _verify_tree_eager(target_logits, tree_tokens, parents, draft_probs, num_nodes, replacement,
                        temperature, top_k, top_p, min_p, temperature_rows, top_k_rows,
-                       top_p_rows, min_p_rows, seed, offset, seed_t, offset_t):
+                       top_p_rows, min_p_rows, seed, offset, seed_t, offset_t,
+                       draft_index=None):
     b, n1, v = target_logits.shape
     device = target_logits.device
     tokens = torch.empty((b, n1), dtype=torch.int32, device=device)
@@ -384,7 +397,7 @@ def _verify_tree_eager(target_logits, tree_tokens, parents, draft_probs, num_nod
                    _pick(top_p, top_p_rows), _pick(min_p, min_p_rows),
                    _unsigned(seed, seed_t), _unsigned(offset, offset_t),
                    **_launch(target_logits, _C.verify_tree_workspace_bytes(b, n1 - 1, v),
-                             "verify_tree"))
+                             "verify_tree"), draft_index=draft_index)
     return tokens, num_emitted, accepted_nodes
 
 
@@ -396,10 +409,12 @@ def _verify_tree_op(
     temperature_rows: Optional[torch.Tensor], top_k_rows: Optional[torch.Tensor],
     top_p_rows: Optional[torch.Tensor], min_p_rows: Optional[torch.Tensor], seed: int,
     offset: int, seed_t: Optional[torch.Tensor], offset_t: Optional[torch.Tensor],
+    draft_index: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _verify_tree_eager(target_logits, tree_tokens, parents, draft_probs, num_nodes,
                               replacement, temperature, top_k, top_p, min_p, temperature_rows,
-                              top_k_rows, top_p_rows, min_p_rows, seed, offset, seed_t, offset_t)
+                              top_k_rows, top_p_rows, min_p_rows, seed, offset, seed_t, offset_t,
+                              draft_index)
 
 
 @_verify_tree_op.register_fake

@@ -107,7 +107,7 @@ def sample(probs, seed=0, offset=0, *, seeds=None, positions=None):
 
 def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
            temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, greedy=False, seed=0, offset=0,
-           method="token"):
+           method="token", draft_index=None):
     """Accept or reject a batch of drafts against the target; emit 1..K+1 tokens per row.
 
     target_logits: [B, K+1, V]  target logits at prefix, prefix+d1, ..., prefix+d1..dK
@@ -129,6 +129,7 @@ def verify(target_logits, draft_tokens, draft_probs=None, *, num_draft=None,
     """
     if method not in ("token", "block"):
         raise ValueError(f"verify: method must be 'token' or 'block', got {method!r}")
+    draft_probs = expand_compact_q("verify", target_logits, draft_probs, draft_index)
     b, k, v, num_draft = _check_verify_args(target_logits, draft_tokens, draft_probs, num_draft)
     device = target_logits.device
     temperature, top_k, top_p, min_p = _policy_params(
@@ -232,9 +233,32 @@ def _correction_distribution_from(scaled_p, q, fallback):
 # --- tree verification ---------------------------------------------------------------
 
 
+def expand_compact_q(op, target_logits, draft_probs, draft_index):
+    """A compact q (draft_probs [.., W] read through draft_index [V], ops.verify's
+    draft_index) as the full [.., V] rows it stands for: column draft_index[x] at x, 0
+    where draft_index[x] = -1, NaN where it is past W (an invalid probability). Without
+    draft_index: draft_probs as given."""
+    if draft_index is None:
+        return draft_probs
+    _args.spec_logits(op, target_logits)
+    v = target_logits.shape[-1]
+    lead = tuple(target_logits.shape[:2])
+    lead = (lead[0], lead[1] - 1) if op == "verify" else lead
+    dims = "[B, K, V]" if op == "verify" else "[B, N+1, V]"
+    _args.draft_probs(op, draft_probs, lead + (v,), dims, draft_index)
+    q = draft_probs.float()
+    index = draft_index.to(q.device).long()
+    width = q.shape[-1]
+    full = torch.zeros(q.shape[:-1] + (v,), dtype=torch.float32, device=q.device)
+    inside = (index >= 0) & (index < width)
+    full[..., inside] = q[..., index[inside]]
+    full[..., index >= width] = float("nan")
+    return full
+
+
 def verify_tree(target_logits, tree_tokens, parents, draft_probs=None, *, num_nodes=None,
                 replacement=True, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
-                greedy=False, seed=0, offset=0):
+                greedy=False, seed=0, offset=0, draft_index=None):
     """Verify a tree of drafts per row; emit the accepted path and one more token.
 
     target_logits [B, N+1, V]: row 0 the root's distribution, row i + 1 node i's.
@@ -255,6 +279,7 @@ def verify_tree(target_logits, tree_tokens, parents, draft_probs=None, *, num_no
     Returns (tokens [B, N+1] int32 -1 padded, num_emitted [B] int32, accepted_nodes [B, N]
     int32 -1 padded).
     """
+    draft_probs = expand_compact_q("verify_tree", target_logits, draft_probs, draft_index)
     b, n_max, v, num_nodes = _check_tree_args(target_logits, tree_tokens, parents, draft_probs,
                                               num_nodes, replacement)
     device = target_logits.device

@@ -162,6 +162,13 @@ struct SampleArgs {
 // max(w_tau p_tau - q_tau, 0) (roundoff rule: p_tau). Every q_j row for j < n is read (and
 // checked: kInvalidProbs, col = j), and p_j for j <= min(n, the last j with w_j > 0).
 // One-hot drafts (draft_probs null) and greedy rows are verified token-wise.
+//
+// Compact q (verify and verify_tree): a draft whose vocabulary is a subset of the
+// target's keeps its probabilities over that subset only. With draft_index set, a
+// draft_probs row holds draft_width columns and q(x) = row[draft_index[x]] where
+// draft_index[x] >= 0, q(x) = 0 where it is -1 (x outside the draft vocabulary); an entry
+// >= draft_width reads as NaN (kInvalidProbs where read). Every result is the one the
+// full row (the compact one scattered, zeros elsewhere) gives, bit for bit.
 enum class VerifyMethod : int32_t { kToken = 0, kBlock = 1 };
 
 struct VerifyArgs {
@@ -174,9 +181,11 @@ struct VerifyArgs {
   int64_t vocab = 0;
   const int32_t* draft_tokens = nullptr;  // [batch, num_spec] int32 (may be null if K == 0)
   int64_t draft_tokens_stride_b = 0;
-  const float* draft_probs = nullptr;     // [batch, num_spec, vocab] float32, or null
+  const float* draft_probs = nullptr;     // [batch, num_spec, W] float32, or null
   int64_t draft_probs_stride_b = 0;
   int64_t draft_probs_stride_k = 0;
+  const int32_t* draft_index = nullptr;   // [vocab] int32: compact q (below), or null
+  int64_t draft_width = 0;                // W with draft_index (else W = vocab)
   const int32_t* num_draft = nullptr;     // [batch] int32, or null
   VerifyMethod method = VerifyMethod::kToken;
   PolicyParams policy;                    // per-row arrays: [batch]
@@ -225,9 +234,11 @@ struct VerifyTreeArgs {
   int64_t tree_tokens_stride_b = 0;
   const int32_t* parents = nullptr;       // [batch, N] int32 (may be null if N == 0)
   int64_t parents_stride_b = 0;
-  const float* draft_probs = nullptr;     // [batch, N + 1, vocab] float32, or null
+  const float* draft_probs = nullptr;     // [batch, N + 1, W] float32, or null
   int64_t draft_probs_stride_b = 0;
   int64_t draft_probs_stride_n = 0;
+  const int32_t* draft_index = nullptr;   // [vocab] int32: compact q (see verify), or null
+  int64_t draft_width = 0;                // W with draft_index (else W = vocab)
   const int32_t* num_nodes = nullptr;     // [batch] int32, or null
   bool replacement = true;                // sampled children: i.i.d. (true) or not
   PolicyParams policy;                    // per-row arrays: [batch]

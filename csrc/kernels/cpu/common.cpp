@@ -127,6 +127,16 @@ OpStatus check_sample_args(const SampleArgs& a) {
   return check_rng(a.rng);
 }
 
+OpStatus check_compact_q(const float* draft_probs, const int32_t* draft_index,
+                         int64_t draft_width) {
+  if (!draft_index) return OpStatus{};
+  if (!draft_probs) return invalid_argument("draft_index needs draft_probs");
+  if (draft_width < 1 || draft_width > kMaxVocab) {
+    return invalid_argument("draft_width must be in [1, 2^20] with draft_index");
+  }
+  return OpStatus{};
+}
+
 OpStatus check_verify_args(const VerifyArgs& a) {
   if (a.batch < 0 || a.batch > kMaxRows) return invalid_argument("batch must be in [0, 2^31)");
   if (a.num_spec < 0 || a.num_spec > kMaxRows - 1) {
@@ -151,6 +161,8 @@ OpStatus check_verify_args(const VerifyArgs& a) {
   if (a.method != VerifyMethod::kToken && a.method != VerifyMethod::kBlock) {
     return invalid_argument("method must be token (0) or block (1)");
   }
+  const OpStatus c = check_compact_q(a.draft_probs, a.draft_index, a.draft_width);
+  if (!c.ok()) return c;
   const OpStatus s = check_policy_scalars(a.policy);
   if (!s.ok()) return s;
   return check_rng(a.rng);
@@ -181,6 +193,8 @@ OpStatus check_verify_tree_args(const VerifyTreeArgs& a) {
                       (a.max_nodes > 0 && a.accepted_nodes_stride_b < a.max_nodes))) {
     return invalid_argument("tokens / accepted_nodes row strides must be >= N + 1 / N");
   }
+  const OpStatus c = check_compact_q(a.draft_probs, a.draft_index, a.draft_width);
+  if (!c.ok()) return c;
   const OpStatus s = check_policy_scalars(a.policy);
   if (!s.ok()) return s;
   return check_rng(a.rng);

@@ -20,12 +20,23 @@ struct VerifyRow {
   uint64_t offset;
   float* p;                   // [vocab] scratch: p_j
   cpu::PolicyScratch* scratch;
+  float* qfull;               // [vocab] scratch: a compact q row read in full (or null)
 
   const T* logits_at(int64_t b, int64_t j) const {
     return logits + b * a.target_logits_stride_b + j * a.target_logits_stride_k;
   }
   const float* q_at(int64_t b, int64_t j) const {
     return a.draft_probs + b * a.draft_probs_stride_b + j * a.draft_probs_stride_k;
+  }
+  // q_j(x), through draft_index for a compact q (ops.h).
+  float q_value(int64_t b, int64_t j, int64_t x) const {
+    return compact_q(q_at(b, j), a.draft_index, a.draft_width, x);
+  }
+  // q_j over the whole vocabulary: the row itself, or a compact one scattered into qfull.
+  const float* q_row(int64_t b, int64_t j) const {
+    if (!a.draft_index) return q_at(b, j);
+    for (int64_t x = 0; x < a.vocab; ++x) qfull[x] = q_value(b, j, x);
+    return qfull;
   }
   float coin(int64_t b, int64_t j, Purpose purpose) const {
     return uniform(seed, offset, static_cast<uint32_t>(b), static_cast<uint32_t>(j), purpose);
@@ -79,7 +90,7 @@ struct VerifyRow {
     }
     if (a.draft_probs) {
       for (int64_t j = 0; j < n; ++j) {
-        const float q = q_at(b, j)[y[j]];
+        const float q = q_value(b, j, y[j]);
         if (!(q >= 0.0f) || !is_finite(q)) {
           OpStatus s = make_status(OpKind::kVerify, StatusCode::kInvalidProbs, b, j);
           s.has_value = true;
@@ -92,8 +103,7 @@ struct VerifyRow {
   }
 
   // A whole q row is read: every value must be a probability (col = j).
-  OpStatus check_q_row(int64_t b, int64_t j) const {
-    const float* q = q_at(b, j);
+  OpStatus check_q_row(int64_t b, int64_t j, const float* q) const {
     const float* bad =
         std::find_if(q, q + a.vocab, [](float v) { return !(v >= 0.0f) || !is_finite(v); });
     if (bad == q + a.vocab) return OpStatus{};
@@ -120,9 +130,9 @@ struct VerifyRow {
         break;
       }
       cpu::policy_row(logits_at(b, j), a.vocab, pol, p, *scratch);
-      const OpStatus s = check_q_row(b, j);
+      const float* q = q_row(b, j);
+      const OpStatus s = check_q_row(b, j, q);
       if (!s.ok()) return s;
-      const float* q = q_at(b, j);
       if (j >= 1) {
         const float* pp = p;
         uint64_t mass = 0;
@@ -141,7 +151,7 @@ struct VerifyRow {
     cpu::policy_row(logits_at(b, tau), a.vocab, pol, p, *scratch);
     if (tau < n) {
       const float* pp = p;
-      const float* q = q_at(b, tau);
+      const float* q = q_row(b, tau);
       auto r = [pp, q, w_tau](int64_t i) { return block_residual_weight(w_tau, pp[i], q[i]); };
       uint64_t mass = 0;
       for (int64_t i = 0; i < a.vocab; ++i) mass += fixed_weight(r(i));
@@ -169,7 +179,7 @@ struct VerifyRow {
         continue;
       }
       cpu::policy_row(logits_at(b, j), a.vocab, pol, p, *scratch);
-      const float q_y = a.draft_probs ? q_at(b, j)[y[j]] : 1.0f;
+      const float q_y = a.draft_probs ? q_value(b, j, y[j]) : 1.0f;
       if (accept_draft(coin(b, j, Purpose::kAccept), p[y[j]], q_y)) {
         out[j] = y[j];
         continue;
@@ -178,7 +188,7 @@ struct VerifyRow {
       *accepted = j;
       const float* pp = p;
       if (a.draft_probs) {
-        const float* q = q_at(b, j);  // [vocab]
+        const float* q = q_row(b, j);  // [vocab]
         const cpu::ResidualMass r = cpu::residual_mass(pp, q, a.vocab);
         if (!r.q_valid) {
           const float* bad = std::find_if(
@@ -221,11 +231,13 @@ OpStatus verify_cpu(const VerifyArgs& a) {
   OpStatus first = check_verify_args(a);
   if (!first.ok() || a.batch == 0) return first;
   std::vector<float> p(static_cast<size_t>(a.vocab));
+  std::vector<float> qfull(a.draft_index ? static_cast<size_t>(a.vocab) : 0);
   cpu::PolicyScratch scratch(a.vocab);
   const int64_t width = a.num_spec + 1;
   cpu::dispatch_dtype(a.target_logits_dtype, a.target_logits, [&](const auto* logits) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
-    VerifyRow<T> v{a, logits, resolve_seed(a.rng), resolve_offset(a.rng), p.data(), &scratch};
+    VerifyRow<T> v{a, logits, resolve_seed(a.rng), resolve_offset(a.rng), p.data(), &scratch,
+                   qfull.empty() ? nullptr : qfull.data()};
     for (int64_t b = 0; b < a.batch; ++b) {
       int32_t* out = a.tokens + b * a.tokens_stride_b;  // [K + 1]
       std::fill(out, out + width, -1);

@@ -31,6 +31,7 @@ struct TreeRow {
   std::vector<float>& p;     // [vocab] p of the current node
   std::vector<float>& r;     // [vocab] the residual after rejected siblings
   std::vector<float>& qbuf;  // [vocab] q without the removed siblings (no replacement)
+  std::vector<float>& qfull;  // [vocab] a compact q row scattered (ops.h "Compact q")
   cpu::PolicyScratch& scratch;
 
   const T* logits_at(int64_t b, int64_t j) const {
@@ -38,6 +39,13 @@ struct TreeRow {
   }
   const float* q_at(int64_t b, int64_t j) const {
     return a.draft_probs + b * a.draft_probs_stride_b + j * a.draft_probs_stride_n;
+  }
+  // q of row j over the whole vocabulary: the row itself, or a compact one scattered.
+  const float* q_row(int64_t b, int64_t j) const {
+    if (!a.draft_index) return q_at(b, j);
+    const float* q = q_at(b, j);
+    for (int64_t x = 0; x < a.vocab; ++x) qfull[x] = compact_q(q, a.draft_index, a.draft_width, x);
+    return qfull.data();
   }
   float coin(int64_t b, int64_t position, Purpose purpose) const {
     return uniform(seed, offset, static_cast<uint32_t>(b), static_cast<uint32_t>(position),
@@ -119,7 +127,7 @@ struct TreeRow {
         if (next < 0) emit = x;
       } else {
         cpu::policy_row(logits_at(b, row), V, pol, p.data(), scratch);
-        const float* q = q_at(b, row);
+        const float* q = q_row(b, row);
         const float* rcur = p.data();
         float remaining = 1.0f;  // without replacement: 1 - q mass of the removed
         bool row_checked = false;
@@ -181,11 +189,12 @@ OpStatus verify_tree_cpu(const VerifyTreeArgs& a) {
   if (!first.ok() || a.batch == 0) return first;
   const size_t v = static_cast<size_t>(a.vocab);
   std::vector<float> p(v), r(v), qbuf(a.draft_probs && !a.replacement ? v : 0);
+  std::vector<float> qfull(a.draft_index ? v : 0);
   cpu::PolicyScratch scratch(a.vocab);
   const int64_t width = a.max_nodes + 1;
   cpu::dispatch_dtype(a.target_logits_dtype, a.target_logits, [&](const auto* logits) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(logits)>>;
-    TreeRow<T> t{a, logits, resolve_seed(a.rng), resolve_offset(a.rng), p, r, qbuf, scratch};
+    TreeRow<T> t{a, logits, resolve_seed(a.rng), resolve_offset(a.rng), p, r, qbuf, qfull, scratch};
     for (int64_t b = 0; b < a.batch; ++b) {
       int32_t* out = a.tokens + b * a.tokens_stride_b;  // [N + 1]
       int32_t* nodes = a.max_nodes > 0 ? a.accepted_nodes + b * a.accepted_nodes_stride_b

@@ -105,6 +105,15 @@ __device__ __forceinline__ T ld(const T* p) {
 #endif
   return *p;
 }
+// A draft row's q(x) (ops.h "Compact q": through draft_index when it is set), read with ld.
+struct DraftQ {
+  const float* row;
+  const int32_t* index;  // [vocab], or null: row has vocab columns
+  int64_t width;
+  __device__ __forceinline__ float operator()(int64_t x) const {
+    return compact_q(row, index, width, x, [](const auto* p) { return ld(p); });
+  }
+};
 template <typename T>
 __device__ __forceinline__ void st(T* p, T v) {
 #if defined(CUDA_SIM_TRAFFIC)

@@ -181,7 +181,9 @@ __device__ inline void finish_position_stats(const VerifyArgs& a, int64_t b, int
     s->p_y = policy_prob(to_float(ld(logits_at<T>(a, b, j) + y)), y, *s, pol.temperature,
                          pol.greedy());
     if (a.draft_probs) {
-      s->q_y = a.draft_probs[b * a.draft_probs_stride_b + j * a.draft_probs_stride_k + y];
+      const DraftQ q{a.draft_probs + b * a.draft_probs_stride_b + j * a.draft_probs_stride_k,
+                     a.draft_index, a.draft_width};
+      s->q_y = q(y);
       if (!(s->q_y >= 0.0f) || !is_finite(s->q_y)) {
         report_error(record, b, StatusCode::kInvalidProbs, j);
         ok = false;
@@ -338,18 +340,19 @@ __global__ void __launch_bounds__(BLOCK)
       const uint64_t u = uniform64(seed, offset, row32, static_cast<uint32_t>(acc), Purpose::kCorrection);
       bool use_p = true;
       if (acc < n && a.draft_probs) {  // rejected: the residual max(p - q, 0)
-        const float* q = a.draft_probs + b * a.draft_probs_stride_b + acc * a.draft_probs_stride_k;
+        const DraftQ q{a.draft_probs + b * a.draft_probs_stride_b + acc * a.draft_probs_stride_k,
+                       a.draft_index, a.draft_width};
         // One read of the row for the residual's total and q's check together; the walk
         // reads one thread's chunk again.
         auto r = [&](int i) {
           return static_cast<unsigned long long>(
-              fixed_weight(block_residual_weight(w_tau, p_at(i), ld(q + i))));
+              fixed_weight(block_residual_weight(w_tau, p_at(i), q(i))));
         };
         int lo, hi, bad = 0;
         thread_chunk<BLOCK>(V, &lo, &hi);
         WeightTotal t{0, 0};  // block_total's, with q's check in the same loop
         for (int i = lo; i < hi; ++i) {
-          const float qi = ld(q + i);
+          const float qi = q(i);
           const bool invalid = not_a_probability(qi);
           bad |= invalid;
           t.chunk += fixed_weight(block_residual_weight(w_tau, p_at(i), invalid ? 0.0f : qi));
@@ -529,14 +532,15 @@ __global__ void __launch_bounds__(BLOCK)
       }
       if (next < 0) emit = xt;
     } else {
-      const float* q = a.draft_probs + b * a.draft_probs_stride_b + row * a.draft_probs_stride_n;
+      const DraftQ q{a.draft_probs + b * a.draft_probs_stride_b + row * a.draft_probs_stride_n,
+                     a.draft_index, a.draft_width};
       bool use_r = false;      // r holds the residual (else r = p)
       float remaining = 1.0f;  // without replacement: 1 - q mass of the removed
       bool row_checked = false;
       for (int64_t c = cur + 1; c < n; ++c) {
         if (par[c] != cur) continue;
         const int xt = tok[c];
-        const float q_x = ld(q + xt);
+        const float q_x = q(xt);
         if (not_a_probability(q_x)) {
           if (tid == 0) report_error(record, b, StatusCode::kInvalidProbs, row);
           fault = true;
@@ -552,7 +556,7 @@ __global__ void __launch_bounds__(BLOCK)
         }
         if (!row_checked) {
           int bad = 0;
-          for (int i = tid; i < V; i += BLOCK) bad |= not_a_probability(ld(q + i));
+          for (int i = tid; i < V; i += BLOCK) bad |= not_a_probability(q(i));
           if (__syncthreads_or(bad)) {
             if (tid == 0) report_error(record, b, StatusCode::kInvalidProbs, row);
             fault = true;
@@ -560,14 +564,13 @@ __global__ void __launch_bounds__(BLOCK)
           }
           row_checked = true;
           if (!a.replacement) {
-            for (int i = tid; i < V; i += BLOCK) qbuf[i] = ld(q + i);
+            for (int i = tid; i < V; i += BLOCK) qbuf[i] = q(i);
           }
         }
-        const float* qs = a.replacement ? q : qbuf;
         const float denom = a.replacement ? 1.0f : remaining;
         unsigned long long part = 0;
         for (int i = tid; i < V; i += BLOCK) {
-          const float qi = a.replacement ? ld(qs + i) : renormalised_q(qs[i], denom);
+          const float qi = a.replacement ? q(i) : renormalised_q(qbuf[i], denom);
           const float v = residual_weight(use_r ? r[i] : p_at(i), qi);
           r[i] = v;
           part += fixed_weight(v);

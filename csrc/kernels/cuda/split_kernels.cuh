@@ -503,12 +503,13 @@ __global__ void __launch_bounds__(BLOCK)
   const int begin = static_cast<int>(blockIdx.x % plan.chunks) * plan.chunk_len;
   const int end = min(begin + plan.chunk_len, V);
   const T* x = logits_at<T>(a, p.b, p.j);  // [V]
-  const float* q = a.draft_probs + p.b * a.draft_probs_stride_b + p.j * a.draft_probs_stride_k;
+  const DraftQ q{a.draft_probs + p.b * a.draft_probs_stride_b + p.j * a.draft_probs_stride_k,
+                 a.draft_index, a.draft_width};
   const float temperature = p.pol.temperature;
   unsigned long long part = 0;
   int bad = 0;
   for (int i = begin + static_cast<int>(threadIdx.x); i < end; i += BLOCK) {
-    const float qi = ld(q + i);
+    const float qi = q(i);
     const bool invalid = not_a_probability(qi);
     bad |= invalid;
     if (p.j == 0) continue;

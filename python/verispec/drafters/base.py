@@ -151,6 +151,9 @@ class DraftSpec:
                  allocated [num_blocks, block_size, model.geometry.hidden_size] in
                  KVPools.features of its pools): states it writes at a pass and reads at
                  the next, rolled back with its cache
+    draft_vocab  the target ids a model draft can propose (its logits are -inf elsewhere),
+                 ascending, or None (any). SpecDecoder keeps q over them only (compact q:
+                 verify reads it through ops.verify's draft_index)
     """
 
     kind: str
@@ -161,6 +164,7 @@ class DraftSpec:
     one_hot: bool = False
     ngram: Optional[tuple[int, int, int]] = None
     own_features: tuple[int, ...] = ()
+    draft_vocab: Any = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("lookup", "model"):
@@ -177,6 +181,17 @@ class DraftSpec:
                              f"'target'); got model={self.model!r}, cache={self.cache!r}")
         if not all(isinstance(f, Feature) for f in self.features):
             raise TypeError(f"DraftSpec: features must be Feature values, got {self.features!r}")
+        if self.draft_vocab is not None:
+            import torch
+
+            ids = torch.as_tensor(self.draft_vocab)
+            if (self.kind != "model" or ids.dim() != 1 or ids.numel() == 0
+                    or ids.dtype.is_floating_point or ids.dtype == torch.bool
+                    or bool((ids[1:] <= ids[:-1]).any()) or int(ids.min()) < 0):
+                raise ValueError(f"DraftSpec: draft_vocab must be a model drafter's ascending "
+                                 f"non-negative target ids (1-D, at least one), got "
+                                 f"{self.draft_vocab!r} for kind {self.kind!r}")
+            object.__setattr__(self, "draft_vocab", ids.long().cpu())  # frozen
 
 
 @runtime_checkable

@@ -140,10 +140,18 @@ class Eagle3:
     layout or the speculators one; None: the head shipped for the bundled model), read
     in the target's dtype on its device. Refused (ValueError naming the field and both
     values) when the head does not fit the target: hidden size, vocabulary, a tap past
-    the last layer."""
+    the last layer.
 
-    def __init__(self, target: Any, path: Optional[str | os.PathLike] = None) -> None:
+    ``weights``: "auto" (Q8_0 for a float32 CPU head whose rows are whole blocks of 32,
+    else the head's dtype), "Q8_0" (the matrices, lm_head included, in verispec's native
+    int8 kernels: about a quarter of float32's bytes, the pass's cost) or "float32"."""
+
+    def __init__(self, target: Any, path: Optional[str | os.PathLike] = None, *,
+                 weights: str = "auto") -> None:
         g = target.geometry
+        if weights not in ("auto", "Q8_0", "float32"):
+            raise ValueError(f"Eagle3: weights must be 'auto', 'Q8_0' or 'float32', got "
+                             f"{weights!r}")
         if path is None:
             path = default_head_path()
             if path is None:
@@ -162,6 +170,17 @@ class Eagle3:
                                  f"embedding, so its hidden_size must be the target's "
                                  f"{g.hidden_size}, got {head.config.hidden_size}")
             head.bind_target_embedding(_target_embed(target))
+        on_cpu = head.device.type == "cpu" and head.dtype == torch.float32
+        fmt = ("Q8_0" if on_cpu else "float32") if weights == "auto" else weights
+        #: the head's matrices: {"format", "bytes", "float32_bytes"} (Eagle3Head.use_native_weights)
+        self.weights = {"format": str(head.dtype).replace("torch.", ""), "bytes": None,
+                        "float32_bytes": None}
+        if fmt == "Q8_0":
+            try:
+                self.weights = head.use_native_weights("Q8_0")
+            except ValueError:
+                if weights != "auto":   # asked for; "auto" keeps a head Q8_0 cannot hold
+                    raise
         self.path = os.fspath(path)
         self.head = head
         self.taps = taps
@@ -173,8 +192,13 @@ class Eagle3:
         return self.model.geometry
 
     def spec(self, target: Any) -> DraftSpec:
+        cfg = self.head.config
+        vocab = self.head.target_ids.cpu() if cfg.draft_vocab_size < cfg.vocab_size else None
+        if vocab is not None:
+            vocab = torch.sort(vocab).values
         return DraftSpec(kind="model", model=self.model, cache="own",
-                         features=self.model.features, own_features=(_OWN,))
+                         features=self.model.features, own_features=(_OWN,),
+                         draft_vocab=vocab)
 
     def describe(self) -> dict:
         """What ``verispec info`` shows: the folder, taps, draft vocabulary, sizes."""
@@ -182,4 +206,5 @@ class Eagle3:
         return {"path": self.path, "taps": list(self.taps),
                 "draft_vocab_size": cfg.draft_vocab_size, "vocab_size": cfg.vocab_size,
                 "hidden_size": cfg.hidden_size, "layer_type": cfg.layer_type,
+                "weights": self.weights["format"],
                 "parameters": sum(t.numel() for t in self.head.weights.values())}

@@ -658,6 +658,73 @@ class Eagle3Head:
                                       config.rope_scaling).to(self.device)
         self._target_ids = (None if self.d2t is None else
                             torch.arange(config.draft_vocab_size, device=self.device) + self.d2t)
+        self._native: dict[str, Any] = {}   # use_native_weights: fused matrices in Q8_0
+        self._threads: Optional[int] = None
+
+    # --- native weights ------------------------------------------------------------------
+
+    _FUSED = {"fc": ("fc.weight",),
+              "qkv": (_LAYER + "self_attn.q_proj.weight", _LAYER + "self_attn.k_proj.weight",
+                      _LAYER + "self_attn.v_proj.weight"),
+              "o": (_LAYER + "self_attn.o_proj.weight",),
+              "gate_up": (_LAYER + "mlp.gate_proj.weight", _LAYER + "mlp.up_proj.weight"),
+              "down": (_LAYER + "mlp.down_proj.weight",)}
+
+    def use_native_weights(self, fmt: str = "Q8_0", *, num_threads: Optional[int] = None) -> dict:
+        """Keep the head's matrices for verispec's native CPU kernels (``quant_linear``):
+        fc, q|k|v and gate|up fused, o, down and lm_head quantized to ``fmt`` (Q8_0: an
+        int8 per weight and a scale per 32; a float32 CPU head only). The drafts change by
+        the quantization's rounding alone, and exactness never depends on them (q is
+        whatever the head gives). ``"float32"`` goes back to the float matrices. Returns
+        {"format", "bytes", "float32_bytes"} of the matrices."""
+        from verispec.models.layers.quantized import QuantizedMatrix
+
+        if fmt == "float32":
+            self._native = {}
+        elif fmt != "Q8_0":
+            raise ValueError(f"Eagle3Head.use_native_weights: fmt must be 'Q8_0' or 'float32', "
+                             f"got {fmt!r}")
+        elif self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ValueError(f"Eagle3Head.use_native_weights: the native kernels take a float32 "
+                             f"CPU head, got {self.dtype} on {self.device}")
+        elif any(b in self.weights for names in self._FUSED.values() for b in
+                 (n.replace(".weight", ".bias") for n in names)):
+            raise ValueError("Eagle3Head.use_native_weights: a head with projection biases "
+                             "stays in float32 (fmt='float32')")
+        else:
+            native = {}
+            for key, names in self._FUSED.items():
+                native[key] = QuantizedMatrix.quantize_q8_0(
+                    torch.cat([self.weights[n] for n in names]))
+            native["lm_head"] = QuantizedMatrix.quantize_q8_0(self.lm_head)
+            self._native = native
+        self._threads = num_threads
+        float_bytes = sum(self.weights[n].numel() * 4 for names in self._FUSED.values()
+                          for n in names) + self.lm_head.numel() * 4
+        return {"format": "Q8_0" if self._native else "float32",
+                "bytes": (sum(m.nbytes for m in self._native.values()) if self._native
+                          else float_bytes),
+                "float32_bytes": float_bytes}
+
+    @property
+    def weight_format(self) -> str:
+        return "Q8_0" if self._native else str(self.dtype).replace("torch.", "")
+
+    def _mm(self, x: torch.Tensor, key: str) -> list[torch.Tensor]:
+        """The products of x with the matrices of ``key`` (_FUSED, or "lm_head"), one per
+        matrix: the native ones when kept, else F.linear with their biases."""
+        native = self._native.get(key)
+        if native is not None:
+            threads = self._threads or torch.get_num_threads()
+            out = native.linear(x.float().contiguous(), threads)
+            if key == "lm_head":
+                return [out]
+            sizes = [self.weights[n].shape[0] for n in self._FUSED[key]]
+            return list(out.split(sizes, dim=-1))
+        if key == "lm_head":
+            return [F.linear(x, self.lm_head)]
+        return [F.linear(x, self.weights[n], self.weights.get(n.replace(".weight", ".bias")))
+                for n in self._FUSED[key]]
 
     def _check_vocab_maps(self, d2t, t2d, where):
         cfg = self.config
@@ -831,7 +898,7 @@ class Eagle3Head:
         if cfg.fc_norm:
             x = torch.cat([rms_norm(chunk, w[f"fc_norm.{i}.weight"], cfg.rms_norm_eps)
                            for i, chunk in enumerate(x.chunk(cfg.num_taps, dim=-1))], dim=-1)
-        return F.linear(x, w["fc.weight"])
+        return self._mm(x, "fc")[0]
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, *,
                 taps: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
@@ -869,9 +936,7 @@ class Eagle3Head:
         embeds = rms_norm(self.embed(token_ids), w[L + "input_layernorm.weight"], eps)
         x = torch.cat([embeds, g_normed], dim=-1)                    # [T, 2H]
         D, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        q = F.linear(x, w[L + "self_attn.q_proj.weight"], w.get(L + "self_attn.q_proj.bias"))
-        k = F.linear(x, w[L + "self_attn.k_proj.weight"], w.get(L + "self_attn.k_proj.bias"))
-        v = F.linear(x, w[L + "self_attn.v_proj.weight"], w.get(L + "self_attn.v_proj.bias"))
+        q, k, v = self._mm(x, "qkv")
         q, k, v = q.view(T, nq, D), k.view(T, nkv, D), v.view(T, nkv, D)
         if cfg.qk_norm:
             q = rms_norm(q, w[L + "self_attn.q_norm.weight"], eps)
@@ -881,15 +946,12 @@ class Eagle3Head:
         if attention is None:
             attention = (kv if kv is not None else self.new_kv()).attend
         out = attention(q, k, v).reshape(T, nq * D)
-        h = residual + F.linear(out, w[L + "self_attn.o_proj.weight"],
-                                w.get(L + "self_attn.o_proj.bias"))
+        h = residual + self._mm(out, "o")[0]
         m = rms_norm(h, w[L + "post_attention_layernorm.weight"], eps)
-        gate = F.linear(m, w[L + "mlp.gate_proj.weight"], w.get(L + "mlp.gate_proj.bias"))
-        up = F.linear(m, w[L + "mlp.up_proj.weight"], w.get(L + "mlp.up_proj.bias"))
-        h = h + F.linear(F.silu(gate) * up, w[L + "mlp.down_proj.weight"],
-                         w.get(L + "mlp.down_proj.bias"))
+        gate, up = self._mm(m, "gate_up")
+        h = h + self._mm(F.silu(gate) * up, "down")[0]
         normed = rms_norm(h, w["norm.weight"], eps)
-        logits = F.linear(normed, self.lm_head)
+        logits = self._mm(normed, "lm_head")[0]
         return logits, (normed if cfg.norm_output else h)
 
     def unroll(self, taps: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,

@@ -157,6 +157,27 @@ class QuantizedMatrix:
         self.shape = torch.Size((sum(p.rows for p in parts), k))
 
     @classmethod
+    def quantize_q8_0(cls, weight: torch.Tensor) -> "QuantizedMatrix":
+        """A float matrix [N, K] (K a multiple of 32) in Q8_0, in the layout of ARITHMETIC:
+        per block of 32 weights d = max |w| / 127 (stored as float16) and q = round(w / d)
+        (ties to even), clamped to [-127, 127], so that w = d * q within d / 2 plus d's
+        float16 rounding."""
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] % 32:
+            raise ValueError(f"QuantizedMatrix.quantize_q8_0: weight must be a 2-D tensor "
+                             f"[N, K] with K a multiple of 32, got "
+                             f"{getattr(weight, 'shape', type(weight).__name__)}")
+        w = weight.detach().float().cpu()
+        n, k = w.shape
+        blocks = w.reshape(n, k // 32, 32)
+        d = (blocks.abs().amax(dim=-1) / 127.0).half()
+        scale = d.float()
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        q = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
+        data = torch.cat([d.view(torch.uint8).reshape(n, k // 32, 2),
+                          q.view(torch.uint8)], dim=-1).reshape(n, -1).contiguous()
+        return cls([QuantPart("Q8_0", data)], k).for_arithmetic()
+
+    @classmethod
     def from_bytes(cls, data: torch.Tensor, fmt: str, k: int) -> "QuantizedMatrix":
         return cls([QuantPart(fmt, data)], k)
 
