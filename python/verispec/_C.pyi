@@ -115,12 +115,13 @@ def verify(
     num_emitted: Any, num_accepted: Any, temperature: Any, top_k: Any, top_p: Any,
     min_p: Any, seed: Any, offset: Any, *, stream: int = 0,
     check_errors: bool = True, workspace: Any = None, method: str = "token",
+    draft_index: Any = None,
 ) -> None: ...
 def verify_tree(
     target_logits: Any, tree_tokens: Any, parents: Any, draft_probs: Any, num_nodes: Any,
     replacement: bool, tokens: Any, num_emitted: Any, accepted_nodes: Any, temperature: Any,
     top_k: Any, top_p: Any, min_p: Any, seed: Any, offset: Any, *, stream: int = 0,
-    check_errors: bool = True, workspace: Any = None,
+    check_errors: bool = True, workspace: Any = None, draft_index: Any = None,
 ) -> None: ...
 def check_policy(temperature: float, top_k: int, top_p: float, min_p: float) -> None: ...
 def apply_policy_workspace_bytes() -> int: ...
