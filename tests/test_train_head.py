@@ -297,3 +297,37 @@ def test_cli_draft_vocab_larger_than_the_target_is_refused(capsys, tiny_model, t
                        "--draft-vocab", 100000)
     assert_usage_error(code, err, "argument --draft-vocab", "expected an int in [1, ",
                        "got 100000")
+
+
+def test_a_finished_run_rewritten_with_a_smaller_vocabulary_and_dtype(toy, tmp_path):
+    """--resume of a finished run with keep_draft_vocab / save_dtype (settings that do not
+    change the training) rewrites the head: the kept ids' lm_head rows are the full
+    head's, in the dtype asked, and the head still drafts exactly."""
+    import shutil
+
+    target, prompts, out, _ = toy
+    shutil.copytree(out, tmp_path / "h")
+    opts = _options()
+    opts.keep_draft_vocab, opts.save_dtype = 24, "bfloat16"
+    report = train_head(target, None, tmp_path / "h", opts, prompts=prompts, stop_ids=[],
+                        resume=True)
+    assert report["written_draft_vocab_size"] == 24 and report["draft_vocab_size"] == 64
+    full, small = Eagle3Head.load(out), Eagle3Head.load(tmp_path / "h")
+    tensors = load_file(tmp_path / "h" / "model.safetensors")
+    assert tensors["lm_head.weight"].dtype == torch.bfloat16
+    assert small.config.draft_vocab_size == 24
+    kept = small.target_ids
+    assert set(kept.tolist()) <= set(full.target_ids.tolist())
+    rows = {int(t): i for i, t in enumerate(full.target_ids)}
+    want = full.lm_head[[rows[int(t)] for t in kept]].to(torch.bfloat16).float()
+    assert torch.equal(small.lm_head.float(), want)
+    new = _prompts(4, seed=9)
+    plain = SpecDecoder(target, None, num_blocks=512, block_size=8).generate(
+        new, max_new_tokens=24, greedy=True)
+    got = SpecDecoder(target, Eagle3(target, tmp_path / "h"), k=3, num_blocks=512,
+                      block_size=8).generate(new, max_new_tokens=24, greedy=True)
+    assert [r.tokens for r in got] == [r.tokens for r in plain]
+    with pytest.raises(ValueError, match="save_dtype must be one of"):
+        bad = _options()
+        bad.save_dtype = "int8"
+        train_head(target, None, tmp_path / "h", bad, prompts=prompts, stop_ids=[], resume=True)

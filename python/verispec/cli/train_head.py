@@ -81,6 +81,12 @@ def add_parser(commands) -> None:
                         "(default: %(default)s)")
     p.add_argument("--draft-vocab", type=_int_at_least(1), default=d.draft_vocab,
                    help="draft vocabulary size, at most the target's (default: %(default)s)")
+    p.add_argument("--keep-draft-vocab", type=_int_at_least(0), default=d.keep_draft_vocab,
+                   help="write the head drafting over only this many draft ids, the most "
+                        "frequent in the answers first (0: all; a smaller file and pass) "
+                        "(default: %(default)s)")
+    p.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"),
+                   default=d.save_dtype, help="the written tensors' dtype (default: %(default)s)")
     p.add_argument("--ttt-steps", type=_int_at_least(1), default=t.ttt_steps,
                    help="training-time-test steps (default: %(default)s)")
     steps = p.add_mutually_exclusive_group()
@@ -139,7 +145,9 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     opts = TrainHeadOptions(prompts_file=args.prompts, num_prompts=args.num_prompts,
                             max_answer_tokens=args.max_answer_tokens,
                             answer_temperature=args.answer_temperature,
-                            draft_vocab=args.draft_vocab, held_out=args.held_out, train=cfg)
+                            draft_vocab=args.draft_vocab, held_out=args.held_out,
+                            keep_draft_vocab=args.keep_draft_vocab, save_dtype=args.save_dtype,
+                            train=cfg)
     bars: list = []
 
     def progress(stage: str):
@@ -168,7 +176,7 @@ def cmd_train_head(args: argparse.Namespace) -> int:
     acc = "/".join(f"{a:.2f}" for a in held["acceptance"])
     print(f"wrote {os.path.join(args.out, 'config.json')} and model.safetensors: "
           f"{report['parameters'] / 1e6:.1f}M parameters, draft vocabulary "
-          f"{report['draft_vocab_size']}, taps {report['taps']}; {report['steps']} steps on "
+          f"{report['written_draft_vocab_size']}, taps {report['taps']}; {report['steps']} steps on "
           f"{report['tokens']} tokens in {time.perf_counter() - started:.0f} s; held-out "
           f"acceptance per step {acc} (tau {held['tau']:.2f})")
     print(f"use it: verispec generate --model {args.model} --draft eagle3 --draft-head {args.out}")

@@ -870,6 +870,35 @@ class Eagle3Head:
             return torch.arange(self.config.vocab_size, device=self.device)
         return self._target_ids
 
+    def with_draft_vocab(self, target_ids: torch.Tensor) -> "Eagle3Head":
+        """This head drafting over a subset of its draft vocabulary: ``target_ids`` (target
+        ids it drafts now) keep their lm_head rows, the others are dropped (q = 0 there:
+        a smaller file and pass; the kept tokens' logits are unchanged)."""
+        ids = torch.as_tensor(target_ids, dtype=torch.long).cpu().unique()
+        have = self.target_ids.cpu()
+        row_of = torch.full((self.config.vocab_size,), -1, dtype=torch.long)
+        row_of[have] = torch.arange(len(have))
+        if ids.numel() == 0 or int(ids.max()) >= self.config.vocab_size or bool(
+                (row_of[ids] < 0).any()):
+            outside = int((row_of[ids.clamp(0, self.config.vocab_size - 1)] < 0).sum()
+                          + (ids >= self.config.vocab_size).sum())
+            raise _fail("Eagle3Head.with_draft_vocab", "target_ids",
+                        "at least one id, each in the head's draft vocabulary",
+                        f"{ids.numel()} ids, {outside} outside it")
+        tensors = {n: t.detach() for n, t in self.weights.items() if n != "lm_head.weight"}
+        tensors["lm_head.weight"] = self.lm_head.detach()[row_of[ids].to(self.device)].clone()
+        cfg = replace(self.config, draft_vocab_size=int(ids.numel()), tie_word_embeddings=False)
+        if ids.numel() < cfg.vocab_size:
+            tensors["d2t"] = (ids - torch.arange(ids.numel())).to(self.device)
+            t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+            t2d[ids] = True
+            tensors["t2d"] = t2d.to(self.device)
+        head = Eagle3Head(cfg, tensors, where="Eagle3Head.with_draft_vocab")
+        for bound in ("_embed_fn", "_target_embedding"):   # the target's embedding, if bound
+            if getattr(self, bound, None) is not None:
+                setattr(head, bound, getattr(self, bound))
+        return head
+
     def scatter_to_target(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[..., V_draft] -> [..., V] with -inf outside the draft vocabulary (q = 0 there)."""
         if self._target_ids is None:

@@ -75,4 +75,8 @@ class TrainHeadOptions:
     taps: Optional[tuple[int, ...]] = None  # "entering layer i"; None: default_taps
     top_k: int = 32                        # soft targets kept per token (0: the whole draft vocab)
     feature_batch_tokens: int = 2048       # tokens per target pass when extracting
+    keep_draft_vocab: int = 0              # the head written drafts over this many of the
+    #                                        draft vocabulary's ids, the most frequent in the
+    #                                        answers first (0: all; a smaller file and pass)
+    save_dtype: str = "float32"            # the written tensors: float32, bfloat16, float16
     train: TrainConfig = field(default_factory=TrainConfig)

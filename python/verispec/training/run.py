@@ -52,7 +52,8 @@ def _read_json(path: str) -> Any:
 
 # Settings a resumed run may change: how fast, not what.
 _FREE = ("generation_batch", "feature_batch_tokens", "train.checkpoint_every",
-         "train.eval_every")
+         "train.eval_every", "keep_draft_vocab", "save_dtype")
+_SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _settings(opts: TrainHeadOptions, model_name: str) -> dict:
@@ -160,6 +161,12 @@ def train_head(target: Any, tokenizer: Any, out: str | os.PathLike,
     opts = opts or TrainHeadOptions()
     cfg = opts.train
     cfg.check()
+    if opts.save_dtype not in _SAVE_DTYPES:
+        raise ValueError(f"train-head: save_dtype must be one of {sorted(_SAVE_DTYPES)}, got "
+                         f"{opts.save_dtype!r}")
+    if opts.keep_draft_vocab < 0:
+        raise ValueError(f"train-head: keep_draft_vocab must be an int >= 0, got "
+                         f"{opts.keep_draft_vocab}")
     out = os.fspath(out)
     state = os.path.join(out, STATE)
     bar = progress or (lambda stage: None)
@@ -231,13 +238,25 @@ def train_head(target: Any, tokenizer: Any, out: str | os.PathLike,
     p = bar("training")
     final = trainer.run(p)
     _close(p)
-    trainer.module.frozen_head().save(out, verifier_name_or_path=model_name or None)
+    written = trainer.module.frozen_head()
+    if 0 < opts.keep_draft_vocab < vocab.size:
+        # the first keep_draft_vocab ids of the draft vocabulary's own order of choice
+        kept = choose_draft_vocab([examples[i].answer for i in train_idx], g.vocab_size,
+                                  opts.keep_draft_vocab,
+                                  prompts=[examples[i].prompt for i in train_idx],
+                                  always=stop_ids)
+        written = written.with_draft_vocab(kept.target_ids)
+        log(f"the head written drafts over {written.config.draft_vocab_size} of its "
+            f"{vocab.size} ids")
+    written.save(out, verifier_name_or_path=model_name or None,
+                 dtype=_SAVE_DTYPES[opts.save_dtype])
     report = {
         "settings": settings, "taps": list(taps), "draft_vocab_size": vocab.size,
         "sequences": len(examples), "train_sequences": len(train_idx),
         "held_out_sequences": len(held_idx), "tokens": store.meta["num_tokens"],
         "answer_tokens": sum(len(e.answer) for e in examples),
         "steps": trainer.pos.step, "acceptance_before": before, "held_out": final,
+        "written_draft_vocab_size": written.config.draft_vocab_size,
         "history": trainer.history, "seconds": time.perf_counter() - t0,
         "parameters": sum(p.numel() for p in trainer.module.parameters()),
     }
