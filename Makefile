@@ -83,9 +83,17 @@ test-latest:
 DEMO_TEXT := On Tuesday the city councel met to discuss the new park. Residents asked for more \
   trees, a playground for the childrn, better lighting along the paths, and benches near the \
   pond. The councel agreed to publish a plan next month and to hold another meeting in the libary.
+DEMO_CHAT = Give me a few ideas for a birthday party for a ten-year-old.
+# A copy-heavy rewrite with n-gram lookup, then open chat (nothing to copy) with the
+# shipped EAGLE-3 head and with n-gram lookup: each run reports itself against plain
+# decoding of the same prompt, measured in the same run.
 demo: build
 	printf "Correct the spelling of 'libary' in this text and return the whole text:\n\n%s" \
 	  "$(DEMO_TEXT)" | $(PY) -m verispec generate --model smollm2 --chat - --greedy \
+	  --draft ngram --k auto --max-new-tokens 128 --repeats 3
+	$(PY) -m verispec generate --model smollm2 --chat "$(DEMO_CHAT)" --greedy \
+	  --draft eagle3 --k auto --max-new-tokens 128 --repeats 3
+	$(PY) -m verispec generate --model smollm2 --chat "$(DEMO_CHAT)" --greedy \
 	  --draft ngram --k auto --max-new-tokens 128 --repeats 3
 
 bench: build
