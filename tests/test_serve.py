@@ -600,3 +600,95 @@ def test_serve_command_arguments(capsys):
     assert (args.k, args.num_blocks, args.max_num_seqs, args.host, args.port) == (
         "auto", 64, 8, "127.0.0.1", 8000)
     assert args.run is cli.cmd_serve
+
+
+# --------------------------------------------------------------------------- API keys
+
+
+class _AddSpy:
+    """A decoder that counts the requests reaching it (add)."""
+
+    def __init__(self, dec):
+        self._dec, self.adds = dec, 0
+
+    def add(self, *a, **kw):
+        self.adds += 1
+        return self._dec.add(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._dec, name)
+
+
+def test_api_keys_refuse_before_the_model_and_name_the_tenant(smollm2, tmp_path):
+    """With keys, a request under /v1/ without a valid bearer key gets 401 in OpenAI's
+    error shape and never reaches the decoder; a valid key passes as its tenant; /health
+    stays open. The keys file's formats and errors."""
+    from verispec.server.auth import ApiKeys, read_keys_file
+
+    model, tok = smollm2
+    spy = _AddSpy(SpecDecoder(model, NGram(1, 3), k="auto", num_blocks=32))
+    keys = {"sk-alice": "alice", "sk-bob": "bob"}
+    app = create_app(spy, tok, MODEL, api_keys=keys)
+    seen = []
+
+    @app.middleware("http")   # wraps authenticate: reads the tenant it set
+    async def record(request, call_next):
+        response = await call_next(request)
+        seen.append(getattr(request.state, "tenant", None))
+        return response
+
+    with running_server(app) as url, httpx.Client(timeout=60) as h:
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer sk-eve"}, {"Authorization": "sk-alice"},
+                        {"Authorization": "Basic sk-alice"}):
+            r = h.post(url + "/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401, (headers, r.text)
+            err = _error_shape(r.json())
+            assert err["code"] == "invalid_api_key" and "API key" in err["message"]
+        assert h.get(url + "/v1/models").status_code == 401
+        assert spy.adds == 0                       # nothing reached the model
+        assert h.get(url + "/health").status_code == 200
+        r = h.post(url + "/v1/completions", json=body,
+                   headers={"Authorization": "Bearer sk-bob"})
+        assert r.status_code == 200 and spy.adds == 1
+        assert seen[-1] == "bob"
+        with openai.OpenAI(base_url=url + "/v1", api_key="sk-alice", max_retries=0) as c:
+            assert c.models.list().data[0].id == MODEL
+        assert seen[-1] == "alice"
+        with openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0) as c:
+            with pytest.raises(openai.AuthenticationError):
+                c.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert spy.adds == 1
+    # the keys file: lines or JSON; errors name the line
+    f = tmp_path / "keys.txt"
+    f.write_text("# keys\nsk-1 team-a\n\nsk-2\n")
+    assert read_keys_file(f) == {"sk-1": "team-a", "sk-2": "tenant-4"}
+    f.write_text('{"sk-1": "a", "sk-2": "b"}')
+    assert read_keys_file(f) == {"sk-1": "a", "sk-2": "b"}
+    f.write_text("sk-1 a\nsk-1 b\n")
+    with pytest.raises(ValueError, match="line 2: the key is listed twice"):
+        read_keys_file(f)
+    f.write_text("sk-1 a b\n")
+    with pytest.raises(ValueError, match="line 1: expected 'KEY' or 'KEY TENANT'"):
+        read_keys_file(f)
+    assert ApiKeys().tenant(None) == "default" and ApiKeys({"k": "t"}).tenant("Bearer k") == "t"
+
+
+def test_serve_command_line_keys(tmp_path):
+    import argparse
+
+    from verispec.cli.common import UsageError
+    from verispec.cli.serve import _api_keys
+
+    f = tmp_path / "keys"
+    f.write_text("sk-1 team-a\n")
+    ns = argparse.Namespace(api_key="sk-0", api_keys_file=str(f))
+    assert _api_keys(ns) == {"sk-1": "team-a", "sk-0": "default"}
+    assert _api_keys(argparse.Namespace(api_key=None, api_keys_file=None)) == {}
+    with pytest.raises(UsageError, match="--api-keys-file: expected a readable file"):
+        _api_keys(argparse.Namespace(api_key=None, api_keys_file=str(tmp_path / "none")))
+    with pytest.raises(UsageError, match="--api-key: expected a non-empty key without spaces"):
+        _api_keys(argparse.Namespace(api_key="a b", api_keys_file=None))
+    f.write_text("")
+    with pytest.raises(UsageError, match="--api-keys-file: .*expected at least one key"):
+        _api_keys(argparse.Namespace(api_key=None, api_keys_file=str(f)))

@@ -282,6 +282,12 @@ def _add_serve(commands) -> None:
     _device_arguments(sv)
     sv.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     sv.add_argument("--port", type=_port_value, default=8000, help="(default: %(default)s)")
+    sv.add_argument("--api-key", metavar="KEY",
+                    help="accept only requests under /v1/ with 'Authorization: Bearer KEY' "
+                         "(others: 401); the tenant 'default'")
+    sv.add_argument("--api-keys-file", metavar="FILE",
+                    help="keys and their tenants: a JSON object {\"KEY\": \"TENANT\"} or "
+                         "lines 'KEY TENANT'")
     sv.add_argument("--served-model-name", metavar="NAME",
                     help="the name clients pass as 'model' (default: --model as given)")
     sv.add_argument("--num-blocks", type=_int_at_least(1), default=512,

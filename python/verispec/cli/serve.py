@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 
@@ -15,6 +16,28 @@ from verispec.cli.common import (BLOCK_SIZE, UsageError, _check_device, _check_d
 SERVE_NEEDS = ("fastapi", "uvicorn")
 WARM_UP_TEXT = ("The quick brown fox jumps over the lazy dog. The council met on Tuesday to "
                 "discuss the new park, and residents asked for more trees and benches.")
+
+
+def _api_keys(args: argparse.Namespace) -> dict:
+    """{key: tenant} of --api-key and --api-keys-file (empty: an open server)."""
+    from verispec.server.auth import DEFAULT_TENANT, read_keys_file
+
+    keys: dict = {}
+    if getattr(args, "api_keys_file", None):
+        if not os.path.isfile(args.api_keys_file):
+            raise UsageError(f"argument --api-keys-file: expected a readable file, got "
+                             f"{args.api_keys_file!r} (no such file)")
+        try:
+            keys.update(read_keys_file(args.api_keys_file))
+        except ValueError as e:
+            raise UsageError(f"argument --api-keys-file: {e}") from None
+    key = getattr(args, "api_key", None)
+    if key is not None:
+        if not key or any(c.isspace() for c in key):
+            raise UsageError(f"argument --api-key: expected a non-empty key without spaces, "
+                             f"got {key!r}")
+        keys[key] = DEFAULT_TENANT
+    return keys
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -29,6 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     _check_draft_options(args)
     _check_device(args.device)
+    api_keys = _api_keys(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
@@ -54,6 +78,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"in {load_s:.1f} s) as {name!r}; draft {draft_desc}, "
           f"k {k if k != 'auto' else f'auto (<= {args.max_k})'}; {args.num_blocks} KV blocks "
           f"of {BLOCK_SIZE} tokens; http://{args.host}:{args.port}/v1]", file=sys.stderr, flush=True)
+    if api_keys:
+        print(f"[verispec serve: {len(api_keys)} API key(s), tenants "
+              f"{', '.join(sorted(set(api_keys.values())))}]", file=sys.stderr, flush=True)
     server.serve(dec, tok, name, host=args.host, port=args.port, log_level=args.log_level,
-                 default_max_tokens=args.default_max_tokens)
+                 default_max_tokens=args.default_max_tokens, api_keys=api_keys)
     return 0

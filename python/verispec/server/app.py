@@ -8,7 +8,8 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Any, AsyncIterator
+from collections.abc import Mapping
+from typing import Any, AsyncIterator, Optional
 
 import fastapi
 import uvicorn
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.cache import blocks_for
+from verispec.server.auth import PROTECTED_PREFIX, ApiKeys
 from verispec.server.engine import Engine, EngineStopped, _Request
 from verispec.server.generation import _Generation
 from verispec.server.params import APIError, _bad, _error_body, _is_int, _parse_params, _Params
@@ -26,7 +28,8 @@ from verispec.server.text import format_metrics
 
 
 def create_app(decoder: Any, tokenizer: Any, model_name: str, *,
-               default_max_tokens: int = 256) -> fastapi.FastAPI:
+               default_max_tokens: int = 256,
+               api_keys: Optional[Mapping[str, str]] = None) -> fastapi.FastAPI:
     """A FastAPI app serving ``decoder`` (a SpecDecoder) under the name ``model_name``.
 
     ``tokenizer`` encodes prompts, renders chat templates, decodes text, and gives the
@@ -56,6 +59,22 @@ def create_app(decoder: Any, tokenizer: Any, model_name: str, *,
     app.state.engine = engine
     app.exception_handler(APIError)(_api_error)
     app.exception_handler(StarletteHTTPException)(_http_error)
+    keys = ApiKeys(api_keys)
+    app.state.api_keys = keys
+
+    @app.middleware("http")
+    async def authenticate(request: fastapi.Request, call_next):
+        tenant = keys.tenant(request.headers.get("authorization"))
+        if tenant is None and request.url.path.startswith(PROTECTED_PREFIX):
+            given = request.headers.get("authorization")
+            what = "no Authorization header" if not given else "an unknown key"
+            return JSONResponse(status_code=401, headers={"WWW-Authenticate": "Bearer"},
+                                content=_error_body(
+                                    f"invalid API key: expected 'Authorization: Bearer KEY' "
+                                    f"with a key this server accepts, got {what}",
+                                    "invalid_request_error", None, "invalid_api_key"))
+        request.state.tenant = tenant
+        return await call_next(request)
 
     @app.post("/v1/completions")
     async def completions(request: fastapi.Request) -> Any:
@@ -93,9 +112,11 @@ async def _http_error(request: fastapi.Request, exc: StarletteHTTPException) -> 
 
 
 def serve(decoder: Any, tokenizer: Any, model_name: str, *, host: str = "127.0.0.1",
-          port: int = 8000, log_level: str = "info", default_max_tokens: int = 256) -> None:
+          port: int = 8000, log_level: str = "info", default_max_tokens: int = 256,
+          api_keys: Optional[Mapping[str, str]] = None) -> None:
     """Serves ``create_app(decoder, tokenizer, model_name)`` with uvicorn until interrupted."""
-    app = create_app(decoder, tokenizer, model_name, default_max_tokens=default_max_tokens)
+    app = create_app(decoder, tokenizer, model_name, default_max_tokens=default_max_tokens,
+                     api_keys=api_keys)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
