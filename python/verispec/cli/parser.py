@@ -144,8 +144,8 @@ def _model_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", metavar="{ngram,eagle3,early-exit,none,MODEL}",
                    help="n-gram prompt lookup, an EAGLE-3 head (--draft-head), the target's "
                         "first layers, none (plain decoding), or a draft model, as "
-                        "--draft-model (default: the model's shipped EAGLE-3 head where it "
-                        "has one, else ngram)")
+                        "--draft-model (default: ngram; --draft eagle3 without --draft-head "
+                        "uses the head shipped for the bundled model)")
     g.add_argument("--draft-head", metavar="DIR",
                    help="--draft eagle3: the head's folder, in the EAGLE/SpecForge or the "
                         "speculators layout (default: the head shipped for the bundled model)")
