@@ -44,6 +44,14 @@ imported by path), written again by ``Eagle3Head.save`` (speculators layout; EAG
 layout for the eagle_* cases, read through ``Eagle3Converter``), loaded by speculators
 and run by the reference forward: its logits against the stored reference and against
 verispec's forward. Prints a table; exits 1 on a mismatch.
+
+``--head DIR``: a head verispec wrote (``verispec train-head``, or the shipped one in
+python/verispec/drafters/heads/) loaded by speculators' own ``from_pretrained`` with a
+verifier of the head's target shape (random weights, a 1-wide MLP: only its config and
+embedding are read) and run by the reference forward for 3 TTT steps on random taps
+and tokens; the same inputs through verispec's ``Eagle3Head.unroll``. Prints the largest
+difference of the draft logits; exits 1 above 1e-4 (the head's own dtype on disk,
+bfloat16, is read into float32 by both).
 """
 
 from __future__ import annotations
@@ -415,6 +423,46 @@ def check(out: Path) -> int:
     return 1 if failures else 0
 
 
+def check_head(folder: Path) -> int:
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    eh = verispec_head_module()
+    head = eh.Eagle3Head.load(folder)
+    cfg = head.config
+    layers = max(cfg.tap_layers) + 3 if cfg.tap_layers else 8
+    path = tempfile.mkdtemp(prefix="eagle3_verifier_")
+    try:
+        gen = torch.Generator().manual_seed(11)
+        verifier = LlamaForCausalLM(LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.target_hidden_size or cfg.hidden_size,
+            intermediate_size=1, num_hidden_layers=layers, num_attention_heads=1,
+            num_key_value_heads=1, head_dim=8, tie_word_embeddings=False))
+        with torch.no_grad():
+            for _, p in sorted(verifier.named_parameters()):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        verifier.save_pretrained(path)
+        embedding = load_file(os.path.join(path, "model.safetensors"))["model.embed_tokens.weight"]
+        if not cfg.own_embedding:
+            head.bind_target_embedding(embedding)
+        width = cfg.num_taps * (cfg.target_hidden_size or cfg.hidden_size)
+        n = T  # reference_logits' document ids are T long
+        x = {"taps": torch.randn(n, width, generator=gen),
+             "token_ids": torch.randint(0, cfg.vocab_size, (n,), generator=gen),
+             "positions": torch.arange(n)}
+        mine = head.unroll(x["taps"], x["token_ids"], x["positions"], STEPS)
+        ref = load_reference(folder, path, None if cfg.own_embedding else embedding)
+        theirs = reference_logits(ref, {k: v for k, v in x.items()})
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    err = (mine - theirs).abs().max().item()
+    scale = theirs.abs().max().item()
+    print(f"{folder}: loaded by speculators' Eagle3DraftModel.from_pretrained; draft logits "
+          f"[{STEPS}, {n}, {cfg.draft_vocab_size}] max |verispec - reference| = {err:.2e} "
+          f"(logits up to {scale:.1f})")
+    return 0 if err <= 1e-4 else 1
+
+
 def quiet_logs() -> None:
     from loguru import logger
     logger.remove()
@@ -427,9 +475,13 @@ def main() -> int:
     parser.add_argument("--check", action="store_true",
                         help="also write each head with verispec and load it in speculators")
     parser.add_argument("--check-only", action="store_true", help="only the check")
+    parser.add_argument("--head", type=Path, help="only: load this head in speculators and "
+                        "compare its draft logits with verispec's")
     args = parser.parse_args()
     torch.manual_seed(0)
     quiet_logs()
+    if args.head is not None:
+        return check_head(args.head)
     if not args.check_only:
         generate(args.out)
     if args.check or args.check_only:
