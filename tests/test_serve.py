@@ -692,3 +692,26 @@ def test_serve_command_line_keys(tmp_path):
     f.write_text("")
     with pytest.raises(UsageError, match="--api-keys-file: .*expected at least one key"):
         _api_keys(argparse.Namespace(api_key=None, api_keys_file=str(f)))
+
+
+def test_the_ngram_memory_is_kept_per_api_key_tenant(smollm2):
+    """With keys and NGram(memory=...), a request's text joins its key's tenant's memory
+    alone: another tenant's requests read nothing of it."""
+    from verispec.drafters import NGramMemory
+
+    model, tok = smollm2
+    memory = NGramMemory(4096)
+    dec = SpecDecoder(model, NGram(1, 3, memory=memory), k="auto", num_blocks=64)
+    spy = _SeedSpy(dec)
+    with running_server(create_app(spy, tok, MODEL, api_keys={"ka": "alice", "kb": "bob"})) as url:
+        with openai.OpenAI(base_url=url + "/v1", api_key="ka", max_retries=0) as c:
+            c.completions.create(model=MODEL, prompt=COPY, max_tokens=8, temperature=0)
+        assert spy.calls[-1]["tenant"] == "alice"
+        assert memory.tokens("alice") > len(tok.encode(COPY)) and memory.context("bob") == []
+        with openai.OpenAI(base_url=url + "/v1", api_key="kb", max_retries=0) as c:
+            c.completions.create(model=MODEL, prompt="Hello there", max_tokens=4, temperature=0)
+        assert spy.calls[-1]["tenant"] == "bob"
+        alice = memory.context("alice")
+        bob = memory.context("bob")
+        assert -1 not in bob and bob[: len(tok.encode("Hello there"))] == tok.encode("Hello there")
+        assert -1 not in alice and len(alice) == memory.tokens("alice")

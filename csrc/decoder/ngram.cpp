@@ -84,7 +84,11 @@ std::vector<int32_t> NGramIndex::propose(int64_t k, int64_t* matched_n) const {
     for (auto e = ends.rbegin(); e != ends.rend(); ++e) {
       if (*e >= len - 1 || !same(*e, len - 1, n)) continue;
       const int64_t from = *e + 1;
-      const int64_t to = from + std::min(k, len - from);  // from + k may overflow
+      int64_t to = from + std::min(k, len - from);  // from + k may overflow
+      for (int64_t i = from; i < to; ++i) {  // a continuation stops at a separator
+        if (tokens_[static_cast<size_t>(i)] < 0) to = i;
+      }
+      if (to == from) continue;  // the occurrence ends its text: an earlier one may not
       if (matched_n != nullptr) *matched_n = n;
       return std::vector<int32_t>(tokens_.begin() + from, tokens_.begin() + to);
     }
@@ -116,6 +120,7 @@ std::vector<int32_t> NGramIndex::propose_tree(int64_t k, int64_t branches,
     const auto& ends = it->second;
     for (auto e = ends.rbegin(); e != ends.rend(); ++e) {
       if (*e >= len - 1 || !same(*e, len - 1, n)) continue;
+      if (tokens_[static_cast<size_t>(*e + 1)] < 0) continue;  // ends its text
       froms.push_back(*e + 1);
       if (static_cast<int64_t>(froms.size()) == kMaxTreeMatches) break;
     }
@@ -137,6 +142,7 @@ std::vector<int32_t> NGramIndex::propose_tree(int64_t k, int64_t branches,
     int64_t at = 0;
     for (int64_t d = 0; d < k && froms[m] + d < len; ++d) {
       const int32_t token = tokens_[static_cast<size_t>(froms[m] + d)];
+      if (token < 0) break;  // a separator: the continuation ends
       int64_t next = -1;
       for (int64_t c : trie[static_cast<size_t>(at)].children) {
         if (trie[static_cast<size_t>(c)].token == token) next = c;
@@ -166,6 +172,7 @@ std::vector<int32_t> NGramIndex::propose_tree(int64_t k, int64_t branches,
     int64_t at = 0;
     for (int64_t d = 0; d < k && froms[0] + d < len; ++d) {
       const int32_t token = tokens_[static_cast<size_t>(froms[0] + d)];
+      if (token < 0) break;
       for (int64_t c : trie[static_cast<size_t>(at)].children) {
         if (trie[static_cast<size_t>(c)].token == token) at = c;
       }

@@ -193,9 +193,21 @@ const SpecDecoder::Sequence& SpecDecoder::get(int64_t seq) const {
 }
 
 int64_t SpecDecoder::add(const std::vector<int32_t>& prompt, const SamplingParams& sampling,
-                         const StopParams& stop, int64_t priority) {
+                         const StopParams& stop, int64_t priority,
+                         const std::vector<int32_t>& ngram_context) {
   std::lock_guard<std::mutex> lock(mu_);
   if (prompt.empty()) throw InvalidArgumentError("add: prompt must hold at least 1 token, got 0");
+  if (!ngram_context.empty() && config_.ngram_min_n <= 0) {
+    throw InvalidArgumentError("add: ngram_context needs n-gram drafting, got " +
+                               std::to_string(ngram_context.size()) + " tokens without it");
+  }
+  for (size_t i = 0; i < ngram_context.size(); ++i) {
+    if (ngram_context[i] < NGramIndex::kSeparator || ngram_context[i] >= config_.vocab_size) {
+      throw InvalidArgumentError("add: ngram_context[" + std::to_string(i) + "] must be in [-1, " +
+                                 std::to_string(config_.vocab_size) + ") (-1: a separator), got " +
+                                 std::to_string(ngram_context[i]));
+    }
+  }
   for (size_t i = 0; i < prompt.size(); ++i) {
     if (prompt[i] < 0 || prompt[i] >= config_.vocab_size) {
       throw InvalidArgumentError("add: prompt[" + std::to_string(i) + "] must be in [0, " +
@@ -231,6 +243,10 @@ int64_t SpecDecoder::add(const std::vector<int32_t>& prompt, const SamplingParam
   s->stop = stop;
   if (config_.ngram_min_n > 0) {
     s->ngram = std::make_unique<NGramIndex>(config_.ngram_min_n, config_.ngram_max_n);
+    if (!ngram_context.empty()) {
+      s->ngram->extend(ngram_context.data(), static_cast<int64_t>(ngram_context.size()));
+      s->ngram->append(NGramIndex::kSeparator);
+    }
     s->ngram->extend(prompt.data(), static_cast<int64_t>(prompt.size()));
   }
   for (const AcceptanceTracker& pop : population_) s->trackers.push_back(AcceptanceTracker::seeded_by(pop));

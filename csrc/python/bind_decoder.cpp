@@ -201,15 +201,17 @@ void register_decoder(py::module_& m) {
           [](SpecDecoder& d, const std::vector<int32_t>& prompt, int64_t max_new_tokens,
              float temperature, int32_t top_k, float top_p, float min_p,
              std::vector<int32_t> eos_ids, std::vector<std::vector<int32_t>> stop_sequences,
-             const std::optional<uint64_t>& seed, int64_t priority) {
+             const std::optional<uint64_t>& seed, int64_t priority,
+             const std::vector<int32_t>& ngram_context) {
             SamplingParams sp{temperature, top_k, top_p, min_p, seed.has_value(),
                               seed.value_or(0)};
             StopParams st{max_new_tokens, std::move(eos_ids), std::move(stop_sequences)};
-            return d.add(prompt, sp, st, priority);
+            return d.add(prompt, sp, st, priority, ngram_context);
           },
           py::arg("prompt"), py::arg("max_new_tokens"), py::arg("temperature"), py::arg("top_k"),
           py::arg("top_p"), py::arg("min_p"), py::arg("eos_ids"), py::arg("stop_sequences"),
-          py::arg("seed") = py::none(), py::arg("priority") = 0)
+          py::arg("seed") = py::none(), py::arg("priority") = 0,
+          py::arg("ngram_context") = std::vector<int32_t>{})
       .def("abort", &SpecDecoder::abort, py::arg("seq"))
       .def("release", &SpecDecoder::release, py::arg("seq"))
       .def("begin_step", [](SpecDecoder& d) { return plan_dict(d.begin_step()); },

@@ -459,6 +459,10 @@ class SpecDecoder:
                                                draft_num_blocks, block_size, spec.own_features)
         self._nvtx = _nvtx_range(self.device)
         self._q: torch.Tensor | None = None        # draft probabilities, reused across steps
+        # n-gram memory across requests (NGram(memory=...)): each sequence's tenant and
+        # prompt, remembered with its output when it finishes
+        self.ngram_memory = spec.memory if spec is not None and spec.kind == "lookup" else None
+        self._tenant: dict[int, tuple[str, list[int]]] = {}
         # Compact q: a draft over a subset of the vocabulary (DraftSpec.draft_vocab) keeps
         # its probabilities over that subset only; verify reads them through draft_index
         self._q_cols = self._draft_index = None
@@ -488,7 +492,7 @@ class SpecDecoder:
             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
             eos_token_id: int | Sequence[int] | None = None,
             stop: Sequence[Sequence[int]] | None = None, logprobs: int | None = None,
-            seed: int | None = None, priority: int = 0) -> int:
+            seed: int | None = None, priority: int = 0, tenant: str = "default") -> int:
         """Adds a sequence (any time, from any thread); returns its id. ``greedy=True``
         is temperature 0. Ids of released sequences are reused. ``logprobs=n`` (an int
         in [0, MAX_TOP_LOGPROBS]) reports each emitted token's TokenLogprob with the n
@@ -505,7 +509,13 @@ class SpecDecoder:
         higher priority first, then in arrival order; when blocks or ``max_num_seqs``
         run out, the running sequence of the lowest priority (then the newest) is
         preempted, also to make room for a waiting one of higher priority. A preempted
-        sequence keeps its tokens and recomputes its cache when it runs again."""
+        sequence keeps its tokens and recomputes its cache when it runs again.
+
+        ``tenant`` (a non-empty str, default "default"): whose earlier requests an n-gram
+        drafter with a memory (``NGram(memory=NGramMemory())``) copies from, and whose
+        memory this one joins when it finishes; without a memory it changes nothing."""
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"add: tenant must be a non-empty str, got {tenant!r}")
         if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise TypeError(f"add: priority must be an int, got {priority!r}")
         if not -(1 << 63) <= priority < 1 << 63:
@@ -541,14 +551,21 @@ class SpecDecoder:
             k = _INT32_MAX
         elif k < -_INT32_MAX - 1:
             raise ValueError(f"add: {policy_error(top_k=k)}")
+        memory = self.ngram_memory
+        context = memory.context(tenant) if memory is not None else []
         with self._lp_lock:
             seq = self._core.add(list(prompt), int(max_new_tokens),
                                  fold_greedy("add", greedy, float(temperature)), k,
                                  float(top_p), float(min_p), eos, [list(s) for s in (stop or [])],
-                                 None if seed is None else int(seed), int(priority))
+                                 None if seed is None else int(seed), int(priority),
+                                 ngram_context=context)
             self._lp.pop(seq, None)
             if logprobs is not None:
                 self._lp[seq] = (int(logprobs), [])
+            if memory is not None:
+                self._tenant[seq] = (tenant, [int(t) for t in prompt])
+            else:
+                self._tenant.pop(seq, None)
         return seq
 
     def step(self) -> list[StepOutput]:
@@ -571,9 +588,23 @@ class SpecDecoder:
         committed, logprobs = committed
         if self._agreement is not None:  # the ranks' committed tokens, compared every N steps
             self._agreement.after_step(committed, last=not self._core.has_running())
+        if self.ngram_memory is not None:
+            self._remember(committed)
         return [StepOutput(seq, tokens, None if reason == "running" else reason,
                            logprobs.get(seq))
                 for seq, tokens, reason in committed]
+
+    def _remember(self, committed) -> None:
+        """Finished sequences (not aborted) join their tenant's n-gram memory: prompt and
+        output."""
+        for seq, _, reason in committed:
+            if reason in ("running", None, "aborted"):
+                continue
+            with self._lp_lock:
+                entry = self._tenant.pop(seq, None)
+            if entry is not None:
+                tenant, prompt = entry
+                self.ngram_memory.remember(tenant, prompt + list(self._core.generated(seq)))
 
     # -- the step's phases ---------------------------------------------------------
     def _run(self, plan: dict, start: float) -> list:
@@ -1132,6 +1163,7 @@ class SpecDecoder:
         with self._lp_lock:
             self._core.release(seq)
             self._lp.pop(seq, None)
+            self._tenant.pop(seq, None)
 
     def result(self, seq: int) -> GenerateResult:
         """The sequence's tokens so far (new tokens only), finish reason, statistics and,
@@ -1190,10 +1222,11 @@ class SpecDecoder:
                  seed: int | Sequence[int] | None = None,
                  eos_token_id: int | Sequence[int] | None = None,
                  stop: Sequence[Sequence[int]] | None = None,
-                 logprobs: int | None = None) -> list[GenerateResult]:
+                 logprobs: int | None = None, tenant: str = "default") -> list[GenerateResult]:
         """Decodes every prompt to completion; one result per prompt, in order, whatever
         the number of prompts and the pool size (they wait in the queue).
-        ``logprobs=n``: each result carries its tokens' TokenLogprobs (see ``add``).
+        ``logprobs=n``: each result carries its tokens' TokenLogprobs (see ``add``);
+        ``tenant``: every prompt's (see ``add``).
 
         ``seed``: a list of ints gives prompt i the request seed ``seed[i]`` (see
         ``add``); an int s gives prompt i the seed ``request_seed(s, i)``; each request
@@ -1216,7 +1249,7 @@ class SpecDecoder:
                 ids.append(self.add(p, max_new_tokens=max_new_tokens, greedy=greedy,
                                     temperature=temperature, top_k=top_k, top_p=top_p,
                                     min_p=min_p, eos_token_id=eos_token_id, stop=stop,
-                                    logprobs=logprobs, seed=request))
+                                    logprobs=logprobs, seed=request, tenant=tenant))
             before = self._core.times()
             while self._core.has_running():
                 self.step()
@@ -1229,3 +1262,4 @@ class SpecDecoder:
         finally:
             for i in ids:
                 self._core.release(i)
+                self._tenant.pop(i, None)

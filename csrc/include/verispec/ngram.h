@@ -6,6 +6,11 @@
 // tokens[e + 1 : e + 1 + k] (at most up to the end). The first n with a match wins;
 // no match proposes nothing.
 //
+// Separators: a negative token (kSeparator) in the index marks the boundary between
+// texts (SpecDecoder's n-gram memory puts earlier requests before the prompt, each
+// followed by one). A continuation stops before a separator, and no key holding one
+// equals a sequence's own suffix, so nothing is proposed across a boundary.
+//
 // The index is incremental: appending a token inserts the (max_n - min_n + 1) n-grams
 // that end at it; rollback(new_len) removes exactly those of the dropped positions.
 // Neither rescans the history. Keys are 64-bit hashes; every candidate is compared
@@ -55,6 +60,8 @@ class NGramIndex {
                                     std::vector<double>* freqs = nullptr,
                                     std::vector<double>* chain_freqs = nullptr) const;
 
+  // The boundary between texts (above).
+  static constexpr int32_t kSeparator = -1;
   // The most occurrences a tree is built from.
   static constexpr int64_t kMaxTreeMatches = 32;
 

@@ -360,8 +360,12 @@ class SpecDecoder {
   // Validates the prompt against the vocabulary and the context length, and the policy.
   // `priority`: higher runs first (see "Scheduling" above). Returns its id; ids of
   // released sequences are reused.
+  // ngram_context (n-gram drafting only): earlier text the sequence's n-gram index reads
+  // before its prompt (token ids, NGramIndex::kSeparator between texts; one more
+  // separator is put after it): proposals may come from it, never across a separator.
   int64_t add(const std::vector<int32_t>& prompt, const SamplingParams& sampling,
-              const StopParams& stop, int64_t priority = 0);
+              const StopParams& stop, int64_t priority = 0,
+              const std::vector<int32_t>& ngram_context = {});
   // Ends a sequence (finish reason kAborted if it was running) and frees its cache
   // blocks; its record stays until release(). Queued while it takes part in an open step.
   void abort(int64_t seq);

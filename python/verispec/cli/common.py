@@ -149,6 +149,11 @@ def _check_draft_options(args: argparse.Namespace) -> None:
             refuse(option, getattr(args, name), "--draft ngram")
     if args.early_exit_layers is not None and keyword != "early-exit":
         refuse("--early-exit-layers", args.early_exit_layers, "--draft early-exit")
+    if getattr(args, "ngram_memory", None) and keyword != "ngram":
+        refuse("--ngram-memory", args.ngram_memory, "--draft ngram")
+    if getattr(args, "ngram_memory_shared", False) and not getattr(args, "ngram_memory", None):
+        raise UsageError("argument --ngram-memory-shared: applies to --ngram-memory TOKENS, "
+                         "got it without")
     if getattr(args, "draft_head", None) is not None and keyword != "eagle3":
         refuse("--draft-head", args.draft_head, "--draft eagle3")
     if keyword == "none" and args.k not in (None, 0):
@@ -222,7 +227,7 @@ def _make_draft(args: argparse.Namespace, model, tok, device: str, dtype,
     """(draft for SpecDecoder, description, the argument naming a draft model or None).
     Early exit without --early-exit-layers gets its depth from acceptance measured on
     ``prompt`` (verispec.cli.calibrate), with a warning when no depth pays."""
-    from verispec.drafters import EarlyExit, NGram
+    from verispec.drafters import EarlyExit, NGram, NGramMemory
 
     _check_draft_options(args)
     choice, arg = _draft_choice(args)
@@ -231,9 +236,15 @@ def _make_draft(args: argparse.Namespace, model, tok, device: str, dtype,
         return None, "none (plain decoding)", None
     if keyword == "ngram":
         branches = getattr(args, "branches", 1)
-        return (NGram(args.ngram_min, args.ngram_max, branches=branches),
+        tokens = getattr(args, "ngram_memory", None)
+        shared = getattr(args, "ngram_memory_shared", False)
+        memory = NGramMemory(tokens, shared=shared) if tokens else None
+        return (NGram(args.ngram_min, args.ngram_max, branches=branches, memory=memory),
                 f"n-gram lookup {args.ngram_min}..{args.ngram_max}"
-                + (f", tries of {branches} branches" if branches > 1 else ""), None)
+                + (f", tries of {branches} branches" if branches > 1 else "")
+                + (f", memory of {tokens} tokens per tenant" if memory and not shared else "")
+                + (f", memory of {tokens} tokens shared by all tenants" if shared else ""),
+                None)
     if keyword == "eagle3":
         from verispec.drafters import Eagle3
 

@@ -282,6 +282,13 @@ def _add_serve(commands) -> None:
     _device_arguments(sv)
     sv.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     sv.add_argument("--port", type=_port_value, default=8000, help="(default: %(default)s)")
+    sv.add_argument("--ngram-memory", type=_int_at_least(1), metavar="TOKENS",
+                    help="--draft ngram: also copy from earlier requests and answers, up to "
+                         "TOKENS per tenant (the API key's; oldest evicted first); one "
+                         "tenant's text never drafts for another")
+    sv.add_argument("--ngram-memory-shared", action="store_true",
+                    help="--ngram-memory: one memory for all tenants (one client's text may "
+                         "draft for another)")
     sv.add_argument("--api-key", metavar="KEY",
                     help="accept only requests under /v1/ with 'Authorization: Bearer KEY' "
                          "(others: 401); the tenant 'default'")

@@ -2,7 +2,8 @@
 
 - ``NGram(min_n, max_n)``: prompt lookup in the sequence's own tokens (native,
   incremental index). Proposals are deterministic, so verification uses the one-hot
-  rule and the output stays exact.
+  rule and the output stays exact. ``NGram(memory=NGramMemory())`` also copies from a
+  tenant's earlier requests and answers.
 - ``EarlyExit(target, num_layers=N)``: self-speculation, the target's first N layers
   plus its final norm and head, sharing the target's weights (no copy).
 - ``Eagle3(target, path)``: an EAGLE-3 head drafting from the target's hidden states
@@ -18,7 +19,7 @@ from verispec.drafters.base import (DraftModel, Drafter, DraftSpec, Feature, Fea
                                     as_drafter)
 from verispec.drafters.eagle3 import Eagle3
 from verispec.drafters.early_exit import EarlyExit
-from verispec.drafters.ngram import NGram
+from verispec.drafters.ngram import NGram, NGramMemory
 
 __all__ = ["DraftModel", "DraftSpec", "Drafter", "Eagle3", "EarlyExit", "Feature", "FeatureView",
-           "NGram", "as_drafter"]
+           "NGram", "NGramMemory", "as_drafter"]

@@ -151,6 +151,8 @@ class DraftSpec:
                  allocated [num_blocks, block_size, model.geometry.hidden_size] in
                  KVPools.features of its pools): states it writes at a pass and reads at
                  the next, rolled back with its cache
+    memory       a lookup's NGramMemory: earlier requests of a tenant its index reads
+                 before the prompt (SpecDecoder.add's tenant); None: none
     draft_vocab  the target ids a model draft can propose (its logits are -inf elsewhere),
                  ascending, or None (any). SpecDecoder keeps q over them only (compact q:
                  verify reads it through ops.verify's draft_index)
@@ -165,6 +167,7 @@ class DraftSpec:
     ngram: Optional[tuple[int, int, int]] = None
     own_features: tuple[int, ...] = ()
     draft_vocab: Any = None
+    memory: Any = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("lookup", "model"):

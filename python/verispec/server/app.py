@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from verispec.cache import blocks_for
-from verispec.server.auth import PROTECTED_PREFIX, ApiKeys
+from verispec.server.auth import DEFAULT_TENANT, PROTECTED_PREFIX, ApiKeys
 from verispec.server.engine import Engine, EngineStopped, _Request
 from verispec.server.generation import _Generation
 from verispec.server.params import APIError, _bad, _error_body, _is_int, _parse_params, _Params
@@ -145,7 +145,8 @@ class _Service:
         params = _parse_params(body, chat=chat)
         prompt = self.chat_prompt(body) if chat else self.completion_prompt(body)
         max_new = self.budget(prompt, params, "messages" if chat else "prompt")
-        req = self.submit(prompt, params, max_new)
+        req = self.submit(prompt, params, max_new,
+                          getattr(request.state, "tenant", None) or DEFAULT_TENANT)
         return await _Generation(self, request, req, prompt, params, chat).respond()
 
     def models(self) -> dict:
@@ -235,9 +236,12 @@ class _Service:
                                param="max_tokens", code="context_length_exceeded")
         return max_new
 
-    def submit(self, prompt: list[int], params: _Params, max_new: int) -> _Request:
+    def submit(self, prompt: list[int], params: _Params, max_new: int,
+               tenant: str = DEFAULT_TENANT) -> _Request:
         kwargs: dict = dict(max_new_tokens=max_new, eos_token_id=self.eos,
                             logprobs=params.logprobs, **params.policy)
+        if getattr(self.decoder, "ngram_memory", None) is not None:
+            kwargs["tenant"] = tenant   # the n-gram memory is kept per tenant
         if params.seed is not None:  # the request's own stream: the same text in any batch
             kwargs["seed"] = params.seed
         if params.priority:
