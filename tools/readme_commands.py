@@ -7,7 +7,7 @@ Every line of the README's ``bash`` blocks and every ``python`` block is one of:
   writes lab.png there); a command fails on a non-zero exit status or a traceback;
 - skipped, with the reason: what installs or builds (``pip``, ``make``: CI runs ``make
   test`` on a fresh clone), the server (it runs until stopped), the
-  side-by-side benchmark (minutes), and Python examples that need a model this machine
+  side-by-side benchmark (minutes), training a head (an hour), and Python examples that need a model this machine
   may not have (a path or a Hugging Face id).
 
     .venv/bin/python tools/readme_commands.py            # everything runnable, as written
@@ -83,6 +83,9 @@ def _why_skipped(words: list[str]) -> str:
         return "a server: runs until stopped (tests/test_serve.py drives it)"
     if words[0] == "verispec" and words[1:2] == ["bench"]:
         return "the side-by-side benchmark: minutes (tests/test_cli.py checks its command line)"
+    if words[0] == "verispec" and words[1:2] == ["train-head"]:
+        return ("trains a head: about an hour on a 2-core CPU (tests/test_train_head.py trains "
+                "a tiny one through the same command)")
     if words[0] in ("verispec", "python"):
         return ""
     return f"not a verispec or python command ({words[0]})"
